@@ -1,0 +1,62 @@
+"""Engine configuration: one dataclass, set from YAML and/or keyword overrides."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None            # None: the embedded SmolLM2-135M-Instruct GGUF
+    tokenizer: str | None = None        # defaults to the model's own
+    dtype: str = "auto"                 # auto | float32 | bfloat16 (auto: bf16 on GPU, fp32 on CPU)
+    max_model_len: int | None = None    # None: min(model's max positions, 8192)
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    num_kv_blocks: int | None = None    # explicit pool size; else from the memory budget
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory_bytes: int | None = None  # byte budget for the KV pool (CPU default: 1 GiB)
+    enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"        # auto (= model dtype) | float32 | bfloat16 | fp8
+    quantization: str | None = None     # None | fp8
+    attention_backend: str = "auto"     # auto | reference | pallas
+    seed: int = 0
+    served_model_name: str | None = None
+    compilation_cache_dir: str | None = None  # default ~/.cache/paxengine/jax
+    weights_cache_dir: str | None = None      # default ~/.cache/paxengine/weights
+    token_buckets: list[int] | None = None    # derived from max_num_batched_tokens when None
+    seq_buckets: list[int] | None = None      # derived from max_num_seqs when None
+    max_waiting_requests: int = 1024    # admission bound: beyond it new requests are refused
+    show_progress: bool = True
+
+    @classmethod
+    def fields(cls) -> set[str]:
+        return {f.name for f in dataclasses.fields(cls)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "EngineConfig":
+        unknown = set(d) - cls.fields()
+        if unknown:
+            raise ValueError(f"unknown engine config keys: {sorted(unknown)}")
+        return cls(**d)
+
+    def replace(self, **overrides) -> "EngineConfig":
+        unknown = set(overrides) - self.fields()
+        if unknown:
+            raise ValueError(f"unknown engine config keys: {sorted(unknown)}")
+        return dataclasses.replace(self, **overrides)
+
+
+def load_yaml(path: str | Path) -> dict:
+    """Read a config YAML as a flat dict (engine keys and server keys together)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"config file not found: {path}")
+    data = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a mapping of config keys, got {type(data).__name__}")
+    return {k.replace("-", "_"): v for k, v in data.items()}

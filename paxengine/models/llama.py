@@ -1,0 +1,112 @@
+"""Functional Llama-family forward (Llama 2/3/3.1, Qwen2, Qwen3, Mistral).
+
+Layer weights are stacked on a leading axis and run with `lax.scan`, so compile time does not grow
+with depth. Attention goes through one callable, `attend(q, k, v, kv_cache, layer)`, so the dense
+oracle, the jnp paged reference and the Pallas kernel all drop in without touching the model.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from paxengine.models.config import ModelConfig
+
+Attend = Callable[[jax.Array, jax.Array, jax.Array, Any, jax.Array], tuple[jax.Array, Any]]
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    # As transformers does it: normalise in float32, cast back, then scale.
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return weight * xf.astype(x.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> jax.Array:
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+    sc = cfg.rope_scaling_dict
+    if sc and sc.get("rope_type", sc.get("type")) == "llama3":
+        factor, lo, hi = sc["factor"], sc["low_freq_factor"], sc["high_freq_factor"]
+        old = sc["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv
+        scaled = jnp.where(wavelen > old / lo, inv / factor, inv)
+        smooth = (old / wavelen - lo) / (hi - lo)
+        mid = (1 - smooth) * scaled / factor + smooth * scaled
+        is_mid = (wavelen >= old / hi) & (wavelen <= old / lo)
+        inv = jnp.where(is_mid, mid, scaled)
+    return inv
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """x: [T, heads, D]; the rotate-half convention of HF checkpoints."""
+    freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]   # [T, D/2]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)[:, None, :]
+    cos, sin = jnp.cos(emb), jnp.sin(emb)
+    xf = x.astype(jnp.float32)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
+    return (xf * cos + rotated * sin).astype(x.dtype)
+
+
+def _layer(cfg: ModelConfig, attend: Attend, inv_freq, positions, carry, xs):
+    h, kv_cache = carry
+    w, layer = xs
+    t = h.shape[0]
+    x = rms_norm(h, w["attn_norm"], cfg.rms_norm_eps)
+    q, k, v = x @ w["wq"], x @ w["wk"], x @ w["wv"]
+    if cfg.attention_bias:
+        q, k, v = q + w["bq"], k + w["bk"], v + w["bv"]
+    q = q.reshape(t, cfg.num_heads, cfg.head_dim)
+    k = k.reshape(t, cfg.num_kv_heads, cfg.head_dim)
+    v = v.reshape(t, cfg.num_kv_heads, cfg.head_dim)
+    if cfg.qk_norm:
+        q = rms_norm(q, w["q_norm"], cfg.rms_norm_eps)
+        k = rms_norm(k, w["k_norm"], cfg.rms_norm_eps)
+    q = apply_rope(q, positions, inv_freq)
+    k = apply_rope(k, positions, inv_freq)
+    o, kv_cache = attend(q, k, v, kv_cache, layer)
+    h = h + o.reshape(t, cfg.num_heads * cfg.head_dim).astype(h.dtype) @ w["wo"]
+    x = rms_norm(h, w["mlp_norm"], cfg.rms_norm_eps)
+    h = h + (jax.nn.silu(x @ w["w_gate"]) * (x @ w["w_up"])) @ w["w_down"]
+    return (h, kv_cache), None
+
+
+def forward_hidden(params: dict, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,
+                   kv_cache: Any, attend: Attend) -> tuple[jax.Array, Any]:
+    """tokens, positions: [T] int32 -> final hidden states [T, H] (normed) and the updated cache."""
+    h = params["embed"][tokens]
+    inv_freq = rope_inv_freq(cfg)
+    layers = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+
+    def body(carry, xs):
+        return _layer(cfg, attend, inv_freq, positions, carry, xs)
+
+    (h, kv_cache), _ = jax.lax.scan(body, (h, kv_cache), (params["layers"], layers))
+    return rms_norm(h, params["final_norm"], cfg.rms_norm_eps), kv_cache
+
+
+def compute_logits(params: dict, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
+    head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
+    return jnp.dot(hidden, head, preferred_element_type=jnp.float32)
+
+
+def dense_causal_attend(sliding_window: int | None = None) -> Attend:
+    """Plain causal self-attention over the tokens of one sequence (the oracle's path: no cache)."""
+    def attend(q, k, v, kv_cache, layer):
+        t, hq, d = q.shape
+        group = hq // k.shape[1]
+        k = jnp.repeat(k, group, axis=1)
+        v = jnp.repeat(v, group, axis=1)
+        s = jnp.einsum("qhd,khd->hqk", q.astype(jnp.float32), k.astype(jnp.float32)) / math.sqrt(d)
+        qi, ki = jnp.arange(t)[:, None], jnp.arange(t)[None, :]
+        mask = ki <= qi
+        if sliding_window:
+            mask &= qi - ki < sliding_window
+        s = jnp.where(mask[None], s, -jnp.inf)
+        p = jax.nn.softmax(s, axis=-1)
+        o = jnp.einsum("hqk,khd->qhd", p, v.astype(jnp.float32))
+        return o.astype(q.dtype), kv_cache
+    return attend

@@ -1,0 +1,84 @@
+"""Weight layout helpers: checkpoint tensors -> the stacked parameter pytree the model scans over."""
+from __future__ import annotations
+
+import numpy as np
+
+from paxengine.models.config import ModelConfig
+
+# Per-layer parameter name -> whether it is a Linear weight stored [out, in] (transposed on load).
+LAYER_LINEAR = {"wq": True, "wk": True, "wv": True, "wo": True, "w_gate": True, "w_up": True,
+                "w_down": True, "bq": False, "bk": False, "bv": False, "attn_norm": False,
+                "mlp_norm": False, "q_norm": False, "k_norm": False}
+
+
+def layer_param_names(cfg: ModelConfig) -> list[str]:
+    names = ["attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down"]
+    if cfg.attention_bias:
+        names += ["bq", "bk", "bv"]
+    if cfg.qk_norm:
+        names += ["q_norm", "k_norm"]
+    return names
+
+
+def param_shapes(cfg: ModelConfig) -> dict:
+    h, i, d, L = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim, cfg.num_layers
+    qd, kd = cfg.num_heads * d, cfg.num_kv_heads * d
+    layer = {"attn_norm": (L, h), "wq": (L, h, qd), "wk": (L, h, kd), "wv": (L, h, kd),
+             "wo": (L, qd, h), "mlp_norm": (L, h), "w_gate": (L, h, i), "w_up": (L, h, i),
+             "w_down": (L, i, h), "bq": (L, qd), "bk": (L, kd), "bv": (L, kd),
+             "q_norm": (L, d), "k_norm": (L, d)}
+    shapes = {"embed": (cfg.vocab_size, h), "final_norm": (h,),
+              "layers": {n: layer[n] for n in layer_param_names(cfg)}}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head"] = (h, cfg.vocab_size)
+    return shapes
+
+
+def check_shapes(params: dict, cfg: ModelConfig) -> None:
+    want = param_shapes(cfg)
+    for k, shape in want.items():
+        if k == "layers":
+            for n, s in shape.items():
+                got = params["layers"].get(n)
+                if got is None or tuple(got.shape) != tuple(s):
+                    raise ValueError(f"weight layers.{n}: expected shape {s}, got "
+                                     f"{None if got is None else tuple(got.shape)}")
+        elif params.get(k) is None or tuple(params[k].shape) != tuple(shape):
+            got = params.get(k)
+            raise ValueError(f"weight {k}: expected shape {shape}, got "
+                             f"{None if got is None else tuple(got.shape)}")
+
+
+def stack_layers(per_layer: list[dict], cfg: ModelConfig) -> dict:
+    """[{name: array}] * L -> {name: array[L, ...]}; Linear weights go from [out, in] to [in, out]."""
+    out = {}
+    for name in layer_param_names(cfg):
+        arrs = []
+        for i, layer in enumerate(per_layer):
+            if name not in layer:
+                raise ValueError(f"checkpoint is missing layer {i} weight '{name}'")
+            a = np.asarray(layer[name])
+            arrs.append(a.T if LAYER_LINEAR[name] else a)
+        out[name] = np.stack(arrs)
+    return out
+
+
+def flatten(params: dict, prefix: str = "") -> dict:
+    flat = {}
+    for k, v in params.items():
+        if isinstance(v, dict):
+            flat.update(flatten(v, f"{prefix}{k}."))
+        else:
+            flat[f"{prefix}{k}"] = v
+    return flat
+
+
+def unflatten(flat: dict) -> dict:
+    out: dict = {}
+    for k, v in flat.items():
+        node = out
+        *parents, leaf = k.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = v
+    return out

@@ -1,0 +1,89 @@
+"""Per-request sampling parameters, validated before a request enters the engine."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+MAX_LOGPROBS = 20
+MAX_N = 64
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1              # -1 or 0: disabled
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    max_tokens: int | None = 16   # None: up to max_model_len
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    logprobs: int | None = None   # number of top logprobs per generated token (0: only the sampled one)
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    skip_special_tokens: bool = True
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.logit_bias = {int(k): float(v) for k, v in (self.logit_bias or {}).items()}
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self, vocab_size: int) -> None:
+        """Raise ValueError naming the first bad field."""
+        def bad(name, why):
+            raise ValueError(f"{name}: {why}")
+
+        def num(name, v):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v:
+                bad(name, f"must be a number, got {v!r}")
+
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):
+            num(name, getattr(self, name))
+        if not isinstance(self.n, int) or not 1 <= self.n <= MAX_N:
+            bad("n", f"must be an integer in [1, {MAX_N}], got {self.n!r}")
+        if self.temperature < 0:
+            bad("temperature", f"must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            bad("top_p", f"must be in (0, 1], got {self.top_p}")
+        if not isinstance(self.top_k, int) or (self.top_k < -1):
+            bad("top_k", f"must be -1 or 0 (disabled) or >= 1, got {self.top_k!r}")
+        if not 0 <= self.min_p <= 1:
+            bad("min_p", f"must be in [0, 1], got {self.min_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                bad(name, f"must be in [-2, 2], got {getattr(self, name)}")
+        if not 0 < self.repetition_penalty <= 10:
+            bad("repetition_penalty", f"must be in (0, 10], got {self.repetition_penalty}")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            bad("min_tokens", f"must be an integer >= 0, got {self.min_tokens!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            bad("min_tokens", f"({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if self.seed is not None and not isinstance(self.seed, int):
+            bad("seed", f"must be an integer, got {self.seed!r}")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            bad("stop", "must be non-empty strings")
+        for t in self.stop_token_ids:
+            if not isinstance(t, int) or not 0 <= t < vocab_size:
+                bad("stop_token_ids", f"token id {t!r} is outside the vocabulary [0, {vocab_size})")
+        for t, b in self.logit_bias.items():
+            if not 0 <= t < vocab_size:
+                bad("logit_bias", f"token id {t} is outside the vocabulary [0, {vocab_size})")
+            if not -100 <= b <= 100:
+                bad("logit_bias", f"bias for token {t} must be in [-100, 100], got {b}")
