@@ -1,0 +1,81 @@
+"""Scheduled requests -> one flat, bucket-padded ragged batch (host-side numpy)."""
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+import numpy as np
+
+from paxengine.scheduler import SchedulerOutput
+
+
+def token_buckets(max_num_batched_tokens: int, smallest: int = 16) -> list[int]:
+    out, b = [], smallest
+    while b < max_num_batched_tokens:
+        out.append(b)
+        b *= 2
+    return out + [max_num_batched_tokens]
+
+
+def seq_buckets(max_num_seqs: int, smallest: int = 4) -> list[int]:
+    out, b = [], smallest
+    while b < max_num_seqs:
+        out.append(b)
+        b *= 4
+    return out + [max_num_seqs]
+
+
+def bucket_pairs(tb: list[int], sb: list[int]) -> list[tuple[int, int]]:
+    """(T, S) shapes that can occur: a step has at least one token per sequence, so S never
+    needs to exceed the smallest sequence bucket that holds T."""
+    pairs = []
+    for t in tb:
+        cap = sb[min(bisect.bisect_left(sb, t), len(sb) - 1)]
+        pairs += [(t, s) for s in sb if s <= cap]
+    return pairs
+
+
+def pick(buckets: list[int], n: int) -> int:
+    i = bisect.bisect_left(buckets, n)
+    if i == len(buckets):
+        raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
+    return buckets[i]
+
+
+@dataclass
+class StepArrays:
+    tokens: np.ndarray           # [T]
+    positions: np.ndarray        # [T]
+    slot_mapping: np.ndarray     # [T]
+    block_tables: np.ndarray     # [S, P]
+    seq_lens: np.ndarray         # [S]
+    query_start_loc: np.ndarray  # [S+1]
+    num_seqs: np.ndarray         # [1]
+    logits_indices: np.ndarray   # [S]: the last token of each row
+
+
+def build_step(out: SchedulerOutput, block_size: int, T: int, S: int, P: int) -> StepArrays:
+    tokens = np.zeros(T, np.int32)
+    positions = np.zeros(T, np.int32)
+    slots = np.full(T, -1, np.int32)
+    tables = np.zeros((S, P), np.int32)
+    seq_lens = np.zeros(S, np.int32)
+    qsl = np.zeros(S + 1, np.int32)
+    logits_idx = np.zeros(S, np.int32)
+    t = 0
+    for row, req in enumerate(out.requests):
+        n = out.num_scheduled_tokens[req.request_id]
+        start = req.num_computed_tokens
+        pos = np.arange(start, start + n, dtype=np.int32)
+        blocks = np.asarray(req.block_ids, np.int32)
+        tokens[t:t + n] = req.all_token_ids[start:start + n]
+        positions[t:t + n] = pos
+        slots[t:t + n] = blocks[pos // block_size] * block_size + pos % block_size
+        tables[row, :len(blocks)] = blocks
+        seq_lens[row] = start + n
+        t += n
+        qsl[row + 1] = t
+        logits_idx[row] = t - 1
+    qsl[len(out.requests) + 1:] = t
+    return StepArrays(tokens, positions, slots, tables, seq_lens, qsl,
+                      np.asarray([len(out.requests)], np.int32), logits_idx)

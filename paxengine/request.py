@@ -1,0 +1,52 @@
+"""A request as the scheduler sees it: token ids, progress, blocks. No JAX, no text."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from paxengine.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int                                   # sampling seed (the request's own or drawn for it)
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    num_computed_tokens: int = 0                # tokens whose KV is in the cache
+    num_cached_tokens: int = 0                  # of the prompt, served by the prefix cache
+    block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)   # chain hashes of full blocks
+    num_preemptions: int = 0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == Status.FINISHED

@@ -1,0 +1,170 @@
+"""The device side: KV cache allocation, bucketed AOT-compiled steps, one host transfer per step.
+
+The runner knows nothing of requests: it takes a StepArrays + SamplingTensors and returns
+sampled tokens and logprobs. Every bucket is compiled at start-up; calling a compiled
+executable can never trace again, so nothing compiles while serving.
+"""
+from __future__ import annotations
+
+import math
+import os
+import time
+from functools import partial
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm import tqdm
+
+import kernels_pallas
+from paxengine.batch import StepArrays, bucket_pairs, pick
+from paxengine.models.config import ModelConfig
+from paxengine.models.llama import compute_logits, forward_hidden
+from paxengine.sampling import SamplingTensors, sample
+
+_compile_count = 0
+
+
+def _count_compiles(event: str, duration: float, **kw) -> None:
+    global _compile_count
+    if event == "/jax/core/compile/backend_compile_duration":
+        _compile_count += 1
+
+
+jax.monitoring.register_event_duration_secs_listener(_count_compiles)
+
+
+def compile_count() -> int:
+    """XLA backend compiles in this process so far (tests assert it stays flat after warm-up)."""
+    return _compile_count
+
+
+def enable_persistent_cache(path: str | None) -> None:
+    d = Path(path or Path.home() / ".cache/paxengine/jax")
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return
+    jax.config.update("jax_compilation_cache_dir", str(d))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+
+
+def resolve_backend(name: str) -> str:
+    if name not in ("auto", "reference", "pallas"):
+        raise ValueError(f"attention_backend must be auto, reference or pallas, got {name!r}")
+    if name == "auto":
+        return "pallas" if jax.default_backend() == "gpu" else "reference"
+    return name
+
+
+def make_attend(md: kernels_pallas.AttentionMetadata, backend: str, cfg: ModelConfig):
+    interpret = jax.default_backend() != "gpu"
+    if backend == "pallas":
+        write = partial(kernels_pallas.write_kv, interpret=interpret)
+        attn = partial(kernels_pallas.ragged_paged_attention, interpret=interpret)
+    else:
+        write, attn = kernels_pallas.ref_write_kv, kernels_pallas.ref_ragged_paged_attention
+    scale = 1.0 / math.sqrt(cfg.head_dim)
+
+    def attend(q, k, v, kv_cache, layer):
+        kc, vc = write(kv_cache[0], kv_cache[1], layer, k, v, md.slot_mapping)
+        o = attn(q, kc, vc, layer, md, sm_scale=scale, sliding_window=cfg.sliding_window)
+        return o, (kc, vc)
+    return attend
+
+
+class Runner:
+    def __init__(self, cfg: ModelConfig, params: dict, *, num_blocks: int, block_size: int,
+                 max_model_len: int, token_buckets: list[int], seq_buckets: list[int],
+                 kv_dtype, attention_backend: str = "auto", show_progress: bool = True):
+        self.cfg, self.params = cfg, params
+        self.block_size = block_size
+        self.max_blocks_per_seq = -(-max_model_len // block_size)
+        self.history_len = max_model_len
+        self.token_buckets, self.seq_buckets = token_buckets, seq_buckets
+        self.backend = resolve_backend(attention_backend)
+        shape = (cfg.num_layers, cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)
+        self.kv_cache = (jnp.zeros(shape, kv_dtype), jnp.zeros(shape, kv_dtype))
+        self._step = jax.jit(self._step_fn, donate_argnums=(1,))
+        self.compiled: dict[tuple[int, int], object] = {}
+        self.compile_seconds = 0.0
+        self._compile_all(show_progress)
+        self.compiles_after_warmup = compile_count()
+
+    # -- the jitted step ------------------------------------------------------------------------
+    def _step_fn(self, params, kv_cache, tokens, positions, md, logits_indices, st):
+        attend = make_attend(md, self.backend, self.cfg)
+        hidden, kv_cache = forward_hidden(params, self.cfg, tokens, positions, kv_cache, attend)
+        logits = compute_logits(params, self.cfg, hidden[logits_indices])
+        return kv_cache, sample(logits, st)
+
+    def _abstract_inputs(self, T: int, S: int):
+        i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)
+        f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
+        md = kernels_pallas.AttentionMetadata(i32(T), i32(S, self.max_blocks_per_seq), i32(S),
+                                              i32(S + 1), i32(1))
+        from paxengine.sampling import MAX_LOGIT_BIAS, MAX_STOP_IDS
+        st = SamplingTensors(f32(S), i32(S), f32(S), f32(S), f32(S), f32(S), f32(S),
+                             jax.ShapeDtypeStruct((S,), jnp.uint32), i32(S),
+                             jax.ShapeDtypeStruct((S,), jnp.bool_), i32(S, MAX_STOP_IDS),
+                             i32(S, MAX_LOGIT_BIAS), f32(S, MAX_LOGIT_BIAS),
+                             i32(S, self.history_len), i32(S),
+                             jax.ShapeDtypeStruct((), jnp.bool_), jax.ShapeDtypeStruct((), jnp.bool_))
+        return i32(T), i32(T), md, i32(S), st
+
+    def _compile_all(self, show_progress: bool) -> None:
+        t0 = time.perf_counter()
+        pairs = bucket_pairs(self.token_buckets, self.seq_buckets)
+        for T, S in tqdm(pairs, desc="compiling step buckets", disable=not show_progress):
+            self.compiled[(T, S)] = self._step.lower(self.params, self.kv_cache,
+                                                     *self._abstract_inputs(T, S)).compile()
+        self.compile_seconds = time.perf_counter() - t0
+
+    # -- running a step -------------------------------------------------------------------------
+    def bucket_for(self, num_tokens: int, num_seqs: int) -> tuple[int, int]:
+        T = pick(self.token_buckets, num_tokens)
+        S = pick(self.seq_buckets, num_seqs)
+        if (T, S) not in self.compiled:   # e.g. 17 single-token rows: a larger T holds them
+            T = next(t for t, s in sorted(self.compiled) if t >= num_tokens and s == S)
+        return T, S
+
+    def execute(self, arrays: StepArrays, st: SamplingTensors):
+        T, S = arrays.tokens.shape[0], arrays.seq_lens.shape[0]
+        md = kernels_pallas.AttentionMetadata(arrays.slot_mapping, arrays.block_tables,
+                                              arrays.seq_lens, arrays.query_start_loc,
+                                              arrays.num_seqs)
+        fn = self.compiled[(T, S)]
+        self.kv_cache, result = fn(self.params, self.kv_cache, arrays.tokens, arrays.positions, md,
+                                   arrays.logits_indices, st)
+        return result
+
+    @staticmethod
+    def fetch(result) -> tuple[np.ndarray, ...]:
+        """The one host transfer of a step."""
+        return tuple(np.asarray(x) for x in jax.device_get(result))
+
+
+def kv_bytes_per_block(cfg: ModelConfig, block_size: int, kv_dtype) -> int:
+    return 2 * cfg.num_layers * cfg.num_kv_heads * block_size * cfg.head_dim * jnp.dtype(kv_dtype).itemsize
+
+
+def plan_num_blocks(cfg: ModelConfig, block_size: int, kv_dtype, *, num_kv_blocks: int | None,
+                    kv_cache_memory_bytes: int | None, gpu_memory_utilization: float) -> int:
+    """The pool size: explicit, from a byte budget, or from free device memory."""
+    if num_kv_blocks:
+        return int(num_kv_blocks)
+    per_block = kv_bytes_per_block(cfg, block_size, kv_dtype)
+    if kv_cache_memory_bytes:
+        return max(1, int(kv_cache_memory_bytes // per_block))
+    dev = jax.devices()[0]
+    stats = dev.memory_stats() if hasattr(dev, "memory_stats") else None
+    if dev.platform == "gpu" and stats and "bytes_limit" in stats:
+        reserve = int(os.environ.get("PAXENGINE_ACTIVATION_RESERVE", 4 << 30))
+        free = gpu_memory_utilization * stats["bytes_limit"] - stats["bytes_in_use"] - reserve
+        if free < per_block:
+            raise ValueError(f"no device memory left for the KV cache (gpu_memory_utilization="
+                             f"{gpu_memory_utilization}): lower max_num_batched_tokens or raise it")
+        return int(free // per_block)
+    return max(1, (512 << 20) // per_block)   # CPU default: 512 MiB of KV

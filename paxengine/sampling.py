@@ -1,0 +1,165 @@
+"""On-device batched sampling: one row per sequence, every request with its own parameters.
+
+Order as in vLLM: penalties (repetition, presence, frequency) -> min_tokens stop-token ban ->
+logit_bias -> temperature -> top-k / top-p / min-p -> sample with the row's own PRNG key
+(seed + number of generated tokens, so the same seed gives the same text whatever its batch
+mates). Logprobs are those of the raw model output (as vLLM reports them).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+NUM_TOP_LOGPROBS = 20     # the API's maximum; always computed, cheap next to the head matmul
+MAX_LOGIT_BIAS = 300      # OpenAI allows 300 entries
+MAX_STOP_IDS = 16         # stop ids banned while min_tokens is not reached (EOS + stop_token_ids)
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingTensors:
+    """Per-row sampling parameters, [S] unless noted."""
+    temperature: jax.Array      # f32; 0 = greedy
+    top_k: jax.Array            # i32; 0 = off
+    top_p: jax.Array            # f32; 1 = off
+    min_p: jax.Array            # f32; 0 = off
+    presence: jax.Array         # f32
+    frequency: jax.Array        # f32
+    repetition: jax.Array       # f32; 1 = off
+    seeds: jax.Array            # u32
+    steps: jax.Array            # i32: tokens generated so far (folded into the key)
+    ban_stop: jax.Array         # bool: min_tokens not reached yet
+    stop_ids: jax.Array         # [S, MAX_STOP_IDS] i32, -1 padded
+    bias_ids: jax.Array         # [S, MAX_LOGIT_BIAS] i32, -1 padded
+    bias_vals: jax.Array        # [S, MAX_LOGIT_BIAS] f32
+    history: jax.Array          # [S, H] i32: prompt + output token ids, -1 padded (penalties)
+    num_prompt: jax.Array       # [S] i32: how many of history are prompt tokens
+    use_penalties: jax.Array    # () bool: any row has a penalty (skip the [S, V] work otherwise)
+    use_top: jax.Array          # () bool: any row uses top-k / top-p (skip the sort otherwise)
+
+
+jax.tree_util.register_dataclass(
+    SamplingTensors, data_fields=[f.name for f in dataclasses.fields(SamplingTensors)],
+    meta_fields=[])
+
+
+def _apply_penalties(logits, st: SamplingTensors):
+    s, v = logits.shape
+    h = st.history
+    valid = h >= 0
+    is_out = jnp.arange(h.shape[1])[None, :] >= st.num_prompt[:, None]
+    ids = jnp.where(valid, h, v)                  # out of range -> dropped
+    rows = jnp.arange(s)[:, None]
+    seen = jnp.zeros((s, v), bool).at[rows, ids].set(True, mode="drop")
+    out_counts = jnp.zeros((s, v), jnp.float32).at[rows, jnp.where(is_out, ids, v)].add(
+        1.0, mode="drop")
+    rep = st.repetition[:, None]
+    logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
+    logits = logits - st.frequency[:, None] * out_counts
+    logits = logits - st.presence[:, None] * (out_counts > 0)
+    return logits
+
+
+def _apply_top_k_top_p(logits, st: SamplingTensors):
+    v = logits.shape[-1]
+    sorted_desc = -jnp.sort(-logits, axis=-1)
+    k = jnp.where(st.top_k > 0, jnp.minimum(st.top_k, v), v)
+    kth = jnp.take_along_axis(sorted_desc, (k - 1)[:, None], axis=-1)
+    logits = jnp.where(logits < kth, -jnp.inf, logits)
+    # top-p on the top-k-filtered distribution: keep the smallest prefix whose mass reaches p
+    sorted_desc = jnp.where(jnp.arange(v)[None, :] < k[:, None], sorted_desc, -jnp.inf)
+    probs = jax.nn.softmax(sorted_desc, axis=-1)
+    before = jnp.cumsum(probs, axis=-1) - probs
+    keep = before < st.top_p[:, None]
+    cutoff = jnp.min(jnp.where(keep, sorted_desc, jnp.inf), axis=-1, keepdims=True)
+    return jnp.where(logits < cutoff, -jnp.inf, logits)
+
+
+def process_logits(logits: jax.Array, st: SamplingTensors) -> jax.Array:
+    """Raw logits [S, V] -> the logits that are sampled from (before temperature)."""
+    s, v = logits.shape
+    logits = logits.astype(jnp.float32)
+    logits = jax.lax.cond(st.use_penalties, _apply_penalties, lambda l, _: l, logits, st)
+    rows = jnp.arange(s)[:, None]
+    ban = jnp.where(st.ban_stop[:, None] & (st.stop_ids >= 0), st.stop_ids, v)
+    logits = logits.at[rows, ban].set(-jnp.inf, mode="drop")
+    logits = logits.at[rows, jnp.where(st.bias_ids >= 0, st.bias_ids, v)].add(
+        st.bias_vals, mode="drop")
+    return logits
+
+
+def sample(logits: jax.Array, st: SamplingTensors):
+    """-> (tokens [S], sampled logprob [S], rank [S], top ids [S, N], top logprobs [S, N])."""
+    raw_logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    proc = process_logits(logits, st)
+    greedy_tok = jnp.argmax(proc, axis=-1)
+    temp = jnp.where(st.temperature > 0, st.temperature, 1.0)
+    scaled = proc / temp[:, None]
+    scaled = jax.lax.cond(st.use_top, _apply_top_k_top_p, lambda l, _: l, scaled, st)
+    probs = jax.nn.softmax(scaled, axis=-1)
+    scaled = jnp.where(probs < st.min_p[:, None] * jnp.max(probs, axis=-1, keepdims=True),
+                       -jnp.inf, scaled)
+
+    def draw(seed, step, row):
+        key = jax.random.fold_in(jax.random.PRNGKey(seed), step)
+        return jax.random.categorical(key, row)
+    sampled_tok = jax.vmap(draw)(st.seeds, st.steps, scaled)
+    tokens = jnp.where(st.temperature > 0, sampled_tok, greedy_tok).astype(jnp.int32)
+    tok_lp = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]
+    rank = jnp.sum(raw_logprobs > tok_lp[:, None], axis=-1).astype(jnp.int32) + 1
+    top_lp, top_ids = jax.lax.top_k(raw_logprobs, NUM_TOP_LOGPROBS)
+    return tokens, tok_lp, rank, top_ids.astype(jnp.int32), top_lp
+
+
+def build_sampling_tensors(rows: list, num_rows: int, history_len: int,
+                           eos_ids: list[int]) -> SamplingTensors:
+    """rows: (Request) objects for the live rows; the rest is padding. Host-side numpy."""
+    s = num_rows
+    temperature = np.zeros(s, np.float32)
+    top_k = np.zeros(s, np.int32)
+    top_p = np.ones(s, np.float32)
+    min_p = np.zeros(s, np.float32)
+    presence = np.zeros(s, np.float32)
+    frequency = np.zeros(s, np.float32)
+    repetition = np.ones(s, np.float32)
+    seeds = np.zeros(s, np.uint32)
+    steps = np.zeros(s, np.int32)
+    ban = np.zeros(s, bool)
+    stop_ids = np.full((s, MAX_STOP_IDS), -1, np.int32)
+    bias_ids = np.full((s, MAX_LOGIT_BIAS), -1, np.int32)
+    bias_vals = np.zeros((s, MAX_LOGIT_BIAS), np.float32)
+    penalties = False
+    # Always [S, H] (fixed shapes, no recompiles); only filled when a row uses a penalty.
+    history = np.full((s, history_len), -1, np.int32)
+    num_prompt = np.zeros(s, np.int32)
+    for i, req in enumerate(rows):
+        p = req.params
+        temperature[i] = p.temperature
+        top_k[i] = max(p.top_k, 0)
+        top_p[i], min_p[i] = p.top_p, p.min_p
+        presence[i], frequency[i], repetition[i] = (p.presence_penalty, p.frequency_penalty,
+                                                    p.repetition_penalty)
+        penalties |= (p.presence_penalty != 0 or p.frequency_penalty != 0
+                      or p.repetition_penalty != 1)
+        seeds[i] = req.seed & 0xFFFFFFFF
+        steps[i] = len(req.output_token_ids)
+        if len(req.output_token_ids) < p.min_tokens:
+            ban[i] = True
+            ids = ([] if p.ignore_eos else list(eos_ids)) + list(p.stop_token_ids)
+            ids = ids[:MAX_STOP_IDS]
+            stop_ids[i, :len(ids)] = ids
+        if p.logit_bias:
+            items = list(p.logit_bias.items())[:MAX_LOGIT_BIAS]
+            bias_ids[i, :len(items)] = [k for k, _ in items]
+            bias_vals[i, :len(items)] = [v for _, v in items]
+    if penalties:
+        for i, req in enumerate(rows):
+            toks = req.all_token_ids[:history_len]
+            history[i, :len(toks)] = toks
+            num_prompt[i] = req.num_prompt_tokens
+    use_top = bool(any(r.params.top_k > 0 or r.params.top_p < 1 for r in rows))
+    return SamplingTensors(temperature, top_k, top_p, min_p, presence, frequency, repetition,
+                           seeds, steps, ban, stop_ids, bias_ids, bias_vals, history, num_prompt,
+                           np.asarray(penalties), np.asarray(use_top))
