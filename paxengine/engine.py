@@ -271,9 +271,13 @@ class AsyncEngine:
     def is_healthy(self) -> bool:
         return self.error is None and self._thread is not None and self._thread.is_alive()
 
+    @property
+    def vocab_size(self) -> int:
+        return self.core.model_config.vocab_size
+
     def stats(self) -> dict:
-        with self._lock:
-            return self.core.stats()
+        # No lock: plain reads of counters between steps; a scrape must not wait for a step.
+        return self.core.stats()
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         self.core.validate(prompt_token_ids, params)

@@ -1,7 +1,9 @@
-"""The oracle: a plain, unbatched, unpaged greedy generate that recomputes the whole sequence each
-step. Slow and obviously right; the engine's tests compare against it token for token."""
+"""The oracle: a plain, unbatched, unpaged greedy generate. One sequence, one contiguous KV
+buffer indexed by position; obviously right. The engine's tests compare against it token for
+token."""
 from __future__ import annotations
 
+import math
 from functools import partial
 
 import jax
@@ -10,6 +12,35 @@ import numpy as np
 
 from paxengine.models.config import ModelConfig
 from paxengine.models.llama import compute_logits, dense_causal_attend, forward_hidden
+
+
+def contiguous_attend(positions: jax.Array, sliding_window: int | None):
+    """Attention over a contiguous per-layer KV buffer [L, max_len, Hkv, D]: write this step's
+    K/V at their positions (padding tokens carry position max_len and are dropped), then attend
+    causally by position."""
+    def attend(q, k, v, cache, layer):
+        kc, vc = cache
+        kc = kc.at[layer, positions].set(k.astype(kc.dtype), mode="drop")
+        vc = vc.at[layer, positions].set(v.astype(vc.dtype), mode="drop")
+        keys, vals = kc[layer].astype(jnp.float32), vc[layer].astype(jnp.float32)
+        group = q.shape[1] // keys.shape[1]
+        keys, vals = jnp.repeat(keys, group, axis=1), jnp.repeat(vals, group, axis=1)
+        s = jnp.einsum("qhd,khd->hqk", q.astype(jnp.float32), keys) / math.sqrt(q.shape[-1])
+        kpos = jnp.arange(keys.shape[0])[None, :]
+        mask = kpos <= positions[:, None]
+        if sliding_window:
+            mask &= positions[:, None] - kpos < sliding_window
+        s = jnp.where(mask[None], s, -jnp.inf)
+        o = jnp.einsum("hqk,khd->qhd", jax.nn.softmax(s, axis=-1), vals)
+        return o.astype(q.dtype), (kc, vc)
+    return attend
+
+
+@partial(jax.jit, static_argnames=("cfg",), donate_argnums=(2,))
+def _cached_step(params, cfg: ModelConfig, cache, tokens, positions, last):
+    hidden, cache = forward_hidden(params, cfg, tokens, positions, cache,
+                                   contiguous_attend(positions, cfg.sliding_window))
+    return compute_logits(params, cfg, hidden[last][None])[0], cache
 
 
 @partial(jax.jit, static_argnames=("cfg",))
@@ -21,7 +52,7 @@ def _all_logits(params, cfg: ModelConfig, tokens):
 
 
 def reference_logits(params, cfg: ModelConfig, token_ids: list[int]) -> np.ndarray:
-    """Logits [T, V] (float32) for every position of one sequence."""
+    """Logits [T, V] (float32) for every position of one sequence (no cache at all)."""
     return np.asarray(_all_logits(params, cfg, jnp.asarray(token_ids, jnp.int32)))
 
 
@@ -30,18 +61,26 @@ def _bucket(n: int) -> int:
 
 
 def reference_generate(params, cfg: ModelConfig, prompt_ids: list[int], max_new_tokens: int,
-                       eos_token_ids: list[int] | None = None) -> list[int]:
-    """Greedy continuation of one prompt; stops at an EOS id (included) or after max_new_tokens."""
-    ids = list(prompt_ids)
-    n_total = len(ids) + max_new_tokens
-    buf = np.zeros(_bucket(n_total), np.int32)   # padding sits after the sequence: causal masking
-    out: list[int] = []                           # keeps it out of every real position
-    for _ in range(max_new_tokens):
-        buf[:len(ids)] = ids
-        logits = _all_logits(params, cfg, jnp.asarray(buf))[len(ids) - 1]
+                       eos_token_ids: list[int] | None = None, return_logits: bool = False):
+    """Greedy continuation of one prompt; stops at an EOS id (included) or after max_new_tokens.
+    With return_logits, also the float32 logits each generated token was chosen from."""
+    max_len = _bucket(len(prompt_ids) + max_new_tokens)
+    dtype = params["embed"].dtype
+    shape = (cfg.num_layers, max_len, cfg.num_kv_heads, cfg.head_dim)
+    cache = (jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+    n = len(prompt_ids)
+    tokens = np.zeros(_bucket(n), np.int32)
+    tokens[:n] = prompt_ids
+    positions = np.full(_bucket(n), max_len, np.int32)   # padding: dropped, attends to nothing real
+    positions[:n] = np.arange(n)
+    logits, cache = _cached_step(params, cfg, cache, jnp.asarray(tokens), jnp.asarray(positions), n - 1)
+    out, all_logits = [], []
+    for i in range(max_new_tokens):
+        all_logits.append(np.asarray(logits))
         nxt = int(jnp.argmax(logits))
         out.append(nxt)
-        ids.append(nxt)
-        if eos_token_ids and nxt in eos_token_ids:
+        if (eos_token_ids and nxt in eos_token_ids) or i == max_new_tokens - 1:
             break
-    return out
+        logits, cache = _cached_step(params, cfg, cache, jnp.asarray([nxt], jnp.int32),
+                                     jnp.asarray([n + i], jnp.int32), 0)
+    return (out, np.stack(all_logits)) if return_logits else out

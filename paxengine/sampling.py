@@ -13,8 +13,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from paxengine.sampling_params import MAX_LOGIT_BIAS  # OpenAI allows 300 entries
+
 NUM_TOP_LOGPROBS = 20     # the API's maximum; always computed, cheap next to the head matmul
-MAX_LOGIT_BIAS = 300      # OpenAI allows 300 entries
 MAX_STOP_IDS = 16         # stop ids banned while min_tokens is not reached (EOS + stop_token_ids)
 
 
@@ -109,7 +110,7 @@ def sample(logits: jax.Array, st: SamplingTensors):
     tokens = jnp.where(st.temperature > 0, sampled_tok, greedy_tok).astype(jnp.int32)
     tok_lp = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]
     rank = jnp.sum(raw_logprobs > tok_lp[:, None], axis=-1).astype(jnp.int32) + 1
-    top_lp, top_ids = jax.lax.top_k(raw_logprobs, NUM_TOP_LOGPROBS)
+    top_lp, top_ids = jax.lax.top_k(raw_logprobs, min(NUM_TOP_LOGPROBS, logits.shape[-1]))
     return tokens, tok_lp, rank, top_ids.astype(jnp.int32), top_lp
 
 
@@ -137,7 +138,7 @@ def build_sampling_tensors(rows: list, num_rows: int, history_len: int,
     for i, req in enumerate(rows):
         p = req.params
         temperature[i] = p.temperature
-        top_k[i] = max(p.top_k, 0)
+        top_k[i] = min(max(p.top_k, 0), 1 << 30)
         top_p[i], min_p[i] = p.top_p, p.min_p
         presence[i], frequency[i], repetition[i] = (p.presence_penalty, p.frequency_penalty,
                                                     p.repetition_penalty)

@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
 MAX_N = 64
+MAX_LOGIT_BIAS = 300
 
 
 @dataclass
@@ -57,7 +58,7 @@ class SamplingParams:
             bad("temperature", f"must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             bad("top_p", f"must be in (0, 1], got {self.top_p}")
-        if not isinstance(self.top_k, int) or (self.top_k < -1):
+        if not isinstance(self.top_k, int) or not -1 <= self.top_k < 2**31:
             bad("top_k", f"must be -1 or 0 (disabled) or >= 1, got {self.top_k!r}")
         if not 0 <= self.min_p <= 1:
             bad("min_p", f"must be in [0, 1], got {self.min_p}")
@@ -82,6 +83,10 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if not isinstance(t, int) or not 0 <= t < vocab_size:
                 bad("stop_token_ids", f"token id {t!r} is outside the vocabulary [0, {vocab_size})")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            bad("logit_bias", f"at most {MAX_LOGIT_BIAS} entries, got {len(self.logit_bias)}")
+        if self.seed is not None and not -2**63 <= self.seed < 2**63:
+            bad("seed", f"must fit in 64 bits, got {self.seed}")
         for t, b in self.logit_bias.items():
             if not 0 <= t < vocab_size:
                 bad("logit_bias", f"token id {t} is outside the vocabulary [0, {vocab_size})")

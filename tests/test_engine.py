@@ -1,0 +1,198 @@
+"""The engine against the oracle on the real SmolLM2: batching, chunked prefill, preemption,
+prefix caching, compile guard, and that every ending gives its blocks back."""
+import numpy as np
+import pytest
+
+from prompts import PROMPTS
+from paxengine import LLM, SamplingParams
+from paxengine.reference import reference_generate
+from paxengine.runner import compile_count
+
+MAX_TOKENS = 16
+# 16 prompts of mixed lengths (4 to ~70 tokens), some sharing prefixes.
+MIXED = PROMPTS + [p + " " + q for p, q in zip(PROMPTS[::2], PROMPTS[1::2])] + [
+    "word " * 30, "Describe a cat.", "x", "The capital of France is Paris. The capital of Italy is"]
+
+
+def small_llm(smollm, **kw):
+    base = dict(max_model_len=256, max_num_seqs=16, max_num_batched_tokens=64, block_size=16,
+                show_progress=False, attention_backend="reference")
+    base.update(kw)
+    return LLM(**base)
+
+
+@pytest.fixture(scope="module")
+def oracle(smollm):
+    out = {}
+    for p in MIXED:
+        ids = smollm.tokenizer.encode(p)
+        out[p] = reference_generate(smollm.params, smollm.config, ids, MAX_TOKENS,
+                                    smollm.eos_token_ids)
+    return out
+
+
+def assert_pool_empty(llm):
+    kv = llm.engine.kv
+    assert kv.num_free_blocks == kv.num_blocks
+    assert all(c == 0 for c in kv.ref_counts)
+    assert not llm.engine.scheduler.running and not llm.engine.scheduler.waiting
+
+
+def check_against_oracle(llm, oracle):
+    outs = llm.generate(MIXED, SamplingParams(temperature=0, max_tokens=MAX_TOKENS), use_tqdm=False)
+    for p, o in zip(MIXED, outs):
+        assert o.outputs[0].token_ids == oracle[p], p
+    assert_pool_empty(llm)
+
+
+@pytest.fixture(scope="module")
+def llm_chunked(smollm):
+    """Prefix caching on, a 32-token budget: prompts longer than that are prefilled in chunks."""
+    return small_llm(smollm, max_num_batched_tokens=32, enable_prefix_caching=True)
+
+
+@pytest.fixture(scope="module")
+def llm_tight(smollm):
+    """Prefix caching off and a tiny pool: the scheduler must preempt and recompute."""
+    return small_llm(smollm, enable_prefix_caching=False, num_kv_blocks=14)
+
+
+def test_batch_matches_oracle_chunked_prefill_prefix_on(llm_chunked, oracle):
+    check_against_oracle(llm_chunked, oracle)
+    # run again: now the prefixes are cached and the answers must not change
+    hits = llm_chunked.engine.kv.prefix_hits
+    check_against_oracle(llm_chunked, oracle)
+    assert llm_chunked.engine.kv.prefix_hits > hits
+
+
+def test_batch_matches_oracle_with_preemption_prefix_off(llm_tight, oracle):
+    before = llm_tight.engine.scheduler.num_preemptions
+    check_against_oracle(llm_tight, oracle)
+    assert llm_tight.engine.scheduler.num_preemptions > before
+    assert llm_tight.engine.kv.prefix_hits == 0
+
+
+def test_no_compiles_after_warmup_50_requests(llm_chunked):
+    rng = np.random.default_rng(0)
+    before = compile_count()
+    prompts = [{"prompt_token_ids": rng.integers(0, 49152, size=int(n)).tolist()}
+               for n in rng.integers(1, 120, size=50)]
+    params = [SamplingParams(temperature=float(t), max_tokens=int(m), seed=i)
+              for i, (t, m) in enumerate(zip(rng.uniform(0, 1.5, 50), rng.integers(1, 24, 50)))]
+    outs = llm_chunked.generate(prompts, params, use_tqdm=False)
+    assert all(o.finished for o in outs)
+    assert compile_count() == before
+    assert_pool_empty(llm_chunked)
+
+
+def test_prefix_cache_computes_only_new_tokens(llm_chunked):
+    tok = llm_chunked.tokenizer
+    shared = "You are a careful assistant. " * 12
+    a = llm_chunked.generate(shared + "Question one?", SamplingParams(temperature=0, max_tokens=8),
+                             use_tqdm=False)[0]
+    b = llm_chunked.generate(shared + "Question two?", SamplingParams(temperature=0, max_tokens=8),
+                             use_tqdm=False)[0]
+    n_shared = len(tok.encode(shared))
+    assert a.num_cached_tokens == 0 or a.num_cached_tokens < n_shared
+    assert b.num_cached_tokens >= (n_shared // 16 - 1) * 16 and b.num_cached_tokens > 0
+    ref = reference_generate(llm_chunked.engine.runner.params, llm_chunked.engine.model_config,
+                             tok.encode(shared + "Question two?"), 8, llm_chunked.engine.eos_token_ids)
+    assert b.outputs[0].token_ids == ref
+    assert_pool_empty(llm_chunked)
+
+
+def test_every_ending_frees_blocks(llm_chunked):
+    eng = llm_chunked.engine
+    # stop string, finish by length, EOS via logit bias, abort mid-way, and a refused request
+    outs = llm_chunked.generate(
+        ["1, 2, 3, 4, 5,", "Once upon a time", "Hello"],
+        [SamplingParams(temperature=0, max_tokens=30, stop=[" 8"]),
+         SamplingParams(temperature=0, max_tokens=5),
+         SamplingParams(temperature=0, max_tokens=20, logit_bias={eng.eos_token_ids[0]: 100})],
+        use_tqdm=False)
+    assert outs[0].outputs[0].finish_reason == "stop" and outs[0].outputs[0].stop_reason == " 8"
+    assert outs[0].outputs[0].text == " 6, 7,"
+    assert outs[1].outputs[0].finish_reason == "length"
+    assert outs[2].outputs[0].finish_reason == "stop" and len(outs[2].outputs[0].token_ids) == 1
+    assert_pool_empty(llm_chunked)
+    eng.add_request("to-abort", "Tell me a long story", SamplingParams(max_tokens=50))
+    for _ in range(3):
+        eng.step()
+    assert eng.kv.num_free_blocks < eng.kv.num_blocks
+    eng.abort("to-abort")
+    assert_pool_empty(llm_chunked)
+    with pytest.raises(ValueError, match="max_model_len"):
+        eng.add_request("too-long", {"prompt_token_ids": [1] * 300}, SamplingParams())
+    with pytest.raises(ValueError, match="temperature"):
+        eng.add_request("bad", "hi", SamplingParams(temperature=-1))
+    assert_pool_empty(llm_chunked)
+    assert llm_chunked.generate("hi", SamplingParams(max_tokens=2), use_tqdm=False)[0].finished
+
+
+def test_request_that_can_never_fit_is_refused(llm_tight):
+    with pytest.raises(ValueError, match="KV blocks"):
+        llm_tight.generate({"prompt_token_ids": [5] * 200}, SamplingParams(max_tokens=40),
+                           use_tqdm=False)
+    assert_pool_empty(llm_tight)
+
+
+def test_seeded_sampling_independent_of_batch_mates(llm_chunked):
+    p = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=12, seed=1234)
+    alone = llm_chunked.generate("The weather today", p, use_tqdm=False)[0].outputs[0].token_ids
+    mates = llm_chunked.generate(
+        ["Some other prompt", "The weather today", "def f(x):"],
+        [SamplingParams(temperature=0.8, max_tokens=7, seed=5), p, SamplingParams(temperature=0)],
+        use_tqdm=False)
+    assert mates[1].outputs[0].token_ids == alone
+    other = llm_chunked.generate("The weather today", SamplingParams(
+        temperature=1.0, top_p=0.9, max_tokens=12, seed=99), use_tqdm=False)[0]
+    assert other.outputs[0].token_ids != alone
+
+
+def test_logprobs_match_oracle_log_softmax(llm_chunked, smollm):
+    prompt = "The three primary colors are"
+    out = llm_chunked.generate(prompt, SamplingParams(temperature=0, max_tokens=6, logprobs=5),
+                               use_tqdm=False)[0].outputs[0]
+    ids = smollm.tokenizer.encode(prompt)
+    toks, logits = reference_generate(smollm.params, smollm.config, ids, 6, return_logits=True)
+    assert out.token_ids == toks
+    for step, (tok, lg) in enumerate(zip(toks, logits)):
+        lsm = lg - np.log(np.sum(np.exp(lg - lg.max()))) - lg.max()
+        entry = out.logprobs[step]
+        assert entry[tok].rank == 1
+        np.testing.assert_allclose(entry[tok].logprob, lsm[tok], atol=1e-4)
+        top5 = np.argsort(-lsm)[:5]
+        assert set(top5.tolist()) <= set(entry)
+        for r, t in enumerate(top5):
+            np.testing.assert_allclose(entry[int(t)].logprob, lsm[t], atol=1e-4)
+    assert out.cumulative_logprob == pytest.approx(sum(out.logprobs[i][t].logprob
+                                                       for i, t in enumerate(toks)), abs=1e-4)
+
+
+def test_n_children_share_the_prompt(llm_chunked):
+    outs = llm_chunked.generate("Write a haiku about", SamplingParams(n=3, temperature=1.0,
+                                                                      max_tokens=8, seed=7),
+                                use_tqdm=False)[0]
+    assert [o.index for o in outs.outputs] == [0, 1, 2]
+    assert len({tuple(o.token_ids) for o in outs.outputs}) > 1
+    assert_pool_empty(llm_chunked)
+
+
+def test_min_tokens_and_ignore_eos(llm_chunked):
+    eng = llm_chunked.engine
+    eos = eng.eos_token_ids[0]
+    o = llm_chunked.generate("Hi", SamplingParams(temperature=0, max_tokens=6, min_tokens=4,
+                                                  logit_bias={eos: 100}), use_tqdm=False)[0]
+    ids = o.outputs[0].token_ids
+    assert len(ids) == 5 and eos not in ids[:4] and ids[4] == eos
+    o = llm_chunked.generate("Hi", SamplingParams(temperature=0, max_tokens=5, ignore_eos=True,
+                                                  logit_bias={eos: 100}), use_tqdm=False)[0]
+    assert o.outputs[0].token_ids == [eos] * 5 and o.outputs[0].finish_reason == "length"
+
+
+def test_chat_uses_the_template(llm_chunked):
+    o = llm_chunked.chat([{"role": "user", "content": "What is 2+2?"}],
+                         SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0]
+    tok = llm_chunked.tokenizer
+    assert o.prompt_token_ids == tok.encode_chat([{"role": "user", "content": "What is 2+2?"}])
+    assert o.outputs[0].text.strip()
