@@ -1,0 +1,146 @@
+"""The FastAPI app: `build_app(engine, server_config)`.
+
+The app's lifespan starts the engine (`await engine.start()`) and shuts it down on exit, so the
+engine loop runs on the server's event loop.
+"""
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import secrets
+from contextlib import asynccontextmanager
+from typing import Optional
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import Response
+
+from serving.config import ServerConfig
+from serving.errors import ApiError, bad_request, install_error_handlers, parse_body
+from serving.generation import ServerState
+from serving.metrics import CONTENT_TYPE
+from serving.openai_api import chat_prompt, respond
+from serving.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                              DetokenizeResponse, HealthResponse, ModelCard, ModelList,
+                              TokenizeRequest, TokenizeResponse, VersionResponse, schema_of)
+
+log = logging.getLogger("serving")
+
+
+def _version() -> str:
+    try:
+        import paxengine
+        v = getattr(paxengine, "__version__", None)
+        if v:
+            return str(v)
+    except Exception:
+        pass
+    try:
+        from importlib.metadata import version
+        return version("paxengine")
+    except Exception:
+        return "0.0.0+dev"
+
+
+async def _maybe_await(x):
+    if inspect.isawaitable(x):
+        await x
+
+
+def build_app(engine, server_config: Optional[ServerConfig] = None, *, manage_engine: bool = True) -> FastAPI:
+    """An OpenAI-compatible app around `engine`. With `manage_engine` the app's lifespan calls
+    `engine.start()` and `engine.shutdown()`."""
+    cfg = server_config or ServerConfig()
+    state = ServerState.create(engine, cfg)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        if manage_engine:
+            await _maybe_await(engine.start())
+        try:
+            yield
+        finally:
+            if manage_engine:
+                await _maybe_await(engine.shutdown())
+
+    app = FastAPI(title="paxengine OpenAI-compatible server", version=_version(), lifespan=lifespan)
+    app.state.serving = state
+    install_error_handlers(app)
+
+    def require_key(request: Request) -> None:
+        if cfg.api_key is None:
+            return
+        auth = request.headers.get("authorization", "")
+        token = auth[7:].strip() if auth[:7].lower() == "bearer " else request.headers.get("x-api-key", "")
+        if not token or not secrets.compare_digest(token.encode(), cfg.api_key.encode()):
+            raise ApiError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
+                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+    auth = [Depends(require_key)]
+
+    # ------------------------------------------------------------------ OpenAI
+    @app.post("/v1/completions", dependencies=auth, openapi_extra=schema_of(CompletionRequest))
+    async def completions(request: Request):
+        req = await parse_body(request, CompletionRequest)
+        return await respond(state, "completion", request, req)
+
+    @app.post("/v1/chat/completions", dependencies=auth, openapi_extra=schema_of(ChatCompletionRequest))
+    async def chat_completions(request: Request):
+        req = await parse_body(request, ChatCompletionRequest)
+        return await respond(state, "chat", request, req)
+
+    @app.get("/v1/models", dependencies=auth, response_model=ModelList)
+    async def models():
+        return ModelList(data=[ModelCard(id=state.model_name, root=str(engine.config.model or state.model_name),
+                                         max_model_len=state.max_model_len)])
+
+    @app.get("/v1/models/{model_id:path}", dependencies=auth, response_model=ModelCard)
+    async def model(model_id: str):
+        state.check_model(model_id)
+        return ModelCard(id=state.model_name, root=str(engine.config.model or state.model_name),
+                         max_model_len=state.max_model_len)
+
+    # ------------------------------------------------------------------ tokenizer
+    @app.post("/tokenize", dependencies=auth, response_model=TokenizeResponse,
+              openapi_extra=schema_of(TokenizeRequest))
+    async def tokenize(request: Request):
+        req = await parse_body(request, TokenizeRequest)
+        state.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise bad_request("give exactly one of `prompt` or `messages`", "prompt")
+        if req.messages is not None:
+            _, ids = await asyncio.to_thread(chat_prompt, state, req.messages, req.add_generation_prompt)
+        else:
+            ids = list(await asyncio.to_thread(state.tokenizer.encode, req.prompt,
+                                               add_special_tokens=req.add_special_tokens))
+        return TokenizeResponse(count=len(ids), max_model_len=state.max_model_len, tokens=ids)
+
+    @app.post("/detokenize", dependencies=auth, response_model=DetokenizeResponse,
+              openapi_extra=schema_of(DetokenizeRequest))
+    async def detokenize(request: Request):
+        req = await parse_body(request, DetokenizeRequest)
+        state.check_model(req.model)
+        state.check_tokens(req.tokens, "tokens")
+        return DetokenizeResponse(prompt=state.tokenizer.decode(req.tokens))
+
+    # ------------------------------------------------------------------ operations
+    @app.get("/health", response_model=HealthResponse)
+    async def health():
+        try:
+            ok = bool(engine.is_healthy())
+        except Exception:
+            ok = False
+        if not ok:
+            return ApiError(503, "the engine is not healthy", code="engine_unhealthy").response()
+        return HealthResponse(status="ok")
+
+    @app.get("/version", response_model=VersionResponse)
+    async def version():
+        return VersionResponse(version=_version())
+
+    @app.get("/metrics")
+    async def metrics():
+        # the collector reads engine.stats(), which may wait for the step lock: not on the loop
+        return Response(await asyncio.to_thread(state.metrics.render), media_type=CONTENT_TYPE)
+
+    return app

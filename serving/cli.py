@@ -1,0 +1,139 @@
+"""`paxengine serve [MODEL] [--config X.yaml] [flags]`: parse, build the engine, run uvicorn.
+
+Flags are named as `vllm serve` names them. Precedence: defaults < --performance-mode preset <
+YAML keys < explicit flags (see serving.config.resolve_configs).
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Optional
+
+from serving.config import PERFORMANCE_MODES, ServerConfig, resolve_configs
+
+log = logging.getLogger("serving")
+
+
+def _bool_pair(p: argparse.ArgumentParser, name: str, help: str) -> None:
+    dest = name.replace("-", "_")
+    p.add_argument(f"--{name}", dest=dest, action="store_true", default=None, help=help)
+    p.add_argument(f"--no-{name}", dest=dest, action="store_false", default=None)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="paxengine serve", description=__doc__.split("\n")[0],
+                                argument_default=None)
+    p.add_argument("model_tag", nargs="?", help="model (same as --model)")
+    p.add_argument("--config", help="YAML file of engine and server keys (flags override it)")
+    e = p.add_argument_group("engine")
+    e.add_argument("--model", help="HF directory / GGUF file; default: the embedded SmolLM2-135M-Instruct")
+    e.add_argument("--tokenizer")
+    e.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
+    e.add_argument("--max-model-len", type=int)
+    e.add_argument("--max-num-seqs", type=int)
+    e.add_argument("--max-num-batched-tokens", type=int)
+    e.add_argument("--block-size", type=int)
+    e.add_argument("--num-kv-blocks", type=int)
+    e.add_argument("--gpu-memory-utilization", type=float)
+    _bool_pair(e, "enable-prefix-caching", "reuse KV blocks of shared prompt prefixes")
+    e.add_argument("--kv-cache-dtype", choices=["auto", "float32", "bfloat16", "fp8"])
+    e.add_argument("--quantization", choices=["fp8"])
+    e.add_argument("--attention-backend", choices=["auto", "reference", "pallas"])
+    e.add_argument("--served-model-name")
+    e.add_argument("--seed", type=int)
+    e.add_argument("--max-waiting-requests", type=int,
+                   help="bound of the waiting queue; beyond it requests get 503 + Retry-After")
+    e.add_argument("--performance-mode", choices=sorted(PERFORMANCE_MODES),
+                   help="presets of max-num-seqs / max-num-batched-tokens (flags and YAML win)")
+    s = p.add_argument_group("server")
+    s.add_argument("--host")
+    s.add_argument("--port", type=int)
+    s.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 (or $PAXENGINE_API_KEY)")
+    s.add_argument("--metrics-prefix", help="metric name prefix: paxengine (default) or vllm")
+    s.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"])
+    return p
+
+
+def parse(argv: list[str]):
+    """argv -> (EngineConfig, ServerConfig); raises SystemExit(2) on bad flags or config."""
+    parser = build_parser()
+    args = vars(parser.parse_args(argv))
+    tag, config_path = args.pop("model_tag"), args.pop("config")
+    if tag is not None:
+        if args.get("model") not in (None, tag):
+            parser.error(f"model given twice: {tag!r} and --model {args['model']!r}")
+        args["model"] = tag
+    try:
+        yaml_keys = {}
+        if config_path:
+            from paxengine.config import load_yaml
+            yaml_keys = load_yaml(config_path)
+        return resolve_configs(yaml_keys, args)
+    except (ValueError, TypeError, FileNotFoundError) as e:
+        parser.error(str(e))
+
+
+def describe(engine, scfg: ServerConfig) -> str:
+    """One start-up line from what the engine knows about itself."""
+    ec = engine.config
+    try:
+        stats = engine.stats() or {}
+    except Exception:
+        stats = {}
+    core = getattr(engine, "core", None)
+
+    def pick(*keys, default="?"):
+        for k in keys:
+            for v in (stats.get(k), getattr(engine, k, None), getattr(core, k, None)):
+                if v is not None:
+                    return v
+        return default
+    kv_tokens = pick("kv_capacity_tokens", "num_kv_tokens", default=None)
+    if kv_tokens is None:
+        blocks = pick("num_kv_blocks", "num_blocks", default=None) or ec.num_kv_blocks
+        kv_tokens = blocks * ec.block_size if blocks else "?"
+    buckets = pick("buckets", "compiled_buckets", "token_buckets", default=ec.token_buckets)
+    compiled = getattr(getattr(core, "runner", None), "compiled", None)
+    if isinstance(compiled, dict) and compiled:  # {(tokens, seqs): executable}
+        buckets = f"{len(compiled)} [tokens x seqs: {', '.join(f'{t}x{s}' for t, s in sorted(compiled))}]"
+    return (f"model={ec.served_model_name or ec.model or 'SmolLM2-135M-Instruct (embedded)'} "
+            f"dtype={pick('dtype', default=ec.dtype)} max_model_len={pick('max_model_len', default=ec.max_model_len)} "
+            f"kv_capacity_tokens={kv_tokens} buckets={buckets} "
+            f"url=http://{scfg.host}:{scfg.port}/v1")
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["serve"]:
+        argv = argv[1:]
+    try:
+        ecfg, scfg = parse(argv)
+    except SystemExit as e:
+        return int(e.code or 0)
+    logging.basicConfig(level=scfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    import uvicorn
+    from paxengine.engine import AsyncEngine
+    from serving.app import build_app
+
+    log.info("engine config: %s", ecfg)
+    try:
+        engine = AsyncEngine(ecfg)  # loads the model and compiles the buckets
+    except (ValueError, FileNotFoundError, NotImplementedError) as e:
+        log.error("cannot start the engine: %s", e)
+        return 2
+    app = build_app(engine, scfg)
+    log.info("serving %s", describe(engine, scfg))
+    try:
+        uvicorn.run(app, host=scfg.host, port=scfg.port, log_level=scfg.log_level,
+                    timeout_graceful_shutdown=5)
+    except KeyboardInterrupt:
+        pass
+    except SystemExit as e:  # uvicorn's start-up failure (e.g. the port is taken)
+        return int(e.code or 0)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

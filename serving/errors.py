@@ -1,0 +1,122 @@
+"""Errors in the OpenAI shape: {"error": {"message", "type", "param", "code"}}.
+
+Every failure path of the app ends here: our own `ApiError`, FastAPI's validation errors (422
+becomes 400), Starlette's HTTP errors (404/405 for unknown routes) and anything unexpected (500,
+logged; the engine keeps running).
+"""
+from __future__ import annotations
+
+import json
+import logging
+from typing import Optional, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from serving.protocol import ErrorInfo, ErrorResponse
+
+log = logging.getLogger("serving")
+
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+          404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
+          429: "rate_limit_error", 500: "server_error", 503: "service_unavailable"}
+
+M = TypeVar("M", bound=BaseModel)
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, *, param: Optional[str] = None,
+                 code: Optional[str] = None, type: Optional[str] = None,
+                 headers: Optional[dict] = None):
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+        self.code = code if code is not None else status
+        self.type = type or _TYPES.get(status, "invalid_request_error")
+        self.headers = headers
+
+    def body(self) -> dict:
+        return ErrorResponse(error=ErrorInfo(message=self.message, type=self.type,
+                                             param=self.param, code=self.code)).model_dump()
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def bad_request(message: str, param: Optional[str] = None) -> ApiError:
+    return ApiError(400, message, param=param)
+
+
+def from_value_error(e: ValueError, default_param: Optional[str] = None) -> ApiError:
+    """SamplingParams.validate and the engine raise "field: why"; name the field as param."""
+    msg = str(e) or e.__class__.__name__
+    head = msg.split(":", 1)[0].strip()
+    param = head if head.isidentifier() and ":" in msg else default_param
+    return bad_request(msg, param)
+
+
+def _loc(loc) -> Optional[str]:
+    # drop pydantic's union-branch names ("str", "list[int]") and FastAPI's "body" prefix
+    parts = [str(p) for p in loc if p != "body" and not (isinstance(p, str) and ("[" in p or p in (
+        "str", "int", "float", "bool", "list", "dict", "function-after", "[key]")))]
+    return ".".join(parts) or None
+
+
+def validation_error(errors: list[dict]) -> ApiError:
+    first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+    param = _loc(first.get("loc", ()))
+    top = param.split(".")[0] if param else None
+    if first.get("type") == "json_invalid":
+        return bad_request(f"request body is not valid JSON: {first.get('msg')}")
+    if top == "prompt":
+        msg = ("prompt must be a string, a list of strings, a list of token ids or a list of "
+               "token-id lists")
+    elif top == "stop":
+        msg = "stop must be a string or a list of strings"
+    elif param and param.endswith(".content"):
+        msg = f"{param} must be a string or a list of {{\"type\": \"text\", \"text\": ...}} parts"
+    else:
+        msg = f"{param or 'body'}: {first.get('msg', 'invalid value')}"
+    return bad_request(msg, param)
+
+
+async def parse_body(request: Request, model: type[M]) -> M:
+    """Read and validate a JSON body; every failure is a shaped 400."""
+    raw = await request.body()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise bad_request("request body is not valid UTF-8") from None
+    if not text.strip():
+        raise bad_request("request body is empty; expected a JSON object")
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise bad_request(f"request body is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise bad_request(f"request body must be a JSON object, got {type(data).__name__}")
+    try:
+        return model.model_validate_json(text)
+    except ValidationError as e:
+        raise validation_error(e.errors(include_url=False)) from None
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def _api_error(_: Request, exc: ApiError):
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError):
+        return validation_error(list(exc.errors())).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException):
+        return ApiError(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None)).response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception):
+        log.exception("unhandled error in %s %s", request.method, request.url.path)
+        return ApiError(500, f"internal server error: {type(exc).__name__}: {exc}").response()

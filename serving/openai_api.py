@@ -1,0 +1,309 @@
+"""/v1/completions and /v1/chat/completions: request -> engine jobs -> response or SSE stream."""
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from contextlib import aclosing
+from typing import AsyncIterator, Optional
+
+import anyio
+from fastapi import Request
+from fastapi.responses import Response
+from starlette.responses import StreamingResponse
+
+from paxengine.sampling_params import MAX_LOGPROBS, SamplingParams
+from serving.errors import ApiError, bad_request
+from serving.generation import ClientDisconnected, Job, ServerState, run_requests, until_disconnect
+from serving.protocol import (ChatChoice, ChatCompletionChunk,
+                              ChatCompletionResponse, ChatLogprobs, ChatResponseMessage,
+                              ChatStreamChoice, ChatTokenLogprob, CompletionChoice,
+                              CompletionLogprobs, CompletionRequest, CompletionResponse,
+                              DeltaMessage, TopLogprob, Usage)
+
+
+class SSEResponse(StreamingResponse):
+    """StreamingResponse that always listens for the client going away (whatever ASGI spec version
+    the server reports), so a dropped stream cancels its generator at once."""
+
+    def __init__(self, content, **kw):
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}, **kw)
+
+    async def __call__(self, scope, receive, send):
+        async with anyio.create_task_group() as tg:
+            async def stream():
+                try:
+                    await self.stream_response(send)
+                except OSError:
+                    pass
+                tg.cancel_scope.cancel()
+            tg.start_soon(stream)
+            await self.listen_for_disconnect(receive)
+            tg.cancel_scope.cancel()
+
+
+def sse(obj) -> str:
+    data = obj.model_dump_json() if hasattr(obj, "model_dump_json") else json.dumps(obj)
+    return f"data: {data}\n\n"
+
+
+# ----------------------------------------------------------------------------- request -> params
+MAX_LOGIT_BIAS = 300  # OpenAI's limit, and the engine's fixed per-row bias slots
+
+
+def sampling_params(state: ServerState, req, max_tokens: Optional[int], logprobs: Optional[int]) -> SamplingParams:
+    bias = {}
+    if len(req.logit_bias or {}) > MAX_LOGIT_BIAS:
+        raise bad_request(f"logit_bias: at most {MAX_LOGIT_BIAS} entries, got {len(req.logit_bias)}",
+                          "logit_bias")
+    for k, v in (req.logit_bias or {}).items():
+        try:
+            bias[int(k)] = v
+        except ValueError:
+            raise bad_request(f"logit_bias: key {k!r} is not a token id", "logit_bias") from None
+    opt = lambda v, d: d if v is None else v  # noqa: E731
+    return SamplingParams(
+        n=req.n, temperature=opt(req.temperature, 1.0), top_p=opt(req.top_p, 1.0),
+        # top_k beyond the vocabulary means "all tokens": clamp (the engine packs it into int32)
+        top_k=min(opt(req.top_k, -1), state.vocab_size), min_p=opt(req.min_p, 0.0),
+        presence_penalty=opt(req.presence_penalty, 0.0),
+        frequency_penalty=opt(req.frequency_penalty, 0.0),
+        repetition_penalty=opt(req.repetition_penalty, 1.0), seed=req.seed,
+        stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []),
+        stop_token_ids=list(req.stop_token_ids or []),
+        include_stop_str_in_output=req.include_stop_str_in_output, max_tokens=max_tokens,
+        min_tokens=req.min_tokens, ignore_eos=req.ignore_eos, logprobs=logprobs, logit_bias=bias,
+        skip_special_tokens=req.skip_special_tokens)
+
+
+def _prompts(state: ServerState, req: CompletionRequest) -> list[tuple[str, list[int]]]:
+    """(prompt text, prompt token ids) for each prompt of a completion request."""
+    p, tok = req.prompt, state.tokenizer
+    if isinstance(p, str):
+        items: list = [p]
+    elif not p:
+        raise bad_request("prompt is empty", "prompt")
+    else:
+        items = [p] if isinstance(p[0], int) else list(p)
+    out = []
+    for item in items:
+        if isinstance(item, str):
+            ids = list(tok.encode(item, add_special_tokens=req.add_special_tokens))
+            out.append((item, ids))
+        else:
+            state.check_tokens(item)
+            out.append((tok.decode(list(item)), list(item)))
+    return out
+
+
+def chat_prompt(state: ServerState, messages, add_generation_prompt: bool) -> tuple[str, list[int]]:
+    msgs = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
+    try:
+        text = state.tokenizer.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt)
+    except Exception as e:  # template errors (role order, ...) are the client's
+        raise bad_request(f"messages: the chat template rejected them: {e}", "messages") from None
+    return text, list(state.tokenizer.encode(text, add_special_tokens=False))
+
+
+# ----------------------------------------------------------------------------- logprobs
+def _lp(v) -> tuple[float, int, Optional[str]]:
+    if isinstance(v, (int, float)):
+        return float(v), 0, None
+    return float(v.logprob), int(getattr(v, "rank", 0) or 0), getattr(v, "decoded_token", None)
+
+
+def _tok_str(state: ServerState, tid: int, decoded: Optional[str]) -> str:
+    return decoded if decoded is not None else state.tokenizer.decode([tid])
+
+
+def _token_entries(state, o, start: int, k: int):
+    """For generated tokens start..: (sampled token str, its logprob, [(str, logprob)] of the top k)."""
+    out = []
+    lps = o.logprobs or []
+    for j in range(start, min(len(o.token_ids), len(lps))):
+        tid, d = o.token_ids[j], lps[j] or {}
+        entries = [(t, *_lp(v)) for t, v in d.items()]
+        ranked = sorted((e for e in entries if e[2] >= 1), key=lambda e: e[2]) or \
+            sorted(entries, key=lambda e: -e[1])
+        s = next((e for e in entries if e[0] == tid), None)
+        lp = s[1] if s else float("-inf")
+        tstr = _tok_str(state, tid, s[3] if s else None)
+        out.append((tstr, lp, [(_tok_str(state, t, dec), l) for t, l, _, dec in ranked[:k]]))
+    return out
+
+
+def completion_logprobs(state, o, start: int, k: int, offset: int, prompt=None) -> CompletionLogprobs:
+    res = CompletionLogprobs()
+    if prompt is not None:  # echo: prompt tokens carry no logprobs
+        for tid in prompt:
+            t = state.tokenizer.decode([tid])
+            res.tokens.append(t), res.token_logprobs.append(None), res.top_logprobs.append(None)
+            res.text_offset.append(offset)
+            offset += len(t)
+    for tstr, lp, tops in _token_entries(state, o, start, k):
+        top = dict(tops)
+        top.setdefault(tstr, lp)
+        res.tokens.append(tstr), res.token_logprobs.append(lp), res.top_logprobs.append(top)
+        res.text_offset.append(offset)
+        offset += len(tstr)
+    return res
+
+
+def chat_logprobs(state, o, start: int, k: int) -> ChatLogprobs:
+    content = []
+    for tstr, lp, tops in _token_entries(state, o, start, k):
+        content.append(ChatTokenLogprob(
+            token=tstr, logprob=lp, bytes=list(tstr.encode("utf-8", "replace")),
+            top_logprobs=[TopLogprob(token=t, logprob=l, bytes=list(t.encode("utf-8", "replace")))
+                          for t, l in tops[:k]]))
+    return ChatLogprobs(content=content)
+
+
+# ----------------------------------------------------------------------------- shared driver
+class _Call:
+    """One API call: its prompts, engine jobs, and what has been sent so far (for deltas)."""
+
+    def __init__(self, state: ServerState, kind: str, req, prompts, params: SamplingParams, k: Optional[int]):
+        self.state, self.kind, self.req, self.prompts, self.params, self.k = state, kind, req, prompts, params, k
+        self.id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+        self.jobs = [Job(f"{self.id}-{i}", ids, params) for i, (_, ids) in enumerate(prompts)]
+        self.n = params.n
+
+    def index(self, prompt_i: int, out_i: int) -> int:
+        return prompt_i * self.n + out_i
+
+    def usage(self, finals: dict) -> Usage:
+        p = sum(len(ids) for _, ids in self.prompts)
+        c = sum(len(o.token_ids) for out in finals.values() for o in out.outputs)
+        return Usage(prompt_tokens=p, completion_tokens=c, total_tokens=p + c)
+
+
+async def _off_loop(size: int, fn, *args):
+    """Tokenize long texts in a worker thread so one huge prompt does not stall every stream."""
+    if size > 16384:
+        return await asyncio.to_thread(fn, *args)
+    return fn(*args)
+
+
+async def prepare(state: ServerState, kind: str, req) -> _Call:
+    state.check_model(req.model)
+    if kind == "chat":
+        if req.top_logprobs is not None:
+            if not req.logprobs:
+                raise bad_request("top_logprobs: requires logprobs to be true", "top_logprobs")
+            if not 0 <= req.top_logprobs <= MAX_LOGPROBS:
+                raise bad_request(f"top_logprobs: must be an integer in [0, {MAX_LOGPROBS}], "
+                                  f"got {req.top_logprobs}", "top_logprobs")
+        size = sum(len(m.text()) for m in req.messages)
+        prompts = [await _off_loop(size, chat_prompt, state, req.messages, req.add_generation_prompt)]
+        k = (req.top_logprobs or 0) if req.logprobs else None
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        if max_tokens is None:
+            max_tokens = max(1, state.max_model_len - len(prompts[0][1]))
+    else:
+        p = req.prompt
+        size = len(p) if isinstance(p, str) else sum(len(x) for x in p if isinstance(x, str))
+        prompts = await _off_loop(size, _prompts, state, req)
+        k, max_tokens = req.logprobs, req.max_tokens
+        if max_tokens is None:
+            max_tokens = max(1, state.max_model_len - max(len(ids) for _, ids in prompts))
+    params = sampling_params(state, req, max_tokens, k)
+    for _, ids in prompts:
+        state.check_prompt(ids, params)
+    await state.check_admission(len(prompts) * params.n)
+    return _Call(state, kind, req, prompts, params, k)
+
+
+async def respond(state: ServerState, kind: str, request: Request, req) -> Response:
+    call = await prepare(state, kind, req)
+    if req.stream:
+        return SSEResponse(_stream(call))
+
+    async def collect():
+        finals = {}
+        async with aclosing(run_requests(state, call.jobs)) as it:
+            async for i, out in it:
+                finals[i] = out
+        return finals
+
+    try:
+        finals = await until_disconnect(request, collect())
+    except ClientDisconnected:
+        return Response(status_code=499)
+    return Response(_final_response(call, finals).model_dump_json(), media_type="application/json")
+
+
+def _final_response(call: _Call, finals: dict):
+    state, choices = call.state, []
+    for pi, (ptext, pids) in enumerate(call.prompts):
+        for o in finals[pi].outputs:
+            idx = call.index(pi, o.index)
+            if call.kind == "chat":
+                lp = chat_logprobs(state, o, 0, call.k) if call.k is not None else None
+                choices.append(ChatChoice(index=idx, message=ChatResponseMessage(content=o.text),
+                                          logprobs=lp, finish_reason=o.finish_reason,
+                                          stop_reason=o.stop_reason))
+            else:
+                echo = ptext if call.req.echo else ""
+                lp = (completion_logprobs(state, o, 0, call.k, 0, pids if call.req.echo else None)
+                      if call.k is not None else None)
+                choices.append(CompletionChoice(index=idx, text=echo + o.text, logprobs=lp,
+                                                finish_reason=o.finish_reason, stop_reason=o.stop_reason))
+    choices.sort(key=lambda c: c.index)
+    cls = ChatCompletionResponse if call.kind == "chat" else CompletionResponse
+    return cls(id=call.id, model=state.model_name, choices=choices, usage=call.usage(finals))
+
+
+async def _stream(call: _Call) -> AsyncIterator[str]:
+    state, req, chat = call.state, call.req, call.kind == "chat"
+    usage_on = bool(req.stream_options and req.stream_options.include_usage)
+    sent_text: dict[int, int] = {}
+    sent_tok: dict[int, int] = {}
+    done: set[int] = set()
+    finals: dict = {}
+
+    def chunk(choices, usage=None):
+        if chat:
+            return sse(ChatCompletionChunk(id=call.id, model=state.model_name, choices=choices, usage=usage))
+        return sse(CompletionResponse(id=call.id, model=state.model_name, choices=choices, usage=usage))
+
+    try:
+        if chat:  # the role comes first, once per choice
+            for idx in range(len(call.prompts) * call.n):
+                yield chunk([ChatStreamChoice(index=idx, delta=DeltaMessage(role="assistant", content=""))])
+        async with aclosing(run_requests(state, call.jobs)) as it:
+            async for pi, out in it:
+                finals[pi] = out
+                for o in out.outputs:
+                    idx = call.index(pi, o.index)
+                    if idx in done:
+                        continue
+                    t0, n0 = sent_text.get(idx, 0), sent_tok.get(idx, 0)
+                    delta, finish = o.text[t0:], o.finish_reason
+                    new_tokens = len(o.token_ids) > n0
+                    first = idx not in sent_text
+                    if not (delta or finish or (call.k is not None and new_tokens) or (first and not chat and req.echo)):
+                        continue
+                    sent_text[idx], sent_tok[idx] = len(o.text), len(o.token_ids)
+                    if finish is not None:
+                        done.add(idx)
+                    if chat:
+                        lp = chat_logprobs(state, o, n0, call.k) if call.k is not None else None
+                        c = ChatStreamChoice(index=idx, delta=DeltaMessage(content=delta), logprobs=lp,
+                                             finish_reason=finish, stop_reason=o.stop_reason)
+                    else:
+                        ptext, pids = call.prompts[pi]
+                        echo = first and req.echo
+                        lp = (completion_logprobs(state, o, n0, call.k, t0 + (len(ptext) if req.echo and not first else 0),
+                                                  pids if echo else None) if call.k is not None else None)
+                        c = CompletionChoice(index=idx, text=(ptext if echo else "") + delta, logprobs=lp,
+                                             finish_reason=finish, stop_reason=o.stop_reason)
+                    yield chunk([c])
+        if usage_on:
+            yield chunk([], usage=call.usage(finals))
+    except ApiError as e:
+        yield sse(e.body())
+    except Exception as e:  # the stream has started: report in-band, keep the server alive
+        yield sse(ApiError(500, f"internal server error: {type(e).__name__}: {e}").body())
+    yield "data: [DONE]\n\n"

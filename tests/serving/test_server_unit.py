@@ -1,0 +1,195 @@
+"""Fast unit tests of the server's validation, shapes and config handling against a fake engine
+(seconds; no model). The real SmolLM2 engine is exercised by the other test files."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from fastapi.testclient import TestClient
+from prometheus_client.parser import text_string_to_metric_families
+
+from serving.app import build_app
+from serving.cli import parse
+from serving.config import ServerConfig, resolve_configs
+from fake_engine import FakeEngine
+
+
+@pytest.fixture(scope="module")
+def fake():
+    engine = FakeEngine()
+    with TestClient(build_app(engine, ServerConfig(api_key="k"))) as client:
+        client.headers["Authorization"] = "Bearer k"
+        yield engine, client
+
+
+def _err(r, status, param=None):
+    assert r.status_code == status, r.text
+    e = r.json()["error"]
+    assert set(e) == {"message", "type", "param", "code"} and e["message"]
+    if param is not None:
+        assert e["param"] == param, e
+
+
+def test_completion_shapes(fake):
+    _, c = fake
+    r = c.post("/v1/completions", json={"prompt": [[97, 98], [97, 98]], "n": 2, "max_tokens": 3,
+                                        "seed": 1, "logprobs": 2, "echo": True})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert [ch["index"] for ch in body["choices"]] == [0, 1, 2, 3]
+    assert all(ch["text"].startswith("ab") and len(ch["text"]) == 5 for ch in body["choices"])
+    lp = body["choices"][0]["logprobs"]
+    assert lp["token_logprobs"][:2] == [None, None] and len(lp["tokens"]) == 5
+    assert body["usage"] == {"prompt_tokens": 4, "completion_tokens": 12, "total_tokens": 16}
+
+
+def test_stream_equals_nonstream(fake):
+    _, c = fake
+    req = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6,
+           "seed": 3, "n": 2, "logprobs": True, "top_logprobs": 2}
+    full = c.post("/v1/chat/completions", json=req).json()
+    text = {0: "", 1: ""}
+    usage = None
+    with c.stream("POST", "/v1/chat/completions",
+                  json={**req, "stream": True, "stream_options": {"include_usage": True}}) as r:
+        lines = [l for l in r.iter_lines() if l]
+    assert lines[-1] == "data: [DONE]"
+    for l in lines[:-1]:
+        chunk = json.loads(l[len("data: "):])
+        assert chunk["object"] == "chat.completion.chunk"
+        for ch in chunk["choices"]:
+            text[ch["index"]] += ch["delta"].get("content", "")
+        usage = chunk.get("usage") or usage
+    assert [text[0], text[1]] == [ch["message"]["content"] for ch in full["choices"]]
+    assert usage == full["usage"]
+    assert len(full["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 2
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"prompt": "x", "temperature": -1}, "temperature"),
+    ({"prompt": "x", "temperature": "hot"}, "temperature"),
+    ({"prompt": "x", "top_p": 0}, "top_p"),
+    ({"prompt": "x", "top_p": 1.5}, "top_p"),
+    ({"prompt": "x", "top_k": -2}, "top_k"),
+    ({"prompt": "x", "logprobs": 21}, "logprobs"),
+    ({"prompt": "x", "n": 0}, "n"),
+    ({"prompt": "x", "n": 10**6}, "n"),
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": 10**6}, "max_tokens"),
+    ({"prompt": "x" * 500}, "prompt"),
+    ({"prompt": [1, 999]}, "prompt"),
+    ({"prompt": []}, "prompt"),
+    ({"prompt": [[1], "a"]}, "prompt"),
+    ({"prompt": "x", "stop_token_ids": [999]}, "stop_token_ids"),
+    ({"prompt": "x", "logit_bias": {"999": 1}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"abc": 1}}, "logit_bias"),
+    ({"prompt": "x", "stream": "yes"}, "stream"),
+    ({"temperature": 1}, "prompt"),
+])
+def test_bad_completion(fake, body, param):
+    _, c = fake
+    _err(c.post("/v1/completions", json=body), 400, param)
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
+    ({"messages": "hi"}, "messages"),
+    ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 30}, "top_logprobs"),
+])
+def test_bad_chat(fake, body, param):
+    _, c = fake
+    _err(c.post("/v1/chat/completions", json=body), 400, param)
+
+
+def test_bad_bodies_auth_model_overload(fake):
+    engine, c = fake
+    hdr = {"content-type": "application/json"}
+    _err(c.post("/v1/completions", content=b"{not json", headers=hdr), 400)
+    _err(c.post("/v1/completions", content=b'{"prompt": "\xff\xfe"}', headers=hdr), 400)
+    _err(c.post("/v1/completions", content=b"[1, 2]", headers=hdr), 400)
+    _err(c.post("/v1/completions", content=b"", headers=hdr), 400)
+    _err(c.post("/v1/completions", json={"prompt": "x", "model": "nope"}), 404, "model")
+    _err(c.post("/v1/completions", json={"prompt": "x"}, headers={"Authorization": "Bearer bad"}), 401)
+    _err(c.get("/v1/models", headers={"Authorization": ""}), 401)
+    _err(c.get("/nope"), 404)
+    engine.waiting = 8
+    r = c.post("/v1/completions", json={"prompt": "x"})
+    _err(r, 503)
+    assert r.headers["retry-after"] == "1"
+    engine.waiting = 0
+    engine.healthy = False
+    _err(c.get("/health"), 503)
+    engine.healthy = True
+    assert c.get("/health").status_code == 200
+    assert c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
+
+
+def test_misc_endpoints(fake):
+    _, c = fake
+    assert c.get("/v1/models").json()["data"][0]["id"] == "fake-model"
+    assert c.get("/version").json()["version"]
+    t = c.post("/tokenize", json={"prompt": "abc"}).json()
+    assert t["tokens"] == [97, 98, 99] and t["count"] == 3 and t["max_model_len"] == 128
+    assert c.post("/detokenize", json={"tokens": [97, 98]}).json() == {"prompt": "ab"}
+    assert c.post("/tokenize", json={"messages": [{"role": "user", "content": "a"}]}).json()["count"] > 3
+    _err(c.post("/detokenize", json={"tokens": [9999]}), 400, "tokens")
+    fams = {f.name: f for f in text_string_to_metric_families(c.get("/metrics").text)}
+    assert "paxengine:num_requests_running" in fams and "paxengine:request_success" in fams
+    assert "paxengine:time_to_first_token_seconds" in fams
+
+
+def test_config_precedence(tmp_path):
+    y = tmp_path / "c.yaml"
+    y.write_text("max_num_seqs: 8\nport: 9001\nperformance_mode: throughput\nmetrics_prefix: vllm\n")
+    ecfg, scfg = parse(["--config", str(y), "--max-num-seqs", "4", "--no-enable-prefix-caching"])
+    assert ecfg.max_num_seqs == 4                     # flag beats YAML
+    assert ecfg.max_num_batched_tokens == 8192        # preset from YAML's performance_mode
+    assert ecfg.enable_prefix_caching is False and scfg.port == 9001 and scfg.metrics_prefix == "vllm"
+    ecfg, scfg = parse(["--performance-mode", "interactivity", "--config", str(y)])
+    assert ecfg.max_num_seqs == 8 and ecfg.max_num_batched_tokens == 512   # YAML beats preset
+    ecfg, scfg = parse([])
+    assert ecfg.model is None and scfg.host == "127.0.0.1"
+    y.write_text("bogus_key: 1\n")
+    with pytest.raises(SystemExit):
+        parse(["--config", str(y)])
+    with pytest.raises(ValueError):
+        resolve_configs({"performance_mode": "fast"})
+
+
+def test_cli_main_exit_codes(capsys):
+    from serving.cli import main
+    assert main(["serve", "--help"]) == 0
+    assert "--max-num-batched-tokens" in capsys.readouterr().out
+    assert main(["--port", "http"]) == 2
+    assert main(["--performance-mode", "turbo"]) == 2
+
+
+def test_cli_main_wires_engine_app_and_uvicorn(monkeypatch, tmp_path, caplog):
+    """`paxengine serve` with the engine and uvicorn replaced: flags reach both, start-up is logged."""
+    import logging
+    import uvicorn
+    import paxengine.engine
+    seen = {}
+
+    def fake_engine(cfg):
+        seen["engine_config"] = cfg
+        return FakeEngine(cfg)
+
+    def fake_run(app, **kw):
+        seen["app"], seen["uvicorn"] = app, kw
+
+    monkeypatch.setattr(paxengine.engine, "AsyncEngine", fake_engine)
+    monkeypatch.setattr(uvicorn, "run", fake_run)
+    from serving.cli import main
+    with caplog.at_level(logging.INFO, logger="serving"):
+        rc = main(["serve", "--port", "8123", "--max-num-seqs", "3", "--served-model-name", "m",
+                   "--metrics-prefix", "vllm", "--performance-mode", "interactivity"])
+    assert rc == 0
+    cfg = seen["engine_config"]
+    assert cfg.max_num_seqs == 3 and cfg.max_num_batched_tokens == 512 and cfg.model is None
+    assert seen["uvicorn"]["port"] == 8123 and seen["uvicorn"]["host"] == "127.0.0.1"
+    assert seen["app"].state.serving.config.metrics_prefix == "vllm"
+    assert "url=http://127.0.0.1:8123/v1" in caplog.text and "model=m" in caplog.text
