@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from paxengine.request import PLACEHOLDER
 from paxengine.scheduler import SchedulerOutput
 
 
@@ -52,9 +53,13 @@ class StepArrays:
     query_start_loc: np.ndarray  # [S+1]
     num_seqs: np.ndarray         # [1]
     logits_indices: np.ndarray   # [S]: the last token of each row
+    prev_index: np.ndarray       # [T]: row of the previous step whose sampled token goes here, or -1
 
 
-def build_step(out: SchedulerOutput, block_size: int, T: int, S: int, P: int) -> StepArrays:
+def build_step(out: SchedulerOutput, block_size: int, T: int, S: int, P: int,
+               prev_rows: dict[str, int] | None = None) -> StepArrays:
+    """prev_rows: request id -> its row in the step still on the device, for requests whose last
+    token is a PLACEHOLDER sampled there."""
     tokens = np.zeros(T, np.int32)
     positions = np.zeros(T, np.int32)
     slots = np.full(T, -1, np.int32)
@@ -62,6 +67,7 @@ def build_step(out: SchedulerOutput, block_size: int, T: int, S: int, P: int) ->
     seq_lens = np.zeros(S, np.int32)
     qsl = np.zeros(S + 1, np.int32)
     logits_idx = np.zeros(S, np.int32)
+    prev_index = np.full(T, -1, np.int32)
     t = 0
     for row, req in enumerate(out.requests):
         n = out.num_scheduled_tokens[req.request_id]
@@ -72,10 +78,13 @@ def build_step(out: SchedulerOutput, block_size: int, T: int, S: int, P: int) ->
         positions[t:t + n] = pos
         slots[t:t + n] = blocks[pos // block_size] * block_size + pos % block_size
         tables[row, :len(blocks)] = blocks
+        if req.output_token_ids and req.output_token_ids[-1] == PLACEHOLDER and start + n == req.num_tokens:
+            prev_index[t + n - 1] = prev_rows[req.request_id]
+            tokens[t + n - 1] = 0
         seq_lens[row] = start + n
         t += n
         qsl[row + 1] = t
         logits_idx[row] = t - 1
     qsl[len(out.requests) + 1:] = t
     return StepArrays(tokens, positions, slots, tables, seq_lens, qsl,
-                      np.asarray([len(out.requests)], np.int32), logits_idx)
+                      np.asarray([len(out.requests)], np.int32), logits_idx, prev_index)

@@ -18,7 +18,7 @@ from paxengine.kv_cache import KVCacheManager
 from paxengine.models.loader import load_model
 from paxengine.output import SequenceOutput
 from paxengine.outputs import RequestMetrics, RequestOutput
-from paxengine.request import Request
+from paxengine.request import PLACEHOLDER, Request
 from paxengine.runner import Runner, enable_persistent_cache, plan_num_blocks
 from paxengine.sampling import build_sampling_tensors
 from paxengine.sampling_params import SamplingParams
@@ -117,6 +117,8 @@ class EngineCore:
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.steps = 0
+        self.overlapped_steps = 0       # steps dispatched before the previous one was read
+        self.inflight = None            # (device result, {request id: row}, sampled requests)
 
     # -- figures --------------------------------------------------------------------------------
     @property
@@ -201,24 +203,55 @@ class EngineCore:
         return group.output()
 
     def has_unfinished(self) -> bool:
-        return bool(self.groups)
+        return bool(self.groups) or self.inflight is not None
 
     # -- one step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One engine iteration, overlapped with the device: schedule and build step N+1 while
+        step N runs, then read N's samples, dispatch N+1, and process N's outputs.
+
+        Requests that sampled in step N carry a PLACEHOLDER token until N is read; step N+1 takes
+        their real token from the device. Penalties need exact token history on the host, so
+        while any running request uses one, the engine reads N before scheduling N+1.
+        """
+        outputs: list[RequestOutput] = []
+        if self.inflight is not None and self._needs_sync():
+            outputs += self._finish_inflight()
         out = self.scheduler.schedule()
-        if not out:
-            return []
-        T, S = self.runner.bucket_for(out.total_tokens, len(out.requests))
-        arrays = build_step(out, self.kv.block_size, T, S, self.runner.max_blocks_per_seq)
-        st = build_sampling_tensors(out.requests, S, self.runner.history_len, self.eos_token_ids)
-        result = self.runner.execute(arrays, st)
-        tokens, lps, ranks, top_ids, top_lps = self.runner.fetch(result)
-        self.steps += 1
-        row_of = {r.request_id: i for i, r in enumerate(out.requests)}
+        if out:
+            prev_rows = self.inflight[1] if self.inflight is not None else None
+            T, S = self.runner.bucket_for(out.total_tokens, len(out.requests))
+            arrays = build_step(out, self.kv.block_size, T, S, self.runner.max_blocks_per_seq,
+                                prev_rows)
+            st = build_sampling_tensors(out.requests, S, self.runner.history_len,
+                                        self.eos_token_ids)
+        if self.inflight is not None:
+            self.overlapped_steps += bool(out)
+            outputs += self._finish_inflight()
+        if out:
+            result = self.runner.execute(arrays, st)
+            self.steps += 1
+            rows = {r.request_id: i for i, r in enumerate(out.requests)}
+            sampled = self.scheduler.advance(out)
+            for req in sampled:
+                req.output_token_ids.append(PLACEHOLDER)
+            self.inflight = (result, {r.request_id: rows[r.request_id] for r in sampled}, sampled)
+        return outputs
+
+    def _needs_sync(self) -> bool:
+        return any(r.params.presence_penalty or r.params.frequency_penalty
+                   or r.params.repetition_penalty != 1.0 for r in self.scheduler.running)
+
+    def _finish_inflight(self) -> list[RequestOutput]:
+        result, rows, sampled = self.inflight
+        self.inflight = None
+        tokens, lps, ranks, top_ids, top_lps = self.runner.fetch(result)   # the one sync
         touched: dict[str, _Group] = {}
-        for req in self.scheduler.advance(out):
+        for req in sampled:
+            if req.is_finished:          # aborted while its token was on the way
+                continue
             group, seq = self.seq_of[req.request_id]
-            i = row_of[req.request_id]
+            i = rows[req.request_id]
             reason = seq.append(int(tokens[i]), lps[i], ranks[i], top_ids[i], top_lps[i])
             self.generation_tokens_total += 1
             if reason is not None:

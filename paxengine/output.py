@@ -4,7 +4,7 @@ from __future__ import annotations
 import time
 
 from paxengine.outputs import CompletionOutput, Logprob
-from paxengine.request import Request
+from paxengine.request import PLACEHOLDER, Request
 from paxengine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -30,7 +30,10 @@ class SequenceOutput:
     def append(self, token: int, logprob: float, rank: int, top_ids, top_lps) -> str | None:
         """Record one sampled token; return a finish reason when the sequence must end."""
         req, p = self.req, self.req.params
-        req.output_token_ids.append(token)
+        if req.output_token_ids and req.output_token_ids[-1] == PLACEHOLDER:
+            req.output_token_ids[-1] = token
+        else:
+            req.output_token_ids.append(token)
         if req.first_token_time is None:
             req.first_token_time = time.monotonic()
         self.cumulative_logprob += float(logprob)

@@ -8,6 +8,11 @@ from dataclasses import dataclass, field
 from paxengine.sampling_params import SamplingParams
 
 
+# The token a request sampled in the step still running on the device; the next step reads the
+# real id from the device (see batch.build_step's prev_index), the host fills it in afterwards.
+PLACEHOLDER = -1
+
+
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"

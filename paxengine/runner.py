@@ -84,6 +84,8 @@ class Runner:
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         self.history_len = max_model_len
         self.token_buckets, self.seq_buckets = token_buckets, seq_buckets
+        self.max_rows = max(seq_buckets)
+        self.prev_tokens = jnp.zeros(self.max_rows, jnp.int32)   # the last step's samples, on device
         self.backend = resolve_backend(attention_backend)
         shape = (cfg.num_layers, cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)
         self.kv_cache = (jnp.zeros(shape, kv_dtype), jnp.zeros(shape, kv_dtype))
@@ -94,11 +96,16 @@ class Runner:
         self.compiles_after_warmup = compile_count()
 
     # -- the jitted step ------------------------------------------------------------------------
-    def _step_fn(self, params, kv_cache, tokens, positions, md, logits_indices, st):
+    def _step_fn(self, params, kv_cache, tokens, positions, md, logits_indices, st, prev_index,
+                 prev_tokens):
+        # Tokens sampled by the previous step never visit the host before they are used here.
+        tokens = jnp.where(prev_index >= 0, prev_tokens[jnp.maximum(prev_index, 0)], tokens)
         attend = make_attend(md, self.backend, self.cfg)
         hidden, kv_cache = forward_hidden(params, self.cfg, tokens, positions, kv_cache, attend)
         logits = compute_logits(params, self.cfg, hidden[logits_indices])
-        return kv_cache, sample(logits, st)
+        result = sample(logits, st)
+        padded = jnp.zeros(self.max_rows, jnp.int32).at[:result[0].shape[0]].set(result[0])
+        return kv_cache, result, padded
 
     def _abstract_inputs(self, T: int, S: int):
         i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)
@@ -112,7 +119,7 @@ class Runner:
                              i32(S, MAX_LOGIT_BIAS), f32(S, MAX_LOGIT_BIAS),
                              i32(S, self.history_len), i32(S),
                              jax.ShapeDtypeStruct((), jnp.bool_), jax.ShapeDtypeStruct((), jnp.bool_))
-        return i32(T), i32(T), md, i32(S), st
+        return i32(T), i32(T), md, i32(S), st, i32(T), i32(self.max_rows)
 
     def _compile_all(self, show_progress: bool) -> None:
         t0 = time.perf_counter()
@@ -136,8 +143,9 @@ class Runner:
                                               arrays.seq_lens, arrays.query_start_loc,
                                               arrays.num_seqs)
         fn = self.compiled[(T, S)]
-        self.kv_cache, result = fn(self.params, self.kv_cache, arrays.tokens, arrays.positions, md,
-                                   arrays.logits_indices, st)
+        self.kv_cache, result, self.prev_tokens = fn(
+            self.params, self.kv_cache, arrays.tokens, arrays.positions, md, arrays.logits_indices,
+            st, arrays.prev_index, self.prev_tokens)
         return result
 
     @staticmethod

@@ -11,7 +11,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from paxengine.kv_cache import KVCacheManager
-from paxengine.request import Request, Status
+from paxengine.request import PLACEHOLDER, Request, Status
 
 
 @dataclass
@@ -120,6 +120,8 @@ class Scheduler:
         (those whose whole prompt and output are now in the cache)."""
         sampled = []
         for req in out.requests:
+            if req.status != Status.RUNNING:      # finished (or preempted) since it was scheduled
+                continue
             req.num_computed_tokens += out.num_scheduled_tokens[req.request_id]
             self.kv.cache_computed_blocks(req)
             if req.num_computed_tokens == req.num_tokens:
@@ -135,6 +137,8 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         self.kv.free_request(req)
+        if req.output_token_ids and req.output_token_ids[-1] == PLACEHOLDER:
+            req.output_token_ids.pop()          # its sample is still on the device: drop it
         req.status = Status.FINISHED
         req.finish_reason = reason
         req.finished_time = time.monotonic()

@@ -39,7 +39,10 @@ def assert_pool_empty(llm):
 
 
 def check_against_oracle(llm, oracle):
+    overlapped = llm.engine.overlapped_steps
     outs = llm.generate(MIXED, SamplingParams(temperature=0, max_tokens=MAX_TOKENS), use_tqdm=False)
+    # step N+1 was scheduled and dispatched before step N's tokens reached the host
+    assert llm.engine.overlapped_steps > overlapped
     for p, o in zip(MIXED, outs):
         assert o.outputs[0].token_ids == oracle[p], p
     assert_pool_empty(llm)
@@ -196,3 +199,17 @@ def test_chat_uses_the_template(llm_chunked):
     tok = llm_chunked.tokenizer
     assert o.prompt_token_ids == tok.encode_chat([{"role": "user", "content": "What is 2+2?"}])
     assert o.outputs[0].text.strip()
+
+
+def test_penalties_take_the_exact_history_path(llm_chunked):
+    prompt = "word word word word word word word word"
+    plain = llm_chunked.generate(prompt, SamplingParams(temperature=0, max_tokens=10),
+                                 use_tqdm=False)[0].outputs[0].token_ids
+    pen = SamplingParams(temperature=0, max_tokens=10, frequency_penalty=2.0, presence_penalty=1.0)
+    a = llm_chunked.generate(prompt, pen, use_tqdm=False)[0].outputs[0].token_ids
+    b = llm_chunked.generate([prompt, "other"], [pen, SamplingParams(max_tokens=3)],
+                             use_tqdm=False)[0].outputs[0].token_ids
+    assert a == b and a != plain
+    # a token generated twice must have been penalised below any never-seen alternative: with a
+    # frequency penalty of 2 per use, greedy decoding repeats no token more than a few times
+    assert max(a.count(t) for t in set(a)) <= 3
