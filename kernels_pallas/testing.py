@@ -1,0 +1,66 @@
+"""Random ragged batches for tests and benchmarks (numpy; fresh data on every call)."""
+from __future__ import annotations
+
+import numpy as np
+import jax.numpy as jnp
+
+from kernels_pallas.metadata import AttentionMetadata
+
+
+def make_batch(rng: np.random.Generator, seqs, *, T=None, S=None, P=None, num_layers=2,
+               num_heads=8, num_kv_heads=2, head_dim=64, block_size=16, num_blocks=None,
+               dtype=jnp.float32, kv_dtype=None, poison=True):
+  """seqs: list of (q_len, kv_len) with q_len <= kv_len. Pads to T tokens / S sequence rows.
+
+  Returns dict(q, k_cache, v_cache, k_new, v_new, md, num_tokens). Block tables are random
+  permutations of physical blocks; the cache is random, and (poison=True) every slot that no
+  sequence owns up to its length holds NaN, so a kernel that reads past a length shows it.
+  """
+  n_tok = sum(q for q, _ in seqs)
+  T = T or n_tok
+  S = S or len(seqs)
+  pages = [-(-kv // block_size) for _, kv in seqs]
+  P = P or max(pages + [1])
+  num_blocks = num_blocks or (sum(pages) + 4)
+  assert n_tok <= T and len(seqs) <= S and max(pages + [0]) <= P and sum(pages) <= num_blocks
+  perm = rng.permutation(num_blocks)
+  bt = np.zeros((S, P), np.int32)
+  seq_lens = np.zeros(S, np.int32)
+  qsl = np.zeros(S + 1, np.int32)
+  slot = np.full(T, -1, np.int32)
+  c = 0
+  for i, (ql, kv) in enumerate(seqs):
+    bt[i, :pages[i]] = perm[c:c + pages[i]]
+    c += pages[i]
+    seq_lens[i] = kv
+    qsl[i + 1] = qsl[i] + ql
+    for j in range(ql):
+      pos = kv - ql + j
+      slot[qsl[i] + j] = bt[i, pos // block_size] * block_size + pos % block_size
+  qsl[len(seqs) + 1:] = qsl[len(seqs)]
+  shape = (num_layers, num_kv_heads, num_blocks, block_size, head_dim)
+  kv_dtype = kv_dtype or dtype
+  kc = rng.standard_normal(shape, np.float32)
+  vc = rng.standard_normal(shape, np.float32)
+  if poison:
+    owned = np.zeros((num_blocks, block_size), bool)
+    for i, (_, kv) in enumerate(seqs):
+      for pos in range(kv):
+        owned[bt[i, pos // block_size], pos % block_size] = True
+    kc[:, :, ~owned] = np.nan
+    vc[:, :, ~owned] = np.nan
+  md = AttentionMetadata(jnp.asarray(slot), jnp.asarray(bt), jnp.asarray(seq_lens),
+                         jnp.asarray(qsl), jnp.asarray([len(seqs)], jnp.int32))
+  q = rng.standard_normal((T, num_heads, head_dim), np.float32)
+  kn = rng.standard_normal((T, num_kv_heads, head_dim), np.float32)
+  vn = rng.standard_normal((T, num_kv_heads, head_dim), np.float32)
+  return dict(q=jnp.asarray(q, dtype), k_cache=jnp.asarray(kc, kv_dtype),
+              v_cache=jnp.asarray(vc, kv_dtype), k_new=jnp.asarray(kn, dtype),
+              v_new=jnp.asarray(vn, dtype), md=md, num_tokens=n_tok)
+
+
+def rel_err(out, ref, n):
+  """||out - ref|| / ||ref|| over the first n (valid) tokens, in float64."""
+  o = np.asarray(jnp.asarray(out[:n], jnp.float32), np.float64)
+  r = np.asarray(jnp.asarray(ref[:n], jnp.float32), np.float64)
+  return float(np.linalg.norm(o - r) / np.linalg.norm(r))

@@ -1,0 +1,36 @@
+"""Every kernel configuration the engine compiles must lower for CUDA (Triton) on a CPU."""
+import jax.numpy as jnp
+import pytest
+
+from kernels_pallas.lowering import check_cuda_lowering
+
+LLAMA8B = dict(num_heads=32, num_kv_heads=8, head_dim=128)
+CONFIGS = {
+    # decode buckets (split-K), prefill / mixed buckets, at Llama-3.1-8B shapes
+    "decode_b1": dict(T=16, S=1, P=512, **LLAMA8B),
+    "decode_b64": dict(T=64, S=64, P=128, **LLAMA8B),
+    "decode_b256": dict(T=256, S=256, P=32, **LLAMA8B),
+    "prefill_512": dict(T=512, S=8, P=128, **LLAMA8B),
+    "mixed_2048": dict(T=2048, S=64, P=256, **LLAMA8B),
+    "fp32": dict(T=32, S=8, P=16, dtype=jnp.float32, **LLAMA8B),
+    "fp8_kv": dict(T=64, S=64, P=128, kv_dtype=jnp.float8_e4m3fn, kv_scales=True, **LLAMA8B),
+    "window_softcap": dict(T=64, S=8, P=64, sliding_window=4096, soft_cap=50.0, **LLAMA8B),
+    # small models: head_dim 64, GQA 3 (SmolLM2-135M: 9 q / 3 kv), block sizes 32 / 64
+    "smollm_bs16": dict(T=64, S=16, P=64, num_heads=9, num_kv_heads=3, head_dim=64),
+    "d64_bs32": dict(T=128, S=4, P=32, num_heads=16, num_kv_heads=4, head_dim=64, block_size=32),
+    "d128_bs64": dict(T=32, S=32, P=16, num_heads=16, num_kv_heads=2, head_dim=128,
+                      block_size=64),
+    "tuned": dict(T=64, S=64, P=128, block_k=128, k_splits=2, num_warps=8, num_stages=4,
+                  **LLAMA8B),
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_lowers_for_cuda(name):
+  txt = check_cuda_lowering(**CONFIGS[name])
+  assert "triton" in txt
+
+
+def test_broken_rule_is_caught():
+  with pytest.raises(Exception):
+    check_cuda_lowering(T=16, S=4, P=8, block_k=48)
