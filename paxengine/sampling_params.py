@@ -85,8 +85,6 @@ class SamplingParams:
                 bad("stop_token_ids", f"token id {t!r} is outside the vocabulary [0, {vocab_size})")
         if len(self.logit_bias) > MAX_LOGIT_BIAS:
             bad("logit_bias", f"at most {MAX_LOGIT_BIAS} entries, got {len(self.logit_bias)}")
-        if self.seed is not None and not -2**63 <= self.seed < 2**63:
-            bad("seed", f"must fit in 64 bits, got {self.seed}")
         for t, b in self.logit_bias.items():
             if not 0 <= t < vocab_size:
                 bad("logit_bias", f"token id {t} is outside the vocabulary [0, {vocab_size})")

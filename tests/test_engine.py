@@ -115,6 +115,10 @@ def test_every_ending_frees_blocks(llm_chunked):
         use_tqdm=False)
     assert outs[0].outputs[0].finish_reason == "stop" and outs[0].outputs[0].stop_reason == " 8"
     assert outs[0].outputs[0].text == " 6, 7,"
+    # a stop string spread over several tokens (", 8" is "," + " " + "8" or similar)
+    o = llm_chunked.generate("1, 2, 3, 4, 5,", SamplingParams(temperature=0, max_tokens=30,
+                                                              stop=[", 8,"]), use_tqdm=False)[0]
+    assert o.outputs[0].text == " 6, 7" and o.outputs[0].finish_reason == "stop"
     assert outs[1].outputs[0].finish_reason == "length"
     assert outs[2].outputs[0].finish_reason == "stop" and len(outs[2].outputs[0].token_ids) == 1
     assert_pool_empty(llm_chunked)

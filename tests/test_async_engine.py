@@ -1,0 +1,48 @@
+"""AsyncEngine: streaming outputs, abort by the consumer, and a dead loop that is visible."""
+import asyncio
+
+import pytest
+
+from paxengine import SamplingParams
+from paxengine.engine import AsyncEngine, EngineDead
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return AsyncEngine(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32,
+                       show_progress=False, token_buckets=[16, 32], seq_buckets=[4])
+
+
+def test_stream_abort_and_dead_loop(engine):
+    async def main():
+        await engine.start()
+        assert engine.is_healthy()
+        texts = []
+        async for out in engine.generate("a", "Count: 1, 2, 3,", SamplingParams(temperature=0,
+                                                                                 max_tokens=8)):
+            texts.append(out.outputs[0].text)
+        assert out.finished and out.outputs[0].finish_reason == "length"
+        assert all(texts[i + 1].startswith(texts[i]) for i in range(len(texts) - 1))
+        # the consumer walks away after two outputs: the request is aborted, its blocks freed
+        gen = engine.generate("b", "Tell me a story", SamplingParams(max_tokens=100))
+        for _ in range(2):
+            await gen.__anext__()
+        await gen.aclose()
+        for _ in range(100):
+            if engine.stats()["kv_cache_usage_perc"] == 0 and not engine.core.has_unfinished():
+                break
+            await asyncio.sleep(0.05)
+        assert engine.stats()["kv_cache_usage_perc"] == 0
+        with pytest.raises(ValueError, match="top_p"):
+            async for _ in engine.generate("c", "hi", SamplingParams(top_p=0)):
+                pass
+        # a loop that dies says so: health goes false and waiting callers get an error
+        def boom():
+            raise RuntimeError("device lost")
+        engine.core.step = boom
+        with pytest.raises(EngineDead):
+            async for _ in engine.generate("d", "hi", SamplingParams(max_tokens=4)):
+                pass
+        assert not engine.is_healthy()
+        await engine.shutdown()
+    asyncio.run(main())
