@@ -47,8 +47,6 @@ def ref_ragged_paged_attention(q, k_cache, v_cache, layer, md: AttentionMetadata
   G = Hq // Hkv
   S, P = md.block_tables.shape
   seq, pos, valid = token_to_seq(md, T)
-  k_l = lax.dynamic_index_in_dim(k_cache, layer, 0, keepdims=False)  # [Hkv, NB, bs, D]
-  v_l = lax.dynamic_index_in_dim(v_cache, layer, 0, keepdims=False)
   kv_pos = jnp.arange(P * bs, dtype=jnp.int32)
   ks = 1.0 if k_scale is None else jnp.asarray(k_scale, jnp.float32)
   vs = 1.0 if v_scale is None else jnp.asarray(v_scale, jnp.float32)
@@ -56,8 +54,9 @@ def ref_ragged_paged_attention(q, k_cache, v_cache, layer, md: AttentionMetadata
   def attend(args):
     q_t, s, p, ok = args                                  # [Hq, D], (), (), ()
     pages = md.block_tables[s]                            # [P]
-    k = k_l[:, pages].reshape(Hkv, P * bs, D).astype(jnp.float32) * ks
-    v = v_l[:, pages].reshape(Hkv, P * bs, D).astype(jnp.float32) * vs
+    # One gather straight from the whole cache: slicing out the layer first would copy it.
+    k = k_cache[layer, :, pages].swapaxes(0, 1).reshape(Hkv, P * bs, D).astype(jnp.float32) * ks
+    v = v_cache[layer, :, pages].swapaxes(0, 1).reshape(Hkv, P * bs, D).astype(jnp.float32) * vs
     qg = q_t.reshape(Hkv, G, D).astype(jnp.float32)
     logits = jnp.einsum("hgd,hkd->hgk", qg, k, precision=_HI) * sm_scale
     if soft_cap is not None:

@@ -84,6 +84,10 @@ class EngineCore:
         self.load_seconds = time.perf_counter() - t0
         self.model_config, self.tokenizer = loaded.config, loaded.tokenizer
         self.eos_token_ids = loaded.eos_token_ids
+        if cfg.tokenizer:   # an explicit tokenizer (e.g. for dummy weights) wins over the model's
+            from paxengine.tokenizer import Tokenizer
+            self.tokenizer = Tokenizer.from_hf_dir(cfg.tokenizer, eos_token_ids=self.eos_token_ids)
+            self.eos_token_ids = self.eos_token_ids or list(self.tokenizer.eos_token_ids)
         self.model_name = cfg.served_model_name or (loaded.config.name or loaded.source)
         self.max_model_len = min(cfg.max_model_len or min(loaded.config.max_position_embeddings, 8192),
                                  loaded.config.max_position_embeddings)

@@ -96,17 +96,23 @@ def sample(logits: jax.Array, st: SamplingTensors):
     raw_logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     proc = process_logits(logits, st)
     greedy_tok = jnp.argmax(proc, axis=-1)
-    temp = jnp.where(st.temperature > 0, st.temperature, 1.0)
-    scaled = proc / temp[:, None]
-    scaled = jax.lax.cond(st.use_top, _apply_top_k_top_p, lambda l, _: l, scaled, st)
-    probs = jax.nn.softmax(scaled, axis=-1)
-    scaled = jnp.where(probs < st.min_p[:, None] * jnp.max(probs, axis=-1, keepdims=True),
-                       -jnp.inf, scaled)
 
-    def draw(seed, step, row):
-        key = jax.random.fold_in(jax.random.PRNGKey(seed), step)
-        return jax.random.categorical(key, row)
-    sampled_tok = jax.vmap(draw)(st.seeds, st.steps, scaled)
+    def draw(proc):
+        temp = jnp.where(st.temperature > 0, st.temperature, 1.0)
+        scaled = proc / temp[:, None]
+        scaled = jax.lax.cond(st.use_top, _apply_top_k_top_p, lambda l, _: l, scaled, st)
+        probs = jax.nn.softmax(scaled, axis=-1)
+        probs = jnp.where(probs < st.min_p[:, None] * jnp.max(probs, axis=-1, keepdims=True),
+                          0.0, probs)
+        # Inverse-CDF sampling: one uniform per row, drawn from the row's own seed and step
+        # (so batch mates never change it), instead of V Gumbel draws: ~10x cheaper on a CPU.
+        keys = jax.vmap(lambda s, n: jax.random.fold_in(jax.random.PRNGKey(s), n))(st.seeds, st.steps)
+        u = jax.vmap(lambda k: jax.random.uniform(k, ()))(keys)
+        cdf = jnp.cumsum(probs, axis=-1)
+        tok = jnp.sum(cdf < (u * cdf[:, -1])[:, None], axis=-1)
+        return jnp.minimum(tok, proc.shape[-1] - 1).astype(jnp.int32)
+    sampled_tok = jax.lax.cond(jnp.any(st.temperature > 0), draw,
+                               lambda p: jnp.zeros(p.shape[0], jnp.int32), proc)
     tokens = jnp.where(st.temperature > 0, sampled_tok, greedy_tok).astype(jnp.int32)
     tok_lp = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]
     rank = jnp.sum(raw_logprobs > tok_lp[:, None], axis=-1).astype(jnp.int32) + 1

@@ -1,0 +1,69 @@
+"""The GPU benchmark's pieces that need no GPU: roofline arithmetic, the dummy model dir, the report."""
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from benchmarks import gpu_bench as gb
+from paxengine.models.config import PRESETS, from_hf_config
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_roofline_arithmetic_llama8b():
+    c = gb.model_costs(PRESETS["llama-3.1-8b"], 2)
+    assert c["weight_bytes_per_step"] == pytest.approx(15.0e9, rel=0.01)   # 7.5 B params read per step
+    assert c["kv_bytes_per_token"] == 2 * 32 * 8 * 128 * 2
+    bw, rate = 4.0e12, 7.0e14
+    one = gb.decode_step_floor(c, 1, 1024, bw, rate)
+    assert one == pytest.approx(c["weight_bytes_per_step"] / bw, rel=0.02)  # batch 1: weight-bound
+    assert gb.decode_step_floor(c, 64, 1024, bw, rate) > one
+    # prefill of 1024 tokens is compute-bound: ~2 * 7 GFLOP per token
+    assert gb.prefill_floor(c, 1, 1024, bw, rate) == pytest.approx(2 * 1024 * 6.98e9 / rate, rel=0.05)
+    t = gb.workload_floor(c, 300, 1000, 1000, 256, bw, rate)
+    assert 5_000 < 300 * 1000 / t < 20_000
+
+
+def test_dummy_model_dir(tmp_path):
+    d = gb.write_dummy_model_dir("tiny", tmp_path / "m")
+    cfg = from_hf_config(json.loads((d / "config.json").read_text()))
+    tiny = PRESETS["tiny"]
+    for k in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+              "num_kv_heads", "head_dim"):
+        assert getattr(cfg, k) == getattr(tiny, k), k
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(str(d / "tokenizer.json"))
+    assert tok.get_vocab_size() == tiny.vocab_size
+    ids = [5, 17, 511, 0]
+    text = tok.decode(ids)
+    assert text == "t5 t17 t511 t0" and tok.encode(text).ids == ids
+    llama = from_hf_config(json.loads(gb.write_dummy_model_dir("llama-3.1-8b", tmp_path / "l")
+                                      .joinpath("config.json").read_text()))
+    assert llama.rope_scaling == PRESETS["llama-3.1-8b"].rope_scaling
+
+
+def test_report_table():
+    merged = {"spec": gb.FULL, "date": "d", "environment": {"device": "NVIDIA H200", "jax_version": "0.11.2",
+                                                            "commit": "abcdef1234567"},
+              "stages": {
+                  "roofline": {"ok": True, "copy_bandwidth_Bps": 4.2e12, "matmul_flops_per_s": 7.5e14,
+                               "dtype": "bfloat16", "device": "H200",
+                               "floors": {"itl_batch1_ms": 3.8, "serve_c1_output_tok_s": 250.0}},
+                  "pax-offline": {"ok": True, "itl_batch1_ms": 5.0, "itl_batch8_ms": 5.5, "startup_s": 40,
+                                  "jax_compiles_during_timed_runs": 0,
+                                  "offline": {"256x(1024,128)": {"output_tok_s": 3000.0}}},
+                  "pax-serve": {"ok": False, "error": "boom", "runs": {}},
+                  "vllm-offline": {"ok": True, "itl_batch1_ms": 4.74},
+              }}
+    md = gb.markdown_table(merged)
+    assert "| batch-1 ITL (ms) | 5.00 | 4.74 | 4.74 | 3.80 |" in md
+    assert "| offline 256x(1024,128) output tok/s | 3,000 | - | 3,962 | - |" in md
+    assert "JAX compiles during timed runs (must be 0) | 0 offline |" in md
+    assert "Failed stages: pax-serve: boom" in md and "4.2 TB/s" in md
+
+
+def test_gpu_run_script_parses():
+    subprocess.run(["bash", "-n", str(ROOT / "benchmarks" / "gpu_run.sh")], check=True)
