@@ -40,6 +40,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--kv-cache-dtype", choices=["auto", "float32", "bfloat16", "fp8"])
     e.add_argument("--quantization", choices=["fp8"])
     e.add_argument("--attention-backend", choices=["auto", "reference", "pallas"])
+    e.add_argument("--token-buckets", type=_int_list, metavar="N,N,...",
+                   help="step token counts to compile (default: derived from --max-num-batched-tokens)")
+    e.add_argument("--seq-buckets", type=_int_list, metavar="N,N,...",
+                   help="step sequence counts to compile (default: derived from --max-num-seqs)")
     e.add_argument("--served-model-name")
     e.add_argument("--seed", type=int)
     e.add_argument("--max-waiting-requests", type=int,
@@ -53,6 +57,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--metrics-prefix", help="metric name prefix: paxengine (default) or vllm")
     s.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"])
     return p
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
 
 
 def parse(argv: list[str]):
