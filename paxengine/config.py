@@ -24,7 +24,6 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"        # auto (= model dtype) | float32 | bfloat16 | fp8
     quantization: str | None = None     # None | fp8
     attention_backend: str = "auto"     # auto | reference | pallas
-    layer_loop: str = "auto"            # auto (unroll on GPU, scan elsewhere) | scan | unroll
     seed: int = 0
     served_model_name: str | None = None
     compilation_cache_dir: str | None = None  # default ~/.cache/paxengine/jax

@@ -113,7 +113,7 @@ class EngineCore:
         self.runner = Runner(loaded.config, loaded.params, num_blocks=num_blocks,
                              block_size=cfg.block_size, max_model_len=self.max_model_len,
                              token_buckets=tb, seq_buckets=sb, kv_dtype=kv_dtype,
-                             attention_backend=cfg.attention_backend, layer_loop=cfg.layer_loop,
+                             attention_backend=cfg.attention_backend,
                              show_progress=cfg.show_progress)
         self.groups: dict[str, _Group] = {}
         self.seq_of: dict[str, tuple[_Group, SequenceOutput]] = {}

@@ -78,8 +78,7 @@ def make_attend(md: kernels_pallas.AttentionMetadata, backend: str, cfg: ModelCo
 class Runner:
     def __init__(self, cfg: ModelConfig, params: dict, *, num_blocks: int, block_size: int,
                  max_model_len: int, token_buckets: list[int], seq_buckets: list[int],
-                 kv_dtype, attention_backend: str = "auto", layer_loop: str = "auto",
-                 show_progress: bool = True):
+                 kv_dtype, attention_backend: str = "auto", show_progress: bool = True):
         self.cfg, self.params = cfg, params
         self.block_size = block_size
         self.max_blocks_per_seq = -(-max_model_len // block_size)
@@ -88,9 +87,6 @@ class Runner:
         self.max_rows = max(seq_buckets)
         self.prev_tokens = jnp.zeros(self.max_rows, jnp.int32)   # the last step's samples, on device
         self.backend = resolve_backend(attention_backend)
-        if layer_loop not in ("auto", "scan", "unroll"):
-            raise ValueError(f"layer_loop must be auto, scan or unroll, got {layer_loop!r}")
-        self.unroll = layer_loop == "unroll" or (layer_loop == "auto" and jax.default_backend() == "gpu")
         shape = (cfg.num_layers, cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)
         self.kv_cache = (jnp.zeros(shape, kv_dtype), jnp.zeros(shape, kv_dtype))
         self._step = jax.jit(self._step_fn, donate_argnums=(1,))
@@ -105,8 +101,7 @@ class Runner:
         # Tokens sampled by the previous step never visit the host before they are used here.
         tokens = jnp.where(prev_index >= 0, prev_tokens[jnp.maximum(prev_index, 0)], tokens)
         attend = make_attend(md, self.backend, self.cfg)
-        hidden, kv_cache = forward_hidden(params, self.cfg, tokens, positions, kv_cache, attend,
-                                          unroll=self.unroll)
+        hidden, kv_cache = forward_hidden(params, self.cfg, tokens, positions, kv_cache, attend)
         logits = compute_logits(params, self.cfg, hidden[logits_indices])
         result = sample(logits, st)
         padded = jnp.zeros(self.max_rows, jnp.int32).at[:result[0].shape[0]].set(result[0])
