@@ -18,6 +18,7 @@ import numpy as np
 from tqdm import tqdm
 
 import kernels_pallas
+from kernels_pallas.xla_attention import xla_ragged_paged_attention
 from paxengine.batch import StepArrays, bucket_pairs, pick
 from paxengine.models.config import ModelConfig
 from paxengine.models.llama import compute_logits, forward_hidden
@@ -52,10 +53,11 @@ def enable_persistent_cache(path: str | None) -> None:
 
 
 def resolve_backend(name: str) -> str:
-    if name not in ("auto", "reference", "pallas"):
-        raise ValueError(f"attention_backend must be auto, reference or pallas, got {name!r}")
+    """auto: the Pallas kernel on GPUs, the tiled XLA attention elsewhere."""
+    if name not in ("auto", "reference", "pallas", "xla"):
+        raise ValueError(f"attention_backend must be auto, reference, xla or pallas, got {name!r}")
     if name == "auto":
-        return "pallas" if jax.default_backend() == "gpu" else "reference"
+        return "pallas" if jax.default_backend() == "gpu" else "xla"
     return name
 
 
@@ -64,6 +66,8 @@ def make_attend(md: kernels_pallas.AttentionMetadata, backend: str, cfg: ModelCo
     if backend == "pallas":
         write = partial(kernels_pallas.write_kv, interpret=interpret)
         attn = partial(kernels_pallas.ragged_paged_attention, interpret=interpret)
+    elif backend == "xla":
+        write, attn = kernels_pallas.ref_write_kv, xla_ragged_paged_attention
     else:
         write, attn = kernels_pallas.ref_write_kv, kernels_pallas.ref_ragged_paged_attention
     scale = 1.0 / math.sqrt(cfg.head_dim)

@@ -39,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     _bool_pair(e, "enable-prefix-caching", "reuse KV blocks of shared prompt prefixes")
     e.add_argument("--kv-cache-dtype", choices=["auto", "float32", "bfloat16", "fp8"])
     e.add_argument("--quantization", choices=["fp8"])
-    e.add_argument("--attention-backend", choices=["auto", "reference", "pallas"])
+    e.add_argument("--attention-backend", choices=["auto", "xla", "pallas", "reference"])
     e.add_argument("--token-buckets", type=_int_list, metavar="N,N,...",
                    help="step token counts to compile (default: derived from --max-num-batched-tokens)")
     e.add_argument("--seq-buckets", type=_int_list, metavar="N,N,...",

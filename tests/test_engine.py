@@ -50,8 +50,10 @@ def check_against_oracle(llm, oracle):
 
 @pytest.fixture(scope="module")
 def llm_chunked(smollm):
-    """Prefix caching on, a 32-token budget: prompts longer than that are prefilled in chunks."""
-    return small_llm(smollm, max_num_batched_tokens=32, enable_prefix_caching=True)
+    """Prefix caching on, a 32-token budget: prompts longer than that are prefilled in chunks.
+    The default CPU attention (tiled XLA); the other engine uses the oracle's attention."""
+    return small_llm(smollm, max_num_batched_tokens=32, enable_prefix_caching=True,
+                     attention_backend="auto")
 
 
 @pytest.fixture(scope="module")
@@ -61,6 +63,7 @@ def llm_tight(smollm):
 
 
 def test_batch_matches_oracle_chunked_prefill_prefix_on(llm_chunked, oracle):
+    assert llm_chunked.engine.runner.backend == "xla"
     check_against_oracle(llm_chunked, oracle)
     # run again: now the prefixes are cached and the answers must not change
     hits = llm_chunked.engine.kv.prefix_hits
