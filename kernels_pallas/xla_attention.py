@@ -20,11 +20,13 @@ _HI = lax.Precision.HIGHEST
 
 def xla_ragged_paged_attention(q, k_cache, v_cache, layer, md: AttentionMetadata, *, sm_scale,
                                sliding_window=None, soft_cap=None, k_scale=None, v_scale=None,
-                               block_q: int = 16, pages_per_chunk: int = 8, **unused):
+                               block_q: int | None = None, pages_per_chunk: int = 8, **unused):
   T, Hq, D = q.shape
   _, Hkv, _, bs, _ = k_cache.shape
   G = Hq // Hkv
   S, P = md.block_tables.shape
+  if block_q is None:   # decode-shaped buckets hold one token per sequence: tiles of one
+    block_q = 1 if T <= 2 * S else 16
   NT = min(T, -(-(T + S * (block_q - 1)) // block_q))      # enough tiles for any ragged batch
   meta = tile_metadata(md, T, block_q, NT)
   seq, q_start, q_len, pos0, kv_len = (meta[:, i] for i in range(5))
