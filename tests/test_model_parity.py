@@ -100,6 +100,12 @@ def test_converted_weights_cache_round_trip(tmp_path):
     assert cold.config == warm.config
     np.testing.assert_array_equal(np.asarray(cold.params["layers"]["wq"]),
                                   np.asarray(warm.params["layers"]["wq"]))
+    # the tokenizer comes from the cache too, and behaves the same
+    text = "Héllo 你好 🙂 <|im_start|>user 12345"
+    assert warm.tokenizer.encode(text) == cold.tokenizer.encode(text)
+    msgs = [{"role": "user", "content": "hi"}]
+    assert warm.tokenizer.apply_chat_template(msgs) == cold.tokenizer.apply_chat_template(msgs)
+    assert warm.eos_token_ids == cold.eos_token_ids and warm.tokenizer.special_ids == cold.tokenizer.special_ids
 
 
 def test_dummy_preset_has_real_shapes():

@@ -84,18 +84,19 @@ def load_model(source: str | None = None, dtype: str = "float32", *, cache_dir: 
                                 f"config.json and *.safetensors, a .gguf file, or dummy:<preset>)")
     if path.is_file() and path.suffix != ".gguf":
         raise ValueError(f"{path}: unsupported model file (expected a .gguf file or a directory)")
-    tokenizer, eos = _load_tokenizer(path)
     cached = _cache_path(path, dtype, cache_dir) if use_cache else None
     if cached is not None and (cached / "params.safetensors").is_file():
         try:
             cfg, params = _read_cache(cached)
+            tokenizer, eos = _read_cached_tokenizer(cached, path)
             return LoadedModel(cfg, _to_device(params, dtype), tokenizer, str(path), eos, True)
         except Exception:
             pass  # a broken cache entry is rebuilt below
+    tokenizer, eos = _load_tokenizer(path)
     cfg, params = _load_gguf(path, progress) if path.is_file() else _load_hf(path, progress)
     check_shapes(params, cfg)
     if cached is not None:
-        _write_cache(cached, cfg, params, dtype)
+        _write_cache(cached, cfg, params, dtype, tokenizer, eos)
     return LoadedModel(cfg, _to_device(params, dtype), tokenizer, str(path), eos, False)
 
 
@@ -217,10 +218,18 @@ def _cache_path(path: Path, dtype: str, cache_dir: str | None) -> Path:
     return cache_root(cache_dir) / "weights" / h.hexdigest()[:24]
 
 
-def _write_cache(dst: Path, cfg: ModelConfig, params: dict, dtype: str) -> None:
+def _write_cache(dst: Path, cfg: ModelConfig, params: dict, dtype: str,
+                 tokenizer: Tokenizer | None, eos: list[int]) -> None:
     from safetensors.numpy import save_file
     try:
         dst.mkdir(parents=True, exist_ok=True)
+        if tokenizer is not None:
+            # A GGUF's tokenizer takes seconds to rebuild from its metadata: keep it too.
+            tokenizer.tok.save(str(dst / "tokenizer.json"))
+            (dst / "tokenizer_meta.json").write_text(json.dumps({
+                "bos_token": tokenizer.bos_token, "eos_token": tokenizer.eos_token,
+                "chat_template": tokenizer.chat_template, "add_bos_token": tokenizer.add_bos_token,
+                "eos_token_ids": eos}))
         tmp = dst / "params.safetensors.tmp"
         # float32 on disk (exact for every source format); the dtype cast happens on load.
         save_file({k: np.ascontiguousarray(v, dtype=np.float32) for k, v in flatten(params).items()},
@@ -229,6 +238,16 @@ def _write_cache(dst: Path, cfg: ModelConfig, params: dict, dtype: str) -> None:
         tmp.rename(dst / "params.safetensors")
     except OSError:
         pass  # a read-only home must not stop the engine; we simply convert again next time
+
+
+def _read_cached_tokenizer(dst: Path, source: Path) -> tuple[Tokenizer | None, list[int]]:
+    if not (dst / "tokenizer.json").is_file():
+        return _load_tokenizer(source)
+    from tokenizers import Tokenizer as HFTokenizer
+    meta = json.loads((dst / "tokenizer_meta.json").read_text())
+    eos = list(meta.pop("eos_token_ids"))
+    tok = Tokenizer(HFTokenizer.from_file(str(dst / "tokenizer.json")), eos_token_ids=eos, **meta)
+    return tok, list(tok.eos_token_ids)
 
 
 def _read_cache(dst: Path):
