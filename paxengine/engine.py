@@ -95,8 +95,6 @@ class EngineCore:
         if kv_dtype_name not in _DTYPES:
             raise ValueError(f"kv_cache_dtype must be auto, float32, bfloat16 or fp8, got "
                              f"{cfg.kv_cache_dtype!r}")
-        if kv_dtype_name == "fp8":
-            raise ValueError("kv_cache_dtype fp8 is not wired into the engine yet")
         kv_dtype = _DTYPES[kv_dtype_name]
         max_tokens = cfg.max_num_batched_tokens
         if max_tokens < cfg.max_num_seqs:
