@@ -3,22 +3,13 @@ from __future__ import annotations
 
 import json
 import os
-import time
 
 import jax
 import jax.numpy as jnp
 
+from benchmarks.profile_decode import timed
 from paxengine.models import llama
 from paxengine.models.loader import load_model
-
-
-def timed(fn, n=20):
-    fn()
-    t = time.perf_counter()
-    for _ in range(n):
-        r = fn()
-    jax.block_until_ready(r)
-    return (time.perf_counter() - t) / n * 1e3
 
 
 def main():
@@ -54,7 +45,6 @@ def main():
         res[f"scan_T{T}"] = timed(lambda: f1(params, tok))
         res[f"unrolled_static_slices_T{T}"] = timed(lambda: f2(params, tok))
         res[f"per_layer_arrays_T{T}"] = timed(lambda: f3(per_layer, params["embed"], tok))
-        del per_layer
     print(json.dumps(res, indent=1))
     if os.environ.get("OUT"):
         json.dump(res, open(os.path.join(os.environ["OUT"], "profile_layers.json"), "w"), indent=1)

@@ -8,7 +8,6 @@ follows the real context, and each gathered page serves a whole tile of queries.
 """
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from paxengine.batch import build_step, bucket_pairs, seq_buckets, token_buckets
+from paxengine.batch import build_step, seq_buckets, token_buckets
 from paxengine.config import EngineConfig
 from paxengine.kv_cache import KVCacheManager
 from paxengine.models.loader import load_model
