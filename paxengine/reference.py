@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from paxengine.models.config import ModelConfig
-from paxengine.models.llama import compute_logits, dense_causal_attend, forward_hidden
+from paxengine.models.llama import compute_logits, forward_hidden
 
 
 def contiguous_attend(positions: jax.Array, sliding_window: int | None):
@@ -43,16 +43,23 @@ def _cached_step(params, cfg: ModelConfig, cache, tokens, positions, last):
     return compute_logits(params, cfg, hidden[last][None])[0], cache
 
 
+def _empty_cache(params, cfg: ModelConfig, max_len: int):
+    shape = (cfg.num_layers, max_len, cfg.num_kv_heads, cfg.head_dim)
+    dtype = params["embed"].dtype
+    return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
+
+
 @partial(jax.jit, static_argnames=("cfg",))
 def _all_logits(params, cfg: ModelConfig, tokens):
     positions = jnp.arange(tokens.shape[0], dtype=jnp.int32)
-    hidden, _ = forward_hidden(params, cfg, tokens, positions, None,
-                               dense_causal_attend(cfg.sliding_window))
+    cache = _empty_cache(params, cfg, tokens.shape[0])
+    hidden, _ = forward_hidden(params, cfg, tokens, positions, cache,
+                               contiguous_attend(positions, cfg.sliding_window))
     return compute_logits(params, cfg, hidden)
 
 
 def reference_logits(params, cfg: ModelConfig, token_ids: list[int]) -> np.ndarray:
-    """Logits [T, V] (float32) for every position of one sequence (no cache at all)."""
+    """Logits [T, V] (float32) for every position of one sequence, in one pass."""
     return np.asarray(_all_logits(params, cfg, jnp.asarray(token_ids, jnp.int32)))
 
 
@@ -65,9 +72,7 @@ def reference_generate(params, cfg: ModelConfig, prompt_ids: list[int], max_new_
     """Greedy continuation of one prompt; stops at an EOS id (included) or after max_new_tokens.
     With return_logits, also the float32 logits each generated token was chosen from."""
     max_len = _bucket(len(prompt_ids) + max_new_tokens)
-    dtype = params["embed"].dtype
-    shape = (cfg.num_layers, max_len, cfg.num_kv_heads, cfg.head_dim)
-    cache = (jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+    cache = _empty_cache(params, cfg, max_len)
     n = len(prompt_ids)
     tokens = np.zeros(_bucket(n), np.int32)
     tokens[:n] = prompt_ids

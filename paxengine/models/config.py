@@ -1,7 +1,6 @@
 """Model hyper-parameters for the Llama family, read from HF config.json, GGUF metadata or a preset."""
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 SUPPORTED_ARCHS = {
@@ -35,9 +34,6 @@ class ModelConfig:
     @property
     def rope_scaling_dict(self) -> dict | None:
         return dict(self.rope_scaling) if self.rope_scaling else None
-
-    def replace(self, **kw) -> "ModelConfig":
-        return dataclasses.replace(self, **kw)
 
     def num_params(self) -> int:
         h, i, d = self.hidden_size, self.intermediate_size, self.head_dim

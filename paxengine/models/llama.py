@@ -91,22 +91,3 @@ def forward_hidden(params: dict, cfg: ModelConfig, tokens: jax.Array, positions:
 def compute_logits(params: dict, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
     head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
     return jnp.dot(hidden, head, preferred_element_type=jnp.float32)
-
-
-def dense_causal_attend(sliding_window: int | None = None) -> Attend:
-    """Plain causal self-attention over the tokens of one sequence (the oracle's path: no cache)."""
-    def attend(q, k, v, kv_cache, layer):
-        t, hq, d = q.shape
-        group = hq // k.shape[1]
-        k = jnp.repeat(k, group, axis=1)
-        v = jnp.repeat(v, group, axis=1)
-        s = jnp.einsum("qhd,khd->hqk", q.astype(jnp.float32), k.astype(jnp.float32)) / math.sqrt(d)
-        qi, ki = jnp.arange(t)[:, None], jnp.arange(t)[None, :]
-        mask = ki <= qi
-        if sliding_window:
-            mask &= qi - ki < sliding_window
-        s = jnp.where(mask[None], s, -jnp.inf)
-        p = jax.nn.softmax(s, axis=-1)
-        o = jnp.einsum("hqk,khd->qhd", p, v.astype(jnp.float32))
-        return o.astype(q.dtype), kv_cache
-    return attend
