@@ -22,7 +22,7 @@ from kernels_pallas.xla_attention import xla_ragged_paged_attention
 from paxengine.batch import StepArrays, bucket_pairs, pick
 from paxengine.models.config import ModelConfig
 from paxengine.models.llama import compute_logits, forward_hidden
-from paxengine.sampling import SamplingTensors, sample
+from paxengine.sampling import MAX_LOGIT_BIAS, MAX_STOP_IDS, SamplingTensors, sample
 
 _compile_count = 0
 
@@ -116,7 +116,6 @@ class Runner:
         f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
         md = kernels_pallas.AttentionMetadata(i32(T), i32(S, self.max_blocks_per_seq), i32(S),
                                               i32(S + 1), i32(1))
-        from paxengine.sampling import MAX_LOGIT_BIAS, MAX_STOP_IDS
         st = SamplingTensors(f32(S), i32(S), f32(S), f32(S), f32(S), f32(S), f32(S),
                              jax.ShapeDtypeStruct((S,), jnp.uint32), i32(S),
                              jax.ShapeDtypeStruct((S,), jnp.bool_), i32(S, MAX_STOP_IDS),
