@@ -1,5 +1,8 @@
 """Where does a decode step's time go? Engine ITL vs the bare compiled step vs a forward without
-attention, on dummy weights of a real model (GPU). `python -m benchmarks.profile_decode`."""
+attention vs sampling alone, on dummy weights of a real model (GPU).
+
+  python -m benchmarks.profile_decode [PRESET] [LAYER_LOOP]     (defaults: llama-3.1-8b auto)
+"""
 from __future__ import annotations
 
 import json
@@ -25,22 +28,33 @@ def main() -> int:
     from paxengine.batch import build_step
     from paxengine.models.llama import compute_logits, forward_hidden
     from paxengine.sampling import build_sampling_tensors
+    from paxengine.sampling import sample
     preset = sys.argv[1] if len(sys.argv) > 1 else "llama-3.1-8b"
-    llm = LLM(model=f"dummy:{preset}", dtype="bfloat16", max_model_len=2048, max_num_seqs=8,
-              max_num_batched_tokens=256, token_buckets=[16, 256], seq_buckets=[8],
-              num_kv_blocks=2048, show_progress=False)
+    loop = sys.argv[2] if len(sys.argv) > 2 else "auto"
+    batches = (1, 8, 64)
+    t0 = time.perf_counter()
+    llm = LLM(model=f"dummy:{preset}", dtype="bfloat16", max_model_len=2048, max_num_seqs=64,
+              max_num_batched_tokens=256, token_buckets=[16, 64, 256], seq_buckets=[8, 64],
+              num_kv_blocks=4096, show_progress=False, layer_loop=loop)
     eng = llm.engine
-    res = {"xla_flags": os.environ.get("XLA_FLAGS", ""), "preset": preset}
-    for batch in (1, 8):
+    res = {"xla_flags": os.environ.get("XLA_FLAGS", ""), "preset": preset,
+           "layer_loop": eng.runner.layer_loop, "buckets": len(eng.runner.compiled),
+           "compile_s": eng.runner.compile_seconds, "startup_s": time.perf_counter() - t0}
+    print(res, flush=True)
+    for batch in batches:
         for i in range(batch):
             eng.add_request(f"b{batch}-{i}", {"prompt_token_ids": list(range(1, 129))},
                             SamplingParams(max_tokens=400, ignore_eos=True))
-        for _ in range(10):
+        while any(r.num_computed_tokens < r.num_prompt_tokens for r in eng.scheduler.running) \
+                or eng.scheduler.waiting:
+            eng.step()
+        for _ in range(5):
             eng.step()
         t = time.perf_counter()
         for _ in range(50):
             eng.step()
         res[f"engine_step_ms_b{batch}"] = (time.perf_counter() - t) / 50 * 1e3
+        print(batch, res[f"engine_step_ms_b{batch}"], flush=True)
         out = eng.scheduler.schedule()
         T, S = eng.runner.bucket_for(out.total_tokens, len(out.requests))
         arr = build_step(out, eng.kv.block_size, T, S, eng.runner.max_blocks_per_seq,
@@ -51,6 +65,15 @@ def main() -> int:
             eng.abort(r)
         eng.inflight = None
     cfg, params = eng.model_config, eng.runner.params
+    for S in (8, 64, 256):
+        logits = jax.random.normal(jax.random.PRNGKey(0), (S, cfg.vocab_size), jnp.float32)
+        reqs = [type("R", (), {"params": SamplingParams(temperature=0), "seed": 0,
+                               "output_token_ids": [], "all_token_ids": [1],
+                               "num_prompt_tokens": 1})() for _ in range(S)]
+        st = build_sampling_tensors(reqs, S, 16, [])
+        st = jax.tree_util.tree_map(jnp.asarray, st)
+        f = jax.jit(sample)
+        res[f"sample_greedy_ms_S{S}"] = timed(lambda: f(logits, st))
 
     def noattn(q, k, v, c, l):
         return q, c
@@ -62,7 +85,7 @@ def main() -> int:
     print(json.dumps(res, indent=1))
     out_dir = os.environ.get("OUT")
     if out_dir:
-        tag = "dsfusion" if "dynamic_slice" in res["xla_flags"] else "default"
+        tag = res["layer_loop"] + ("_dsfusion" if "dynamic_slice" in res["xla_flags"] else "")
         with open(os.path.join(out_dir, f"profile_decode_{tag}.json"), "w") as f:
             json.dump(res, f, indent=1)
     return 0

@@ -24,6 +24,7 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"        # auto (= model dtype) | float32 | bfloat16 | fp8
     quantization: str | None = None     # None | fp8
     attention_backend: str = "auto"     # auto (pallas on GPU, xla elsewhere) | xla | pallas | reference
+    layer_loop: str = "auto"            # auto (unroll on GPU, scan elsewhere) | unroll | scan
     seed: int = 0
     served_model_name: str | None = None
     compilation_cache_dir: str | None = None  # default ~/.cache/paxengine/jax

@@ -16,10 +16,11 @@ from paxengine.batch import build_step, seq_buckets, token_buckets
 from paxengine.config import EngineConfig
 from paxengine.kv_cache import KVCacheManager
 from paxengine.models.loader import load_model
+from paxengine.models.weights import unstack_layers
 from paxengine.output import SequenceOutput
 from paxengine.outputs import RequestMetrics, RequestOutput
 from paxengine.request import PLACEHOLDER, Request
-from paxengine.runner import Runner, enable_persistent_cache, plan_num_blocks
+from paxengine.runner import Runner, enable_persistent_cache, plan_num_blocks, resolve_layer_loop
 from paxengine.sampling import build_sampling_tensors
 from paxengine.sampling_params import SamplingParams
 from paxengine.scheduler import Scheduler
@@ -100,6 +101,10 @@ class EngineCore:
         if max_tokens < cfg.max_num_seqs:
             raise ValueError(f"max_num_batched_tokens ({max_tokens}) must be >= max_num_seqs "
                              f"({cfg.max_num_seqs})")
+        # Before sizing the KV pool: the per-layer split must not leave a stacked copy behind.
+        params = loaded.params
+        if resolve_layer_loop(cfg.layer_loop) == "unroll":
+            params = unstack_layers(params)
         num_blocks = plan_num_blocks(loaded.config, cfg.block_size, kv_dtype,
                                      num_kv_blocks=cfg.num_kv_blocks,
                                      kv_cache_memory_bytes=cfg.kv_cache_memory_bytes,
@@ -108,7 +113,7 @@ class EngineCore:
         self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, max_tokens, self.max_model_len)
         tb = cfg.token_buckets or token_buckets(max_tokens)
         sb = cfg.seq_buckets or seq_buckets(cfg.max_num_seqs)
-        self.runner = Runner(loaded.config, loaded.params, num_blocks=num_blocks,
+        self.runner = Runner(loaded.config, params, num_blocks=num_blocks,
                              block_size=cfg.block_size, max_model_len=self.max_model_len,
                              token_buckets=tb, seq_buckets=sb, kv_dtype=kv_dtype,
                              attention_backend=cfg.attention_backend,

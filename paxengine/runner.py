@@ -6,9 +6,11 @@ executable can never trace again, so nothing compiles while serving.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 
@@ -61,6 +63,26 @@ def resolve_backend(name: str) -> str:
     return name
 
 
+def resolve_layer_loop(name: str) -> str:
+    """auto: unrolled per-layer weights on GPUs (XLA copies scanned weights there), scan elsewhere
+    (compile time does not grow with depth, which the CPU tests need)."""
+    if name not in ("auto", "scan", "unroll"):
+        raise ValueError(f"layer_loop must be auto, scan or unroll, got {name!r}")
+    if name == "auto":
+        return "unroll" if jax.default_backend() == "gpu" else "scan"
+    return name
+
+
+def allocate_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int, kv_dtype, layer_loop: str):
+    """scan: one (k, v) pair of [L, Hkv, NB, bs, D]; unroll: a list of L pairs of [1, ...] (each
+    layer writes its own donated buffer in place)."""
+    if layer_loop == "scan":
+        shape = (cfg.num_layers, cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)
+        return (jnp.zeros(shape, kv_dtype), jnp.zeros(shape, kv_dtype))
+    shape = (1, cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)
+    return [(jnp.zeros(shape, kv_dtype), jnp.zeros(shape, kv_dtype)) for _ in range(cfg.num_layers)]
+
+
 def make_attend(md: kernels_pallas.AttentionMetadata, backend: str, cfg: ModelConfig):
     interpret = jax.default_backend() != "gpu"
     if backend == "pallas":
@@ -83,6 +105,8 @@ class Runner:
     def __init__(self, cfg: ModelConfig, params: dict, *, num_blocks: int, block_size: int,
                  max_model_len: int, token_buckets: list[int], seq_buckets: list[int],
                  kv_dtype, attention_backend: str = "auto", show_progress: bool = True):
+        """params: stacked layers (scanned) or a list of per-layer dicts (unrolled), see
+        `weights.unstack_layers`; the KV cache takes the same layout."""
         self.cfg, self.params = cfg, params
         self.block_size = block_size
         self.max_blocks_per_seq = -(-max_model_len // block_size)
@@ -91,10 +115,11 @@ class Runner:
         self.max_rows = max(seq_buckets)
         self.prev_tokens = jnp.zeros(self.max_rows, jnp.int32)   # the last step's samples, on device
         self.backend = resolve_backend(attention_backend)
-        shape = (cfg.num_layers, cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)
-        self.kv_cache = (jnp.zeros(shape, kv_dtype), jnp.zeros(shape, kv_dtype))
+        self.layer_loop = "unroll" if isinstance(params["layers"], (list, tuple)) else "scan"
+        self.kv_cache = allocate_kv_cache(cfg, num_blocks, block_size, kv_dtype, self.layer_loop)
         self._step = jax.jit(self._step_fn, donate_argnums=(1,))
         self.compiled: dict[tuple[int, int], object] = {}
+        self._no_history: dict[int, jax.Array] = {}   # S -> [S, H] of -1 (no penalties)
         self.compile_seconds = 0.0
         self._compile_all(show_progress)
         self.compiles_after_warmup = compile_count()
@@ -125,11 +150,21 @@ class Runner:
         return i32(T), i32(T), md, i32(S), st, i32(T), i32(self.max_rows)
 
     def _compile_all(self, show_progress: bool) -> None:
+        """Traces each bucket in turn (tracing holds the GIL) and compiles them on a thread pool
+        (XLA's compile releases it): an unrolled 8B model's buckets compile side by side."""
         t0 = time.perf_counter()
         pairs = bucket_pairs(self.token_buckets, self.seq_buckets)
-        for T, S in tqdm(pairs, desc="compiling step buckets", disable=not show_progress):
-            self.compiled[(T, S)] = self._step.lower(self.params, self.kv_cache,
-                                                     *self._abstract_inputs(T, S)).compile()
+        workers = max(1, min(len(pairs), (os.cpu_count() or 1) // 2, 8))
+        bar = tqdm(total=len(pairs), desc="compiling step buckets", disable=not show_progress)
+        with ThreadPoolExecutor(workers) as pool:
+            futures = {}
+            for T, S in pairs:
+                lowered = self._step.lower(self.params, self.kv_cache, *self._abstract_inputs(T, S))
+                futures[(T, S)] = pool.submit(lowered.compile)
+            for key, fut in futures.items():
+                self.compiled[key] = fut.result()
+                bar.update(1)
+        bar.close()
         self.compile_seconds = time.perf_counter() - t0
 
     # -- running a step -------------------------------------------------------------------------
@@ -146,6 +181,10 @@ class Runner:
                                               arrays.seq_lens, arrays.query_start_loc,
                                               arrays.num_seqs)
         fn = self.compiled[(T, S)]
+        if st.history is None:
+            if S not in self._no_history:
+                self._no_history[S] = jnp.full((S, self.history_len), -1, jnp.int32)
+            st = dataclasses.replace(st, history=self._no_history[S])
         self.kv_cache, result, self.prev_tokens = fn(
             self.params, self.kv_cache, arrays.tokens, arrays.positions, md, arrays.logits_indices,
             st, arrays.prev_index, self.prev_tokens)

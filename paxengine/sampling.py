@@ -35,7 +35,7 @@ class SamplingTensors:
     stop_ids: jax.Array         # [S, MAX_STOP_IDS] i32, -1 padded
     bias_ids: jax.Array         # [S, MAX_LOGIT_BIAS] i32, -1 padded
     bias_vals: jax.Array        # [S, MAX_LOGIT_BIAS] f32
-    history: jax.Array          # [S, H] i32: prompt + output token ids, -1 padded (penalties)
+    history: jax.Array | None   # [S, H] i32: prompt + output token ids, -1 padded (penalties)
     num_prompt: jax.Array       # [S] i32: how many of history are prompt tokens
     use_penalties: jax.Array    # () bool: any row has a penalty (skip the [S, V] work otherwise)
     use_top: jax.Array          # () bool: any row uses top-k / top-p (skip the sort otherwise)
@@ -82,7 +82,8 @@ def process_logits(logits: jax.Array, st: SamplingTensors) -> jax.Array:
     """Raw logits [S, V] -> the logits that are sampled from (before temperature)."""
     s, v = logits.shape
     logits = logits.astype(jnp.float32)
-    logits = jax.lax.cond(st.use_penalties, _apply_penalties, lambda l, _: l, logits, st)
+    if st.history is not None:   # None: built without penalties and used outside the runner
+        logits = jax.lax.cond(st.use_penalties, _apply_penalties, lambda l, _: l, logits, st)
     rows = jnp.arange(s)[:, None]
     ban = jnp.where(st.ban_stop[:, None] & (st.stop_ids >= 0), st.stop_ids, v)
     logits = logits.at[rows, ban].set(-jnp.inf, mode="drop")
@@ -138,8 +139,6 @@ def build_sampling_tensors(rows: list, num_rows: int, history_len: int,
     bias_ids = np.full((s, MAX_LOGIT_BIAS), -1, np.int32)
     bias_vals = np.zeros((s, MAX_LOGIT_BIAS), np.float32)
     penalties = False
-    # Always [S, H] (fixed shapes, no recompiles); only filled when a row uses a penalty.
-    history = np.full((s, history_len), -1, np.int32)
     num_prompt = np.zeros(s, np.int32)
     for i, req in enumerate(rows):
         p = req.params
@@ -161,7 +160,11 @@ def build_sampling_tensors(rows: list, num_rows: int, history_len: int,
             items = list(p.logit_bias.items())[:MAX_LOGIT_BIAS]
             bias_ids[i, :len(items)] = [k for k, _ in items]
             bias_vals[i, :len(items)] = [v for _, v in items]
+    # [S, H] only when a row uses a penalty; else None, and the runner passes a resident device
+    # array of the same shape (no recompiles, and no S x max_model_len upload every step).
+    history = None
     if penalties:
+        history = np.full((s, history_len), -1, np.int32)
         for i, req in enumerate(rows):
             toks = req.all_token_ids[:history_len]
             history[i, :len(toks)] = toks

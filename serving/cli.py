@@ -40,6 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--kv-cache-dtype", choices=["auto", "float32", "bfloat16", "fp8"])
     e.add_argument("--quantization", choices=["fp8"])
     e.add_argument("--attention-backend", choices=["auto", "xla", "pallas", "reference"])
+    e.add_argument("--layer-loop", choices=["auto", "scan", "unroll"],
+                   help="unrolled per-layer weights (auto on GPU) or a scan over stacked ones")
     e.add_argument("--token-buckets", type=_int_list, metavar="N,N,...",
                    help="step token counts to compile (default: derived from --max-num-batched-tokens)")
     e.add_argument("--seq-buckets", type=_int_list, metavar="N,N,...",

@@ -63,6 +63,25 @@ def stack_layers(per_layer: list[dict], cfg: ModelConfig) -> dict:
     return out
 
 
+def unstack_layers(params: dict) -> dict:
+    """The stacked layout -> the per-layer one (`params["layers"]` a list of dicts).
+
+    Consumes `params`: each stacked array leaves its dict as soon as it is split, so on a device
+    the peak is the model plus one stacked tensor, not two models.
+    """
+    stacked = params["layers"]
+    if isinstance(stacked, (list, tuple)):
+        return params
+    num_layers = next(iter(stacked.values())).shape[0]
+    per_layer: list[dict] = [{} for _ in range(num_layers)]
+    for name in list(stacked):
+        arr = stacked.pop(name)
+        for i in range(num_layers):
+            per_layer[i][name] = arr[i]
+        del arr
+    return {**params, "layers": per_layer}
+
+
 def flatten(params: dict, prefix: str = "") -> dict:
     flat = {}
     for k, v in params.items():
