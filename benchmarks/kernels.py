@@ -1,6 +1,7 @@
 """Benchmark of the paxengine Pallas attention kernels (Llama-3.1-8B attention shapes).
 
   python -m benchmarks.kernels [--quick] [--sweep full|small|none] [--out DIR]
+  python -m benchmarks.kernels --tune [--quick] [--budget S] [--out DIR]   (tuning sweep)
 
 Per shape: median time (20 calls per sync, median of reps), effective KV bandwidth (bytes of KV
 pages the step must read / time), % of the copy bandwidth measured in the same run; the same
@@ -12,6 +13,7 @@ On a CPU it runs a tiny smoke version in interpret mode.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import itertools
 import json
@@ -27,6 +29,7 @@ import jax.numpy as jnp
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from kernels_pallas import (AttentionMetadata, ragged_paged_attention,  # noqa: E402
                             ref_ragged_paged_attention, ref_write_kv, write_kv)
+from kernels_pallas.attention import default_tuning, resolve_tuning  # noqa: E402
 from kernels_pallas.testing import make_batch, rel_err  # noqa: E402
 
 HQ, HKV, D, BS = 32, 8, 128, 16
@@ -261,6 +264,10 @@ def main():
   ap.add_argument("--only", default="", help="comma list of shape names to run")
   ap.add_argument("--timing", default="calls", choices=["calls", "loop"])
   ap.add_argument("--upstream", default="sweep", choices=["sweep", "best"])
+  ap.add_argument("--tune", action="store_true",
+                  help="default vs candidate tunings per shape (see TUNE_CANDIDATES)")
+  ap.add_argument("--budget", type=float, default=115.0,
+                  help="--tune: wall seconds after which remaining candidates are skipped")
   args = ap.parse_args()
   global TIMING
   TIMING = args.timing
@@ -272,6 +279,9 @@ def main():
                 timing=args.timing,
                 shapes=dict(num_heads=HQ, num_kv_heads=HKV, head_dim=D, block_size=BS,
                             dtype="bfloat16"))
+  if args.tune:
+    result["mode"] = "tune"
+    return tune_main(args, result, dev, t_start)
   result["correctness"] = correctness_suite()
   bw = copy_bandwidth()
   result["copy_bw_TBps"] = bw / 1e12
@@ -433,12 +443,166 @@ def main():
   save(result, rows, args.out, dev)
 
 
-def save(result, rows, out, dev):
+# ---------------------------------------------------------------------------------------------
+# --tune: the current default vs candidate tunings / kernel variants, per shape.
+#
+# Each candidate is a dict of Tuning overrides (kernels_pallas.attention.Tuning fields) on top of
+# default_tuning(shape); rows report the fully resolved Tuning, so a winner maps 1:1 onto
+# default_tuning. Every candidate is compiled ONCE: a jitted fori_loop of `iters` calls whose
+# last output is checked against the oracle (bf16 rel. error < 2e-3) and whose wall time / iters
+# is the time. Candidates run round-robin over the shapes (the first ones matter most), under a
+# wall-clock budget: what does not fit is skipped and listed.
+
+TUNE_SHAPES = {   # name: (seqs [(q_len, kv_len)], T, S)
+    "decode_b64_ctx2048": ([(1, 2048)] * 64, 64, 64),
+    "prefill_2048": ([(2048, 2048)], 2048, 1),
+    "decode_b8_ctx8192": ([(1, 8192)] * 8, 8, 8),
+    "chunk_512_ctx4096": ([(512, 4096)], 512, 1),
+    "decode_b256_ctx512": ([(1, 512)] * 256, 256, 256),
+    "decode_b64_ctx512": ([(1, 512)] * 64, 64, 64),
+    "mixed_60dec2048_448pf": ([(1, 2048)] * 60 + [(448, 1024)], 512, 64),
+}
+TUNE_QUICK = {
+    "decode_b4_ctx64": ([(1, 64)] * 4, 4, 4),
+    "prefill_64": ([(64, 64)], 64, 1),
+    "mixed_q": ([(1, 100)] * 3 + [(29, 50)], 32, 4),
+}
+_OLD_LOOP = dict(split_mask=False, reverse_tiles=False)   # the run-3 kernel's loop structure
+_F16 = dict(pv_fp16=True)
+TUNE_CANDIDATES = {   # in priority order; {} = the current default
+    "decode_b64_ctx2048": [{}, _OLD_LOOP, dict(num_stages=3), dict(k_splits=2),
+                           dict(block_k=64, num_stages=4), dict(num_warps=8), _F16,
+                           dict(pv_split=False)],
+    "prefill_2048": [{}, _OLD_LOOP, _F16, dict(pv_split=False),
+                     dict(_F16, block_q=32, block_k=64, num_warps=8, num_stages=2),
+                     dict(_F16, block_q=32, block_k=64, num_warps=8, num_stages=3),
+                     dict(_F16, block_q=32, block_k=128, num_warps=8, num_stages=2),
+                     dict(_F16, block_k=128), dict(_F16, block_k=32, num_stages=3),
+                     dict(reverse_tiles=False), dict(block_q=32, block_k=64, num_warps=8)],
+    "decode_b8_ctx8192": [{}, _OLD_LOOP, dict(k_splits=4), dict(num_stages=3),
+                          dict(k_splits=16), dict(block_k=64, num_stages=4)],
+    "chunk_512_ctx4096": [{}, _F16, dict(pv_split=False),
+                          dict(_F16, block_q=32, block_k=64, num_warps=8, num_stages=2),
+                          dict(_F16, block_q=32, block_k=64, num_warps=8, num_stages=3),
+                          dict(_F16, block_q=32, block_k=128, num_warps=8, num_stages=2),
+                          dict(_F16, block_k=128)],
+    "decode_b256_ctx512": [{}, _OLD_LOOP, dict(num_stages=3), dict(block_k=64, num_stages=4),
+                           _F16],
+    "decode_b64_ctx512": [{}, _OLD_LOOP, dict(k_splits=2), dict(num_stages=3),
+                          dict(block_k=64, num_stages=4)],
+    "mixed_60dec2048_448pf": [{}, dict(mixed_split=True), _OLD_LOOP, _F16,
+                              dict(mixed_split=True, pv_fp16=True)],
+}
+TUNE_QUICK_CANDIDATES = [{}, _OLD_LOOP, dict(_F16, block_k=32), dict(k_splits=2, block_q=4),
+                         dict(mixed_split=True)]
+
+
+def _loop_fn(tun, iters):
+  """One jit: `iters` chained calls (q carries a zero dependency); returns the last output."""
+  f = functools.partial(ragged_paged_attention, sm_scale=D ** -0.5, interpret=INTERP, **tun)
+
+  @jax.jit
+  def many(q, kc, vc, md):
+    def body(i, c):
+      q, _ = c
+      o = f(q, kc, vc, jnp.int32(0), md)
+      return q.at[0, 0, 0].add((o[0, 0, 0] * 0).astype(q.dtype)), o
+    return jax.lax.fori_loop(0, iters, body, (q, jnp.zeros_like(q)))[1]
+  return many
+
+
+def tune_main(args, result, dev, t_start):
+  shapes = TUNE_QUICK if args.quick else TUNE_SHAPES
+  if args.only:
+    shapes = {k: v for k, v in shapes.items() if k in args.only.split(",")}
+  iters, reps = (2, 1) if args.quick else (20, 5)
+  data, rows = {}, {}
+  for i, (name, (seqs, T, S)) in enumerate(shapes.items()):
+    q, kc, vc, md = build(seqs, T, S, 100 + i)
+    n = sum(ql for ql, _ in seqs)
+    ref = jax.jit(lambda q, kc, vc, md: ref_ragged_paged_attention(
+        q.astype(jnp.float32), kc, vc, 0, md, sm_scale=D ** -0.5))(q, kc, vc, md)
+    jax.block_until_ready(ref)
+    dflt = dataclasses.asdict(default_tuning(T, S, HQ, HKV, D, BS))
+    data[name] = (q, kc, vc, md, ref, n)
+    rows[name] = dict(name=name, T=T, S=S, kv_bytes=kv_bytes(seqs), flops=attn_flops(seqs),
+                      default_tuning=dflt, candidates=[], skipped=[])
+  log(f"tune: {len(shapes)} shapes, data + oracle ready [{time.time() - t_start:.0f}s]")
+  cands = {k: (TUNE_QUICK_CANDIDATES if args.quick else TUNE_CANDIDATES[k]) for k in shapes}
+  seen = {k: set() for k in shapes}
+  for rnd in range(max(len(c) for c in cands.values())):
+    for name in shapes:
+      if rnd >= len(cands[name]):
+        continue
+      over = cands[name][rnd]
+      row = rows[name]
+      try:
+        tun = dataclasses.asdict(resolve_tuning(row["T"], row["S"], HQ, HKV, D, BS, **over))
+      except Exception as e:  # noqa: BLE001
+        log(f"  {name} {over}: bad tuning {e}")
+        continue
+      key = tuple(sorted(tun.items()))
+      if key in seen[name]:
+        continue
+      seen[name].add(key)
+      if time.time() - t_start > args.budget:
+        row["skipped"].append(over)
+        continue
+      q, kc, vc, md, ref, n = data[name]
+      c = dict(overrides=over, tuning=tun)
+      t0 = time.time()
+      try:
+        f = _loop_fn(tun, iters)
+        out = jax.block_until_ready(f(q, kc, vc, md))
+        c["compile_s"] = time.time() - t0
+        err = rel_err(out, ref, n)
+        fin = bool(jnp.all(jnp.isfinite(out.astype(jnp.float32))))
+        pad0 = bool(jnp.all(out[n:] == 0))
+        c.update(rel_err=err, finite=fin, padding_zero=pad0, ok=fin and pad0 and err < 2e-3)
+        ts = []
+        for _ in range(reps):
+          t1 = time.perf_counter()
+          jax.block_until_ready(f(q, kc, vc, md))
+          ts.append((time.perf_counter() - t1) / iters)
+        t = float(np.median(ts))
+        c.update(us=t * 1e6, TBps=row["kv_bytes"] / t / 1e12, TFLOPs=row["flops"] / t / 1e12)
+      except Exception as e:  # noqa: BLE001 -- a config that does not compile is logged
+        c.update(ok=False, error=f"{type(e).__name__}: {str(e)[:300]}")
+      row["candidates"].append(c)
+      log(f"  {name:22s} {str(over):70s} "
+          + (f"{c['us']:8.1f} us {c['TBps']:5.2f} TB/s {c['TFLOPs']:6.1f} TFLOP/s "
+             f"err={c['rel_err']:.2e} {'ok' if c['ok'] else 'FAIL'}" if "us" in c
+             else c.get("error", "")[:120])
+          + f"  [{time.time() - t_start:.0f}s]")
+      result["tune"] = list(rows.values())
+      save(result, [], args.out, dev, fname="kernels_tune")
+  # summary: best correct candidate per shape vs the default
+  log("\n| shape | default us | best us | speedup | TB/s | TFLOP/s | best overrides |")
+  log("|---|---|---|---|---|---|---|")
+  for name, row in rows.items():
+    good = [c for c in row["candidates"] if c.get("ok")]
+    d = next((c for c in row["candidates"] if c["overrides"] == {} and "us" in c), None)
+    if not good:
+      log(f"| {name} | {d['us'] if d else float('nan'):.1f} | - | - | - | - | none ok |")
+      continue
+    b = min(good, key=lambda c: c["us"])
+    row["best"] = b
+    du = d["us"] if d else float("nan")
+    log(f"| {name} | {du:.1f} | {b['us']:.1f} | {du / b['us']:.2f}x | {b['TBps']:.2f} |"
+        f" {b['TFLOPs']:.0f} | {b['overrides']} |")
+    if row["skipped"]:
+      log(f"|   (skipped for time: {row['skipped']}) |")
+  result["tune"] = list(rows.values())
+  result["wall_s"] = time.time() - t_start
+  save(result, [], args.out, dev, fname="kernels_tune")
+
+
+def save(result, rows, out, dev, fname="kernels"):
   result["rows"] = rows
   result["log"] = LOG
   os.makedirs(out, exist_ok=True)
-  fname = ("kernels_h200.json" if "H200" in dev.device_kind
-           else f"kernels_{jax.default_backend()}.json")
+  fname = (f"{fname}_h200.json" if "H200" in dev.device_kind
+           else f"{fname}_{jax.default_backend()}.json")
   with open(os.path.join(out, fname), "w") as f:
     json.dump(result, f, indent=1, default=str)
 

@@ -20,6 +20,11 @@ Work decomposition (all static shapes; the data decides which programs do work):
   softmax in fp32 (exp2 domain).
 * Split-K (flash-decoding): with k_splits > 1 each program takes 1/k_splits of the tile's KV
   blocks and writes un-normalised partials (acc, m, l); a small jnp combine merges them.
+* split_mask: the KV blocks that no row of the tile masks run in a mask-free loop (V loaded
+  straight into the dot); the diagonal, last and window-edge blocks in a masked one.
+* reverse_tiles: programs take tiles last-first (longest causal ranges first).
+* Padding tokens are covered by padding tiles (kv_len 0) that store zeros: the kernel writes
+  every output row, no masking pass follows.
 
 Why Triton and not Mosaic GPU: the Triton lowering runs unchanged on jax 0.10.2 (CPU CI,
 interpret mode) and 0.11.2 (the H200), supports gathers through ref indexing (`ref[row_vec]`)
@@ -39,7 +44,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from kernels_pallas.metadata import AttentionMetadata, count_le, token_to_seq
+from kernels_pallas.metadata import AttentionMetadata, count_le
 
 LOG2E = 1.4426950408889634
 MASK_VALUE = -1e30
@@ -57,6 +62,23 @@ class Tuning:
   num_warps: int
   num_stages: int
   pv_split: bool = True   # P as bf16 hi + lo parts in the PV product (see _rpa_kernel)
+  # KV blocks that no query row of the tile masks (all causal-visible, inside the window,
+  # below kv_len) run a loop without masks, with V going straight to the dot; only the
+  # boundary blocks pay for the masks. False: one masked loop (the run-3 kernel).
+  split_mask: bool = True
+  # Launch tiles in reverse order: a sequence's last tiles have the longest causal KV range,
+  # so the longest programs start first (LPT) instead of forming the tail of the grid.
+  reverse_tiles: bool = True
+  # bf16 only: the PV product in fp16 (P and V; V clamped to +-65280, exact for |v| in
+  # [6e-5, 65280]): 11 mantissa bits of P in ONE dot, instead of pv_split's two bf16 dots.
+  pv_fp16: bool = False
+  # Mixed buckets (T > 2 S, k_splits 1): sequences with <= decode block_q query tokens go to a
+  # first launch with decode tiles (decode default tuning, one tile per sequence slot, M = 16),
+  # the rest to a second launch with this tuning, writing into the first one's output.
+  mixed_split: bool = False
+
+
+TUNING_FIELDS = tuple(f.name for f in dataclasses.fields(Tuning))
 
 
 def default_tuning(T: int, S: int, Hq: int, Hkv: int, D: int, block_size: int,
@@ -76,12 +98,32 @@ def default_tuning(T: int, S: int, Hq: int, Hkv: int, D: int, block_size: int,
   return Tuning(block_q, max(64, block_size), 1, 4, 2)
 
 
-def tile_metadata(md: AttentionMetadata, num_tokens: int, block_q: int, num_tiles: int):
-  """[num_tiles, 8] int32: seq, first token, tokens in tile, first position, kv_len, 0, 0, 0."""
+def resolve_tuning(T: int, S: int, Hq: int, Hkv: int, D: int, block_size: int,
+                   num_sms: int = 132, **overrides) -> Tuning:
+  """default_tuning with the fields given (not None) replaced."""
+  tun = default_tuning(T, S, Hq, Hkv, D, block_size, num_sms)
+  bad = set(overrides) - set(TUNING_FIELDS)
+  if bad:
+    raise TypeError(f"unknown tuning fields {sorted(bad)}")
+  return dataclasses.replace(tun, **{k: v for k, v in overrides.items() if v is not None})
+
+
+def tile_metadata(md: AttentionMetadata, num_tokens: int, block_q: int, num_tiles: int,
+                  pad_tiles: bool = False, min_q_len: int = 1):
+  """[num_tiles, 8] int32: seq, first token, tokens in tile, first position, kv_len, 0, 0, 0.
+
+  Unused tiles have 0 tokens. Sequences with fewer than `min_q_len` query tokens get no tile. pad_tiles=True (the kernel): tiles past the live sequences'
+  tiles cover the padding tokens [qsl[num_seqs], T) with kv_len 0: their programs run no KV step and store zeros, so every output row is written by
+  the kernel (no masking pass afterwards). There are always enough of them: with
+  num_tiles = cdiv(T + S (block_q - 1), block_q) the unused tiles span >= T - live tokens rows;
+  with num_tiles = T, each used tile holds >= 1 live token.
+  """
   qsl = md.query_start_loc
   S = md.seq_lens.shape[0]
   live = jnp.arange(S, dtype=jnp.int32) < md.num_seqs[0]
   q_lens = jnp.where(live, qsl[1:] - qsl[:-1], 0)
+  if min_q_len > 1:
+    q_lens = jnp.where(q_lens >= min_q_len, q_lens, 0)
   n_tiles = (q_lens + block_q - 1) // block_q
   cum = jnp.cumsum(n_tiles)
   j = jnp.arange(num_tiles, dtype=jnp.int32)
@@ -89,12 +131,35 @@ def tile_metadata(md: AttentionMetadata, num_tokens: int, block_q: int, num_tile
   local = j - (cum[s] - n_tiles[s])
   valid = j < cum[-1]
   q_start = qsl[s] + local * block_q
-  q_len = jnp.where(valid, jnp.clip(qsl[s] + q_lens[s] - q_start, 0, block_q), 0)
+  q_len = jnp.clip(qsl[s] + q_lens[s] - q_start, 0, block_q)
   kv_len = md.seq_lens[s]
   pos0 = kv_len - q_lens[s] + local * block_q
-  q_start = jnp.where(valid, q_start, 0)
+  if not pad_tiles:
+    q_start = jnp.where(valid, q_start, 0)
+    q_len = jnp.where(valid, q_len, 0)
+    z = jnp.zeros_like(j)
+    return jnp.stack([s, q_start, q_len, pos0, kv_len, z, z, z], axis=1).astype(jnp.int32)
+  n_live = qsl[md.num_seqs[0]]
+  pad_start = n_live + (j - cum[-1]) * block_q
+  q_start = jnp.where(valid, q_start, jnp.minimum(pad_start, num_tokens))
+  q_len = jnp.where(valid, q_len, jnp.clip(num_tokens - pad_start, 0, block_q))
+  pos0 = jnp.where(valid, pos0, 0)
+  kv_len = jnp.where(valid, kv_len, 0)
   z = jnp.zeros_like(j)
   return jnp.stack([s, q_start, q_len, pos0, kv_len, z, z, z], axis=1).astype(jnp.int32)
+
+
+def decode_tile_metadata(md: AttentionMetadata, block_q: int):
+  """[S, 8] like tile_metadata: one tile per sequence slot holding all of its query tokens if
+  it has at most block_q of them (decode), else none (0 tokens)."""
+  qsl = md.query_start_loc
+  S = md.seq_lens.shape[0]
+  s = jnp.arange(S, dtype=jnp.int32)
+  q_lens = jnp.where(s < md.num_seqs[0], qsl[1:] - qsl[:-1], 0)
+  q_len = jnp.where(q_lens <= block_q, q_lens, 0)
+  z = jnp.zeros_like(s)
+  return jnp.stack([s, qsl[:-1], q_len, md.seq_lens - q_lens, md.seq_lens, z, z, z],
+                   axis=1).astype(jnp.int32)
 
 
 def _row_index(rows, D):
@@ -106,9 +171,14 @@ def _row_index(rows, D):
 
 def _rpa_kernel(meta_ref, bt_ref, scal_ref, fscal_ref, q_ref, k_ref, v_ref, *out_refs,
                 T, Hq, Hkv, G, G_pad, NB, bs, P, block_q, block_k, k_splits, sm_scale,
-                sliding_window, soft_cap, compute_dtype, pv_split):
+                sliding_window, soft_cap, compute_dtype, pv_split, split_mask, reverse_tiles,
+                pv_fp16, num_tiles, has_out_in):
+  if has_out_in:       # the output buffer passed in (aliased): rows this launch does not own
+    out_refs = out_refs[1:]
   h = pl.program_id(0)
   j = pl.program_id(1)
+  if reverse_tiles:
+    j = num_tiles - 1 - j
   sp = pl.program_id(2)
   M = block_q * G_pad
 
@@ -149,44 +219,84 @@ def _rpa_kernel(meta_ref, bt_ref, scal_ref, fscal_ref, q_ref, k_ref, v_ref, *out
 
   scale = sm_scale * k_scale
   precision = lax.Precision.HIGHEST if compute_dtype == jnp.float32 else None
+  fp16_pv = pv_fp16 and compute_dtype != jnp.float32
+  kv_is_compute = k_ref.dtype == compute_dtype
 
-  def body(b, carry):
+  def body(b, carry, masked):
     acc, m_prev, l_prev = carry
     kv = b * block_k + jnp.arange(block_k, dtype=jnp.int32)      # absolute KV positions
-    kv_ok = kv < kv_len
     page = bt_ref[seq * P + jnp.minimum(kv // bs, P - 1)]
     rows = (head_base + page) * bs + kv % bs
-    k = k_ref[rows].astype(compute_dtype)                         # [block_k, D]
-    # V rows past kv_len may hold anything (NaN bit patterns too): zero them, since p == 0
-    # there would still give 0 * NaN = NaN in the PV product.
-    v = jnp.where(kv_ok[:, None], v_ref[rows].astype(compute_dtype), 0)
+    k = k_ref[rows]                                               # [block_k, D]
+    if not kv_is_compute:
+      k = k.astype(compute_dtype)
+    if masked:
+      # V rows past kv_len may hold anything (NaN bit patterns too): load zeros there, since
+      # p == 0 would still give 0 * NaN = NaN in the PV product.
+      # (fp8: the Triton lowering cannot make an fp8 `other`, so zero after the upcast.)
+      kv_ok = kv < kv_len
+      if kv_is_compute:
+        v = plt.load(v_ref.at[_row_index(rows, D)],
+                     mask=jnp.broadcast_to(kv_ok[:, None], (block_k, D)), other=0.0)
+      else:
+        v = jnp.where(kv_ok[:, None], v_ref[rows].astype(compute_dtype), 0)
+    else:
+      v = v_ref[rows]
     s = jnp.dot(q, k.T, preferred_element_type=jnp.float32, precision=precision)
     if soft_cap is not None:
       s = jnp.tanh(s * (scale / soft_cap)) * (soft_cap * LOG2E)
     else:
       s = s * (scale * LOG2E)
-    mask = (kv[None, :] <= q_pos[:, None]) & kv_ok[None, :]
-    if sliding_window is not None:
-      mask &= kv[None, :] > (q_pos[:, None] - sliding_window)
-    s = jnp.where(mask, s, MASK_VALUE)
+    if masked:
+      mask = (kv[None, :] <= q_pos[:, None]) & kv_ok[None, :]
+      if sliding_window is not None:
+        mask &= kv[None, :] > (q_pos[:, None] - sliding_window)
+      s = jnp.where(mask, s, MASK_VALUE)
     m_new = jnp.maximum(m_prev, jnp.max(s, axis=1))
     alpha = jnp.exp2(m_prev - m_new)
     p = jnp.exp2(s - m_new[:, None])
     l_new = l_prev * alpha + jnp.sum(p, axis=1)
-    p_hi = p.astype(compute_dtype)
-    pv = jnp.dot(p_hi, v, preferred_element_type=jnp.float32, precision=precision)
-    if pv_split and compute_dtype != jnp.float32:
-      # P = hi + lo in two 16-bit parts: the PV product keeps ~16 mantissa bits of P instead of
-      # 8 (a bf16 P alone costs ~1e-3 relative error on averaged, cancelling V rows).
-      p_lo = (p - p_hi.astype(jnp.float32)).astype(compute_dtype)
-      pv += jnp.dot(p_lo, v, preferred_element_type=jnp.float32)
+    if fp16_pv:
+      # fp16 has 11 significant bits (bf16: 8): P's rounding error drops 8x in one dot. V is
+      # clamped first (bf16 +-65280 is exact in fp16) so an outlier cannot become inf.
+      if v.dtype == jnp.bfloat16:
+        v = jnp.clip(v, -65280.0, 65280.0)
+      pv = jnp.dot(p.astype(jnp.float16), v.astype(jnp.float16),
+                   preferred_element_type=jnp.float32)
+    else:
+      if not kv_is_compute:
+        v = v.astype(compute_dtype)
+      p_hi = p.astype(compute_dtype)
+      pv = jnp.dot(p_hi, v, preferred_element_type=jnp.float32, precision=precision)
+      if pv_split and compute_dtype != jnp.float32:
+        # P = hi + lo in two 16-bit parts: the PV product keeps ~16 mantissa bits of P instead
+        # of 8 (a bf16 P alone costs ~1e-3 relative error on averaged, cancelling V rows).
+        p_lo = (p - p_hi.astype(jnp.float32)).astype(compute_dtype)
+        pv += jnp.dot(p_lo, v, preferred_element_type=jnp.float32)
     acc = acc * alpha[:, None] + pv
     return acc, m_new, l_new
 
-  acc = jnp.zeros((M, D), jnp.float32)
-  m_i = jnp.full((M,), MASK_VALUE, jnp.float32)
-  l_i = jnp.zeros((M,), jnp.float32)
-  acc, m_i, l_i = lax.fori_loop(b0, b1, body, (acc, m_i, l_i))
+  masked_body = functools.partial(body, masked=True)
+  carry = (jnp.zeros((M, D), jnp.float32), jnp.full((M,), MASK_VALUE, jnp.float32),
+           jnp.zeros((M,), jnp.float32))
+  if split_mask:
+    # Blocks [i0, i1) need no mask: every kv < pos0 + 1 <= kv_len is causal-visible to all
+    # rows (full_hi), and (window) every kv > last query position - window (full_lo).
+    # Padding rows of the tile (q = 0) see finite K/V there and are never stored.
+    full_hi = (pos0 + 1) // block_k
+    if sliding_window is not None:
+      x = pos0 + q_len - 1 - sliding_window
+      full_lo = jnp.where(x >= 0, jnp.maximum(x, 0) // block_k + 1, 0)
+      i0 = jnp.minimum(jnp.maximum(full_lo, b0), b1)
+      carry = lax.fori_loop(b0, i0, masked_body, carry)
+    else:
+      i0 = b0
+    i1 = jnp.minimum(jnp.maximum(full_hi, i0), b1)
+    carry = lax.fori_loop(i0, i1, functools.partial(body, masked=False), carry)
+    carry = lax.fori_loop(i1, b1, masked_body, carry)
+  else:
+    carry = lax.fori_loop(b0, b1, masked_body, carry)
+  acc, m_i, l_i = carry
 
   # Masked-out rows point past the end: never touched on the GPU, dropped in interpret mode
   # (where a masked lane aliasing a live row could otherwise write back a stale value).
@@ -207,7 +317,8 @@ def _rpa_kernel(meta_ref, bt_ref, scal_ref, fscal_ref, q_ref, k_ref, v_ref, *out
 def ragged_paged_attention(q, k_cache, v_cache, layer, md: AttentionMetadata, *, sm_scale,
                            sliding_window=None, soft_cap=None, k_scale=None, v_scale=None,
                            interpret=False, block_q=None, block_k=None, k_splits=None,
-                           num_warps=None, num_stages=None, pv_split=None, num_sms=132):
+                           num_warps=None, num_stages=None, pv_split=None, split_mask=None,
+                           reverse_tiles=None, pv_fp16=None, mixed_split=None, num_sms=132):
   """Pallas ragged paged attention. q [T, Hq, D]; caches [L, Hkv, NB, bs, D] -> [T, Hq, D].
 
   `layer` may be a traced int32 scalar. fp8 caches are dequantized in-kernel with the
@@ -220,14 +331,13 @@ def ragged_paged_attention(q, k_cache, v_cache, layer, md: AttentionMetadata, *,
   S, P = md.block_tables.shape
   G = Hq // Hkv
   G_pad = next_pow2(G)
-  tun = default_tuning(T, S, Hq, Hkv, D, bs, num_sms)
-  tun = Tuning(block_q or tun.block_q, block_k or tun.block_k, k_splits or tun.k_splits,
-               num_warps or tun.num_warps, num_stages or tun.num_stages,
-               tun.pv_split if pv_split is None else bool(pv_split))
+  tun = resolve_tuning(T, S, Hq, Hkv, D, bs, num_sms, block_q=block_q, block_k=block_k,
+                       k_splits=k_splits, num_warps=num_warps, num_stages=num_stages,
+                       pv_split=pv_split, split_mask=split_mask, reverse_tiles=reverse_tiles,
+                       pv_fp16=pv_fp16, mixed_split=mixed_split)
   num_tiles = max(1, min(T, -(-(T + S * (tun.block_q - 1)) // tun.block_q)))
 
   compute_dtype = jnp.float32 if q.dtype == jnp.float32 else q.dtype
-  meta = tile_metadata(md, T, tun.block_q, num_tiles)
   bt_flat = md.block_tables.reshape(S * P).astype(jnp.int32)
   scal = (jnp.asarray(layer, jnp.int32) * Hkv).reshape(1)
   fscal = jnp.stack([jnp.asarray(1.0 if k_scale is None else k_scale, jnp.float32).reshape(()),
@@ -236,27 +346,46 @@ def ragged_paged_attention(q, k_cache, v_cache, layer, md: AttentionMetadata, *,
   k2 = k_cache.reshape(L * Hkv * NB * bs, D)
   v2 = v_cache.reshape(L * Hkv * NB * bs, D)
 
-  kernel = functools.partial(
-      _rpa_kernel, T=T, Hq=Hq, Hkv=Hkv, G=G, G_pad=G_pad, NB=NB, bs=bs, P=P,
-      block_q=tun.block_q, block_k=tun.block_k, k_splits=tun.k_splits, sm_scale=float(sm_scale),
-      sliding_window=None if sliding_window is None else int(sliding_window),
-      soft_cap=None if soft_cap is None else float(soft_cap), compute_dtype=compute_dtype,
-      pv_split=tun.pv_split)
-  if tun.k_splits == 1:
-    out_shape = [jax.ShapeDtypeStruct((T * Hq, D), q.dtype)]
+  def launch(tun, meta, num_tiles, out_in=None):
+    kernel = functools.partial(
+        _rpa_kernel, T=T, Hq=Hq, Hkv=Hkv, G=G, G_pad=G_pad, NB=NB, bs=bs, P=P,
+        block_q=tun.block_q, block_k=tun.block_k, k_splits=tun.k_splits,
+        sm_scale=float(sm_scale),
+        sliding_window=None if sliding_window is None else int(sliding_window),
+        soft_cap=None if soft_cap is None else float(soft_cap), compute_dtype=compute_dtype,
+        pv_split=bool(tun.pv_split), split_mask=bool(tun.split_mask),
+        reverse_tiles=bool(tun.reverse_tiles), pv_fp16=bool(tun.pv_fp16), num_tiles=num_tiles,
+        has_out_in=out_in is not None)
+    if tun.k_splits == 1:
+      out_shape = [jax.ShapeDtypeStruct((T * Hq, D), q.dtype)]
+    else:
+      n = tun.k_splits * T * Hq
+      out_shape = [jax.ShapeDtypeStruct((n, D), jnp.float32),
+                   jax.ShapeDtypeStruct((n,), jnp.float32),
+                   jax.ShapeDtypeStruct((n,), jnp.float32)]
+    args = (meta, bt_flat, scal, fscal, q2, k2, v2)
+    if out_in is not None:
+      args += (out_in,)
+    return pl.pallas_call(
+        kernel,
+        grid=(Hkv, num_tiles, tun.k_splits),
+        out_shape=out_shape,
+        input_output_aliases={7: 0} if out_in is not None else {},
+        compiler_params=plt.CompilerParams(num_warps=tun.num_warps, num_stages=tun.num_stages),
+        interpret=interpret,
+        name=f"ragged_paged_attention_q{tun.block_q}_k{tun.block_k}_s{tun.k_splits}",
+    )(*args)
+
+  if tun.mixed_split and T > 2 * S and S > 1 and tun.k_splits == 1:
+    dtun = dataclasses.replace(default_tuning(S, S, Hq, Hkv, D, bs, num_sms), k_splits=1,
+                               pv_split=tun.pv_split, pv_fp16=tun.pv_fp16,
+                               split_mask=tun.split_mask)
+    o = launch(dtun, decode_tile_metadata(md, dtun.block_q), S)[0]
+    meta = tile_metadata(md, T, tun.block_q, num_tiles, pad_tiles=True,
+                         min_q_len=dtun.block_q + 1)
+    outs = launch(tun, meta, num_tiles, out_in=o)
   else:
-    n = tun.k_splits * T * Hq
-    out_shape = [jax.ShapeDtypeStruct((n, D), jnp.float32),
-                 jax.ShapeDtypeStruct((n,), jnp.float32),
-                 jax.ShapeDtypeStruct((n,), jnp.float32)]
-  outs = pl.pallas_call(
-      kernel,
-      grid=(Hkv, num_tiles, tun.k_splits),
-      out_shape=out_shape,
-      compiler_params=plt.CompilerParams(num_warps=tun.num_warps, num_stages=tun.num_stages),
-      interpret=interpret,
-      name=f"ragged_paged_attention_q{tun.block_q}_k{tun.block_k}_s{tun.k_splits}",
-  )(meta, bt_flat, scal, fscal, q2, k2, v2)
+    outs = launch(tun, tile_metadata(md, T, tun.block_q, num_tiles, pad_tiles=True), num_tiles)
 
   if tun.k_splits == 1:
     out = outs[0].reshape(T, Hq, D)
@@ -267,5 +396,5 @@ def ragged_paged_attention(q, k_cache, v_cache, layer, md: AttentionMetadata, *,
     den = jnp.sum(c * l, axis=0)
     out = jnp.sum(c[..., None] * acc, axis=0) / jnp.where(den > 0, den, 1.0)[..., None]
     out = out.astype(q.dtype)
-  _, _, valid = token_to_seq(md, T)
-  return jnp.where(valid[:, None, None], out, jnp.zeros((), q.dtype))
+  # Padding tokens: written as zeros by the kernel's padding tiles (see tile_metadata).
+  return out

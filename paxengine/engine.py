@@ -214,17 +214,21 @@ class EngineCore:
 
     # -- one step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """One engine iteration, overlapped with the device: schedule and build step N+1 while
-        step N runs, then read N's samples, dispatch N+1, and process N's outputs.
+        """One engine iteration, overlapped with the device: schedule, build and dispatch step N+1
+        while step N runs, then read N's samples and process N's outputs, so the device always
+        has the next step queued while the host works.
 
         Requests that sampled in step N carry a PLACEHOLDER token until N is read; step N+1 takes
-        their real token from the device. Penalties need exact token history on the host, so
-        while any running request uses one, the engine reads N before scheduling N+1.
+        their real token from the device. A request that N finishes (EOS, stop) is also in N+1:
+        that one wasted row writes KV only into its own last, partial (never hashed) block, which
+        later steps overwrite in stream order, and `advance` skips it. Penalties need exact
+        token history on the host, so while a running request uses one, N is read first.
         """
         outputs: list[RequestOutput] = []
         if self.inflight is not None and self._needs_sync():
             outputs += self._finish_inflight()
         out = self.scheduler.schedule()
+        result = None
         if out:
             prev_rows = self.inflight[1] if self.inflight is not None else None
             T, S = self.runner.bucket_for(out.total_tokens, len(out.requests))
@@ -232,12 +236,12 @@ class EngineCore:
                                 prev_rows)
             st = build_sampling_tensors(out.requests, S, self.runner.history_len,
                                         self.eos_token_ids)
+            result = self.runner.execute(arrays, st)
+            self.steps += 1
         if self.inflight is not None:
             self.overlapped_steps += bool(out)
             outputs += self._finish_inflight()
         if out:
-            result = self.runner.execute(arrays, st)
-            self.steps += 1
             rows = {r.request_id: i for i, r in enumerate(out.requests)}
             sampled = self.scheduler.advance(out)
             for req in sampled:

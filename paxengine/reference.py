@@ -44,8 +44,12 @@ def _cached_step(params, cfg: ModelConfig, cache, tokens, positions, last):
 
 
 def _empty_cache(params, cfg: ModelConfig, max_len: int):
-    shape = (cfg.num_layers, max_len, cfg.num_kv_heads, cfg.head_dim)
+    """[L, ...] for stacked layers; one [1, ...] pair per layer for the per-layer layout."""
     dtype = params["embed"].dtype
+    if isinstance(params["layers"], (list, tuple)):
+        shape = (1, max_len, cfg.num_kv_heads, cfg.head_dim)
+        return [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in params["layers"]]
+    shape = (cfg.num_layers, max_len, cfg.num_kv_heads, cfg.head_dim)
     return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
 
 

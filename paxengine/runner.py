@@ -146,7 +146,7 @@ class Runner:
                              jax.ShapeDtypeStruct((S,), jnp.bool_), i32(S, MAX_STOP_IDS),
                              i32(S, MAX_LOGIT_BIAS), f32(S, MAX_LOGIT_BIAS),
                              i32(S, self.history_len), i32(S),
-                             jax.ShapeDtypeStruct((), jnp.bool_), jax.ShapeDtypeStruct((), jnp.bool_))
+                             *[jax.ShapeDtypeStruct((), jnp.bool_)] * 3)
         return i32(T), i32(T), md, i32(S), st, i32(T), i32(self.max_rows)
 
     def _compile_all(self, show_progress: bool) -> None:
@@ -165,6 +165,8 @@ class Runner:
                 self.compiled[key] = fut.result()
                 bar.update(1)
         bar.close()
+        for S in self.seq_buckets:
+            self._no_history[S] = jnp.full((S, self.history_len), -1, jnp.int32)
         self.compile_seconds = time.perf_counter() - t0
 
     # -- running a step -------------------------------------------------------------------------
@@ -182,8 +184,6 @@ class Runner:
                                               arrays.num_seqs)
         fn = self.compiled[(T, S)]
         if st.history is None:
-            if S not in self._no_history:
-                self._no_history[S] = jnp.full((S, self.history_len), -1, jnp.int32)
             st = dataclasses.replace(st, history=self._no_history[S])
         self.kv_cache, result, self.prev_tokens = fn(
             self.params, self.kv_cache, arrays.tokens, arrays.positions, md, arrays.logits_indices,

@@ -26,6 +26,7 @@ def test_unrolled_per_layer_forward_equals_scanned_stacked():
     per_layer = unstack_layers(m.params)
     assert m.params["layers"] == {}            # consumed: no stacked copy left behind
     assert len(per_layer["layers"]) == L
+    assert "wqkv" in per_layer["layers"][0] and "w_gate_up" in per_layer["layers"][0]
     caches = [(jnp.zeros((1, *shape[1:])), jnp.zeros((1, *shape[1:]))) for _ in range(L)]
     h_unroll, caches = forward_hidden(per_layer, cfg, tokens, positions, caches, attend)
 

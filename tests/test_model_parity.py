@@ -5,6 +5,7 @@ import torch
 
 from prompts import PROMPTS
 from paxengine.models.loader import load_model
+from paxengine.models.weights import unstack_layers
 from paxengine.reference import reference_generate, reference_logits
 
 
@@ -90,6 +91,10 @@ def test_tiny_random_checkpoints_match_hf(kind, tmp_path):
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0].numpy()
     rel = np.linalg.norm(logits - ref) / np.linalg.norm(ref)
+    assert rel < 1e-4, rel
+    # the GPU layout (per-layer weights, fused q/k/v and gate/up, unrolled) computes the same
+    unrolled = reference_logits(unstack_layers(ours.params), ours.config, ids)
+    rel = np.linalg.norm(unrolled - ref) / np.linalg.norm(ref)
     assert rel < 1e-4, rel
 
 

@@ -62,9 +62,14 @@ def _layer(cfg: ModelConfig, attend: Attend, inv_freq, positions, carry, xs):
     w, layer = xs
     t = h.shape[0]
     x = rms_norm(h, w["attn_norm"], cfg.rms_norm_eps)
-    q, k, v = x @ w["wq"], x @ w["wk"], x @ w["wv"]
-    if cfg.attention_bias:
-        q, k, v = q + w["bq"], k + w["bk"], v + w["bv"]
+    if "wqkv" in w:   # the per-layer layout fuses the projections (weights.FUSED)
+        qkv = x @ w["wqkv"] + (w["bqkv"] if cfg.attention_bias else 0)
+        nq, nkv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        q, k, v = qkv[:, :nq], qkv[:, nq:nq + nkv], qkv[:, nq + nkv:]
+    else:
+        q, k, v = x @ w["wq"], x @ w["wk"], x @ w["wv"]
+        if cfg.attention_bias:
+            q, k, v = q + w["bq"], k + w["bk"], v + w["bv"]
     q = q.reshape(t, cfg.num_heads, cfg.head_dim)
     k = k.reshape(t, cfg.num_kv_heads, cfg.head_dim)
     v = v.reshape(t, cfg.num_kv_heads, cfg.head_dim)
@@ -76,7 +81,11 @@ def _layer(cfg: ModelConfig, attend: Attend, inv_freq, positions, carry, xs):
     o, kv_cache = attend(q, k, v, kv_cache, layer)
     h = h + o.reshape(t, cfg.num_heads * cfg.head_dim).astype(h.dtype) @ w["wo"]
     x = rms_norm(h, w["mlp_norm"], cfg.rms_norm_eps)
-    h = h + (jax.nn.silu(x @ w["w_gate"]) * (x @ w["w_up"])) @ w["w_down"]
+    if "w_gate_up" in w:
+        gate, up = jnp.split(x @ w["w_gate_up"], 2, axis=-1)
+    else:
+        gate, up = x @ w["w_gate"], x @ w["w_up"]
+    h = h + (jax.nn.silu(gate) * up) @ w["w_down"]
     return (h, kv_cache), None
 
 

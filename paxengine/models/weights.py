@@ -63,8 +63,13 @@ def stack_layers(per_layer: list[dict], cfg: ModelConfig) -> dict:
     return out
 
 
+# Per-layer fusions: one matmul instead of three (q, k, v) or two (gate, up) per layer.
+FUSED = {"wqkv": ("wq", "wk", "wv"), "bqkv": ("bq", "bk", "bv"), "w_gate_up": ("w_gate", "w_up")}
+
+
 def unstack_layers(params: dict) -> dict:
-    """The stacked layout -> the per-layer one (`params["layers"]` a list of dicts).
+    """The stacked layout -> the per-layer one (`params["layers"]` a list of dicts), with the
+    q/k/v and gate/up projections concatenated along their output axis (see FUSED).
 
     Consumes `params`: each stacked array leaves its dict as soon as it is split, so on a device
     the peak is the model plus one stacked tensor, not two models.
@@ -72,8 +77,15 @@ def unstack_layers(params: dict) -> dict:
     stacked = params["layers"]
     if isinstance(stacked, (list, tuple)):
         return params
+    import jax.numpy as jnp
     num_layers = next(iter(stacked.values())).shape[0]
     per_layer: list[dict] = [{} for _ in range(num_layers)]
+    for fused, parts in FUSED.items():
+        if all(p in stacked for p in parts):
+            arrs = [stacked.pop(p) for p in parts]
+            for i in range(num_layers):
+                per_layer[i][fused] = jnp.concatenate([a[i] for a in arrs], axis=-1)
+            del arrs
     for name in list(stacked):
         arr = stacked.pop(name)
         for i in range(num_layers):

@@ -87,3 +87,74 @@ def test_oracle_matches_dense_attention():
   want = np.einsum("thk,kd->thd", p / p.sum(-1, keepdims=True), v)
   got = ref_ragged_paged_attention(b["q"], b["k_cache"], b["v_cache"], 0, md, sm_scale=0.2)
   np.testing.assert_allclose(np.asarray(got)[:11], want, rtol=1e-4, atol=1e-5)
+
+
+# Tuning variants (split_mask / reverse_tiles / pv_fp16, small blocks so that tiles have
+# unmasked interior blocks, masked front blocks under a window, and split-K ranges that cut
+# through both).
+VARIANTS = {
+    "interior_bk16": (dict(block_k=16, block_q=2), {}),
+    "no_split_mask": (dict(block_k=16, split_mask=False, reverse_tiles=False), {}),
+    "window_split_k": (dict(block_k=16, k_splits=3), dict(sliding_window=37, soft_cap=8.0)),
+    "window_bq8": (dict(block_k=32, block_q=8), dict(sliding_window=20)),
+    # mixed bucket in two launches: decode tiles (q_len <= 4 here, incl. a 3-token sequence),
+    # then the prefill tiles + padding tiles writing into the first launch's output
+    "mixed_split": (dict(mixed_split=True, block_k=16), {}),
+    "mixed_split_window": (dict(mixed_split=True, block_q=4, split_mask=False),
+                           dict(sliding_window=30, soft_cap=6.0)),
+}
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_tuning_variants(name):
+  kkw, attn = VARIANTS[name]
+  rng = np.random.default_rng()
+  seqs = [(1, 90), (33, 80), (1, 16), (17, 17), (3, 47), (1, 5)]
+  err, _ = _run(rng, seqs, 64, 7, dict(num_heads=8, num_kv_heads=2), kkw, sm_scale=0.125,
+                **attn)
+  assert err < 1e-5, err
+
+
+@pytest.mark.parametrize("kv_dtype", [None, jnp.float8_e4m3fn])
+def test_pv_fp16_bf16(kv_dtype):
+  """bf16 with the PV product in fp16 (one dot) meets the bf16 bar, like pv_split."""
+  rng = np.random.default_rng()
+  seqs = [(40, 200), (1, 150), (60, 60)]
+  b = make_batch(rng, seqs, T=112, S=4, num_heads=8, num_kv_heads=2, head_dim=128,
+                 dtype=jnp.bfloat16, kv_dtype=kv_dtype)
+  kw = dict(sm_scale=128 ** -0.5)
+  if kv_dtype is not None:
+    kw.update(k_scale=0.5, v_scale=2.0)
+  out = ragged_paged_attention(b["q"], b["k_cache"], b["v_cache"], 1, b["md"], interpret=True,
+                               pv_fp16=True, block_k=32, **kw)
+  ref = ref_ragged_paged_attention(b["q"].astype(jnp.float32), b["k_cache"], b["v_cache"], 1,
+                                   b["md"], **kw)
+  n = b["num_tokens"]
+  assert np.all(np.asarray(out[n:].astype(jnp.float32)) == 0)
+  assert rel_err(out, ref, n) < 2e-3
+
+
+def test_padding_tiles_cover_all_tokens():
+  """Every output row is written by the kernel: padding tokens (past the live sequences,
+  including a bucket with num_seqs = 0) come out as exact zeros, with NaN in the q padding."""
+  from kernels_pallas.attention import tile_metadata
+  rng = np.random.default_rng()
+  for seqs, T, S, bq in [([(5, 9), (1, 3)], 40, 6, 4), ([(3, 3)] * 4, 12, 4, 8),
+                         ([(1, 4)], 7, 3, 1)]:
+    b = make_batch(rng, seqs, T=T, S=S)
+    n_tiles = max(1, min(T, -(-(T + S * (bq - 1)) // bq)))
+    meta = np.asarray(tile_metadata(b["md"], T, bq, n_tiles, pad_tiles=True))
+    covered = np.zeros(T, int)
+    for _, q0, ql, *_ in meta:
+      covered[q0:q0 + ql] += 1
+    assert np.all(covered == 1), (seqs, T, covered)
+    q = b["q"].at[b["num_tokens"]:].set(jnp.nan)
+    out = ragged_paged_attention(q, b["k_cache"], b["v_cache"], 0, b["md"], sm_scale=0.125,
+                                 interpret=True, block_q=bq)
+    assert np.all(np.asarray(out[b["num_tokens"]:]) == 0)
+  md = b["md"]
+  md0 = type(md)(md.slot_mapping, md.block_tables, md.seq_lens * 0, md.query_start_loc * 0,
+                 md.num_seqs * 0)
+  out = ragged_paged_attention(b["q"], b["k_cache"], b["v_cache"], 0, md0, sm_scale=0.125,
+                               interpret=True, k_splits=2)
+  assert np.all(np.asarray(out) == 0)

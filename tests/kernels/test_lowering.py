@@ -22,6 +22,16 @@ CONFIGS = {
                       block_size=64),
     "tuned": dict(T=64, S=64, P=128, block_k=128, k_splits=2, num_warps=8, num_stages=4,
                   **LLAMA8B),
+    # tuning variants swept on the H200 (benchmarks/kernels.py --tune)
+    "prefill_m128_fp16pv": dict(T=512, S=1, P=128, block_q=32, block_k=64, num_warps=8,
+                                num_stages=3, pv_fp16=True, **LLAMA8B),
+    "prefill_nosplit_bk128": dict(T=512, S=1, P=128, block_q=32, block_k=128, num_warps=8,
+                                  pv_split=False, **LLAMA8B),
+    "decode_bk256_onemask": dict(T=64, S=64, P=128, block_k=256, num_stages=1,
+                                 split_mask=False, reverse_tiles=False, **LLAMA8B),
+    "mixed_split": dict(T=512, S=64, P=128, mixed_split=True, **LLAMA8B),
+    "fp8_fp16pv_window": dict(T=64, S=8, P=64, kv_dtype=jnp.float8_e4m3fn, kv_scales=True,
+                              pv_fp16=True, sliding_window=1024, k_splits=2, **LLAMA8B),
 }
 
 
