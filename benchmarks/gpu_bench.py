@@ -46,10 +46,11 @@ FULL = {
               "num_prompts": 32, "per_concurrency": 4},
     "engine": {"max_num_seqs": 512, "max_num_batched_tokens": 8192, "max_model_len": 4096,
                "gpu_memory_utilization": 0.9,
-               # 22 compiled shapes instead of ~40: start-up fits the device call. 512 rows so
-               # 300 requests decode together; T=512 so their decode step is not padded to 1024
-               # tokens (at M=1024 the matmuls are compute-bound: ~21 ms a step).
-               "token_buckets": [16, 64, 256, 512, 1024, 4096, 8192],
+               # 24 compiled shapes: start-up fits the device call. 512 rows so 300 requests
+               # decode together; T=512 so their decode step is not padded to 1024 tokens (at
+               # M=1024 the matmuls are compute-bound: ~21 ms a step); T=2048 so a prompt or two
+               # next to the decodes is not padded to 4096 (the scheduler fills buckets).
+               "token_buckets": [16, 64, 256, 512, 1024, 2048, 4096, 8192],
                "seq_buckets": [8, 64, 256, 512]},
     "copy_mib": 2048, "matmul_n": 8192, "iters": 20,
 }

@@ -92,10 +92,15 @@ def default_tuning(T: int, S: int, Hq: int, Hkv: int, D: int, block_size: int,
     k_splits = 1
     while programs * k_splits < 2 * num_sms and k_splits < 16:
       k_splits *= 2
-    # H200 sweep (benchmarks/results/kernels_h200.json): block_k 128, 4 warps, 2 stages best.
-    return Tuning(block_q, max(128, block_size), k_splits, 4, 2)
+    # H200 sweeps (benchmarks/results/kernels_h200.json, kernels_tune_h200.json): block_k 128,
+    # 4 warps, 2 stages; one masked loop (split_mask off: 151 vs 170 us at B=64 ctx 2048, 87 vs
+    # 96 us at B=8 ctx 8192).
+    return Tuning(block_q, max(128, block_size), k_splits, 4, 2, split_mask=False,
+                  reverse_tiles=False)
+  # Prefill: mask-free interior blocks and longest tiles first (206 vs 246 us, 2048 tokens);
+  # mixed buckets split decode rows into their own launch (196 vs 265 us, 60 decodes + 448).
   block_q = max(1, 64 // g_pad)
-  return Tuning(block_q, max(64, block_size), 1, 4, 2)
+  return Tuning(block_q, max(64, block_size), 1, 4, 2, mixed_split=True)
 
 
 def resolve_tuning(T: int, S: int, Hq: int, Hkv: int, D: int, block_size: int,

@@ -26,13 +26,18 @@ def seq_buckets(max_num_seqs: int, smallest: int = 4) -> list[int]:
     return out + [max_num_seqs]
 
 
+MAX_TOKENS_PER_ROW = 128   # a bucket (T, S) with T > 128 S is left out unless S is the largest
+
+
 def bucket_pairs(tb: list[int], sb: list[int]) -> list[tuple[int, int]]:
-    """(T, S) shapes that can occur: a step has at least one token per sequence, so S never
-    needs to exceed the smallest sequence bucket that holds T."""
+    """(T, S) shapes to compile. A step has at least one token per sequence, so S never needs
+    to exceed the smallest sequence bucket that holds T; and a step of many tokens over a few
+    sequences (a long prefill) runs in the next larger S at no real cost (the extra rows only
+    add sampling rows), so those small-S shapes are not compiled: fewer compiles at start-up."""
     pairs = []
     for t in tb:
         cap = sb[min(bisect.bisect_left(sb, t), len(sb) - 1)]
-        pairs += [(t, s) for s in sb if s <= cap]
+        pairs += [(t, s) for s in sb if s <= cap and (t <= MAX_TOKENS_PER_ROW * s or s == sb[-1])]
     return pairs
 
 

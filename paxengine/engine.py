@@ -110,9 +110,9 @@ class EngineCore:
                                      kv_cache_memory_bytes=cfg.kv_cache_memory_bytes,
                                      gpu_memory_utilization=cfg.gpu_memory_utilization)
         self.kv = KVCacheManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
-        self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, max_tokens, self.max_model_len)
         tb = cfg.token_buckets or token_buckets(max_tokens)
         sb = cfg.seq_buckets or seq_buckets(cfg.max_num_seqs)
+        self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, max_tokens, self.max_model_len, tb)
         self.runner = Runner(loaded.config, params, num_blocks=num_blocks,
                              block_size=cfg.block_size, max_model_len=self.max_model_len,
                              token_buckets=tb, seq_buckets=sb, kv_dtype=kv_dtype,

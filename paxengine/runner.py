@@ -171,10 +171,12 @@ class Runner:
 
     # -- running a step -------------------------------------------------------------------------
     def bucket_for(self, num_tokens: int, num_seqs: int) -> tuple[int, int]:
+        """The smallest compiled (T, S) that holds the step (T first): 17 single-token rows take
+        (64, 64); a 2048-token prefill of 3 sequences (2048, 64), see `bucket_pairs`."""
         T = pick(self.token_buckets, num_tokens)
         S = pick(self.seq_buckets, num_seqs)
-        if (T, S) not in self.compiled:   # e.g. 17 single-token rows: a larger T holds them
-            T = next(t for t, s in sorted(self.compiled) if t >= num_tokens and s == S)
+        if (T, S) not in self.compiled:
+            T, S = min(k for k in self.compiled if k[0] >= num_tokens and k[1] >= num_seqs)
         return T, S
 
     def execute(self, arrays: StepArrays, st: SamplingTensors):

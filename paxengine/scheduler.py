@@ -6,6 +6,7 @@ running request is preempted (its blocks freed; it is recomputed later). No JAX 
 """
 from __future__ import annotations
 
+import bisect
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -30,8 +31,9 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int):
+                 max_model_len: int, token_buckets: list[int] | None = None):
         self.kv = kv
+        self.token_buckets = sorted(token_buckets or [])   # the runner's compiled step sizes
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -99,7 +101,24 @@ class Scheduler:
             out.num_scheduled_tokens[req.request_id] = n
             out.requests.append(req)
             budget -= n
+        self._fit_bucket(out)
         return out
+
+    def _fit_bucket(self, out: SchedulerOutput) -> None:
+        """Shorten the last prefill chunk so the step fills a compiled token bucket exactly when
+        that defers fewer tokens than padding would waste: 63 decodes + a 1024-token prompt is
+        1087 tokens, which pads to 4096 (every matmul runs 4096 rows); 1024 now and 63 next step
+        costs nothing. The chunk's extra blocks stay allocated for the next step."""
+        total = out.total_tokens
+        i = bisect.bisect_left(self.token_buckets, total)
+        if i == 0 or i == len(self.token_buckets) or self.token_buckets[i] == total:
+            return
+        lower, upper = self.token_buckets[i - 1], self.token_buckets[i]
+        excess = total - lower
+        last = out.requests[-1]
+        n = out.num_scheduled_tokens[last.request_id]
+        if n > excess and excess < upper - total:
+            out.num_scheduled_tokens[last.request_id] = n - excess
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.running.remove(req)
