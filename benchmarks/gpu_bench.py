@@ -268,7 +268,8 @@ def _itl(gen, spec, vocab: int) -> dict:
 _DEADLINE: float | None = None   # time.time() by which this stage must be done
 
 
-def _offline(gen, spec, vocab: int) -> dict:
+def _offline(gen, spec, vocab: int, stats=None) -> dict:
+    """stats: a callable giving engine counters (steps, preemptions), recorded per workload."""
     from benchmarks.datasets import random_dataset
     res = {}
     rate = None   # output tok/s of the last workload, to project the next one's duration
@@ -285,6 +286,7 @@ def _offline(gen, spec, vocab: int) -> dict:
         reqs = random_dataset(w["num_prompts"], w["input_len"], w["output_len"], vocab_size=vocab,
                               seed=1000 + k)
         log(f"offline {w['name']} ...")
+        before = stats() if stats else None
         t = time.perf_counter()
         outs = gen(reqs)
         el = time.perf_counter() - t
@@ -293,6 +295,11 @@ def _offline(gen, spec, vocab: int) -> dict:
         assert n_out == w["num_prompts"] * w["output_len"], f"output tokens {n_out}"
         res[w["name"]] = {"elapsed_s": el, "requests_per_s": len(reqs) / el,
                           "output_tok_s": n_out / el, "total_tok_s": (n_in + n_out) / el}
+        if stats:
+            after = stats()
+            steps = after["steps"] - before["steps"]
+            res[w["name"]].update(steps=steps, mean_step_ms=1e3 * el / max(steps, 1),
+                                  preemptions=after["num_preemptions"] - before["num_preemptions"])
         log(f"offline {w['name']}: {n_out / el:,.0f} output tok/s ({el:.1f} s)")
         save_partial(offline=dict(res))
         rate = n_out / el
@@ -324,7 +331,7 @@ def stage_pax_offline(spec: dict, out: Path) -> dict:
     res = {"startup_s": startup}
     res.update(_itl(gen, spec, vocab))
     save_partial(jax_compiles_during_timed_runs=counter.n)
-    res["offline"] = _offline(gen, spec, vocab)
+    res["offline"] = _offline(gen, spec, vocab, llm.engine.stats)
     res["jax_compiles_during_timed_runs"] = counter.stop()
     after = compile_count(llm)
     res["engine_reported_compiles"] = (None if after is None or engine_compiles_before is None

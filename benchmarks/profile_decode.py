@@ -31,11 +31,13 @@ def main() -> int:
     from paxengine.sampling import sample
     preset = sys.argv[1] if len(sys.argv) > 1 else "llama-3.1-8b"
     loop = sys.argv[2] if len(sys.argv) > 2 else "auto"
-    batches = (1, 8, 64)
+    on_gpu = jax.default_backend() == "gpu"
+    batches, prompt_len = ((1, 64, 256), 1024) if on_gpu else ((1, 8), 64)
     t0 = time.perf_counter()
-    llm = LLM(model=f"dummy:{preset}", dtype="bfloat16", max_model_len=2048, max_num_seqs=64,
-              max_num_batched_tokens=256, token_buckets=[16, 64, 256], seq_buckets=[8, 64],
-              num_kv_blocks=4096, show_progress=False, layer_loop=loop)
+    llm = LLM(model=f"dummy:{preset}", dtype="bfloat16", max_model_len=2048, max_num_seqs=256,
+              max_num_batched_tokens=1024, token_buckets=[16, 64, 256, 1024],
+              seq_buckets=[8, 64, 256], num_kv_blocks=24000 if on_gpu else 512,
+              show_progress=False, layer_loop=loop)
     eng = llm.engine
     res = {"xla_flags": os.environ.get("XLA_FLAGS", ""), "preset": preset,
            "layer_loop": eng.runner.layer_loop, "buckets": len(eng.runner.compiled),
@@ -43,7 +45,7 @@ def main() -> int:
     print(res, flush=True)
     for batch in batches:
         for i in range(batch):
-            eng.add_request(f"b{batch}-{i}", {"prompt_token_ids": list(range(1, 129))},
+            eng.add_request(f"b{batch}-{i}", {"prompt_token_ids": list(range(1, prompt_len + 1))},
                             SamplingParams(max_tokens=400, ignore_eos=True))
         while any(r.num_computed_tokens < r.num_prompt_tokens for r in eng.scheduler.running) \
                 or eng.scheduler.waiting:
@@ -54,6 +56,7 @@ def main() -> int:
         for _ in range(50):
             eng.step()
         res[f"engine_step_ms_b{batch}"] = (time.perf_counter() - t) / 50 * 1e3
+        res[f"context_b{batch}"] = prompt_len + 55
         print(batch, res[f"engine_step_ms_b{batch}"], flush=True)
         out = eng.scheduler.schedule()
         T, S = eng.runner.bucket_for(out.total_tokens, len(out.requests))
@@ -65,7 +68,7 @@ def main() -> int:
             eng.abort(r)
         eng.inflight = None
     cfg, params = eng.model_config, eng.runner.params
-    for S in (8, 64, 256):
+    for S in (8, 64, 256) if on_gpu else (8,):
         logits = jax.random.normal(jax.random.PRNGKey(0), (S, cfg.vocab_size), jnp.float32)
         reqs = [type("R", (), {"params": SamplingParams(temperature=0), "seed": 0,
                                "output_token_ids": [], "all_token_ids": [1],
@@ -80,6 +83,8 @@ def main() -> int:
     fwd = jax.jit(lambda p, t: compute_logits(p, cfg, forward_hidden(p, cfg, t, t, None, noattn)[0][:1]))
     tok = jnp.zeros(16, jnp.int32)
     res["forward_no_attention_ms_T16"] = timed(lambda: fwd(params, tok))
+    tok = jnp.zeros(256, jnp.int32)
+    res["forward_no_attention_ms_T256"] = timed(lambda: fwd(params, tok))
     nbytes = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(params))
     res["weight_bytes_GB"] = nbytes / 1e9
     print(json.dumps(res, indent=1))

@@ -79,7 +79,7 @@ def build_step(out: SchedulerOutput, block_size: int, T: int, S: int, P: int,
         start = req.num_computed_tokens
         pos = np.arange(start, start + n, dtype=np.int32)
         blocks = np.asarray(req.block_ids, np.int32)
-        tokens[t:t + n] = req.all_token_ids[start:start + n]
+        tokens[t:t + n] = req.token_slice(start, start + n)
         positions[t:t + n] = pos
         slots[t:t + n] = blocks[pos // block_size] * block_size + pos % block_size
         tables[row, :len(blocks)] = blocks

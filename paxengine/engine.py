@@ -48,6 +48,7 @@ class _Group:
     prompt_token_ids: list[int]
     seqs: list[SequenceOutput]
     arrival_time: float
+    final_only: bool = False     # no per-step outputs, only the finished one (LLM.generate)
 
     @property
     def finished(self) -> bool:
@@ -55,15 +56,16 @@ class _Group:
 
     def output(self) -> RequestOutput:
         reqs = [s.req for s in self.seqs]
+        finished = all(r.is_finished for r in reqs)
         first = [r.first_token_time for r in reqs if r.first_token_time is not None]
         sched = [r.first_scheduled_time for r in reqs if r.first_scheduled_time is not None]
         done = [r.finished_time for r in reqs if r.finished_time is not None]
         m = RequestMetrics(self.arrival_time, min(sched, default=None), min(first, default=None),
-                           max(done) if self.finished and done else None,
+                           max(done) if finished and done else None,
                            len(self.prompt_token_ids), reqs[0].num_cached_tokens,
                            sum(len(r.output_token_ids) for r in reqs))
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids,
-                             [s.snapshot() for s in self.seqs], self.finished, m,
+                             [s.snapshot() for s in self.seqs], finished, m,
                              num_cached_tokens=reqs[0].num_cached_tokens)
 
 
@@ -143,7 +145,8 @@ class EngineCore:
                 "generation_tokens": self.generation_tokens_total,
                 "kv_capacity_tokens": self.kv_capacity_tokens,
                 "num_kv_blocks": self.kv.num_blocks,
-                "buckets": len(self.runner.compiled)}
+                "buckets": len(self.runner.compiled),
+                "steps": self.steps}
 
     # -- requests -------------------------------------------------------------------------------
     def tokenize_prompt(self, prompt) -> tuple[str | None, list[int]]:
@@ -176,7 +179,10 @@ class EngineCore:
         max_tokens = params.max_tokens or (self.max_model_len - len(prompt_token_ids))
         self.scheduler.check_fits(len(prompt_token_ids), max_tokens)
 
-    def add_request(self, request_id: str, prompt, params: SamplingParams | None = None) -> None:
+    def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
+                    final_only: bool = False) -> None:
+        """final_only: `step` returns this request's output once, when it finishes, instead of a
+        cumulative snapshot every step (which costs O(tokens so far) each time)."""
         params = params or SamplingParams()
         if request_id in self.groups:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -188,7 +194,7 @@ class EngineCore:
         ids = [int(t) for t in ids]
         now = time.monotonic()
         base_seed = params.seed if params.seed is not None else int(self.rng.integers(1 << 31))
-        group = _Group(request_id, text, ids, [], now)
+        group = _Group(request_id, text, ids, [], now, final_only)
         for i in range(params.n):
             seq_id = request_id if params.n == 1 else f"{request_id}#{i}"
             req = Request(seq_id, ids, params, seed=base_seed + 7919 * i, arrival_time=now)
@@ -271,8 +277,11 @@ class EngineCore:
             touched[group.request_id] = group
         outputs = []
         for rid, group in touched.items():
+            finished = group.finished
+            if group.final_only and not finished:
+                continue
             outputs.append(group.output())
-            if group.finished:
+            if finished:
                 del self.groups[rid]
                 for s in group.seqs:
                     self.seq_of.pop(s.req.request_id, None)

@@ -46,11 +46,11 @@ class KVCacheManager:
     # -- prefix cache ---------------------------------------------------------------------------
     def _hashes(self, req: Request, num_full_blocks: int) -> list[int]:
         hashes = req.block_hashes
-        tokens = req.all_token_ids
         bs = self.block_size
         while len(hashes) < num_full_blocks:
             i = len(hashes)
-            hashes.append(chain_hash(hashes[-1] if hashes else None, tuple(tokens[i * bs:(i + 1) * bs])))
+            hashes.append(chain_hash(hashes[-1] if hashes else None,
+                                     tuple(req.token_slice(i * bs, (i + 1) * bs))))
         return hashes
 
     def find_cached_prefix(self, req: Request) -> list[int]:
@@ -74,11 +74,15 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return
         n_full = min(req.num_computed_tokens // self.block_size, len(req.block_ids))
-        for i, h in enumerate(self._hashes(req, n_full)[:n_full]):
-            b = req.block_ids[i]
+        if n_full <= req.num_published_blocks:    # nothing new: O(1) for most decode steps
+            return
+        hashes = self._hashes(req, n_full)
+        for i in range(req.num_published_blocks, n_full):
+            b, h = req.block_ids[i], hashes[i]
             if self.block_hash[b] is None and h not in self.cached:
                 self.block_hash[b] = h
                 self.cached[h] = b
+        req.num_published_blocks = n_full
 
     # -- allocation -----------------------------------------------------------------------------
     def _take(self, b: int) -> None:
@@ -117,6 +121,7 @@ class KVCacheManager:
             if self.ref_counts[b] == 0:
                 self.free[b] = None
         req.block_ids = []
+        req.num_published_blocks = 0
 
     def reset_prefix_cache(self) -> None:
         for h, b in list(self.cached.items()):

@@ -30,7 +30,7 @@ class LLM:
         added = []
         try:
             for rid, prompt, p in zip(ids, prompts, plist):
-                self.engine.add_request(rid, prompt, p)
+                self.engine.add_request(rid, prompt, p, final_only=True)
                 added.append(rid)
         except Exception:
             for rid in added:

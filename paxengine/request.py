@@ -33,6 +33,7 @@ class Request:
     num_cached_tokens: int = 0                  # of the prompt, served by the prefix cache
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)   # chain hashes of full blocks
+    num_published_blocks: int = 0               # full blocks already offered to the prefix cache
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
@@ -43,6 +44,15 @@ class Request:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    def token_slice(self, start: int, stop: int) -> list[int]:
+        """all_token_ids[start:stop] without building the whole list (a decode step needs one)."""
+        p = len(self.prompt_token_ids)
+        if start >= p:
+            return self.output_token_ids[start - p:stop - p]
+        if stop <= p:
+            return self.prompt_token_ids[start:stop]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:stop - p]
 
     @property
     def num_tokens(self) -> int:
