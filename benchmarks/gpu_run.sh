@@ -35,7 +35,7 @@ used=$(( $(date +%s) - start ))
 budget=$(( ${GPU_BENCH_BUDGET_S:-560} - used ))
 
 {
-  echo "== $(date -u +%FT%TZ) commit $(git rev-parse --short HEAD 2>/dev/null || echo '?') stages $STAGES budget ${budget}s"
+  echo "== $(date -u +%FT%TZ) commit ${PAXENGINE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo '?')} stages $STAGES budget ${budget}s"
   nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm,clocks.max.sm,power.draw,temperature.gpu --format=csv 2>&1
   python3 -c 'import jax; print("jax", jax.__version__, jax.devices())' 2>&1
   # shellcheck disable=SC2086  # GPU_BENCH_ARGS: extra flags, e.g. --quick for a CPU smoke run

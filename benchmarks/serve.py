@@ -384,13 +384,13 @@ def environment(extra: dict | None = None) -> dict:
                 break
     except OSError:
         pass
-    commit = sh(["git", "rev-parse", "HEAD"])
-    dirty = None
-    if commit:
-        st = sh(["git", "status", "--porcelain", "--untracked-files=no"])
-        dirty = bool(st)
-    if commit is None and os.environ.get("PAXENGINE_COMMIT"):   # a copy without .git (the GPU)
-        commit = os.environ["PAXENGINE_COMMIT"]
+    # PAXENGINE_COMMIT wins: the GPU's copy of the tree may carry a stale .git (the session's
+    # starting state), so git there names the wrong commit.
+    commit, dirty = os.environ.get("PAXENGINE_COMMIT"), None
+    if not commit:
+        commit = sh(["git", "rev-parse", "HEAD"])
+        if commit:
+            dirty = bool(sh(["git", "status", "--porcelain", "--untracked-files=no"]))
     env = {
         "hostname": socket.gethostname(),
         "device": gpu.splitlines()[0] if gpu else f"CPU: {cpu or platform.processor()} x{os.cpu_count()}",

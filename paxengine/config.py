@@ -25,6 +25,7 @@ class EngineConfig:
     quantization: str | None = None     # None | fp8
     attention_backend: str = "auto"     # auto (pallas on GPU, xla elsewhere) | xla | pallas | reference
     layer_loop: str = "auto"            # auto (unroll on GPU, scan elsewhere) | unroll | scan
+    dispatch_thread: bool = False       # launch steps from a worker thread (see EngineCore.step)
     seed: int = 0
     served_model_name: str | None = None
     compilation_cache_dir: str | None = None  # default ~/.cache/paxengine/jax

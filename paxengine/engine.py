@@ -6,6 +6,7 @@ import logging
 import queue
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import jax
@@ -20,7 +21,8 @@ from paxengine.models.weights import unstack_layers
 from paxengine.output import SequenceOutput
 from paxengine.outputs import RequestMetrics, RequestOutput
 from paxengine.request import PLACEHOLDER, Request
-from paxengine.runner import Runner, enable_persistent_cache, plan_num_blocks, resolve_layer_loop
+from paxengine.runner import (Runner, compile_count, enable_persistent_cache, plan_num_blocks,
+                              resolve_layer_loop)
 from paxengine.sampling import build_sampling_tensors
 from paxengine.sampling_params import SamplingParams
 from paxengine.scheduler import Scheduler
@@ -128,6 +130,10 @@ class EngineCore:
         self.steps = 0
         self.overlapped_steps = 0       # steps dispatched before the previous one was read
         self.inflight = None            # (device result, {request id: row}, sampled requests)
+        # XLA:GPU launches a step's kernels on the calling thread (with the GIL released): from a
+        # worker, that launch overlaps the host's reading and processing of the previous step.
+        self._dispatcher = (ThreadPoolExecutor(1, thread_name_prefix="paxengine-dispatch")
+                            if cfg.dispatch_thread else None)
 
     # -- figures --------------------------------------------------------------------------------
     @property
@@ -146,7 +152,8 @@ class EngineCore:
                 "kv_capacity_tokens": self.kv_capacity_tokens,
                 "num_kv_blocks": self.kv.num_blocks,
                 "buckets": len(self.runner.compiled),
-                "steps": self.steps}
+                "steps": self.steps,
+                "xla_compiles_after_warmup": compile_count() - self.runner.compiles_after_warmup}
 
     # -- requests -------------------------------------------------------------------------------
     def tokenize_prompt(self, prompt) -> tuple[str | None, list[int]]:
@@ -242,12 +249,17 @@ class EngineCore:
                                 prev_rows)
             st = build_sampling_tensors(out.requests, S, self.runner.history_len,
                                         self.eos_token_ids)
-            result = self.runner.execute(arrays, st)
+            if self._dispatcher is not None:
+                result = self._dispatcher.submit(self.runner.execute, arrays, st)
+            else:
+                result = self.runner.execute(arrays, st)
             self.steps += 1
         if self.inflight is not None:
             self.overlapped_steps += bool(out)
             outputs += self._finish_inflight()
         if out:
+            if isinstance(result, Future):
+                result = result.result()
             rows = {r.request_id: i for i, r in enumerate(out.requests)}
             sampled = self.scheduler.advance(out)
             for req in sampled:

@@ -37,6 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--num-kv-blocks", type=int)
     e.add_argument("--gpu-memory-utilization", type=float)
     _bool_pair(e, "enable-prefix-caching", "reuse KV blocks of shared prompt prefixes")
+    _bool_pair(e, "dispatch-thread", "launch each step from a worker thread")
     e.add_argument("--kv-cache-dtype", choices=["auto", "float32", "bfloat16", "fp8"])
     e.add_argument("--quantization", choices=["fp8"])
     e.add_argument("--attention-backend", choices=["auto", "xla", "pallas", "reference"])

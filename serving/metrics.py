@@ -28,6 +28,8 @@ _COUNTERS = [
     ("num_preemptions", "num_preemptions", "Cumulative number of preemptions from the engine."),
     ("prompt_tokens", "prompt_tokens", "Number of prefill tokens processed."),
     ("generation_tokens", "generation_tokens", "Number of generation tokens processed."),
+    ("xla_compiles_after_warmup", "xla_compiles_after_warmup",
+     "XLA compiles since the step buckets were compiled at start-up (must stay 0)."),
 ]
 
 # vLLM's buckets

@@ -58,8 +58,9 @@ def llm_chunked(smollm):
 
 @pytest.fixture(scope="module")
 def llm_tight(smollm):
-    """Prefix caching off and a tiny pool: the scheduler must preempt and recompute."""
-    return small_llm(smollm, enable_prefix_caching=False, num_kv_blocks=14)
+    """Prefix caching off and a tiny pool: the scheduler must preempt and recompute. Steps are
+    launched from the dispatch thread (the other engine launches from the caller)."""
+    return small_llm(smollm, enable_prefix_caching=False, num_kv_blocks=14, dispatch_thread=True)
 
 
 def test_batch_matches_oracle_chunked_prefill_prefix_on(llm_chunked, oracle):
@@ -73,6 +74,7 @@ def test_batch_matches_oracle_chunked_prefill_prefix_on(llm_chunked, oracle):
 
 def test_batch_matches_oracle_with_preemption_prefix_off(llm_tight, oracle):
     before = llm_tight.engine.scheduler.num_preemptions
+    assert llm_tight.engine._dispatcher is not None
     check_against_oracle(llm_tight, oracle)
     assert llm_tight.engine.scheduler.num_preemptions > before
     assert llm_tight.engine.kv.prefix_hits == 0

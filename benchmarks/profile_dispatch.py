@@ -1,0 +1,80 @@
+"""Is the engine step host-bound? Per decode step: time spent inside the launch
+(`runner.execute`: XLA:GPU launches the kernels on the calling thread), waiting for the device
+(`runner.fetch`), and in all, with steps launched from the caller and from the dispatch thread.
+Run it under different XLA_FLAGS (e.g. command buffers) to compare launch costs (GPU).
+
+  python -m benchmarks.profile_dispatch [PRESET]
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import jax
+import numpy as np
+
+
+def main() -> int:
+    from paxengine import LLM, SamplingParams
+    preset = sys.argv[1] if len(sys.argv) > 1 else "llama-3.1-8b"
+    on_gpu = jax.default_backend() == "gpu"
+    batches, prompt_len = ((1, 64, 256), 1024) if on_gpu else ((1, 8), 64)
+    llm = LLM(model=f"dummy:{preset}", dtype="bfloat16", max_model_len=2048, max_num_seqs=256,
+              max_num_batched_tokens=1024, token_buckets=[16, 64, 256, 1024],
+              seq_buckets=[8, 64, 256], num_kv_blocks=24000 if on_gpu else 512,
+              show_progress=False)
+    eng, runner = llm.engine, llm.engine.runner
+    execute, fetch = runner.execute, runner.fetch
+    spent = {"execute": [], "fetch": []}
+
+    def timed_execute(arrays, st):
+        t = time.perf_counter()
+        r = execute(arrays, st)
+        spent["execute"].append(time.perf_counter() - t)
+        return r
+
+    def timed_fetch(result):
+        t = time.perf_counter()
+        r = fetch(result)
+        spent["fetch"].append(time.perf_counter() - t)
+        return r
+    runner.execute, runner.fetch = timed_execute, timed_fetch
+    res = {"preset": preset, "xla_flags": os.environ.get("XLA_FLAGS", ""), "prompt_len": prompt_len}
+    for batch in batches:
+        for i in range(batch):
+            eng.add_request(f"b{batch}-{i}", {"prompt_token_ids": list(range(1, prompt_len + 1))},
+                            SamplingParams(max_tokens=300, ignore_eos=True))
+        while eng.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens
+                                           for r in eng.scheduler.running):
+            eng.step()
+        for mode in ("caller", "thread"):
+            eng._dispatcher = ThreadPoolExecutor(1) if mode == "thread" else None
+            for _ in range(5):
+                eng.step()
+            spent["execute"].clear()
+            spent["fetch"].clear()
+            t = time.perf_counter()
+            for _ in range(40):
+                eng.step()
+            step = (time.perf_counter() - t) / 40
+            row = {"step_ms": 1e3 * step,
+                   "execute_ms": 1e3 * float(np.median(spent["execute"])),
+                   "fetch_wait_ms": 1e3 * float(np.median(spent["fetch"]))}
+            res[f"b{batch}_{mode}"] = row
+            print(batch, mode, row, flush=True)
+        for r in list(eng.groups):
+            eng.abort(r)
+        while eng.inflight is not None or eng.scheduler.has_work():
+            eng.step()
+    print(json.dumps(res, indent=1))
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "profile_dispatch.json"), "w") as f:
+            json.dump(res, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
