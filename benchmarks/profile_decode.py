@@ -23,6 +23,14 @@ def timed(fn, n=20):
     return (time.perf_counter() - t) / n * 1e3
 
 
+def report(res: dict, name: str) -> None:
+    """Print the profile and write it to $OUT/<name>.json when $OUT is set (the device tool)."""
+    print(json.dumps(res, indent=1))
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], f"{name}.json"), "w") as f:
+            json.dump(res, f, indent=1)
+
+
 def main() -> int:
     from paxengine import LLM, SamplingParams
     from paxengine.batch import build_step
@@ -87,12 +95,8 @@ def main() -> int:
     res["forward_no_attention_ms_T256"] = timed(lambda: fwd(params, tok))
     nbytes = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(params))
     res["weight_bytes_GB"] = nbytes / 1e9
-    print(json.dumps(res, indent=1))
-    out_dir = os.environ.get("OUT")
-    if out_dir:
-        tag = res["layer_loop"] + ("_dsfusion" if "dynamic_slice" in res["xla_flags"] else "")
-        with open(os.path.join(out_dir, f"profile_decode_{tag}.json"), "w") as f:
-            json.dump(res, f, indent=1)
+    tag = res["layer_loop"] + ("_dsfusion" if "dynamic_slice" in res["xla_flags"] else "")
+    report(res, f"profile_decode_{tag}")
     return 0
 
 

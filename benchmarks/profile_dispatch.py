@@ -7,7 +7,6 @@ Run it under different XLA_FLAGS (e.g. command buffers) to compare launch costs 
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -15,6 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import jax
 import numpy as np
+
+from benchmarks.profile_decode import report
 
 
 def main() -> int:
@@ -69,10 +70,7 @@ def main() -> int:
             eng.abort(r)
         while eng.inflight is not None or eng.scheduler.has_work():
             eng.step()
-    print(json.dumps(res, indent=1))
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "profile_dispatch.json"), "w") as f:
-            json.dump(res, f, indent=1)
+    report(res, "profile_dispatch")
     return 0
 
 

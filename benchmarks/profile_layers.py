@@ -1,13 +1,11 @@
 """Scan over stacked layer weights vs other loop forms, forward without attention (GPU)."""
 from __future__ import annotations
 
-import json
-import os
 
 import jax
 import jax.numpy as jnp
 
-from benchmarks.profile_decode import timed
+from benchmarks.profile_decode import report, timed
 from paxengine.models import llama
 from paxengine.models.loader import load_model
 
@@ -45,9 +43,7 @@ def main():
         res[f"scan_T{T}"] = timed(lambda: f1(params, tok))
         res[f"unrolled_static_slices_T{T}"] = timed(lambda: f2(params, tok))
         res[f"per_layer_arrays_T{T}"] = timed(lambda: f3(per_layer, params["embed"], tok))
-    print(json.dumps(res, indent=1))
-    if os.environ.get("OUT"):
-        json.dump(res, open(os.path.join(os.environ["OUT"], "profile_layers.json"), "w"), indent=1)
+    report(res, "profile_layers")
 
 
 if __name__ == "__main__":

@@ -5,15 +5,13 @@ same forward without attention vs the matmul FLOPs at the measured rate (GPU).
 """
 from __future__ import annotations
 
-import json
-import os
 import sys
 import time
 
 import jax
 import jax.numpy as jnp
 
-from benchmarks.profile_decode import timed
+from benchmarks.profile_decode import report, timed
 
 
 def main() -> int:
@@ -52,10 +50,7 @@ def main() -> int:
                     + cfg.num_heads * cfg.head_dim * cfg.hidden_size
                     + 3 * cfg.hidden_size * cfg.intermediate_size)
     res["matmul_floor_ms"] = 2 * T * layer_params * cfg.num_layers / (res["matmul_TFLOPs"] * 1e9)
-    print(json.dumps(res, indent=1))
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "profile_prefill.json"), "w") as f:
-            json.dump(res, f, indent=1)
+    report(res, "profile_prefill")
     return 0
 
 
