@@ -8,7 +8,6 @@ context at once.
 """
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 

@@ -1,6 +1,5 @@
 """Pallas ragged paged attention (interpret mode) against the jnp oracle, on CPU."""
 import numpy as np
-import jax
 import jax.numpy as jnp
 import pytest
 
