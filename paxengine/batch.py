@@ -77,11 +77,16 @@ def build_step(out: SchedulerOutput, block_size: int, T: int, S: int, P: int,
     for row, req in enumerate(out.requests):
         n = out.num_scheduled_tokens[req.request_id]
         start = req.num_computed_tokens
-        pos = np.arange(start, start + n, dtype=np.int32)
-        blocks = np.asarray(req.block_ids, np.int32)
-        tokens[t:t + n] = req.token_slice(start, start + n)
-        positions[t:t + n] = pos
-        slots[t:t + n] = blocks[pos // block_size] * block_size + pos % block_size
+        blocks = req.block_array()
+        if n == 1:      # a decode row: no per-row numpy temporaries (most rows of a big batch)
+            tokens[t] = req.token_slice(start, start + 1)[0]
+            positions[t] = start
+            slots[t] = blocks[start // block_size] * block_size + start % block_size
+        else:
+            pos = np.arange(start, start + n, dtype=np.int32)
+            tokens[t:t + n] = req.token_slice(start, start + n)
+            positions[t:t + n] = pos
+            slots[t:t + n] = blocks[pos // block_size] * block_size + pos % block_size
         tables[row, :len(blocks)] = blocks
         if req.output_token_ids and req.output_token_ids[-1] == PLACEHOLDER and start + n == req.num_tokens:
             prev_index[t + n - 1] = prev_rows[req.request_id]

@@ -122,6 +122,7 @@ class KVCacheManager:
                 self.free[b] = None
         req.block_ids = []
         req.num_published_blocks = 0
+        req._block_array = None
 
     def reset_prefix_cache(self) -> None:
         for h, b in list(self.cached.items()):

@@ -5,6 +5,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from paxengine.sampling_params import SamplingParams
 
 
@@ -34,6 +36,7 @@ class Request:
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)   # chain hashes of full blocks
     num_published_blocks: int = 0               # full blocks already offered to the prefix cache
+    _block_array: object = field(default=None, repr=False)   # block_ids as int32 (block_array)
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
@@ -44,6 +47,15 @@ class Request:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    def block_array(self):
+        """block_ids as an int32 numpy array, rebuilt only when blocks were added (every
+        block_size decode steps): the step builder copies it into the block table each step.
+        KVCacheManager.free_request resets it, so a re-grown list never meets a stale copy."""
+        arr = self._block_array
+        if arr is None or len(arr) != len(self.block_ids):
+            arr = self._block_array = np.asarray(self.block_ids, np.int32)
+        return arr
 
     def token_slice(self, start: int, stop: int) -> list[int]:
         """all_token_ids[start:stop] without building the whole list (a decode step needs one)."""

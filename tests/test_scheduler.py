@@ -56,3 +56,24 @@ def test_without_buckets_nothing_changes():
     sched = scheduler(None)
     sched.add(make(70, "a"))
     assert sched.schedule().total_tokens == 70
+
+
+def test_block_array_follows_allocation_and_free():
+    kv = KVCacheManager(8, 16, enable_prefix_caching=False)
+    req = make(20, "a")
+    other = make(40, "b")
+    assert kv.allocate(req, 20)
+    first = req.block_array().tolist()
+    assert first == req.block_ids and len(first) == 2
+    assert kv.allocate(other, 40)          # takes 3 of the remaining blocks
+    req.num_computed_tokens = 20
+    assert kv.allocate(req, 16)            # one more block: the array grows with the list
+    before = req.block_array().tolist()
+    assert before == req.block_ids and len(before) == 3
+    kv.free_request(req)                   # preempted: a re-grown list of the same length
+    kv.free_request(other)                 # must not meet the stale copy
+    kv.allocate(make(1, "c"), 1)
+    req.num_computed_tokens = 0
+    assert kv.allocate(req, 36)
+    assert len(req.block_ids) == 3 and req.block_ids != before
+    assert req.block_array().tolist() == req.block_ids
