@@ -35,7 +35,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-ALL_STAGES = ("roofline", "pax-offline", "pax-serve", "vllm-offline", "vllm-serve")
+ALL_STAGES = ("roofline", "pax-offline", "pax-serve", "vllm-offline", "vllm-serve", "hf")
 
 FULL = {
     "preset": "llama-3.1-8b", "dtype": "bfloat16",
@@ -55,6 +55,11 @@ FULL = {
                "token_buckets": [16, 64, 256, 512, 1024, 2048, 4096, 8192],
                "seq_buckets": [8, 64, 256, 512]},
     "copy_mib": 2048, "matmul_n": 8192, "iters": 20,
+    # HF transformers on the same dummy model: batch-1 ITL eager and with a static cache +
+    # torch.compile (the gpt-fast recipe), batched generate on the first offline-like workload
+    "hf": {"input_len": 128, "n1": 16, "n2": 80, "compile": True,
+           "batched": {"name": "256x(1024,128)", "num_prompts": 256, "input_len": 1024,
+                       "output_len": 128}},
 }
 # A CPU-sized smoke run of the same code (`--quick`, dummy:tiny).
 QUICK = {
@@ -66,6 +71,8 @@ QUICK = {
     "engine": {"max_num_seqs": 8, "max_num_batched_tokens": 128, "max_model_len": 256,
                "num_kv_blocks": 128},
     "copy_mib": 16, "matmul_n": 256, "iters": 3,
+    "hf": {"input_len": 16, "n1": 2, "n2": 10, "compile": False,
+           "batched": {"name": "4x(16,4)", "num_prompts": 4, "input_len": 16, "output_len": 4}},
 }
 
 
@@ -515,8 +522,59 @@ def stage_vllm_serve(spec: dict, out: Path) -> dict:
     return _serve_stage(spec, out, cmd, "vllm", dict(os.environ))
 
 
+def stage_hf(spec: dict, out: Path) -> dict:
+    """HF transformers on the same dummy weights' shapes (random init on the device): batch-1
+    ITL eager and compiled (static cache + torch.compile, reduce-overhead), batched generate."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    hs = spec["hf"]
+    d = write_dummy_model_dir(spec["preset"], out.parent / "dummy_model")
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if spec["dtype"] == "bfloat16" else torch.float32
+    t = time.perf_counter()
+    with torch.device(dev):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(d), torch_dtype=dtype)
+    model.eval()
+    res = {"load_s": time.perf_counter() - t, "torch_version": torch.__version__, "device": dev}
+    vocab = model.config.vocab_size
+    gen = torch.Generator().manual_seed(0)
+
+    def generate(batch: int, in_len: int, n: int, **kw) -> float:
+        ids = torch.randint(2, vocab, (batch, in_len), generator=gen).to(dev)
+        sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
+        sync()
+        t = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                                 min_new_tokens=n, do_sample=False, pad_token_id=0, **kw)
+        sync()
+        assert out.shape == (batch, in_len + n), out.shape
+        return time.perf_counter() - t
+
+    def itl(**kw) -> float:
+        generate(1, hs["input_len"], hs["n1"], **kw)                    # warm-up (and compile)
+        t1 = generate(1, hs["input_len"], hs["n1"], **kw)
+        t2 = generate(1, hs["input_len"], hs["n2"], **kw)
+        return 1e3 * (t2 - t1) / (hs["n2"] - hs["n1"])
+
+    res["itl_batch1_eager_ms"] = itl()
+    log(f"HF batch-1 ITL eager {res['itl_batch1_eager_ms']:.2f} ms")
+    save_partial(**res)
+    w = hs["batched"]
+    el = generate(w["num_prompts"], w["input_len"], w["output_len"])
+    res["batched"] = {"name": w["name"], "elapsed_s": el,
+                      "output_tok_s": w["num_prompts"] * w["output_len"] / el}
+    log(f"HF batched generate {w['name']}: {res['batched']['output_tok_s']:,.0f} output tok/s")
+    save_partial(**res)
+    if hs.get("compile"):
+        model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+        res["itl_batch1_compiled_ms"] = itl(cache_implementation="static")
+        log(f"HF batch-1 ITL static cache + torch.compile {res['itl_batch1_compiled_ms']:.2f} ms")
+    return res
+
+
 STAGES = {"roofline": stage_roofline, "pax-offline": stage_pax_offline, "pax-serve": stage_pax_serve,
-          "vllm-offline": stage_vllm_offline, "vllm-serve": stage_vllm_serve}
+          "vllm-offline": stage_vllm_offline, "vllm-serve": stage_vllm_serve, "hf": stage_hf}
 
 
 # ----------------------------------------------------------------------------- driver
@@ -671,6 +729,15 @@ def markdown_table(merged: dict) -> str:
     lines += ["", "| workload | paxengine | vLLM (this run) | vLLM 0.26 (VLLM-PEER.md) | roofline bound |",
               "|---|---|---|---|---|"]
     lines += ["| " + " | ".join(r) + " |" for r in summary_rows(merged)]
+    hf = merged["stages"].get("hf") or {}
+    if hf.get("ok"):
+        def ms(k):
+            return "-" if hf.get(k) is None else f"{hf[k]:.2f} ms"
+        b = hf.get("batched") or {}
+        lines += ["", f"HF transformers {hf.get('torch_version', '')} (this run): batch-1 ITL eager "
+                  f"{ms('itl_batch1_eager_ms')}, static cache + torch.compile "
+                  f"{ms('itl_batch1_compiled_ms')}; batched generate {b.get('name', '')} "
+                  f"{b.get('output_tok_s', 0):,.0f} output tok/s (VLLM-PEER.md: 81.7 ms, 7.22 ms, 1,710)."]
     bad = [(k, v) for k, v in merged["stages"].items() if v and not v.get("ok")]
     failed = [f"{k}: {v.get('error', '')[:200]}" for k, v in bad if not v.get("skipped")]
     skipped = [f"{k} ({v.get('error', '')})" for k, v in bad if v.get("skipped")]

@@ -5,7 +5,7 @@
 # On the GPU:   carry [".whl"], command:  bash benchmarks/gpu_run.sh [STAGES]
 #
 # STAGES (default roofline,pax-offline,pax-serve; see benchmarks/gpu_bench.py): any of
-#   roofline pax-offline pax-serve vllm-offline vllm-serve, comma-separated, or "all".
+#   roofline pax-offline pax-serve vllm-offline vllm-serve hf, comma-separated, or "all".
 # vLLM stages need /tmp/vsite (VLLM-PEER.md); when /tmp/vparts holds the uploaded parts and
 # /tmp/vsite is missing, this script assembles and installs them first.
 # The whole command stays inside the device's 10-minute limit (GPU_BENCH_BUDGET_S, default 560 s);

@@ -67,3 +67,15 @@ def test_report_table():
 
 def test_gpu_run_script_parses():
     subprocess.run(["bash", "-n", str(ROOT / "benchmarks" / "gpu_run.sh")], check=True)
+
+
+def test_hf_stage_runs_on_cpu_and_reports(tmp_path):
+    """The HF baseline stage (tiny model, eager only) measures ITL and batched generate; the
+    report prints its line."""
+    res = gb.stage_hf(gb.QUICK, tmp_path / "stage_hf.json")
+    assert res["device"] == "cpu" and res["itl_batch1_eager_ms"] == res["itl_batch1_eager_ms"]
+    w = gb.QUICK["hf"]["batched"]
+    b = res["batched"]
+    assert b["output_tok_s"] == pytest.approx(w["num_prompts"] * w["output_len"] / b["elapsed_s"])
+    merged = {"spec": gb.QUICK, "environment": {}, "stages": {"hf": {"ok": True, **res}}}
+    assert f"batched generate {w['name']}" in gb.markdown_table(merged)
