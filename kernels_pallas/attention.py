@@ -116,9 +116,11 @@ def tile_metadata(md: AttentionMetadata, num_tokens: int, block_q: int, num_tile
                   pad_tiles: bool = False, min_q_len: int = 1):
   """[num_tiles, 8] int32: seq, first token, tokens in tile, first position, kv_len, 0, 0, 0.
 
-  Unused tiles have 0 tokens. Sequences with fewer than `min_q_len` query tokens get no tile. pad_tiles=True (the kernel): tiles past the live sequences'
-  tiles cover the padding tokens [qsl[num_seqs], T) with kv_len 0: their programs run no KV step and store zeros, so every output row is written by
-  the kernel (no masking pass afterwards). There are always enough of them: with
+  Unused tiles have 0 tokens. Sequences with fewer than `min_q_len` query tokens get no tile.
+  pad_tiles=True (the kernel): tiles past the live sequences' tiles cover the padding tokens
+  [qsl[num_seqs], T) with kv_len 0: their programs run no KV step and store zeros, so every
+  output row is written by the kernel (no masking pass afterwards). There are always enough of
+  them: with
   num_tiles = cdiv(T + S (block_q - 1), block_q) the unused tiles span >= T - live tokens rows;
   with num_tiles = T, each used tile holds >= 1 live token.
   """
