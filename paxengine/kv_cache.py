@@ -120,9 +120,7 @@ class KVCacheManager:
             self.ref_counts[b] -= 1
             if self.ref_counts[b] == 0:
                 self.free[b] = None
-        req.block_ids = []
-        req.num_published_blocks = 0
-        req._block_array = None
+        req.clear_blocks()
 
     def reset_prefix_cache(self) -> None:
         for h, b in list(self.cached.items()):

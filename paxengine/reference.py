@@ -12,6 +12,7 @@ import numpy as np
 
 from paxengine.models.config import ModelConfig
 from paxengine.models.llama import compute_logits, forward_hidden
+from paxengine.models.weights import is_per_layer
 
 
 def contiguous_attend(positions: jax.Array, sliding_window: int | None):
@@ -46,7 +47,7 @@ def _cached_step(params, cfg: ModelConfig, cache, tokens, positions, last):
 def _empty_cache(params, cfg: ModelConfig, max_len: int):
     """[L, ...] for stacked layers; one [1, ...] pair per layer for the per-layer layout."""
     dtype = params["embed"].dtype
-    if isinstance(params["layers"], (list, tuple)):
+    if is_per_layer(params):
         shape = (1, max_len, cfg.num_kv_heads, cfg.head_dim)
         return [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in params["layers"]]
     shape = (cfg.num_layers, max_len, cfg.num_kv_heads, cfg.head_dim)

@@ -48,10 +48,16 @@ class Request:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def clear_blocks(self) -> None:
+        """Drop the block list and everything derived from it (the KV manager freed them)."""
+        self.block_ids = []
+        self.num_published_blocks = 0
+        self._block_array = None
+
     def block_array(self):
         """block_ids as an int32 numpy array, rebuilt only when blocks were added (every
         block_size decode steps): the step builder copies it into the block table each step.
-        KVCacheManager.free_request resets it, so a re-grown list never meets a stale copy."""
+        clear_blocks resets it, so a re-grown list never meets a stale copy."""
         arr = self._block_array
         if arr is None or len(arr) != len(self.block_ids):
             arr = self._block_array = np.asarray(self.block_ids, np.int32)

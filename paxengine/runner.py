@@ -24,6 +24,7 @@ from kernels_pallas.xla_attention import xla_ragged_paged_attention
 from paxengine.batch import StepArrays, bucket_pairs, pick
 from paxengine.models.config import ModelConfig
 from paxengine.models.llama import compute_logits, forward_hidden
+from paxengine.models.weights import is_per_layer
 from paxengine.sampling import MAX_LOGIT_BIAS, MAX_STOP_IDS, SamplingTensors, sample
 
 _compile_count = 0
@@ -115,7 +116,7 @@ class Runner:
         self.max_rows = max(seq_buckets)
         self.prev_tokens = jnp.zeros(self.max_rows, jnp.int32)   # the last step's samples, on device
         self.backend = resolve_backend(attention_backend)
-        self.layer_loop = "unroll" if isinstance(params["layers"], (list, tuple)) else "scan"
+        self.layer_loop = "unroll" if is_per_layer(params) else "scan"
         self.kv_cache = allocate_kv_cache(cfg, num_blocks, block_size, kv_dtype, self.layer_loop)
         self._step = jax.jit(self._step_fn, donate_argnums=(1,))
         self.compiled: dict[tuple[int, int], object] = {}

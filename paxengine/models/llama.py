@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from paxengine.models.config import ModelConfig
+from paxengine.models.weights import is_per_layer
 
 Attend = Callable[[jax.Array, jax.Array, jax.Array, Any, jax.Array], tuple[jax.Array, Any]]
 
@@ -94,7 +95,7 @@ def forward_hidden(params: dict, cfg: ModelConfig, tokens: jax.Array, positions:
     """tokens, positions: [T] int32 -> final hidden states [T, H] (normed) and the updated cache."""
     h = params["embed"][tokens]
     inv_freq = rope_inv_freq(cfg)
-    if isinstance(params["layers"], (list, tuple)):
+    if is_per_layer(params):
         caches = list(kv_cache) if kv_cache is not None else [None] * len(params["layers"])
         for i, w in enumerate(params["layers"]):
             # each layer's cache is its own [1, ...] array pair: layer index 0 inside it

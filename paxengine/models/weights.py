@@ -67,6 +67,11 @@ def stack_layers(per_layer: list[dict], cfg: ModelConfig) -> dict:
 FUSED = {"wqkv": ("wq", "wk", "wv"), "bqkv": ("bq", "bk", "bv"), "w_gate_up": ("w_gate", "w_up")}
 
 
+def is_per_layer(params: dict) -> bool:
+    """True for the per-layer layout (a list of layer dicts), False for stacked arrays."""
+    return isinstance(params["layers"], (list, tuple))
+
+
 def unstack_layers(params: dict) -> dict:
     """The stacked layout -> the per-layer one (`params["layers"]` a list of dicts), with the
     q/k/v and gate/up projections concatenated along their output axis (see FUSED).
@@ -74,9 +79,9 @@ def unstack_layers(params: dict) -> dict:
     Consumes `params`: each stacked array leaves its dict as soon as it is split, so on a device
     the peak is the model plus one stacked tensor, not two models.
     """
-    stacked = params["layers"]
-    if isinstance(stacked, (list, tuple)):
+    if is_per_layer(params):
         return params
+    stacked = params["layers"]
     import jax.numpy as jnp
     num_layers = next(iter(stacked.values())).shape[0]
     per_layer: list[dict] = [{} for _ in range(num_layers)]
