@@ -3,11 +3,17 @@
 (`runner.fetch`), and in all, with steps launched from the caller and from the dispatch thread.
 Run it under different XLA_FLAGS (e.g. command buffers) to compare launch costs (GPU).
 
-  python -m benchmarks.profile_dispatch [PRESET]
+  python -m benchmarks.profile_dispatch [PRESET] [BATCHES, e.g. 64,256]
+
+The largest batch's caller-mode steps also run under cProfile: the top host functions are printed
+and saved (where the host time goes on that machine, not on ours).
 """
 from __future__ import annotations
 
+import cProfile
+import io
 import os
+import pstats
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -23,9 +29,13 @@ def main() -> int:
     preset = sys.argv[1] if len(sys.argv) > 1 else "llama-3.1-8b"
     on_gpu = jax.default_backend() == "gpu"
     batches, prompt_len = ((1, 64, 256), 1024) if on_gpu else ((1, 8), 64)
-    llm = LLM(model=f"dummy:{preset}", dtype="bfloat16", max_model_len=2048, max_num_seqs=256,
-              max_num_batched_tokens=1024, token_buckets=[16, 64, 256, 1024],
-              seq_buckets=[8, 64, 256], num_kv_blocks=24000 if on_gpu else 512,
+    if len(sys.argv) > 2:
+        batches = tuple(int(b) for b in sys.argv[2].split(","))
+    seq_buckets = sorted({max(8, b) for b in batches})
+    llm = LLM(model=f"dummy:{preset}", dtype="bfloat16", max_model_len=2048,
+              max_num_seqs=max(seq_buckets), max_num_batched_tokens=1024,
+              token_buckets=sorted({max(16, b) for b in batches} | {1024}),
+              seq_buckets=seq_buckets, num_kv_blocks=24000 if on_gpu else 512,
               show_progress=False)
     eng, runner = llm.engine, llm.engine.runner
     execute, fetch = runner.execute, runner.fetch
@@ -57,10 +67,20 @@ def main() -> int:
                 eng.step()
             spent["execute"].clear()
             spent["fetch"].clear()
+            prof = cProfile.Profile() if (mode == "caller" and batch == max(batches)) else None
             t = time.perf_counter()
+            if prof:
+                prof.enable()
             for _ in range(40):
                 eng.step()
+            if prof:
+                prof.disable()
             step = (time.perf_counter() - t) / 40
+            if prof:
+                buf = io.StringIO()
+                pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
+                res[f"b{batch}_host_profile"] = buf.getvalue().splitlines()
+                print(buf.getvalue(), flush=True)
             row = {"step_ms": 1e3 * step,
                    "execute_ms": 1e3 * float(np.median(spent["execute"])),
                    "fetch_wait_ms": 1e3 * float(np.median(spent["fetch"]))}
