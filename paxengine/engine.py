@@ -236,6 +236,8 @@ class EngineCore:
         that one wasted row writes KV only into its own last, partial (never hashed) block, which
         later steps overwrite in stream order, and `advance` skips it. Penalties need exact
         token history on the host, so while a running request uses one, N is read first.
+        With `dispatch_thread`, N+1's launch (XLA:GPU enqueues its kernels on the calling thread)
+        runs on a worker and is waited for only when N+1 is read, so it overlaps this bookkeeping.
         """
         outputs: list[RequestOutput] = []
         if self.inflight is not None and self._needs_sync():
@@ -258,8 +260,6 @@ class EngineCore:
             self.overlapped_steps += bool(out)
             outputs += self._finish_inflight()
         if out:
-            if isinstance(result, Future):
-                result = result.result()
             rows = {r.request_id: i for i, r in enumerate(out.requests)}
             sampled = self.scheduler.advance(out)
             for req in sampled:
@@ -274,6 +274,8 @@ class EngineCore:
     def _finish_inflight(self) -> list[RequestOutput]:
         result, rows, sampled = self.inflight
         self.inflight = None
+        if isinstance(result, Future):   # launched by the dispatch thread: wait for the launch
+            result = result.result()
         tokens, lps, ranks, top_ids, top_lps = self.runner.fetch(result)   # the one sync
         touched: dict[str, _Group] = {}
         for req in sampled:
@@ -298,6 +300,11 @@ class EngineCore:
                 for s in group.seqs:
                     self.seq_of.pop(s.req.request_id, None)
         return outputs
+
+
+def _put_all(items) -> None:
+    for q, item in items:
+        q.put_nowait(item)
 
 
 class AsyncEngine:
@@ -389,6 +396,17 @@ class AsyncEngine:
             loop, q = entry
             loop.call_soon_threadsafe(q.put_nowait, item)
 
+    def _deliver_step(self, outputs: list[RequestOutput]) -> None:
+        """A step's outputs in one wake-up per event loop (not one per request: at 64 streams
+        the per-call wake-ups cost the loop thread more than the outputs themselves)."""
+        by_loop: dict = {}
+        for out in outputs:
+            entry = self._streams.get(out.request_id)
+            if entry is not None:
+                by_loop.setdefault(entry[0], []).append((entry[1], out))
+        for loop, items in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, items)
+
     def _handle(self, kind: str, rid: str, payload) -> None:
         if kind == "add":
             prompt, params = payload
@@ -417,8 +435,7 @@ class AsyncEngine:
                 if self.core.has_unfinished():
                     with self._lock:
                         outputs = self.core.step()
-                    for out in outputs:
-                        self._deliver(out.request_id, out)
+                    self._deliver_step(outputs)
         except BaseException as e:  # a dead loop must be visible, and nobody left waiting
             self.error = e
             log.exception("engine loop died")

@@ -6,7 +6,6 @@ executable can never trace again, so nothing compiles while serving.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 import time
@@ -25,9 +24,10 @@ from paxengine.batch import StepArrays, bucket_pairs, pick
 from paxengine.models.config import ModelConfig
 from paxengine.models.llama import compute_logits, forward_hidden
 from paxengine.models.weights import is_per_layer
-from paxengine.sampling import MAX_LOGIT_BIAS, MAX_STOP_IDS, SamplingTensors, sample
+from paxengine.sampling import ALL_FLAGS, SamplingTensors, abstract_sampling_tensors, sample
 
 _compile_count = 0
+_SAMPLERS: dict[tuple, object] = {}   # (S, V, history, rows, flags) -> compiled, per process
 
 
 def _count_compiles(event: str, duration: float, **kw) -> None:
@@ -118,56 +118,69 @@ class Runner:
         self.backend = resolve_backend(attention_backend)
         self.layer_loop = "unroll" if is_per_layer(params) else "scan"
         self.kv_cache = allocate_kv_cache(cfg, num_blocks, block_size, kv_dtype, self.layer_loop)
-        self._step = jax.jit(self._step_fn, donate_argnums=(1,))
-        self.compiled: dict[tuple[int, int], object] = {}
-        self._no_history: dict[int, jax.Array] = {}   # S -> [S, H] of -1 (no penalties)
+        self._forward = jax.jit(self._forward_fn, donate_argnums=(1,))
+        self.compiled: dict[tuple[int, int], object] = {}       # (T, S) -> forward
+        self.samplers: dict[tuple, object] = {}                 # (S, flags) -> sampler
         self.compile_seconds = 0.0
         self._compile_all(show_progress)
         self.compiles_after_warmup = compile_count()
 
-    # -- the jitted step ------------------------------------------------------------------------
-    def _step_fn(self, params, kv_cache, tokens, positions, md, logits_indices, st, prev_index,
-                 prev_tokens):
+    # -- the jitted step: a forward per (T, S) bucket, then a sampler per (S, flags) ------------
+    def _forward_fn(self, params, kv_cache, tokens, positions, md, logits_indices, prev_index,
+                    prev_tokens):
         # Tokens sampled by the previous step never visit the host before they are used here.
         tokens = jnp.where(prev_index >= 0, prev_tokens[jnp.maximum(prev_index, 0)], tokens)
         attend = make_attend(md, self.backend, self.cfg)
         hidden, kv_cache = forward_hidden(params, self.cfg, tokens, positions, kv_cache, attend)
-        logits = compute_logits(params, self.cfg, hidden[logits_indices])
-        result = sample(logits, st)
-        padded = jnp.zeros(self.max_rows, jnp.int32).at[:result[0].shape[0]].set(result[0])
-        return kv_cache, result, padded
+        return kv_cache, compute_logits(params, self.cfg, hidden[logits_indices])
 
     def _abstract_inputs(self, T: int, S: int):
         i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)
-        f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
         md = kernels_pallas.AttentionMetadata(i32(T), i32(S, self.max_blocks_per_seq), i32(S),
                                               i32(S + 1), i32(1))
-        st = SamplingTensors(f32(S), i32(S), f32(S), f32(S), f32(S), f32(S), f32(S),
-                             jax.ShapeDtypeStruct((S,), jnp.uint32), i32(S),
-                             jax.ShapeDtypeStruct((S,), jnp.bool_), i32(S, MAX_STOP_IDS),
-                             i32(S, MAX_LOGIT_BIAS), f32(S, MAX_LOGIT_BIAS),
-                             i32(S, self.history_len), i32(S),
-                             *[jax.ShapeDtypeStruct((), jnp.bool_)] * 3)
-        return i32(T), i32(T), md, i32(S), st, i32(T), i32(self.max_rows)
+        return i32(T), i32(T), md, i32(S), i32(T), i32(self.max_rows)
+
+    def _sampler_key(self, S: int, flags) -> tuple:
+        return (S, self.cfg.vocab_size, self.history_len, self.max_rows, tuple(flags))
+
+    def _lower_sampler(self, S: int, flags):
+        max_rows = self.max_rows
+
+        def sample_step(logits, st):
+            result = sample(logits, st)
+            padded = jnp.zeros(max_rows, jnp.int32).at[:S].set(result[0])
+            return result, padded
+        logits = jax.ShapeDtypeStruct((S, self.cfg.vocab_size), jnp.float32)
+        return jax.jit(sample_step).lower(logits, abstract_sampling_tensors(S, self.history_len, flags))
 
     def _compile_all(self, show_progress: bool) -> None:
         """Traces each bucket in turn (tracing holds the GIL) and compiles them on a thread pool
-        (XLA's compile releases it): an unrolled 8B model's buckets compile side by side."""
+        (XLA's compile releases it): an unrolled 8B model's buckets compile side by side. The
+        samplers are small and shared by every runner of the process with the same shapes."""
         t0 = time.perf_counter()
         pairs = bucket_pairs(self.token_buckets, self.seq_buckets)
+        sampler_keys = [(S, f) for S in self.seq_buckets for f in ALL_FLAGS]
         workers = max(1, min(len(pairs), (os.cpu_count() or 1) // 2, 8))
-        bar = tqdm(total=len(pairs), desc="compiling step buckets", disable=not show_progress)
+        bar = tqdm(total=len(pairs) + len(sampler_keys), desc="compiling step buckets",
+                   disable=not show_progress)
         with ThreadPoolExecutor(workers) as pool:
             futures = {}
             for T, S in pairs:
-                lowered = self._step.lower(self.params, self.kv_cache, *self._abstract_inputs(T, S))
-                futures[(T, S)] = pool.submit(lowered.compile)
+                lowered = self._forward.lower(self.params, self.kv_cache, *self._abstract_inputs(T, S))
+                futures[("fwd", T, S)] = pool.submit(lowered.compile)
+            for S, flags in sampler_keys:
+                key = self._sampler_key(S, flags)
+                if key not in _SAMPLERS:
+                    futures[("smp", S, flags)] = pool.submit(self._lower_sampler(S, flags).compile)
             for key, fut in futures.items():
-                self.compiled[key] = fut.result()
+                if key[0] == "fwd":
+                    self.compiled[key[1:]] = fut.result()
+                else:
+                    _SAMPLERS[self._sampler_key(*key[1:])] = fut.result()
                 bar.update(1)
+        bar.update(len(pairs) + len(sampler_keys) - bar.n)
         bar.close()
-        for S in self.seq_buckets:
-            self._no_history[S] = jnp.full((S, self.history_len), -1, jnp.int32)
+        self.samplers = {(S, f): _SAMPLERS[self._sampler_key(S, f)] for S, f in sampler_keys}
         self.compile_seconds = time.perf_counter() - t0
 
     # -- running a step -------------------------------------------------------------------------
@@ -185,12 +198,10 @@ class Runner:
         md = kernels_pallas.AttentionMetadata(arrays.slot_mapping, arrays.block_tables,
                                               arrays.seq_lens, arrays.query_start_loc,
                                               arrays.num_seqs)
-        fn = self.compiled[(T, S)]
-        if st.history is None:
-            st = dataclasses.replace(st, history=self._no_history[S])
-        self.kv_cache, result, self.prev_tokens = fn(
+        self.kv_cache, logits = self.compiled[(T, S)](
             self.params, self.kv_cache, arrays.tokens, arrays.positions, md, arrays.logits_indices,
-            st, arrays.prev_index, self.prev_tokens)
+            arrays.prev_index, self.prev_tokens)
+        result, self.prev_tokens = self.samplers[(S, st.flags)](logits, st)
         return result
 
     @staticmethod

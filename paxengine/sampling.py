@@ -15,13 +15,19 @@ import numpy as np
 
 from paxengine.sampling_params import MAX_LOGIT_BIAS  # OpenAI allows 300 entries
 
-NUM_TOP_LOGPROBS = 20     # the API's maximum; always computed, cheap next to the head matmul
+NUM_TOP_LOGPROBS = 20     # the API's maximum; computed for every row when any row asks
 MAX_STOP_IDS = 16         # stop ids banned while min_tokens is not reached (EOS + stop_token_ids)
 
 
 @dataclasses.dataclass(frozen=True)
 class SamplingTensors:
-    """Per-row sampling parameters, [S] unless noted."""
+    """Per-row sampling parameters, [S] unless noted.
+
+    The three flags are static (part of the pytree's structure, not traced): the runner keeps one
+    compiled sampler per flag combination and picks it on the host. A data-dependent `lax.cond`
+    would do the same on the device, but XLA:GPU reads a conditional's predicate back to the host
+    and blocks until everything queued before it has run, which stalls the next step's launch.
+    """
     temperature: jax.Array      # f32; 0 = greedy
     top_k: jax.Array            # i32; 0 = off
     top_p: jax.Array            # f32; 1 = off
@@ -35,17 +41,36 @@ class SamplingTensors:
     stop_ids: jax.Array         # [S, MAX_STOP_IDS] i32, -1 padded
     bias_ids: jax.Array         # [S, MAX_LOGIT_BIAS] i32, -1 padded
     bias_vals: jax.Array        # [S, MAX_LOGIT_BIAS] f32
-    history: jax.Array | None   # [S, H] i32: prompt + output token ids, -1 padded (penalties)
+    history: jax.Array | None   # [S, H] i32: prompt + output token ids, -1 padded; None unless
+                                # `penalties`
     num_prompt: jax.Array       # [S] i32: how many of history are prompt tokens
-    use_penalties: jax.Array    # () bool: any row has a penalty (skip the [S, V] work otherwise)
-    use_top: jax.Array          # () bool: any row uses top-k / top-p (skip the sort otherwise)
-    want_logprobs: jax.Array    # () bool: any row asks for logprobs (skip the [S, V] passes
-                                # and the top-20 search otherwise: 2.5 ms at S=256 on the H200)
+    penalties: bool = False     # static: some row has a penalty (the [S, V] scatters)
+    top: bool = False           # static: some row uses top-k / top-p (the [S, V] sort)
+    logprobs: bool = False      # static: some row asks for logprobs (the top-20 search)
+
+    @property
+    def flags(self) -> tuple[bool, bool, bool]:
+        return (self.penalties, self.top, self.logprobs)
 
 
-jax.tree_util.register_dataclass(
-    SamplingTensors, data_fields=[f.name for f in dataclasses.fields(SamplingTensors)],
-    meta_fields=[])
+_DATA_FIELDS = [f.name for f in dataclasses.fields(SamplingTensors)
+                if f.name not in ("penalties", "top", "logprobs")]
+jax.tree_util.register_dataclass(SamplingTensors, data_fields=_DATA_FIELDS,
+                                 meta_fields=["penalties", "top", "logprobs"])
+ALL_FLAGS = [(p, t, l) for p in (False, True) for t in (False, True) for l in (False, True)]
+
+
+def abstract_sampling_tensors(num_rows: int, history_len: int,
+                              flags: tuple[bool, bool, bool]) -> SamplingTensors:
+    """Shapes and dtypes of `build_sampling_tensors`' output, for ahead-of-time compiles."""
+    s = num_rows
+    spec = lambda dt, *shape: jax.ShapeDtypeStruct(shape, dt)
+    f32, i32 = jnp.float32, jnp.int32
+    return SamplingTensors(
+        spec(f32, s), spec(i32, s), spec(f32, s), spec(f32, s), spec(f32, s), spec(f32, s),
+        spec(f32, s), spec(jnp.uint32, s), spec(i32, s), spec(jnp.bool_, s),
+        spec(i32, s, MAX_STOP_IDS), spec(i32, s, MAX_LOGIT_BIAS), spec(f32, s, MAX_LOGIT_BIAS),
+        spec(i32, s, history_len) if flags[0] else None, spec(i32, s), *flags)
 
 
 def _apply_penalties(logits, st: SamplingTensors):
@@ -66,6 +91,7 @@ def _apply_penalties(logits, st: SamplingTensors):
 
 
 def _apply_top_k_top_p(logits, st: SamplingTensors):
+    """Rows without top-k (0) or top-p (1) come back unchanged, bit for bit."""
     v = logits.shape[-1]
     sorted_desc = -jnp.sort(-logits, axis=-1)
     k = jnp.where(st.top_k > 0, jnp.minimum(st.top_k, v), v)
@@ -77,15 +103,16 @@ def _apply_top_k_top_p(logits, st: SamplingTensors):
     before = jnp.cumsum(probs, axis=-1) - probs
     keep = before < st.top_p[:, None]
     cutoff = jnp.min(jnp.where(keep, sorted_desc, jnp.inf), axis=-1, keepdims=True)
-    return jnp.where(logits < cutoff, -jnp.inf, logits)
+    cut = (logits < cutoff) & (st.top_p < 1)[:, None]
+    return jnp.where(cut, -jnp.inf, logits)
 
 
 def process_logits(logits: jax.Array, st: SamplingTensors) -> jax.Array:
     """Raw logits [S, V] -> the logits that are sampled from (before temperature)."""
     s, v = logits.shape
     logits = logits.astype(jnp.float32)
-    if st.history is not None:   # None: built without penalties and used outside the runner
-        logits = jax.lax.cond(st.use_penalties, _apply_penalties, lambda l, _: l, logits, st)
+    if st.penalties:
+        logits = _apply_penalties(logits, st)
     rows = jnp.arange(s)[:, None]
     ban = jnp.where(st.ban_stop[:, None] & (st.stop_ids >= 0), st.stop_ids, v)
     logits = logits.at[rows, ban].set(-jnp.inf, mode="drop")
@@ -94,43 +121,64 @@ def process_logits(logits: jax.Array, st: SamplingTensors) -> jax.Array:
     return logits
 
 
+_CDF_BLOCK = 256
+
+
+def _last_positive(x):
+    """Index of the last entry > 0 along the last axis (0 if none)."""
+    n = x.shape[-1]
+    return n - 1 - jnp.argmax(x[..., ::-1] > 0, axis=-1)
+
+
+def inverse_cdf(probs: jax.Array, u: jax.Array) -> jax.Array:
+    """Row i -> the first token whose cumulative mass exceeds u[i] * (row mass): an exact draw
+    from the row's distribution. Two levels (block sums, then one block's prefix sum) instead of a
+    prefix sum over the whole vocabulary, which XLA:GPU runs as log2(V) passes. Never returns a
+    zero-probability token, even when rounding puts the target at the very end of the row."""
+    s, v = probs.shape
+    b = min(_CDF_BLOCK, v)
+    nb = -(-v // b)
+    blocks = jnp.pad(probs, ((0, 0), (0, nb * b - v))).reshape(s, nb, b)
+    block_mass = blocks.sum(-1)                                            # [S, nb]
+    block_cdf = jnp.cumsum(block_mass, axis=-1)
+    target = u * block_cdf[:, -1]
+    j = jnp.minimum(jnp.sum(block_cdf <= target[:, None], axis=-1), _last_positive(block_mass))
+    before = jnp.where(j > 0, jnp.take_along_axis(block_cdf, jnp.maximum(j - 1, 0)[:, None],
+                                                  axis=-1)[:, 0], 0.0)
+    inner = jnp.take_along_axis(blocks, j[:, None, None], axis=1)[:, 0]    # [S, b]
+    k = jnp.sum(before[:, None] + jnp.cumsum(inner, axis=-1) <= target[:, None], axis=-1)
+    k = jnp.minimum(k, _last_positive(inner))
+    return (j * b + k).astype(jnp.int32)
+
+
 def sample(logits: jax.Array, st: SamplingTensors):
-    """-> (tokens [S], sampled logprob [S], rank [S], top ids [S, N], top logprobs [S, N])."""
+    """-> (tokens [S], sampled logprob [S], rank [S], top ids [S, N], top logprobs [S, N]).
+    Branch-free on the device: what a batch does not use is left out at trace time (`st`'s
+    static flags), and the random draw costs a few passes over [S, V], so it always runs."""
     proc = process_logits(logits, st)
     greedy_tok = jnp.argmax(proc, axis=-1)
-
-    def draw(proc):
-        temp = jnp.where(st.temperature > 0, st.temperature, 1.0)
-        scaled = proc / temp[:, None]
-        scaled = jax.lax.cond(st.use_top, _apply_top_k_top_p, lambda l, _: l, scaled, st)
-        probs = jax.nn.softmax(scaled, axis=-1)
-        probs = jnp.where(probs < st.min_p[:, None] * jnp.max(probs, axis=-1, keepdims=True),
-                          0.0, probs)
-        # Inverse-CDF sampling: one uniform per row, drawn from the row's own seed and step
-        # (so batch mates never change it), instead of V Gumbel draws: ~10x cheaper on a CPU.
-        keys = jax.vmap(lambda s, n: jax.random.fold_in(jax.random.PRNGKey(s), n))(st.seeds, st.steps)
-        u = jax.vmap(lambda k: jax.random.uniform(k, ()))(keys)
-        cdf = jnp.cumsum(probs, axis=-1)
-        tok = jnp.sum(cdf < (u * cdf[:, -1])[:, None], axis=-1)
-        return jnp.minimum(tok, proc.shape[-1] - 1).astype(jnp.int32)
-    sampled_tok = jax.lax.cond(jnp.any(st.temperature > 0), draw,
-                               lambda p: jnp.zeros(p.shape[0], jnp.int32), proc)
-    tokens = jnp.where(st.temperature > 0, sampled_tok, greedy_tok).astype(jnp.int32)
+    temp = jnp.where(st.temperature > 0, st.temperature, 1.0)
+    scaled = proc / temp[:, None]
+    if st.top:
+        scaled = _apply_top_k_top_p(scaled, st)
+    probs = jax.nn.softmax(scaled, axis=-1)
+    probs = jnp.where(probs < st.min_p[:, None] * jnp.max(probs, axis=-1, keepdims=True),
+                      0.0, probs)
+    # Inverse-CDF sampling: one uniform per row, drawn from the row's own seed and step (so batch
+    # mates never change it), instead of V Gumbel draws: ~10x cheaper on a CPU.
+    keys = jax.vmap(lambda s, n: jax.random.fold_in(jax.random.PRNGKey(s), n))(st.seeds, st.steps)
+    u = jax.vmap(lambda k: jax.random.uniform(k, ()))(keys)
+    tokens = jnp.where(st.temperature > 0, inverse_cdf(probs, u), greedy_tok).astype(jnp.int32)
+    s = logits.shape[0]
     n_top = min(NUM_TOP_LOGPROBS, logits.shape[-1])
-
-    def logprobs(logits):
-        raw = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-        tok_lp = jnp.take_along_axis(raw, tokens[:, None], axis=-1)[:, 0]
-        rank = jnp.sum(raw > tok_lp[:, None], axis=-1).astype(jnp.int32) + 1
-        top_lp, top_ids = jax.lax.top_k(raw, n_top)
-        return tok_lp, rank, top_ids.astype(jnp.int32), top_lp
-
-    def none(logits):
-        s = logits.shape[0]
-        return (jnp.zeros(s, jnp.float32), jnp.zeros(s, jnp.int32),
+    if not st.logprobs:
+        return (tokens, jnp.zeros(s, jnp.float32), jnp.zeros(s, jnp.int32),
                 jnp.zeros((s, n_top), jnp.int32), jnp.zeros((s, n_top), jnp.float32))
-    tok_lp, rank, top_ids, top_lp = jax.lax.cond(st.want_logprobs, logprobs, none, logits)
-    return tokens, tok_lp, rank, top_ids, top_lp
+    raw = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    tok_lp = jnp.take_along_axis(raw, tokens[:, None], axis=-1)[:, 0]
+    rank = jnp.sum(raw > tok_lp[:, None], axis=-1).astype(jnp.int32) + 1
+    top_lp, top_ids = jax.lax.top_k(raw, n_top)
+    return tokens, tok_lp, rank, top_ids.astype(jnp.int32), top_lp
 
 
 def build_sampling_tensors(rows: list, num_rows: int, history_len: int,
@@ -172,8 +220,7 @@ def build_sampling_tensors(rows: list, num_rows: int, history_len: int,
             items = list(p.logit_bias.items())[:MAX_LOGIT_BIAS]
             bias_ids[i, :len(items)] = [k for k, _ in items]
             bias_vals[i, :len(items)] = [v for _, v in items]
-    # [S, H] only when a row uses a penalty; else None, and the runner passes a resident device
-    # array of the same shape (no recompiles, and no S x max_model_len upload every step).
+    # [S, H] only when a row uses a penalty (no S x max_model_len upload every step otherwise).
     history = None
     if penalties:
         history = np.full((s, history_len), -1, np.int32)
@@ -181,8 +228,8 @@ def build_sampling_tensors(rows: list, num_rows: int, history_len: int,
             toks = req.all_token_ids[:history_len]
             history[i, :len(toks)] = toks
             num_prompt[i] = req.num_prompt_tokens
-    use_top = bool(any(r.params.top_k > 0 or r.params.top_p < 1 for r in rows))
-    want_logprobs = bool(any(r.params.logprobs is not None for r in rows))
+    top = bool(any(r.params.top_k > 0 or r.params.top_p < 1 for r in rows))
+    logprobs = bool(any(r.params.logprobs is not None for r in rows))
     return SamplingTensors(temperature, top_k, top_p, min_p, presence, frequency, repetition,
                            seeds, steps, ban, stop_ids, bias_ids, bias_vals, history, num_prompt,
-                           np.asarray(penalties), np.asarray(use_top), np.asarray(want_logprobs))
+                           penalties, top, logprobs)

@@ -42,3 +42,18 @@ def test_layer_loop_choice():
     assert resolve_layer_loop("unroll") == "unroll"
     with pytest.raises(ValueError, match="layer_loop"):
         resolve_layer_loop("sideways")
+
+
+def test_compiled_step_has_no_device_conditionals():
+    """XLA:GPU reads a conditional's predicate back to the host and waits for the stream, so a
+    `lax.cond` anywhere in the step serializes launch and execution (measured on the H200: the
+    launch took as long as the step). The GPU layout's forward and every sampler variant must
+    compile without one; which sampler runs is chosen on the host."""
+    from paxengine import LLM
+    llm = LLM(model="dummy:tiny", max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16,
+              token_buckets=[16], seq_buckets=[4], attention_backend="reference",
+              layer_loop="unroll", show_progress=False)
+    runner = llm.engine.runner
+    assert len(runner.samplers) == 8                 # penalties x top-k/p x logprobs
+    for name, exe in [*runner.compiled.items(), *runner.samplers.items()]:
+        assert "conditional(" not in exe.as_text(), name

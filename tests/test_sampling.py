@@ -4,7 +4,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from paxengine.request import Request
-from paxengine.sampling import build_sampling_tensors, process_logits, sample
+from paxengine.sampling import (_apply_top_k_top_p, build_sampling_tensors, inverse_cdf,
+                               process_logits, sample)
 from paxengine.sampling_params import SamplingParams
 
 V = 8
@@ -64,3 +65,35 @@ def test_logit_bias_and_min_tokens_ban():
     assert out[5] == 3.0 and out[7] == -np.inf and out[6] == -np.inf and out[0] == 0.0
     tok, *_ = sample(logits, tensors(SamplingParams(temperature=0, logit_bias={4: 1.0})))
     assert int(tok[0]) == 4
+
+
+def test_inverse_cdf_matches_a_flat_prefix_sum():
+    """The two-level draw picks the token a float64 prefix sum over the whole row picks (away
+    from ties), skips zero-probability tokens, and stays in range for u near 1."""
+    rng = np.random.default_rng(0)
+    v = 1000                                       # not a multiple of the 256-token block
+    probs = rng.random((3, v)) ** 4
+    probs[:, rng.random(v) < 0.5] = 0.0            # holes, including whole blocks in row 2
+    probs[2, :600] = 0.0
+    probs[1, -300:] = 0.0                          # the last block carries no mass
+    u = np.concatenate([rng.random(200), [0.0, 1.0 - 2 ** -24]]).astype(np.float32)
+    got = np.asarray(jax.jit(jax.vmap(inverse_cdf, in_axes=(None, 0)))(
+        jnp.asarray(probs, jnp.float32), jnp.asarray(np.tile(u[:, None], (1, 3)))))
+    cdf = np.cumsum(probs, axis=-1)
+    for r in range(3):
+        want = np.searchsorted(cdf[r], u * cdf[r, -1], side="right")
+        near_edge = np.min(np.abs(cdf[r][None, :] - (u * cdf[r, -1])[:, None]), axis=1) < 1e-4 * cdf[r, -1]
+        assert (got[:, r] == np.minimum(want, v - 1))[~near_edge].all()
+        assert (probs[r, got[:, r]] > 0).all()
+
+
+def test_top_p_leaves_rows_without_it_unchanged():
+    """One row's top-p switches the [S, V] filter on for the batch; a row without top-k/top-p
+    must draw from its full distribution."""
+    probs = np.array([[0.5, 0.3, 0.1, 0.05, 0.05, 0, 0, 0]] * 2) + 1e-9
+    logits = np.log(probs).astype(np.float32)
+    st = tensors(SamplingParams(temperature=1.0, top_p=0.75), SamplingParams(temperature=1.0))
+    assert st.top and not st.penalties and not st.logprobs
+    filtered = np.asarray(_apply_top_k_top_p(jnp.asarray(logits), st))
+    assert np.isinf(filtered[0, 2:]).all() and np.isfinite(filtered[0, :2]).all()
+    np.testing.assert_array_equal(filtered[1], logits[1])
