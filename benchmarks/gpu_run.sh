@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU benchmark, run on the lent H200 through the `run` tool (repo root as working dir).
 #
-# Here, once:   ../shared/gpu/fetch-wheels.sh            (fastapi, uvicorn, pydantic, gguf -> .whl/)
+# Here, once:   ../shared/gpu/fetch-wheels.sh uvloop httptools   (fastapi, uvicorn, pydantic, gguf, ... -> .whl/)
 # On the GPU:   carry [".whl"], command:  bash benchmarks/gpu_run.sh [STAGES]
 #
 # STAGES (default roofline,pax-offline,pax-serve; see benchmarks/gpu_bench.py): any of
