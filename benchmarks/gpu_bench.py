@@ -567,7 +567,14 @@ def stage_hf(spec: dict, out: Path) -> dict:
     log(f"HF batched generate {w['name']}: {res['batched']['output_tok_s']:,.0f} output tok/s")
     save_partial(**res)
     if hs.get("compile"):
-        model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+        compiled = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+
+        def forward(*a, **kw):
+            # generate reads each step's logits before the next call; the static cache is updated
+            # in place: tell the CUDA graph tree that a new step begins (else torch refuses)
+            torch.compiler.cudagraph_mark_step_begin()
+            return compiled(*a, **kw)
+        model.forward = forward
         res["itl_batch1_compiled_ms"] = itl(cache_implementation="static")
         log(f"HF batch-1 ITL static cache + torch.compile {res['itl_batch1_compiled_ms']:.2f} ms")
     return res
