@@ -567,15 +567,16 @@ def stage_hf(spec: dict, out: Path) -> dict:
     log(f"HF batched generate {w['name']}: {res['batched']['output_tok_s']:,.0f} output tok/s")
     save_partial(**res)
     if hs.get("compile"):
-        compiled = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
-
-        def forward(*a, **kw):
-            # generate reads each step's logits before the next call; the static cache is updated
-            # in place: tell the CUDA graph tree that a new step begins (else torch refuses)
-            torch.compiler.cudagraph_mark_step_begin()
-            return compiled(*a, **kw)
-        model.forward = forward
-        res["itl_batch1_compiled_ms"] = itl(cache_implementation="static")
+        # transformers compiles the forward itself when generate runs on a static cache on CUDA
+        # (CompileConfig: inductor, reduce-overhead = CUDA graphs). Wrapping model.forward in our
+        # own torch.compile as well made two graph trees fight over the cache: on the H200 one
+        # run died with "output of CUDAGraphs overwritten", one with a segfault.
+        from transformers import CompileConfig
+        cc = CompileConfig(fullgraph=True, mode="reduce-overhead")
+        if dev != "cuda":
+            cc._compile_all_devices = True     # CPU smoke runs take the same path
+        res["itl_batch1_compiled_ms"] = itl(cache_implementation="static", compile_config=cc)
+        res["compiled_with"] = "generate(cache_implementation='static', compile_config=CompileConfig(fullgraph=True, mode='reduce-overhead'))"
         log(f"HF batch-1 ITL static cache + torch.compile {res['itl_batch1_compiled_ms']:.2f} ms")
     return res
 
