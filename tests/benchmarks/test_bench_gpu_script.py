@@ -79,3 +79,14 @@ def test_hf_stage_runs_on_cpu_and_reports(tmp_path):
     assert b["output_tok_s"] == pytest.approx(w["num_prompts"] * w["output_len"] / b["elapsed_s"])
     merged = {"spec": gb.QUICK, "environment": {}, "stages": {"hf": {"ok": True, **res}}}
     assert f"batched generate {w['name']}" in gb.markdown_table(merged)
+
+
+def test_fa3_rows_match_our_kernel_rows():
+    """kernels_fa3.py must time the shapes kernels.py times and count the same KV bytes, or the
+    rate comparison in kernels_pallas/README.md means nothing."""
+    from benchmarks import kernels, kernels_fa3
+    assert (kernels_fa3.HQ, kernels_fa3.HKV, kernels_fa3.D, kernels_fa3.BS) == (
+        kernels.HQ, kernels.HKV, kernels.D, kernels.BS)
+    for b, ctx in kernels_fa3.DECODE_SHAPES:
+        assert kernels_fa3.kv_bytes(b, ctx) == kernels.kv_bytes([(1, ctx)] * b)
+    assert (64, 2048) in kernels_fa3.DECODE_SHAPES and (1, 8192) in kernels_fa3.DECODE_SHAPES
