@@ -54,9 +54,20 @@ class _Group:
 
     @property
     def finished(self) -> bool:
+        if len(self.seqs) == 1:
+            return self.seqs[0].req.is_finished
         return all(s.req.is_finished for s in self.seqs)
 
     def output(self) -> RequestOutput:
+        if len(self.seqs) == 1:            # n=1, the common case: every streamed step comes here
+            seq = self.seqs[0]
+            r = seq.req
+            finished = r.is_finished
+            m = RequestMetrics(self.arrival_time, r.first_scheduled_time, r.first_token_time,
+                               r.finished_time if finished else None, len(self.prompt_token_ids),
+                               r.num_cached_tokens, len(r.output_token_ids))
+            return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids,
+                                 [seq.snapshot()], finished, m, num_cached_tokens=r.num_cached_tokens)
         reqs = [s.req for s in self.seqs]
         finished = all(r.is_finished for r in reqs)
         first = [r.first_token_time for r in reqs if r.first_token_time is not None]
