@@ -90,3 +90,28 @@ def test_fa3_rows_match_our_kernel_rows():
     for b, ctx in kernels_fa3.DECODE_SHAPES:
         assert kernels_fa3.kv_bytes(b, ctx) == kernels.kv_bytes([(1, ctx)] * b)
     assert (64, 2048) in kernels_fa3.DECODE_SHAPES and (1, 8192) in kernels_fa3.DECODE_SHAPES
+
+
+def test_profile_trace_sums_device_kernels(tmp_path):
+    """The trace reader keeps the device's kernels (not host events), sums them per name, and
+    sorts our kernels, matmuls and fusions into their kinds."""
+    import gzip
+    from benchmarks import profile_trace as pt
+    events = [
+        {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/host:CPU"}},
+        {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/device:GPU:0"}},
+        {"ph": "X", "pid": 1, "name": "PjitFunction(step)", "dur": 900.0},
+        {"ph": "X", "pid": 2, "name": "ragged_paged_attention_q16_k128_s1", "dur": 40.0},
+        {"ph": "X", "pid": 2, "name": "ragged_paged_attention_q16_k128_s1", "dur": 60.0},
+        {"ph": "X", "pid": 2, "name": "nvjet_hsh_256x128_gemm", "dur": 300.0},
+        {"ph": "X", "pid": 2, "name": "loop_multiply_fusion", "dur": 5.0},
+        {"ph": "X", "pid": 2, "name": "write_kv", "dur": 2.0},
+    ]
+    d = tmp_path / "plugins" / "profile" / "run1"
+    d.mkdir(parents=True)
+    with gzip.open(d / "perfetto_trace.json.gz", "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    times = pt.device_kernel_times(str(tmp_path))
+    assert times == {"ragged_paged_attention_q16_k128_s1": 100.0, "nvjet_hsh_256x128_gemm": 300.0,
+                     "loop_multiply_fusion": 5.0, "write_kv": 2.0}
+    assert [pt.kind_of(n) for n in times] == ["attention", "matmul", "fusion", "kv_write"]

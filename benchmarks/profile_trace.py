@@ -1,0 +1,131 @@
+"""Where a step's device time goes, kernel by kernel: runs engine steps under `jax.profiler.trace`,
+reads the Perfetto trace it writes, and sums the device's kernel time per step by kind (matmul,
+our attention, KV write, other fusions, sampling sorts) and by kernel name.
+
+  python -m benchmarks.profile_trace [PRESET]      (GPU: llama-3.1-8b; CPU: tiny, host ops only)
+
+Three steps are traced: an 8,192-token prefill (8 prompts of 1,024), a 256-row decode at ~1k
+context (where the offline and serving benchmarks spend their time) and a batch-1 decode at ~140
+tokens of context (the ITL shape, where fixed per-kernel costs show). Prints a table
+and writes profile_trace.json to $OUT when set.
+"""
+from __future__ import annotations
+
+import glob
+import gzip
+import json
+import os
+import re
+import sys
+import tempfile
+from collections import defaultdict
+
+import jax
+
+KINDS = [   # first match wins
+    ("attention", re.compile(r"ragged_paged_attention")),
+    ("kv_write", re.compile(r"write_kv")),
+    ("matmul", re.compile(r"gemm|cublas|nvjet|cutlass|xmma|matmul|dot|triton_gemm", re.I)),
+    ("sort/top-k", re.compile(r"sort|topk|top_k", re.I)),
+    ("copy", re.compile(r"copy|memcpy|memset", re.I)),
+    ("fusion", re.compile(r"fusion|reduce|loop_|input_", re.I)),
+]
+
+
+def kind_of(name: str) -> str:
+    return next((k for k, rx in KINDS if rx.search(name)), "other")
+
+
+def device_kernel_times(trace_dir: str) -> dict[str, float]:
+    """Kernel name -> total microseconds, over the device tracks of the newest trace in the dir
+    (on a CPU, where there is no device track, over every complete event: host ops)."""
+    path = sorted(glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"),
+                            recursive=True))[-1]
+    with gzip.open(path) as f:
+        data = json.load(f)
+    events = data["traceEvents"] if isinstance(data, dict) else data
+    procs = {e.get("pid"): str(e.get("args", {}).get("name", "")) for e in events
+             if e.get("ph") == "M" and e.get("name") == "process_name"}
+    device = {pid for pid, name in procs.items() if "gpu" in name.lower() or "device" in name.lower()}
+    totals: dict[str, float] = defaultdict(float)
+    for e in events:
+        if e.get("ph") != "X" or str(e.get("name", "")).startswith("$"):   # $: Python frames
+            continue
+        if not device or e.get("pid") in device:
+            totals[e["name"]] += float(e.get("dur", 0.0))
+    return dict(totals)
+
+
+def trace_steps(step, n: int) -> dict:
+    step()                                     # outside the trace: nothing compiles in it
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d, create_perfetto_trace=True):
+            for _ in range(n):
+                step()
+        times = device_kernel_times(d)
+    by_kind: dict[str, float] = defaultdict(float)
+    for name, us in times.items():
+        by_kind[kind_of(name)] += us / n
+    top = sorted(times.items(), key=lambda kv: -kv[1])[:15]
+    return {"per_step_ms": {k: v / 1e3 for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
+            "total_ms": sum(by_kind.values()) / 1e3,
+            "top_kernels_ms_per_step": [(name, us / n / 1e3, kind_of(name)) for name, us in top]}
+
+
+def main() -> int:
+    from paxengine import LLM, SamplingParams
+    on_gpu = jax.default_backend() == "gpu"
+    preset = sys.argv[1] if len(sys.argv) > 1 else ("llama-3.1-8b" if on_gpu else "tiny")
+    prompt_len, rows, chunk = (1024, 256, 8192) if on_gpu else (64, 8, 256)
+    llm = LLM(model=f"dummy:{preset}", dtype="bfloat16" if on_gpu else "float32",
+              max_model_len=2 * prompt_len + 64, max_num_seqs=rows, max_num_batched_tokens=chunk,
+              token_buckets=[16, rows, chunk], seq_buckets=[8, rows],
+              num_kv_blocks=rows * (2 * prompt_len + 64) // 16, show_progress=False)
+    eng = llm.engine
+    res = {"preset": preset, "backend": jax.default_backend(), "jax": jax.__version__}
+    k = 0
+
+    def prompt(i: int) -> list[int]:   # a distinct prompt per request: no prefix-cache hits
+        return [1 + (j * 7 + i * 13) % 499 for j in range(prompt_len)]
+
+    def prefill_step():
+        nonlocal k
+        for _ in range(chunk // prompt_len):
+            eng.add_request(f"p{k}", {"prompt_token_ids": prompt(k)},
+                            SamplingParams(max_tokens=1, ignore_eos=True))
+            k += 1
+        while eng.has_unfinished():
+            eng.step()
+    res["prefill"] = trace_steps(prefill_step, 3)
+    for i in range(rows):
+        eng.add_request(f"d{i}", {"prompt_token_ids": prompt(10_000 + i)},
+                        SamplingParams(max_tokens=prompt_len, ignore_eos=True))
+    while eng.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens
+                                       for r in eng.scheduler.running):
+        eng.step()
+    res["decode"] = trace_steps(eng.step, 10)
+    for r in list(eng.groups):
+        eng.abort(r)
+    while eng.has_unfinished():
+        eng.step()
+    eng.add_request("one", {"prompt_token_ids": prompt(99_999)[:128]},
+                    SamplingParams(max_tokens=prompt_len, ignore_eos=True))
+    for _ in range(5):
+        eng.step()
+    res["decode_b1"] = trace_steps(eng.step, 10)   # the batch-1 ITL shape: ~140 tokens of context
+    res["decode_rows"], res["prefill_tokens"] = rows, chunk
+    for name in ("prefill", "decode", "decode_b1"):
+        r = res[name]
+        print(f"\n{name}: {r['total_ms']:.2f} ms of kernels per step")
+        for kind, ms in r["per_step_ms"].items():
+            print(f"  {kind:12s} {ms:8.2f} ms")
+        for kname, ms, kind in r["top_kernels_ms_per_step"][:8]:
+            print(f"    {ms:8.3f} ms  {kind:10s} {kname[:90]}")
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "profile_trace.json"), "w") as f:
+            json.dump(res, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
