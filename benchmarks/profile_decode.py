@@ -23,9 +23,10 @@ def timed(fn, n=20):
     return (time.perf_counter() - t) / n * 1e3
 
 
-def report(res: dict, name: str) -> None:
+def report(res: dict, name: str, quiet: bool = False) -> None:
     """Print the profile and write it to $OUT/<name>.json when $OUT is set (the device tool)."""
-    print(json.dumps(res, indent=1))
+    if not quiet:
+        print(json.dumps(res, indent=1))
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], f"{name}.json"), "w") as f:
             json.dump(res, f, indent=1)

@@ -86,6 +86,7 @@ def main() -> int:
                    "fetch_wait_ms": 1e3 * float(np.median(spent["fetch"]))}
             res[f"b{batch}_{mode}"] = row
             print(batch, mode, row, flush=True)
+            report(res, "profile_dispatch", quiet=True)   # a run cut short keeps what it measured
         for r in list(eng.groups):
             eng.abort(r)
         while eng.inflight is not None or eng.scheduler.has_work():

@@ -161,6 +161,21 @@ def test_seeded_sampling_independent_of_batch_mates(llm_chunked):
     assert other.outputs[0].token_ids != alone
 
 
+def test_batch_mates_flags_leave_other_rows_alone(llm_chunked):
+    """A plain seeded request runs in the sampler without penalties, top-k/p or logprobs when it
+    is alone; next to mates that switch all three on, it runs in the other variant, and must still
+    draw the same tokens (those passes leave rows that do not use them bit-exact)."""
+    p = SamplingParams(temperature=1.0, max_tokens=12, seed=77)
+    alone = llm_chunked.generate("The weather today", p, use_tqdm=False)[0].outputs[0].token_ids
+    mates = llm_chunked.generate(
+        ["Some other prompt", "The weather today", "def f(x):"],
+        [SamplingParams(temperature=0.7, top_k=5, max_tokens=9, seed=3, logprobs=2), p,
+         SamplingParams(temperature=0, repetition_penalty=1.3, presence_penalty=0.5)],
+        use_tqdm=False)
+    assert mates[1].outputs[0].token_ids == alone
+    assert mates[0].outputs[0].logprobs is not None and mates[1].outputs[0].logprobs is None
+
+
 def test_logprobs_match_oracle_log_softmax(llm_chunked, smollm):
     prompt = "The three primary colors are"
     out = llm_chunked.generate(prompt, SamplingParams(temperature=0, max_tokens=6, logprobs=5),
