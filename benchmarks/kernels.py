@@ -455,6 +455,9 @@ def main():
 
 TUNE_SHAPES = {   # name: (seqs [(q_len, kv_len)], T, S)
     "decode_b64_ctx2048": ([(1, 2048)] * 64, 64, 64),
+    # the batch-1 ITL step: one live row in the engine's (16, 8) bucket, short context; the
+    # default launches 8 kv heads x 10 tiles x 8 splits for it (~23 us a layer, launch-bound)
+    "engine_b1_ctx256": ([(1, 256)], 16, 8),
     "prefill_2048": ([(2048, 2048)], 2048, 1),
     "decode_b8_ctx8192": ([(1, 8192)] * 8, 8, 8),
     "chunk_512_ctx4096": ([(512, 4096)], 512, 1),
@@ -473,6 +476,8 @@ TUNE_CANDIDATES = {   # in priority order; {} = the current default
     "decode_b64_ctx2048": [{}, _OLD_LOOP, dict(num_stages=3), dict(k_splits=2),
                            dict(block_k=64, num_stages=4), dict(num_warps=8), _F16,
                            dict(pv_split=False)],
+    "engine_b1_ctx256": [{}, dict(k_splits=1), dict(k_splits=2), dict(k_splits=1, block_k=64),
+                         dict(k_splits=1, num_warps=8), dict(k_splits=4)],
     "prefill_2048": [{}, _OLD_LOOP, _F16, dict(pv_split=False),
                      dict(_F16, block_q=32, block_k=64, num_warps=8, num_stages=2),
                      dict(_F16, block_q=32, block_k=64, num_warps=8, num_stages=3),
