@@ -59,24 +59,22 @@ class _Group:
         return all(s.req.is_finished for s in self.seqs)
 
     def output(self) -> RequestOutput:
-        if len(self.seqs) == 1:            # n=1, the common case: every streamed step comes here
-            seq = self.seqs[0]
-            r = seq.req
-            finished = r.is_finished
-            m = RequestMetrics(self.arrival_time, r.first_scheduled_time, r.first_token_time,
-                               r.finished_time if finished else None, len(self.prompt_token_ids),
-                               r.num_cached_tokens, len(r.output_token_ids))
-            return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids,
-                                 [seq.snapshot()], finished, m, num_cached_tokens=r.num_cached_tokens)
         reqs = [s.req for s in self.seqs]
-        finished = all(r.is_finished for r in reqs)
-        first = [r.first_token_time for r in reqs if r.first_token_time is not None]
-        sched = [r.first_scheduled_time for r in reqs if r.first_scheduled_time is not None]
-        done = [r.finished_time for r in reqs if r.finished_time is not None]
-        m = RequestMetrics(self.arrival_time, min(sched, default=None), min(first, default=None),
-                           max(done) if finished and done else None,
-                           len(self.prompt_token_ids), reqs[0].num_cached_tokens,
-                           sum(len(r.output_token_ids) for r in reqs))
+        finished = self.finished
+        if len(reqs) == 1:     # n=1, every streamed step of most requests: no aggregation
+            r = reqs[0]
+            sched, first, done = r.first_scheduled_time, r.first_token_time, r.finished_time
+            generated = len(r.output_token_ids)
+        else:
+            sched = min((r.first_scheduled_time for r in reqs
+                         if r.first_scheduled_time is not None), default=None)
+            first = min((r.first_token_time for r in reqs if r.first_token_time is not None),
+                        default=None)
+            done = max((r.finished_time for r in reqs if r.finished_time is not None),
+                       default=None)
+            generated = sum(len(r.output_token_ids) for r in reqs)
+        m = RequestMetrics(self.arrival_time, sched, first, done if finished else None,
+                           len(self.prompt_token_ids), reqs[0].num_cached_tokens, generated)
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids,
                              [s.snapshot() for s in self.seqs], finished, m,
                              num_cached_tokens=reqs[0].num_cached_tokens)
