@@ -54,7 +54,7 @@ class _Group:
 
     @property
     def finished(self) -> bool:
-        if len(self.seqs) == 1:
+        if len(self.seqs) == 1:    # asked twice per request per step: skip the generator
             return self.seqs[0].req.is_finished
         return all(s.req.is_finished for s in self.seqs)
 
@@ -400,21 +400,18 @@ class AsyncEngine:
 
     # -- the loop -------------------------------------------------------------------------------
     def _deliver(self, request_id: str, item) -> None:
-        entry = self._streams.get(request_id)
-        if entry is not None:
-            loop, q = entry
-            loop.call_soon_threadsafe(q.put_nowait, item)
+        self._deliver_all([(request_id, item)])
 
-    def _deliver_step(self, outputs: list[RequestOutput]) -> None:
-        """A step's outputs in one wake-up per event loop (not one per request: at 64 streams
-        the per-call wake-ups cost the loop thread more than the outputs themselves)."""
+    def _deliver_all(self, items) -> None:
+        """(request id, output or error) pairs, in one wake-up per event loop (not one per
+        request: at 64 streams the per-call wake-ups cost the loop thread more than the outputs)."""
         by_loop: dict = {}
-        for out in outputs:
-            entry = self._streams.get(out.request_id)
+        for rid, item in items:
+            entry = self._streams.get(rid)
             if entry is not None:
-                by_loop.setdefault(entry[0], []).append((entry[1], out))
-        for loop, items in by_loop.items():
-            loop.call_soon_threadsafe(_put_all, items)
+                by_loop.setdefault(entry[0], []).append((entry[1], item))
+        for loop, pairs in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, pairs)
 
     def _handle(self, kind: str, rid: str, payload) -> None:
         if kind == "add":
@@ -444,7 +441,7 @@ class AsyncEngine:
                 if self.core.has_unfinished():
                     with self._lock:
                         outputs = self.core.step()
-                    self._deliver_step(outputs)
+                    self._deliver_all((out.request_id, out) for out in outputs)
         except BaseException as e:  # a dead loop must be visible, and nobody left waiting
             self.error = e
             log.exception("engine loop died")

@@ -102,11 +102,10 @@ class KVCacheManager:
     def allocate(self, req: Request, num_new_tokens: int, cached_blocks: list[int] = ()) -> bool:
         """Give the request blocks for `num_new_tokens` more tokens (after any cached prefix).
         All or nothing: returns False, changing nothing, when the pool is too small."""
-        if not cached_blocks and (req.num_computed_tokens + num_new_tokens
-                                  <= len(req.block_ids) * self.block_size):
-            return True                        # most decode steps: the last block has room
         total = req.num_computed_tokens + len(cached_blocks) * self.block_size + num_new_tokens
         need = self.blocks_needed(total) - len(req.block_ids) - len(cached_blocks)
+        if need <= 0 and not cached_blocks:
+            return True                        # most decode steps: the last block has room
         # Cached blocks taken from the free list do not count as free for the new ones.
         revived = sum(1 for b in cached_blocks if self.ref_counts[b] == 0)
         if need > len(self.free) - revived:

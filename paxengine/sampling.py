@@ -198,7 +198,7 @@ def build_sampling_tensors(rows: list, num_rows: int, history_len: int,
     stop_ids = np.full((s, MAX_STOP_IDS), -1, np.int32)
     bias_ids = np.full((s, MAX_LOGIT_BIAS), -1, np.int32)
     bias_vals = np.zeros((s, MAX_LOGIT_BIAS), np.float32)
-    penalties = False
+    penalties = top = logprobs = False
     num_prompt = np.zeros(s, np.int32)
     for i, req in enumerate(rows):
         p = req.params
@@ -209,6 +209,8 @@ def build_sampling_tensors(rows: list, num_rows: int, history_len: int,
                                                     p.repetition_penalty)
         penalties |= (p.presence_penalty != 0 or p.frequency_penalty != 0
                       or p.repetition_penalty != 1)
+        top |= p.top_k > 0 or p.top_p < 1
+        logprobs |= p.logprobs is not None
         seeds[i] = req.seed & 0xFFFFFFFF
         steps[i] = len(req.output_token_ids)
         if len(req.output_token_ids) < p.min_tokens:
@@ -228,8 +230,6 @@ def build_sampling_tensors(rows: list, num_rows: int, history_len: int,
             toks = req.all_token_ids[:history_len]
             history[i, :len(toks)] = toks
             num_prompt[i] = req.num_prompt_tokens
-    top = bool(any(r.params.top_k > 0 or r.params.top_p < 1 for r in rows))
-    logprobs = bool(any(r.params.logprobs is not None for r in rows))
     return SamplingTensors(temperature, top_k, top_p, min_p, presence, frequency, repetition,
                            seeds, steps, ban, stop_ids, bias_ids, bias_vals, history, num_prompt,
-                           penalties, top, logprobs)
+                           bool(penalties), bool(top), bool(logprobs))
