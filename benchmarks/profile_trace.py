@@ -36,8 +36,8 @@ def kind_of(name: str) -> str:
     return next((k for k, rx in KINDS if rx.search(name)), "other")
 
 
-def device_kernel_times(trace_dir: str) -> dict[str, float]:
-    """Kernel name -> total microseconds, over the device tracks of the newest trace in the dir
+def device_kernel_times(trace_dir: str, counts: dict | None = None) -> dict[str, float]:
+    """Kernel name -> total microseconds (and, into `counts` when given, launches), over the device tracks of the newest trace in the dir
     (on a CPU, where there is no device track, over every complete event: host ops)."""
     path = sorted(glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"),
                             recursive=True))[-1]
@@ -53,6 +53,8 @@ def device_kernel_times(trace_dir: str) -> dict[str, float]:
             continue
         if not device or e.get("pid") in device:
             totals[e["name"]] += float(e.get("dur", 0.0))
+            if counts is not None:
+                counts[e["name"]] = counts.get(e["name"], 0) + 1
     return dict(totals)
 
 
@@ -62,14 +64,19 @@ def trace_steps(step, n: int) -> dict:
         with jax.profiler.trace(d, create_perfetto_trace=True):
             for _ in range(n):
                 step()
-        times = device_kernel_times(d)
+        counts: dict[str, int] = {}
+        times = device_kernel_times(d, counts)
     by_kind: dict[str, float] = defaultdict(float)
+    launches: dict[str, float] = defaultdict(float)
     for name, us in times.items():
         by_kind[kind_of(name)] += us / n
-    top = sorted(times.items(), key=lambda kv: -kv[1])[:15]
+        launches[kind_of(name)] += counts[name] / n
+    top = sorted(times.items(), key=lambda kv: -kv[1])[:40]
     return {"per_step_ms": {k: v / 1e3 for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
+            "launches_per_step": dict(launches),
             "total_ms": sum(by_kind.values()) / 1e3,
-            "top_kernels_ms_per_step": [(name, us / n / 1e3, kind_of(name)) for name, us in top]}
+            "top_kernels_ms_per_step": [(name, us / n / 1e3, kind_of(name), counts[name] / n)
+                                        for name, us in top]}
 
 
 def main() -> int:
@@ -118,9 +125,9 @@ def main() -> int:
         r = res[name]
         print(f"\n{name}: {r['total_ms']:.2f} ms of kernels per step")
         for kind, ms in r["per_step_ms"].items():
-            print(f"  {kind:12s} {ms:8.2f} ms")
-        for kname, ms, kind in r["top_kernels_ms_per_step"][:8]:
-            print(f"    {ms:8.3f} ms  {kind:10s} {kname[:90]}")
+            print(f"  {kind:12s} {ms:8.2f} ms  {r['launches_per_step'][kind]:6.0f} launches")
+        for kname, ms, kind, cnt in r["top_kernels_ms_per_step"][:20]:
+            print(f"    {ms:8.3f} ms  x{cnt:<5.0f} {kind:10s} {kname[:80]}")
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "profile_trace.json"), "w") as f:
             json.dump(res, f, indent=1)
