@@ -473,12 +473,18 @@ TUNE_QUICK = {
 _OLD_LOOP = dict(split_mask=False, reverse_tiles=False)   # the run-3 kernel's loop structure
 _F16 = dict(pv_fp16=True)
 TUNE_CANDIDATES = {   # in priority order; {} = the current default
-    "decode_b64_ctx2048": [{}, _OLD_LOOP, dict(num_stages=3), dict(k_splits=2),
-                           dict(block_k=64, num_stages=4), dict(num_warps=8), _F16,
-                           dict(pv_split=False)],
+    "decode_b64_ctx2048": [{}, dict(num_warps=8), dict(num_warps=8, num_stages=3),
+                           dict(num_warps=8, block_k=256), dict(num_stages=3), _OLD_LOOP,
+                           dict(k_splits=2), dict(block_k=64, num_stages=4), _F16],
     "engine_b1_ctx256": [{}, dict(k_splits=1), dict(k_splits=2), dict(k_splits=1, block_k=64),
                          dict(k_splits=1, num_warps=8), dict(k_splits=4)],
-    "prefill_2048": [{}, _OLD_LOOP, _F16, dict(pv_split=False),
+    # block_q 64 (M = 256 rows): each K/V block loaded serves 4x the queries of the default
+    "prefill_2048": [{}, dict(_F16, block_q=64, block_k=64, num_warps=8, num_stages=2),
+                     dict(_F16, block_q=64, block_k=32, num_warps=8, num_stages=3),
+                     dict(_F16, block_q=64, block_k=64, num_warps=8, num_stages=3),
+                     dict(_F16, block_q=32, block_k=128, num_warps=8, num_stages=3),
+                     dict(block_q=64, block_k=64, num_warps=8, num_stages=2),
+                     _OLD_LOOP, _F16,
                      dict(_F16, block_q=32, block_k=64, num_warps=8, num_stages=2),
                      dict(_F16, block_q=32, block_k=64, num_warps=8, num_stages=3),
                      dict(_F16, block_q=32, block_k=128, num_warps=8, num_stages=2),
@@ -486,7 +492,9 @@ TUNE_CANDIDATES = {   # in priority order; {} = the current default
                      dict(reverse_tiles=False), dict(block_q=32, block_k=64, num_warps=8)],
     "decode_b8_ctx8192": [{}, _OLD_LOOP, dict(k_splits=4), dict(num_stages=3),
                           dict(k_splits=16), dict(block_k=64, num_stages=4)],
-    "chunk_512_ctx4096": [{}, _F16, dict(pv_split=False),
+    "chunk_512_ctx4096": [{}, dict(_F16, block_q=64, block_k=64, num_warps=8, num_stages=2),
+                          dict(_F16, block_q=64, block_k=32, num_warps=8, num_stages=3),
+                          _F16, dict(pv_split=False),
                           dict(_F16, block_q=32, block_k=64, num_warps=8, num_stages=2),
                           dict(_F16, block_q=32, block_k=64, num_warps=8, num_stages=3),
                           dict(_F16, block_q=32, block_k=128, num_warps=8, num_stages=2),
