@@ -98,6 +98,13 @@ def default_tuning(T: int, S: int, Hq: int, Hkv: int, D: int, block_size: int,
                   reverse_tiles=False)
   # Prefill: mask-free interior blocks and longest tiles first (206 vs 246 us, 2048 tokens);
   # mixed buckets split decode rows into their own launch (196 vs 265 us, 60 decodes + 448).
+  # Long prefills take 256-row tiles (each K/V block loaded serves 4x the query rows): 8 warps,
+  # 3 stages and the fp16 PV product (pv_split's second dot spills at this size: 373 us).
+  # H200, 2,048 tokens: 156.5 vs 206.1 us (256 programs). They need a program per SM at
+  # least: a 512-token chunk (64 programs) ran at 237 vs 195 us.
+  big_q = max(1, 256 // g_pad)
+  if Hkv * -(-T // big_q) >= num_sms:
+    return Tuning(big_q, max(64, block_size), 1, 8, 3, pv_fp16=True, mixed_split=True)
   block_q = max(1, 64 // g_pad)
   return Tuning(block_q, max(64, block_size), 1, 4, 2, mixed_split=True)
 

@@ -101,6 +101,9 @@ VARIANTS = {
     "mixed_split": (dict(mixed_split=True, block_k=16), {}),
     "mixed_split_window": (dict(mixed_split=True, block_q=4, split_mask=False),
                            dict(sliding_window=30, soft_cap=6.0)),
+    # the long-prefill default's shape of tile: 256 rows (64 tokens x 4 heads), fp16 PV
+    "big_tiles_fp16pv": (dict(block_q=64, block_k=16, num_warps=8, num_stages=3, pv_fp16=True,
+                              mixed_split=True), dict(sliding_window=40)),
 }
 
 

@@ -11,7 +11,8 @@ CONFIGS = {
     "decode_b64": dict(T=64, S=64, P=128, **LLAMA8B),
     "decode_b256": dict(T=256, S=256, P=32, **LLAMA8B),
     "prefill_512": dict(T=512, S=8, P=128, **LLAMA8B),
-    "mixed_2048": dict(T=2048, S=64, P=256, **LLAMA8B),
+    "mixed_2048": dict(T=2048, S=64, P=256, **LLAMA8B),   # 256-row prefill tiles (default)
+    "prefill_8192": dict(T=8192, S=8, P=128, **LLAMA8B),
     "fp32": dict(T=32, S=8, P=16, dtype=jnp.float32, **LLAMA8B),
     "fp8_kv": dict(T=64, S=64, P=128, kv_dtype=jnp.float8_e4m3fn, kv_scales=True, **LLAMA8B),
     "window_softcap": dict(T=64, S=8, P=64, sliding_window=4096, soft_cap=50.0, **LLAMA8B),
