@@ -63,24 +63,22 @@ def _layer(cfg: ModelConfig, attend: Attend, inv_freq, positions, carry, xs):
     w, layer = xs
     t = h.shape[0]
     x = rms_norm(h, w["attn_norm"], cfg.rms_norm_eps)
-    hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     if "wqkv" in w:   # the per-layer layout fuses the projections (weights.FUSED)
         qkv = x @ w["wqkv"] + (w["bqkv"] if cfg.attention_bias else 0)
-        qk, v = qkv[:, :(hq + hkv) * d], qkv[:, (hq + hkv) * d:]
+        nq, nkv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        q, k, v = qkv[:, :nq], qkv[:, nq:nq + nkv], qkv[:, nq + nkv:]
     else:
         q, k, v = x @ w["wq"], x @ w["wk"], x @ w["wv"]
         if cfg.attention_bias:
             q, k, v = q + w["bq"], k + w["bk"], v + w["bv"]
-        qk = jnp.concatenate([q, k], axis=-1)
-    # q and k heads side by side: their norm and rotation are one pass over one array
-    qk = qk.reshape(t, hq + hkv, d)
-    v = v.reshape(t, hkv, d)
+    q = q.reshape(t, cfg.num_heads, cfg.head_dim)
+    k = k.reshape(t, cfg.num_kv_heads, cfg.head_dim)
+    v = v.reshape(t, cfg.num_kv_heads, cfg.head_dim)
     if cfg.qk_norm:
-        wn = jnp.concatenate([jnp.broadcast_to(w["q_norm"], (hq, d)),
-                              jnp.broadcast_to(w["k_norm"], (hkv, d))])
-        qk = rms_norm(qk, wn, cfg.rms_norm_eps)
-    qk = apply_rope(qk, positions, inv_freq)
-    q, k = qk[:, :hq], qk[:, hq:]
+        q = rms_norm(q, w["q_norm"], cfg.rms_norm_eps)
+        k = rms_norm(k, w["k_norm"], cfg.rms_norm_eps)
+    q = apply_rope(q, positions, inv_freq)
+    k = apply_rope(k, positions, inv_freq)
     o, kv_cache = attend(q, k, v, kv_cache, layer)
     h = h + o.reshape(t, cfg.num_heads * cfg.head_dim).astype(h.dtype) @ w["wo"]
     x = rms_norm(h, w["mlp_norm"], cfg.rms_norm_eps)
