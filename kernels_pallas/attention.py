@@ -89,12 +89,14 @@ def default_tuning(T: int, S: int, Hq: int, Hkv: int, D: int, block_size: int,
     block_q = max(1, 16 // g_pad)
     programs = Hkv * max(S, 1)
     k_splits = 1
-    while programs * k_splits < 2 * num_sms and k_splits < 16:
+    while programs * k_splits < num_sms and k_splits < 16:
       k_splits *= 2
     # H200 sweeps (benchmarks/results/kernels_h200.json, kernels_tune_h200.json): block_k 128,
-    # 4 warps, 2 stages; one masked loop (split_mask off: 151 vs 170 us at B=64 ctx 2048, 87 vs
-    # 96 us at B=8 ctx 8192).
-    return Tuning(block_q, max(128, block_size), k_splits, 4, 2, split_mask=False,
+    # 4 warps; one masked loop (split_mask off: 151 vs 170 us at B=64 ctx 2048, 87 vs 96 us at
+    # B=8 ctx 8192). 3 stages (5 runs, 3 shapes: 1-11% faster than 2, e.g. 151 vs 165 us at
+    # B=64 ctx 2048). Split-K to one program per SM, not two (B=8 ctx 8192, 4 vs 8 splits:
+    # 88.7 vs 103.4 us; an earlier run 87.6 vs 95.6).
+    return Tuning(block_q, max(128, block_size), k_splits, 4, 3, split_mask=False,
                   reverse_tiles=False)
   # Prefill: mask-free interior blocks and longest tiles first (206 vs 246 us, 2048 tokens);
   # mixed buckets split decode rows into their own launch (196 vs 265 us, 60 decodes + 448).
