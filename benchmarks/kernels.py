@@ -464,6 +464,8 @@ TUNE_SHAPES = {   # name: (seqs [(q_len, kv_len)], T, S)
     "decode_b256_ctx512": ([(1, 512)] * 256, 256, 256),
     "decode_b64_ctx512": ([(1, 512)] * 64, 64, 64),
     "mixed_60dec2048_448pf": ([(1, 2048)] * 60 + [(448, 1024)], 512, 64),
+    # a mixed bucket big enough for the 256-row prefill tiles
+    "mixed_60dec2048_1988pf": ([(1, 2048)] * 60 + [(1988, 1988)], 2048, 64),
 }
 TUNE_QUICK = {
     "decode_b4_ctx64": ([(1, 64)] * 4, 4, 4),
@@ -507,7 +509,12 @@ TUNE_CANDIDATES = {   # in priority order; {} = the current default
                            _F16],
     "decode_b64_ctx512": [{}, _OLD_LOOP, dict(k_splits=2), dict(num_stages=3),
                           dict(block_k=64, num_stages=4)],
-    "mixed_60dec2048_448pf": [{}, dict(mixed_split=True), _OLD_LOOP, _F16,
+    # split_mask / pv_fp16 set: the decode launch takes them too (as it did from the prefill
+    # defaults before plan_launches)
+    "mixed_60dec2048_1988pf": [{}, dict(split_mask=True, pv_fp16=True),
+                               dict(mixed_split=False),
+                               dict(block_q=16, num_warps=4, num_stages=2, pv_fp16=False)],
+    "mixed_60dec2048_448pf": [{}, dict(split_mask=True), dict(mixed_split=True), _OLD_LOOP, _F16,
                               dict(mixed_split=True, pv_fp16=True)],
 }
 TUNE_QUICK_CANDIDATES = [{}, _OLD_LOOP, dict(_F16, block_k=32), dict(k_splits=2, block_q=4),

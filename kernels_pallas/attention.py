@@ -121,6 +121,22 @@ def resolve_tuning(T: int, S: int, Hq: int, Hkv: int, D: int, block_size: int,
   return dataclasses.replace(tun, **{k: v for k, v in overrides.items() if v is not None})
 
 
+def plan_launches(T: int, S: int, Hq: int, Hkv: int, D: int, block_size: int,
+                  num_sms: int = 132, **overrides) -> tuple[Tuning, Tuning | None]:
+  """The tunings of one call's launches: (main, decode), decode None unless a mixed bucket
+  splits its decode rows into a first launch (`mixed_split`). The decode launch takes the
+  decode defaults of an (S, S) bucket, without split-K; of the overrides given it takes only
+  the PV product and mask-loop choices, so a long prefill's big-tile settings stay there."""
+  tun = resolve_tuning(T, S, Hq, Hkv, D, block_size, num_sms, **overrides)
+  if not (tun.mixed_split and T > 2 * S and S > 1 and tun.k_splits == 1):
+    return tun, None
+  shared = {k: overrides[k] for k in ("pv_split", "pv_fp16", "split_mask")
+            if overrides.get(k) is not None}
+  dtun = dataclasses.replace(default_tuning(S, S, Hq, Hkv, D, block_size, num_sms), k_splits=1,
+                             **shared)
+  return tun, dtun
+
+
 def tile_metadata(md: AttentionMetadata, num_tokens: int, block_q: int, num_tiles: int,
                   pad_tiles: bool = False, min_q_len: int = 1):
   """[num_tiles, 8] int32: seq, first token, tokens in tile, first position, kv_len, 0, 0, 0.
@@ -346,10 +362,11 @@ def ragged_paged_attention(q, k_cache, v_cache, layer, md: AttentionMetadata, *,
   S, P = md.block_tables.shape
   G = Hq // Hkv
   G_pad = next_pow2(G)
-  tun = resolve_tuning(T, S, Hq, Hkv, D, bs, num_sms, block_q=block_q, block_k=block_k,
-                       k_splits=k_splits, num_warps=num_warps, num_stages=num_stages,
-                       pv_split=pv_split, split_mask=split_mask, reverse_tiles=reverse_tiles,
-                       pv_fp16=pv_fp16, mixed_split=mixed_split)
+  tun, dtun = plan_launches(T, S, Hq, Hkv, D, bs, num_sms, block_q=block_q, block_k=block_k,
+                            k_splits=k_splits, num_warps=num_warps, num_stages=num_stages,
+                            pv_split=pv_split, split_mask=split_mask,
+                            reverse_tiles=reverse_tiles, pv_fp16=pv_fp16,
+                            mixed_split=mixed_split)
   num_tiles = max(1, min(T, -(-(T + S * (tun.block_q - 1)) // tun.block_q)))
 
   compute_dtype = jnp.float32 if q.dtype == jnp.float32 else q.dtype
@@ -391,10 +408,7 @@ def ragged_paged_attention(q, k_cache, v_cache, layer, md: AttentionMetadata, *,
         name=f"ragged_paged_attention_q{tun.block_q}_k{tun.block_k}_s{tun.k_splits}",
     )(*args)
 
-  if tun.mixed_split and T > 2 * S and S > 1 and tun.k_splits == 1:
-    dtun = dataclasses.replace(default_tuning(S, S, Hq, Hkv, D, bs, num_sms), k_splits=1,
-                               pv_split=tun.pv_split, pv_fp16=tun.pv_fp16,
-                               split_mask=tun.split_mask)
+  if dtun is not None:
     o = launch(dtun, decode_tile_metadata(md, dtun.block_q), S)[0]
     meta = tile_metadata(md, T, tun.block_q, num_tiles, pad_tiles=True,
                          min_q_len=dtun.block_q + 1)

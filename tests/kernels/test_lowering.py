@@ -45,3 +45,30 @@ def test_lowers_for_cuda(name):
 def test_broken_rule_is_caught():
   with pytest.raises(Exception):
     check_cuda_lowering(T=16, S=4, P=8, block_k=48)
+
+
+def _engine_kernel_configs():
+  """One (T, S) bucket per distinct set of kernel launches the engine compiles at Llama-3.1-8B
+  shapes: for the GPU benchmark's buckets and for the buckets derived by default."""
+  from benchmarks.gpu_bench import FULL
+  from kernels_pallas.attention import plan_launches
+  from paxengine.batch import bucket_pairs, seq_buckets, token_buckets
+  e = FULL["engine"]
+  bucket_sets = [(e["token_buckets"], e["seq_buckets"]),
+                 (token_buckets(e["max_num_batched_tokens"]), seq_buckets(e["max_num_seqs"]))]
+  configs = {}
+  for tb, sb in bucket_sets:
+    for T, S in bucket_pairs(tb, sb):
+      key = plan_launches(T, S, 32, 8, 128, 16)
+      configs.setdefault(key, (T, S))
+  return list(configs.values())
+
+
+ENGINE_CONFIGS = _engine_kernel_configs()
+
+
+@pytest.mark.parametrize("T,S", ENGINE_CONFIGS)
+def test_engine_buckets_lower_for_cuda(T, S):
+  """Every distinct launch plan of the engine's GPU buckets lowers (not just hand-picked ones)."""
+  txt = check_cuda_lowering(T=T, S=S, P=256, **LLAMA8B)
+  assert "triton" in txt
