@@ -29,7 +29,7 @@ import jax.numpy as jnp
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from kernels_pallas import (AttentionMetadata, ragged_paged_attention,  # noqa: E402
                             ref_ragged_paged_attention, ref_write_kv, write_kv)
-from kernels_pallas.attention import default_tuning, resolve_tuning  # noqa: E402
+from kernels_pallas.attention import default_tuning, plan_launches  # noqa: E402
 from kernels_pallas.testing import make_batch, rel_err  # noqa: E402
 
 HQ, HKV, D, BS = 32, 8, 128, 16
@@ -561,11 +561,13 @@ def tune_main(args, result, dev, t_start):
       over = cands[name][rnd]
       row = rows[name]
       try:
-        tun = dataclasses.asdict(resolve_tuning(row["T"], row["S"], HQ, HKV, D, BS, **over))
+        main, dec = plan_launches(row["T"], row["S"], HQ, HKV, D, BS, **over)
+        tun = dataclasses.asdict(main)
       except Exception as e:  # noqa: BLE001
         log(f"  {name} {over}: bad tuning {e}")
         continue
-      key = tuple(sorted(tun.items()))
+      # both launches' tunings: an override may change only a mixed bucket's decode launch
+      key = (tuple(sorted(tun.items())), dec)
       if key in seen[name]:
         continue
       seen[name].add(key)
