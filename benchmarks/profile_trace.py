@@ -36,9 +36,10 @@ def kind_of(name: str) -> str:
     return next((k for k, rx in KINDS if rx.search(name)), "other")
 
 
-def device_kernel_times(trace_dir: str, counts: dict | None = None) -> dict[str, float]:
-    """Kernel name -> total microseconds (and, into `counts` when given, launches), over the device tracks of the newest trace in the dir
-    (on a CPU, where there is no device track, over every complete event: host ops)."""
+def device_kernel_times(trace_dir: str) -> tuple[dict[str, float], dict[str, int]]:
+    """Kernel name -> total microseconds, and kernel name -> launches, over the device tracks
+    of the newest trace in the dir (on a CPU, where there is no device track, over every
+    complete event: host ops)."""
     path = sorted(glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"),
                             recursive=True))[-1]
     with gzip.open(path) as f:
@@ -48,14 +49,14 @@ def device_kernel_times(trace_dir: str, counts: dict | None = None) -> dict[str,
              if e.get("ph") == "M" and e.get("name") == "process_name"}
     device = {pid for pid, name in procs.items() if "gpu" in name.lower() or "device" in name.lower()}
     totals: dict[str, float] = defaultdict(float)
+    counts: dict[str, int] = defaultdict(int)
     for e in events:
         if e.get("ph") != "X" or str(e.get("name", "")).startswith("$"):   # $: Python frames
             continue
         if not device or e.get("pid") in device:
             totals[e["name"]] += float(e.get("dur", 0.0))
-            if counts is not None:
-                counts[e["name"]] = counts.get(e["name"], 0) + 1
-    return dict(totals)
+            counts[e["name"]] += 1
+    return dict(totals), dict(counts)
 
 
 def trace_steps(step, n: int) -> dict:
@@ -64,8 +65,7 @@ def trace_steps(step, n: int) -> dict:
         with jax.profiler.trace(d, create_perfetto_trace=True):
             for _ in range(n):
                 step()
-        counts: dict[str, int] = {}
-        times = device_kernel_times(d, counts)
+        times, counts = device_kernel_times(d)
     by_kind: dict[str, float] = defaultdict(float)
     launches: dict[str, float] = defaultdict(float)
     for name, us in times.items():

@@ -114,7 +114,9 @@ def test_profile_trace_sums_device_kernels(tmp_path):
     d.mkdir(parents=True)
     with gzip.open(d / "perfetto_trace.json.gz", "wt") as f:
         json.dump({"traceEvents": events}, f)
-    times = pt.device_kernel_times(str(tmp_path))
+    times, counts = pt.device_kernel_times(str(tmp_path))
     assert times == {"ragged_paged_attention_q16_k128_s1": 100.0, "nvjet_hsh_256x128_gemm": 300.0,
                      "loop_multiply_fusion": 5.0, "write_kv": 2.0}
+    assert counts == {"ragged_paged_attention_q16_k128_s1": 2, "nvjet_hsh_256x128_gemm": 1,
+                      "loop_multiply_fusion": 1, "write_kv": 1}
     assert [pt.kind_of(n) for n in times] == ["attention", "matmul", "fusion", "kv_write"]
