@@ -120,3 +120,22 @@ def test_profile_trace_sums_device_kernels(tmp_path):
     assert counts == {"ragged_paged_attention_q16_k128_s1": 2, "nvjet_hsh_256x128_gemm": 1,
                       "loop_multiply_fusion": 1, "write_kv": 1}
     assert [pt.kind_of(n) for n in times] == ["attention", "matmul", "fusion", "kv_write"]
+
+
+def test_kernel_tune_rounds(tmp_path):
+    """`kernels.py --tune` (CPU smoke shape): every candidate is checked against the oracle and
+    timed in each round; the time it keeps is the median of its rounds; the best is the fastest
+    correct one."""
+    import statistics
+    import sys
+    r = subprocess.run([sys.executable, "-m", "benchmarks.kernels", "--tune", "--quick", "--only",
+                        "decode_b4_ctx64", "--rounds", "2", "--budget", "120", "--out",
+                        str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    row, = json.loads((tmp_path / "kernels_tune_cpu.json").read_text())["tune"]
+    timed = [c for c in row["candidates"] if "us" in c]
+    assert timed and timed[0]["overrides"] == {} and all(c["ok"] for c in timed)
+    for c in timed:
+        assert len(c["us_rounds"]) == 2
+        assert c["us"] == pytest.approx(statistics.median(c["us_rounds"]))
+    assert row["best"]["us"] == min(c["us"] for c in timed)
