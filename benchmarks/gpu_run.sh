@@ -24,11 +24,8 @@ if compgen -G ".whl/*.whl" > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl || { echo "wheel install failed"; exit 1; }
 fi
-if [[ "$STAGES" == *vllm* || "$STAGES" == all ]] && [ ! -d /tmp/vsite ] && compgen -G "/tmp/vparts/part.*" > /dev/null; then
-  echo "assembling vLLM from /tmp/vparts ..."
-  (cd /tmp && cat vparts/part.* > vbundle.tar && tar xf vbundle.tar \
-     && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/vsite vbundle/*.whl \
-     && rm -f vbundle.tar) || echo "vLLM install failed: vLLM stages will be skipped"
+if [[ "$STAGES" == *vllm* || "$STAGES" == all ]]; then
+  bash benchmarks/gpu_vllm_install.sh
 fi
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 VLLM_PYTHONPATH=/tmp/vsite
 used=$(( $(date +%s) - start ))
