@@ -117,6 +117,21 @@ def test_tuning_variants(name):
   assert err < 1e-5, err
 
 
+@pytest.mark.parametrize("heads", [(4, 4), (9, 3), (16, 2)])
+def test_big_prefill_tiles_gqa(heads):
+  """The long-prefill default's 256-row tiles (256 / G_pad tokens each) at GQA 1, 3 and 8, with
+  the decode rows of the mixed bucket in their own launch, in bf16 with the fp16 PV product."""
+  hq, hkv = heads
+  g_pad = 1 << (hq // hkv - 1).bit_length()
+  rng = np.random.default_rng()
+  seqs = [(1, 90), (70, 130), (1, 20), (40, 40)]
+  err, _ = _run(rng, seqs, 128, 8, dict(num_heads=hq, num_kv_heads=hkv, head_dim=64,
+                                        dtype=jnp.bfloat16),
+                dict(block_q=256 // g_pad, block_k=32, num_warps=8, num_stages=3, pv_fp16=True,
+                     mixed_split=True), sm_scale=0.125)
+  assert err < 2e-3, err
+
+
 @pytest.mark.parametrize("kv_dtype", [None, jnp.float8_e4m3fn])
 def test_pv_fp16_bf16(kv_dtype):
   """bf16 with the PV product in fp16 (one dot) meets the bf16 bar, like pv_split."""

@@ -21,6 +21,11 @@ CONFIGS = {
     "d64_bs32": dict(T=128, S=4, P=32, num_heads=16, num_kv_heads=4, head_dim=64, block_size=32),
     "d128_bs64": dict(T=32, S=32, P=16, num_heads=16, num_kv_heads=2, head_dim=128,
                       block_size=64),
+    # long prefills at other GQA ratios take the 256-row tiles too (64 tokens x G_pad 4,
+    # 32 x 8, 256 x 1)
+    "big_tiles_smollm_d64": dict(T=4096, S=8, P=256, num_heads=9, num_kv_heads=3, head_dim=64),
+    "big_tiles_gqa8": dict(T=8192, S=8, P=512, num_heads=64, num_kv_heads=8, head_dim=128),
+    "big_tiles_mha": dict(T=2048, S=8, P=128, num_heads=32, num_kv_heads=32, head_dim=128),
     "tuned": dict(T=64, S=64, P=128, block_k=128, k_splits=2, num_warps=8, num_stages=4,
                   **LLAMA8B),
     # tuning variants swept on the H200 (benchmarks/kernels.py --tune)
