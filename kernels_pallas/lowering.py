@@ -1,11 +1,14 @@
 """Lower kernels for CUDA on a machine without a GPU, so broken Triton rules fail CI.
 
 Interpret mode does not enforce Triton's rules (power-of-two shapes, supported casts, dot
-shapes); lowering to the Triton IR does. jax 0.10.2: `jax.export.export(fn, platforms=["cuda"])`
-with the Triton custom-call safety check disabled; jax >= 0.11: the same export path still
-works (and is what we use on both). PTX/ptxas errors are only caught on a GPU.
+shapes); lowering to the Triton IR does: `jax.export.export(fn, platforms=["cuda"])` with the
+Triton custom-call safety check disabled, on jax 0.10 as is, on jax 0.11 under an abstract mesh
+naming the target GPU (without one, 0.11's Triton lowering stops at "No supported GPU devices
+found"). PTX/ptxas errors are only caught on a GPU.
 """
 from __future__ import annotations
+
+import contextlib
 
 import jax
 import jax.numpy as jnp
@@ -24,11 +27,24 @@ def _disabled_checks():
   return checks
 
 
+def _gpu_target():
+  """jax >= 0.11 asks the Triton lowering for the GPU it compiles for, and without one attached
+  it takes that from an abstract mesh: an H200 (sm_90, 132 SMs), the card we benchmark on.
+  jax 0.10 has no abstract devices and needs none."""
+  sharding = jax.sharding
+  if not hasattr(sharding, "AbstractDevice"):
+    return contextlib.nullcontext()
+  device = sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
+  return sharding.use_abstract_mesh(sharding.AbstractMesh((1,), ("x",), abstract_device=device))
+
+
 def lower_for_cuda(fn, *args_specs):
   """Exports `fn` (already jitted or not) for CUDA from abstract args; returns the Exported."""
   if not hasattr(fn, "lower"):
     fn = jax.jit(fn)
-  return jax_export.export(fn, platforms=["cuda"], disabled_checks=_disabled_checks())(*args_specs)
+  with _gpu_target():
+    return jax_export.export(fn, platforms=["cuda"],
+                             disabled_checks=_disabled_checks())(*args_specs)
 
 
 def metadata_specs(T: int, S: int, P: int) -> AttentionMetadata:
