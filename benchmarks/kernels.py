@@ -48,6 +48,16 @@ def log(*a):
 TIMING = "calls"
 
 
+def time_loop(f, args, reps, iters):
+  """Seconds per call: median over `reps` runs of a compiled `iters`-call loop."""
+  ts = []
+  for _ in range(reps):
+    t1 = time.perf_counter()
+    jax.block_until_ready(f(*args))
+    ts.append((time.perf_counter() - t1) / iters)
+  return float(np.median(ts))
+
+
 def timeit(fn, *args, iters=20, reps=5):
   """Median seconds per call: `iters` async calls per sync, or (TIMING == "loop") one jitted
   lax.fori_loop of `iters` calls (q carries a dependency so nothing is hoisted but the
@@ -63,12 +73,7 @@ def timeit(fn, *args, iters=20, reps=5):
         return q.at[0, 0, 0].add((o[0, 0, 0] * 0).astype(q.dtype)), acc + o[0, 0, 0].astype(jnp.float32)
       return jax.lax.fori_loop(0, iters, body, (q, jnp.float32(0)))
     jax.block_until_ready(many(*args))
-    ts = []
-    for _ in range(reps):
-      t0 = time.perf_counter()
-      jax.block_until_ready(many(*args))
-      ts.append((time.perf_counter() - t0) / iters)
-    return float(np.median(ts))
+    return time_loop(many, args, reps, iters)
   out = fn(*args)
   jax.block_until_ready(out)
   ts = []
@@ -535,16 +540,6 @@ def _loop_fn(tun, iters):
       return q.at[0, 0, 0].add((o[0, 0, 0] * 0).astype(q.dtype)), o
     return jax.lax.fori_loop(0, iters, body, (q, jnp.zeros_like(q)))[1]
   return many
-
-
-def time_loop(f, args, reps, iters):
-  """Seconds per call: median over `reps` runs of a compiled `iters`-call loop."""
-  ts = []
-  for _ in range(reps):
-    t1 = time.perf_counter()
-    jax.block_until_ready(f(*args))
-    ts.append((time.perf_counter() - t1) / iters)
-  return float(np.median(ts))
 
 
 def tune_main(args, result, dev, t_start):
