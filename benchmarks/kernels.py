@@ -381,6 +381,8 @@ def main():
       "prefill_512": ([(512, 512)], 512, 1),
       "prefill_2048": ([(2048, 2048)], 2048, 1),
       "chunk_512_ctx4096": ([(512, 4096)], 512, 1),
+      "prefill_8192": ([(8192, 8192)], 8192, 1),
+      "prefill_4x2048": ([(2048, 2048)] * 4, 8192, 4),
       "mixed_60dec2048_448pf": ([(1, 2048)] * 60 + [(448, 1024)], 512, 64),
   }
   if args.quick:
@@ -392,7 +394,8 @@ def main():
     q, kc, vc, md = build(seqs, T, S, key)
     byts = kv_bytes(seqs)
     fl = attn_flops(seqs)
-    row = dict(name=name, kind="prefill" if S == 1 else "mixed", T=T, S=S, kv_bytes=byts,
+    row = dict(name=name, kind="mixed" if any(ql == 1 for ql, _ in seqs) else "prefill",
+               T=T, S=S, kv_bytes=byts,
                flops=fl)
     cands = [{}]
     if args.sweep != "none" and not args.quick:
@@ -473,6 +476,8 @@ TUNE_SHAPES = {   # name: (seqs [(q_len, kv_len)], T, S)
     "mixed_60dec2048_448pf": ([(1, 2048)] * 60 + [(448, 1024)], 512, 64),
     # a mixed bucket big enough for the 256-row prefill tiles
     "mixed_60dec2048_1988pf": ([(1, 2048)] * 60 + [(1988, 1988)], 2048, 64),
+    # the engine's long-prefill step: 8,192 tokens of 4 prompts
+    "prefill_4x2048": ([(2048, 2048)] * 4, 8192, 4),
 }
 TUNE_QUICK = {
     "decode_b4_ctx64": ([(1, 64)] * 4, 4, 4),
@@ -481,6 +486,10 @@ TUNE_QUICK = {
 }
 _OLD_LOOP = dict(split_mask=False, reverse_tiles=False)   # the run-3 kernel's loop structure
 _F16 = dict(pv_fp16=True)
+# the Mosaic GPU kernel (attention_mgpu.py): KV block and pipeline depth; Triton
+_MOSAIC = [dict(mosaic=True, mosaic_block_k=128, mosaic_stages=2),
+           dict(mosaic=True, mosaic_block_k=64, mosaic_stages=3),
+           dict(mosaic=True, mosaic_block_k=64, mosaic_stages=4), dict(mosaic=False)]
 TUNE_CANDIDATES = {   # in priority order; {} = the current default
     "decode_b64_ctx2048": [{}, dict(num_stages=3), dict(num_warps=8, num_stages=3),
                            dict(num_warps=8), dict(num_warps=8, block_k=256), _OLD_LOOP,
@@ -489,7 +498,7 @@ TUNE_CANDIDATES = {   # in priority order; {} = the current default
                          dict(k_splits=1, num_warps=8), dict(k_splits=4)],
     # the default is 256-row tiles (block_q 64 x 4 heads); 16 warps, 512-row tiles, 128-wide
     # KV blocks; the 64-row tiles of short prefills
-    "prefill_2048": [{}, dict(num_warps=16), dict(num_warps=16, block_k=128),
+    "prefill_2048": [{}, *_MOSAIC, dict(num_warps=16), dict(num_warps=16, block_k=128),
                      dict(block_q=128, num_warps=16), dict(num_stages=2), dict(num_stages=4),
                      dict(block_q=16, block_k=64, num_warps=4, num_stages=2, pv_fp16=False),
                      _OLD_LOOP,
@@ -501,7 +510,7 @@ TUNE_CANDIDATES = {   # in priority order; {} = the current default
     "decode_b8_ctx8192": [{}, dict(num_stages=3), _OLD_LOOP, dict(k_splits=4),
                           dict(k_splits=16), dict(block_k=64, num_stages=4)],
     # a chunk with a long context: 256-row tiles split over the KV range fill the GPU
-    "chunk_512_ctx4096": [{}, dict(_F16, block_q=64, block_k=64, num_warps=8, num_stages=3,
+    "chunk_512_ctx4096": [{}, *_MOSAIC, dict(_F16, block_q=64, block_k=64, num_warps=8, num_stages=3,
                                    k_splits=4),
                           dict(_F16, block_q=64, block_k=64, num_warps=8, num_stages=3,
                                k_splits=2),
@@ -514,14 +523,15 @@ TUNE_CANDIDATES = {   # in priority order; {} = the current default
                           dict(_F16, block_k=128)],
     "decode_b256_ctx512": [{}, dict(num_stages=3), _OLD_LOOP, dict(block_k=64, num_stages=4),
                            _F16],
+    "prefill_4x2048": [{}, *_MOSAIC],
     "decode_b64_ctx512": [{}, _OLD_LOOP, dict(k_splits=2), dict(num_stages=3),
                           dict(block_k=64, num_stages=4)],
     # the decode launch takes the main launch's split_mask / pv_fp16 (plan_launches); the
     # second candidate was the decode defaults' values there
-    "mixed_60dec2048_1988pf": [{}, dict(split_mask=False, pv_fp16=False),
+    "mixed_60dec2048_1988pf": [{}, *_MOSAIC, dict(split_mask=False, pv_fp16=False),
                                dict(mixed_split=False),
                                dict(block_q=16, num_warps=4, num_stages=2, pv_fp16=False)],
-    "mixed_60dec2048_448pf": [{}, dict(split_mask=False), _OLD_LOOP, _F16,
+    "mixed_60dec2048_448pf": [{}, *_MOSAIC, dict(split_mask=False), _OLD_LOOP, _F16,
                               dict(mixed_split=True, pv_fp16=True)],
 }
 TUNE_QUICK_CANDIDATES = [{}, _OLD_LOOP, dict(_F16, block_k=32), dict(k_splits=2, block_q=4),

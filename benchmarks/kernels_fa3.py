@@ -22,8 +22,9 @@ import time
 HQ, HKV, D, BS = 32, 8, 128, 16
 DECODE_SHAPES = [(b, ctx) for b in (1, 8, 64, 256) for ctx in (512, 2048, 8192)]
 # one sequence: (query tokens, KV length); the queries are the sequence's last tokens
-PREFILL_SHAPES = {"prefill_512": (512, 512), "prefill_2048": (2048, 2048),
-                  "chunk_512_ctx4096": (512, 4096)}
+PREFILL_SHAPES = {"prefill_512": (1, 512, 512), "prefill_2048": (1, 2048, 2048),   # (B, q, ctx)
+                  "chunk_512_ctx4096": (1, 512, 4096), "prefill_8192": (1, 8192, 8192),
+                  "prefill_4x2048": (4, 2048, 2048)}
 CALLS, REPS = 20, 7
 
 
@@ -87,11 +88,11 @@ def main(argv=None) -> int:
         rows.append({"name": name, "B": b, "ctx": ctx, "kv_bytes": kv_bytes(b, ctx),
                      "fa3_us": us, "fa3_TBps": kv_bytes(b, ctx) / us / 1e6})
         print(f"{name:22s} FA3 {us:8.1f} us  {rows[-1]['fa3_TBps']:.2f} TB/s", flush=True)
-    for name, (q_len, ctx) in PREFILL_SHAPES.items():
+    for name, (b, q_len, ctx) in PREFILL_SHAPES.items():
         if only and name not in only:
             continue
-        us = time_fa3(1, ctx, flash_attn_varlen_func, torch, q_len=q_len)
-        fl = attn_flops(q_len, ctx)
+        us = time_fa3(b, ctx, flash_attn_varlen_func, torch, q_len=q_len)
+        fl = b * attn_flops(q_len, ctx)
         rows.append({"name": name, "q_len": q_len, "ctx": ctx, "flops": fl, "fa3_us": us,
                      "fa3_TFLOPs": fl / us / 1e6})
         print(f"{name:22s} FA3 {us:8.1f} us  {rows[-1]['fa3_TFLOPs']:.0f} TFLOP/s", flush=True)

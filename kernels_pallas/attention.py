@@ -43,6 +43,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from kernels_pallas import attention_mgpu
 from kernels_pallas.metadata import AttentionMetadata, count_le
 
 LOG2E = 1.4426950408889634
@@ -75,6 +76,12 @@ class Tuning:
   # first launch with decode tiles (decode default tuning, one tile per sequence slot, M = 16),
   # the rest to a second launch with this tuning, writing into the first one's output.
   mixed_split: bool = False
+  # The main launch through the Mosaic GPU kernel (attention_mgpu.py: TMA, wgmma, warp
+  # specialisation) where it applies (bf16/fp16, no window / soft cap / fp8, jax >= 0.11),
+  # with its own KV block and pipeline depth; else the fields above (Triton) apply.
+  mosaic: bool = False
+  mosaic_block_k: int = 128
+  mosaic_stages: int = 2
 
 
 TUNING_FIELDS = tuple(f.name for f in dataclasses.fields(Tuning))
@@ -106,7 +113,11 @@ def default_tuning(T: int, S: int, Hq: int, Hkv: int, D: int, block_size: int,
   # least: a 512-token chunk (64 programs) ran at 237 vs 195 us.
   big_q = max(1, 256 // g_pad)
   if Hkv * -(-T // big_q) >= num_sms:
-    return Tuning(big_q, max(64, block_size), 1, 8, 3, pv_fp16=True, mixed_split=True)
+    # ... and where jax has Mosaic GPU (0.11+), the Mosaic kernel instead (attention_mgpu.py;
+    # H200, same call: 8,192 tokens of one prompt 1307 vs 1842 us, of 4 prompts 441 vs 567;
+    # 2,048 tokens 145 vs 156). A shorter bucket stays on Triton (512 tokens: 41.5 vs 37.5).
+    return Tuning(big_q, max(64, block_size), 1, 8, 3, pv_fp16=True, mixed_split=True,
+                  mosaic=attention_mgpu.available())
   block_q = max(1, 64 // g_pad)
   return Tuning(block_q, max(64, block_size), 1, 4, 2, mixed_split=True)
 
@@ -350,7 +361,8 @@ def ragged_paged_attention(q, k_cache, v_cache, layer, md: AttentionMetadata, *,
                            sliding_window=None, soft_cap=None, k_scale=None, v_scale=None,
                            interpret=False, block_q=None, block_k=None, k_splits=None,
                            num_warps=None, num_stages=None, pv_split=None, split_mask=None,
-                           reverse_tiles=None, pv_fp16=None, mixed_split=None, num_sms=132):
+                           reverse_tiles=None, pv_fp16=None, mixed_split=None, mosaic=None,
+                           mosaic_block_k=None, mosaic_stages=None, num_sms=132):
   """Pallas ragged paged attention. q [T, Hq, D]; caches [L, Hkv, NB, bs, D] -> [T, Hq, D].
 
   `layer` may be a traced int32 scalar. fp8 caches are dequantized in-kernel with the
@@ -367,7 +379,8 @@ def ragged_paged_attention(q, k_cache, v_cache, layer, md: AttentionMetadata, *,
                             k_splits=k_splits, num_warps=num_warps, num_stages=num_stages,
                             pv_split=pv_split, split_mask=split_mask,
                             reverse_tiles=reverse_tiles, pv_fp16=pv_fp16,
-                            mixed_split=mixed_split)
+                            mixed_split=mixed_split, mosaic=mosaic,
+                            mosaic_block_k=mosaic_block_k, mosaic_stages=mosaic_stages)
   num_tiles = max(1, min(T, -(-(T + S * (tun.block_q - 1)) // tun.block_q)))
 
   compute_dtype = jnp.float32 if q.dtype == jnp.float32 else q.dtype
@@ -409,6 +422,14 @@ def ragged_paged_attention(q, k_cache, v_cache, layer, md: AttentionMetadata, *,
         name=f"ragged_paged_attention_q{tun.block_q}_k{tun.block_k}_s{tun.k_splits}",
     )(*args)
 
+  # Interpret mode takes the Mosaic kernel only when asked for by name: GPU interpret mode is
+  # slow, and needs more CPU threads than a small machine has (tests/kernels/conftest.py).
+  if (tun.mosaic and (mosaic or not interpret) and tun.k_splits == 1
+      and attention_mgpu.mosaic_eligible(q.dtype, k_cache.dtype, D, bs, tun.mosaic_block_k,
+                                         sliding_window=sliding_window, soft_cap=soft_cap,
+                                         k_scale=k_scale, v_scale=v_scale)):
+    return _mosaic_main_launch(q, k_cache, v_cache, md, scal, bt_flat, tun, dtun, launch,
+                               sm_scale=sm_scale, interpret=interpret)
   if dtun is not None:
     o = launch(dtun, decode_tile_metadata(md, dtun.block_q), S)[0]
     meta = tile_metadata(md, T, tun.block_q, num_tiles, pad_tiles=True,
@@ -427,4 +448,24 @@ def ragged_paged_attention(q, k_cache, v_cache, layer, md: AttentionMetadata, *,
     out = jnp.sum(c[..., None] * acc, axis=0) / jnp.where(den > 0, den, 1.0)[..., None]
     out = out.astype(q.dtype)
   # Padding tokens: written as zeros by the kernel's padding tiles (see tile_metadata).
+  return out
+
+
+def _mosaic_main_launch(q, k_cache, v_cache, md, scal, bt_flat, tun, dtun, launch, *, sm_scale,
+                        interpret):
+  """The main launch through attention_mgpu; a mixed bucket's decode rows then go through the
+  Triton decode launch (`dtun`), which writes them into the Mosaic kernel's output in place."""
+  T, Hq, D = q.shape
+  L, Hkv, NB, bs, _ = k_cache.shape
+  S, P = md.block_tables.shape
+  nt = attention_mgpu.mosaic_num_tiles(T, S)
+  meta = attention_mgpu.mosaic_tile_metadata(md, T, nt,
+                                             min_q_len=1 if dtun is None else dtun.block_q + 1)
+  out = attention_mgpu.mosaic_prefill_attention(
+      q, k_cache.reshape(L * Hkv * NB, bs, D), v_cache.reshape(L * Hkv * NB, bs, D), meta,
+      bt_flat, scal, num_tiles=nt, NB=NB, P=P, Hkv=Hkv, sm_scale=sm_scale,
+      block_kv=tun.mosaic_block_k, stages=tun.mosaic_stages, interpret=interpret)
+  if dtun is not None:
+    out = launch(dtun, decode_tile_metadata(md, dtun.block_q), S,
+                 out_in=out.reshape(T * Hq, D))[0].reshape(T, Hq, D)
   return out

@@ -101,8 +101,8 @@ def test_fa3_rows_match_our_kernel_rows():
     for b, ctx in kernels_fa3.DECODE_SHAPES:
         assert kernels_fa3.kv_bytes(b, ctx) == kernels.kv_bytes([(1, ctx)] * b)
     assert (64, 2048) in kernels_fa3.DECODE_SHAPES and (1, 8192) in kernels_fa3.DECODE_SHAPES
-    for name, (q_len, ctx) in kernels_fa3.PREFILL_SHAPES.items():
-        assert kernels_fa3.attn_flops(q_len, ctx) == kernels.attn_flops([(q_len, ctx)])
+    for name, (b, q_len, ctx) in kernels_fa3.PREFILL_SHAPES.items():
+        assert b * kernels_fa3.attn_flops(q_len, ctx) == kernels.attn_flops([(q_len, ctx)] * b)
     assert kernels_fa3.attn_flops(3, 5) == 4 * kernels.HQ * kernels.D * (3 + 4 + 5)
 
 

@@ -76,4 +76,4 @@ ENGINE_CONFIGS = _engine_kernel_configs()
 def test_engine_buckets_lower_for_cuda(T, S):
   """Every distinct launch plan of the engine's GPU buckets lowers (not just hand-picked ones)."""
   txt = check_cuda_lowering(T=T, S=S, P=256, **LLAMA8B)
-  assert "triton" in txt
+  assert "triton" in txt or "mosaic_gpu" in txt   # long prefills: Mosaic GPU on jax 0.11

@@ -1,0 +1,105 @@
+"""The Mosaic GPU prefill kernel (attention_mgpu.py) against the oracle, in GPU interpret mode,
+and its CUDA lowering. Both need jax >= 0.11 (CI's second venv); the tile metadata test runs
+everywhere."""
+import numpy as np
+import jax
+import jax.numpy as jnp
+import pytest
+
+from kernels_pallas import attention_mgpu, ref_ragged_paged_attention, ragged_paged_attention
+from kernels_pallas.attention_mgpu import mosaic_num_tiles, mosaic_tile_metadata, TILE_TOKENS
+from kernels_pallas.testing import make_batch, rel_err
+
+needs_mosaic = pytest.mark.skipif(not attention_mgpu.available(),
+                                  reason="Mosaic GPU interpret mode needs jax >= 0.11")
+
+
+@pytest.mark.parametrize("seqs,T,S", [
+    ([(200, 300), (5, 5), (130, 130)], 344, 4),
+    ([(1, 40), (64, 64), (300, 1000)], 372, 3),
+    ([(37, 37)], 40, 1),
+])
+def test_tiles_cover_every_token_once(seqs, T, S):
+  b = make_batch(np.random.default_rng(0), seqs, T=T, S=S, poison=False)
+  md = b["md"]
+  meta = np.asarray(mosaic_tile_metadata(md, T, mosaic_num_tiles(T, S)))
+  qsl = np.asarray(md.query_start_loc)
+  seen = np.zeros(T, int)
+  for seq, row0, lo, hi, pos0, kv_len, *_ in meta:
+    assert row0 % 8 == 0 and 0 <= lo <= hi <= TILE_TOKENS
+    for r in range(lo, hi):
+      t = row0 + r
+      seen[t] += 1
+      if t < qsl[len(seqs)]:           # a live token: its sequence, position and length
+        assert qsl[seq] <= t < qsl[seq + 1]
+        q_len = qsl[seq + 1] - qsl[seq]
+        assert pos0 + r == seqs[seq][1] - q_len + (t - qsl[seq]) and kv_len == seqs[seq][1]
+      else:                            # a padding token: no keys, stores zeros
+        assert kv_len == 0
+  assert (seen == 1).all()
+
+
+def _check(seqs, T, S, *, num_heads, num_kv_heads, head_dim, block_size, dtype=jnp.bfloat16,
+           seed=0, schedule=None, **tuning):
+  b = make_batch(np.random.default_rng(seed), seqs, T=T, S=S, num_heads=num_heads,
+                 num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size,
+                 dtype=dtype)
+  q, kc, vc, md, n = b["q"], b["k_cache"], b["v_cache"], b["md"], b["num_tokens"]
+  kw = dict(sm_scale=head_dim ** -0.5)
+  if schedule is None:
+    out = ragged_paged_attention(q, kc, vc, jnp.int32(1), md, interpret=True, mosaic=True,
+                                 **tuning, **kw)
+  else:                                   # the kernel's own knobs, called directly
+    L, Hkv, NB, bs, D = kc.shape
+    nt = mosaic_num_tiles(T, S)
+    out = attention_mgpu.mosaic_prefill_attention(
+        q, kc.reshape(L * Hkv * NB, bs, D), vc.reshape(L * Hkv * NB, bs, D),
+        mosaic_tile_metadata(md, T, nt), md.block_tables.reshape(-1),
+        jnp.array([Hkv], jnp.int32), num_tiles=nt, NB=NB, P=md.block_tables.shape[1], Hkv=Hkv,
+        block_kv=tuning["mosaic_block_k"], stages=tuning["mosaic_stages"], schedule=schedule,
+        interpret=True, **kw)
+  ref = ref_ragged_paged_attention(q, kc, vc, 1, md, **kw)
+  assert out.shape == q.shape and out.dtype == q.dtype
+  assert bool(jnp.all(jnp.isfinite(out.astype(jnp.float32))))
+  assert rel_err(out, ref, n) < 2e-3
+  assert bool(jnp.all(out[n:] == 0))      # padding tokens
+
+
+@needs_mosaic
+@pytest.mark.parametrize("case", [
+    # one prefill with cached context, GQA 4, d 64, 4 pages per KV block, partial last page
+    dict(seqs=[(200, 300)], T=200, S=1, num_heads=4, num_kv_heads=1, head_dim=64,
+         block_size=16, mosaic_block_k=64, mosaic_stages=2),
+    # a chunk at long context next to a fresh prompt starting off the 8-row grid; GQA 4, d 128
+    dict(seqs=[(64, 600), (100, 100)], T=200, S=3, num_heads=8, num_kv_heads=2, head_dim=128,
+         block_size=32, mosaic_block_k=128, mosaic_stages=2),
+    # MHA, one page per KV block, 3 pipeline stages, fp16
+    dict(seqs=[(300, 300)], T=320, S=2, num_heads=2, num_kv_heads=2, head_dim=64,
+         block_size=64, mosaic_block_k=64, mosaic_stages=3, dtype=jnp.float16),
+    # the ping-pong schedule barrier (off by default), with a warpgroup that has no rows
+    dict(seqs=[(40, 300), (150, 150)], T=200, S=2, num_heads=2, num_kv_heads=1, head_dim=64,
+         block_size=16, mosaic_block_k=64, mosaic_stages=2, schedule=True),
+])
+def test_mosaic_prefill_matches_oracle(case):
+  _check(**case)
+
+
+@needs_mosaic
+def test_mosaic_mixed_batch_decodes_through_triton():
+  # T > 2 S: the default plan splits the decode rows into a Triton launch; the prefills (one
+  # of them with GQA 3, off the 8-row grid) go through the Mosaic kernel.
+  seqs = [(1, 90), (1, 33), (150, 150), (1, 7), (70, 200)]
+  _check(seqs, 240, 6, num_heads=6, num_kv_heads=2, head_dim=64, block_size=16,
+         mosaic_block_k=64, mosaic_stages=2, mixed_split=True)
+
+
+@needs_mosaic
+@pytest.mark.parametrize("cfg", [
+    dict(T=2048, S=1, P=128, mosaic_block_k=128, mosaic_stages=2),       # Llama-3.1-8B prefill
+    dict(T=8192, S=8, P=512, mosaic_block_k=64, mosaic_stages=3),
+    dict(T=2048, S=64, P=256, mosaic_block_k=128, mosaic_stages=2, mixed_split=True),
+])
+def test_mosaic_lowers_for_cuda(cfg):
+  from kernels_pallas.lowering import check_cuda_lowering
+  text = check_cuda_lowering(num_heads=32, num_kv_heads=8, head_dim=128, mosaic=True, **cfg)
+  assert "mosaic_gpu" in text
