@@ -113,13 +113,22 @@ def default_tuning(T: int, S: int, Hq: int, Hkv: int, D: int, block_size: int,
   # least: a 512-token chunk (64 programs) ran at 237 vs 195 us.
   big_q = max(1, 256 // g_pad)
   if Hkv * -(-T // big_q) >= num_sms:
-    # ... and where jax has Mosaic GPU (0.11+), the Mosaic kernel instead (attention_mgpu.py;
-    # H200, same call: 8,192 tokens of one prompt 1307 vs 1842 us, of 4 prompts 441 vs 567;
-    # 2,048 tokens 145 vs 156). A shorter bucket stays on Triton (512 tokens: 41.5 vs 37.5).
     return Tuning(big_q, max(64, block_size), 1, 8, 3, pv_fp16=True, mixed_split=True,
-                  mosaic=attention_mgpu.available())
+                  mosaic=_mosaic_default(T, S))
   block_q = max(1, 64 // g_pad)
   return Tuning(block_q, max(64, block_size), 1, 4, 2, mixed_split=True)
+
+
+def _mosaic_default(T: int, S: int) -> bool:
+  """Long-prefill buckets take the Mosaic kernel where jax has Mosaic GPU (0.11+) and the
+  bucket holds few sequences. H200, kernel vs Triton in one call: 8,192 tokens of one prompt
+  1307 vs 1842 us, of 4 prompts 441 vs 567 (16 x 512: 240 vs 261); 2,048 tokens 145 vs 156.
+  Its grid has a CTA per head for every tile the bucket could need, cdiv(T + (S + 1) 134,
+  128), and an empty CTA still costs a 4-warpgroup launch: with 60 decodes and a 1,988-token
+  prompt in a (2048, 64) bucket (85 tiles for 16 used) it lost, 327 vs 313 us. So: no more
+  than 1.5x the tiles the tokens fill."""
+  return (attention_mgpu.available()
+          and attention_mgpu.mosaic_num_tiles(T, S) <= 1.5 * -(-T // attention_mgpu.TILE_TOKENS))
 
 
 def resolve_tuning(T: int, S: int, Hq: int, Hkv: int, D: int, block_size: int,

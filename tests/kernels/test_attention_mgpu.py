@@ -103,3 +103,24 @@ def test_mosaic_lowers_for_cuda(cfg):
   from kernels_pallas.lowering import check_cuda_lowering
   text = check_cuda_lowering(num_heads=32, num_kv_heads=8, head_dim=128, mosaic=True, **cfg)
   assert "mosaic_gpu" in text
+
+
+def test_mosaic_default_buckets():
+  """Long prefill buckets with few sequences take the Mosaic kernel (where jax has it); a bucket
+  whose grid would be mostly empty tiles, a short bucket and a decode bucket stay on Triton."""
+  from kernels_pallas.attention import default_tuning
+  has = attention_mgpu.available()
+  pick = lambda T, S: default_tuning(T, S, 32, 8, 128, 16).mosaic
+  assert pick(8192, 1) == has and pick(8192, 4) == has and pick(2048, 1) == has
+  assert not pick(8192, 256) and not pick(2048, 64) and not pick(512, 1) and not pick(64, 64)
+
+
+@needs_mosaic
+@pytest.mark.parametrize("extra", [dict(kv_dtype=jnp.float8_e4m3fn, kv_scales=True),
+                                   dict(sliding_window=1024), dict(soft_cap=30.0)])
+def test_ineligible_calls_fall_back_to_triton(extra):
+  """A Mosaic-default bucket with fp8 KV, a window or a soft cap runs the Triton kernel."""
+  from kernels_pallas.lowering import check_cuda_lowering
+  text = check_cuda_lowering(T=8192, S=4, P=512, num_heads=32, num_kv_heads=8, head_dim=128,
+                             **extra)
+  assert "triton" in text and "mosaic_gpu" not in text
