@@ -152,7 +152,9 @@ def mosaic_prefill_attention(q, k_flat, v_flat, meta, bt_flat, kv_base, *, num_t
     live_hi = meta_ref[j, 3]
     pos0 = meta_ref[j, 4]            # position of row 0 in its sequence (may be < 0)
     kv_len = meta_ref[j, 5]
-    kv_hi = jnp.where(live_hi > live_lo, jnp.minimum(kv_len, pos0 + live_hi), 0)
+    # Clamped at 0 so that inconsistent metadata (kv_len < query tokens) cannot give a
+    # warpgroup a negative step count: it would then wait for blocks nobody loads, a hang.
+    kv_hi = jnp.where(live_hi > live_lo, jnp.clip(pos0 + live_hi, 0, kv_len), 0)
     n_steps = (kv_hi + block_kv - 1) // block_kv     # KV blocks the CTA loads
 
     def schedule_barrier():
@@ -168,7 +170,7 @@ def mosaic_prefill_attention(q, k_flat, v_flat, meta, bt_flat, kv_base, *, num_t
       hi = jnp.clip(live_hi - row0, 0, M)
       n_rows = hi - lo
       first_pos = pos0 + row0                         # position of its row 0
-      wg_hi = jnp.where(n_rows > 0, jnp.minimum(kv_len, first_pos + hi), 0)
+      wg_hi = jnp.where(n_rows > 0, jnp.clip(first_pos + hi, 0, kv_len), 0)   # <= kv_hi
       steps = (wg_hi + block_kv - 1) // block_kv
       # Blocks every own row sees whole (rows outside [lo, hi) are computed, never stored).
       full_steps = jnp.clip((first_pos + lo + 1) // block_kv, 0, steps)

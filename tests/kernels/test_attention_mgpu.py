@@ -105,6 +105,22 @@ def test_mosaic_lowers_for_cuda(cfg):
   assert "mosaic_gpu" in text
 
 
+@needs_mosaic
+@pytest.mark.timeout(300, method="thread")   # a hang fails the test, not CI
+def test_inconsistent_metadata_does_not_hang():
+  """kv_len below the query count (a caller's bug) must not leave a warpgroup waiting for KV
+  blocks that are never loaded: the kernel finishes, rows stay finite."""
+  b = make_batch(np.random.default_rng(3), [(200, 300)], T=200, S=1, num_heads=2,
+                 num_kv_heads=1, head_dim=64, dtype=jnp.bfloat16, poison=False)
+  md = b["md"]
+  md = type(md)(md.slot_mapping, md.block_tables, jnp.asarray([5], jnp.int32),
+                md.query_start_loc, md.num_seqs)
+  out = ragged_paged_attention(b["q"], b["k_cache"], b["v_cache"], jnp.int32(0), md,
+                               sm_scale=0.125, interpret=True, mosaic=True,
+                               mosaic_block_k=64, mosaic_stages=2)
+  assert bool(jnp.all(jnp.isfinite(out.astype(jnp.float32))))
+
+
 def test_mosaic_default_buckets():
   """Long prefill buckets with few sequences take the Mosaic kernel (where jax has it); a bucket
   whose grid would be mostly empty tiles, a short bucket and a decode bucket stay on Triton."""
