@@ -489,7 +489,8 @@ _F16 = dict(pv_fp16=True)
 # the Mosaic GPU kernel (attention_mgpu.py): KV block and pipeline depth; Triton
 _MOSAIC = [dict(mosaic=True, mosaic_block_k=128, mosaic_stages=2),
            dict(mosaic=True, mosaic_block_k=64, mosaic_stages=3),
-           dict(mosaic=True, mosaic_block_k=64, mosaic_stages=4), dict(mosaic=False)]
+           dict(mosaic=True, mosaic_block_k=64, mosaic_stages=4), dict(mosaic=False),
+           dict(mosaic=True, mosaic_persistent=132)]   # persistent: not yet run on a GPU
 TUNE_CANDIDATES = {   # in priority order; {} = the current default
     "decode_b64_ctx2048": [{}, dict(num_stages=3), dict(num_warps=8, num_stages=3),
                            dict(num_warps=8), dict(num_warps=8, block_k=256), _OLD_LOOP,

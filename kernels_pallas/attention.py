@@ -82,6 +82,7 @@ class Tuning:
   mosaic: bool = False
   mosaic_block_k: int = 128
   mosaic_stages: int = 2
+  mosaic_persistent: int = 0    # > 0: that many CTAs loop over the tiles (not measured yet)
 
 
 TUNING_FIELDS = tuple(f.name for f in dataclasses.fields(Tuning))
@@ -371,7 +372,8 @@ def ragged_paged_attention(q, k_cache, v_cache, layer, md: AttentionMetadata, *,
                            interpret=False, block_q=None, block_k=None, k_splits=None,
                            num_warps=None, num_stages=None, pv_split=None, split_mask=None,
                            reverse_tiles=None, pv_fp16=None, mixed_split=None, mosaic=None,
-                           mosaic_block_k=None, mosaic_stages=None, num_sms=132):
+                           mosaic_block_k=None, mosaic_stages=None, mosaic_persistent=None,
+                           num_sms=132):
   """Pallas ragged paged attention. q [T, Hq, D]; caches [L, Hkv, NB, bs, D] -> [T, Hq, D].
 
   `layer` may be a traced int32 scalar. fp8 caches are dequantized in-kernel with the
@@ -389,7 +391,8 @@ def ragged_paged_attention(q, k_cache, v_cache, layer, md: AttentionMetadata, *,
                             pv_split=pv_split, split_mask=split_mask,
                             reverse_tiles=reverse_tiles, pv_fp16=pv_fp16,
                             mixed_split=mixed_split, mosaic=mosaic,
-                            mosaic_block_k=mosaic_block_k, mosaic_stages=mosaic_stages)
+                            mosaic_block_k=mosaic_block_k, mosaic_stages=mosaic_stages,
+                            mosaic_persistent=mosaic_persistent)
   num_tiles = max(1, min(T, -(-(T + S * (tun.block_q - 1)) // tun.block_q)))
 
   compute_dtype = jnp.float32 if q.dtype == jnp.float32 else q.dtype
@@ -473,7 +476,8 @@ def _mosaic_main_launch(q, k_cache, v_cache, md, scal, bt_flat, tun, dtun, launc
   out = attention_mgpu.mosaic_prefill_attention(
       q, k_cache.reshape(L * Hkv * NB, bs, D), v_cache.reshape(L * Hkv * NB, bs, D), meta,
       bt_flat, scal, num_tiles=nt, NB=NB, P=P, Hkv=Hkv, sm_scale=sm_scale,
-      block_kv=tun.mosaic_block_k, stages=tun.mosaic_stages, interpret=interpret)
+      block_kv=tun.mosaic_block_k, stages=tun.mosaic_stages, persistent=tun.mosaic_persistent,
+      interpret=interpret)
   if dtun is not None:
     out = launch(dtun, decode_tile_metadata(md, dtun.block_q), S,
                  out_in=out.reshape(T * Hq, D))[0].reshape(T, Hq, D)

@@ -72,7 +72,7 @@ def mosaic_eligible(q_dtype, kv_dtype, D: int, block_size: int, block_kv: int, *
 
 def mosaic_tile_metadata(md, num_tokens: int, num_tiles: int, min_q_len: int = 1):
   """[num_tiles, 8] int32 per tile: seq, first row, own rows [lo, hi) within the tile, position
-  of the first row, kv_len, 0, 0.
+  of the first row, kv_len, the number of valid tiles (they come first), 0.
 
   Tiles are 128 rows starting at multiples of 8 (Mosaic's TMA into tiled SMEM wants that): a
   sequence's first tile starts at its first token rounded down to 8, so its first rows may
@@ -103,8 +103,8 @@ def mosaic_tile_metadata(md, num_tokens: int, num_tiles: int, min_q_len: int = 1
   pos0 = kv_len[s] - length[s] + (row_start - start[s])
   z = jnp.zeros_like(j)
   return jnp.stack([jnp.minimum(s, S - 1), jnp.where(valid, row_start, 0), lo, hi,
-                    jnp.where(valid, pos0, 0), jnp.where(valid, kv_len[s], 0), z, z],
-                   axis=1).astype(jnp.int32)
+                    jnp.where(valid, pos0, 0), jnp.where(valid, kv_len[s], 0),
+                    jnp.broadcast_to(cum[-1], j.shape), z], axis=1).astype(jnp.int32)
 
 
 def mosaic_num_tiles(T: int, S: int) -> int:
@@ -116,15 +116,17 @@ def mosaic_num_tiles(T: int, S: int) -> int:
 # call and ~0.75 MB of MLIR: unrolled 32 times it stalled the engine's start-up).
 @functools.partial(jax.jit, static_argnames=(
     "num_tiles", "NB", "P", "Hkv", "sm_scale", "block_kv", "stages", "compute_regs",
-    "copy_regs", "schedule", "interpret"))
+    "copy_regs", "schedule", "persistent", "interpret"))
 def mosaic_prefill_attention(q, k_flat, v_flat, meta, bt_flat, kv_base, *, num_tiles, NB, P,
                              Hkv, sm_scale, block_kv=128, stages=2, compute_regs=208,
-                             copy_regs=40, schedule=False, interpret=False):
+                             copy_regs=40, schedule=False, persistent=0, interpret=False):
   """Attention rows of the tiles in `meta` ([num_tiles, 8] from mosaic_tile_metadata)
   -> [T, Hq, D]; rows of no tile are left unwritten.
 
   q [T, Hq, D]; k_flat / v_flat [L * Hkv * NB, block_size, D] (one row per page); bt_flat
   [S * P] block tables; kv_base [1] int32 = layer * Hkv (first (layer, head) page group).
+  persistent=N > 0: N CTAs loop over the valid tiles' (head, tile) items instead of a CTA per
+  item of every tile the bucket could need (empty ones included). Not measured on a GPU yet.
   """
   import jax.experimental.pallas as pl
   import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -143,28 +145,41 @@ def mosaic_prefill_attention(q, k_flat, v_flat, meta, bt_flat, kv_base, *, num_t
 
   def kernel(meta_ref, bt_ref, base_ref, q_ref, k_ref, v_ref, o_ref, scoped):
     (q_smem, k_smem, v_smem, o_smem), (k_full, v_full, v_ready, q_full), (k_free, v_free), sched = scoped
-    h = lax.axis_index("head")
-    j = num_tiles - 1 - lax.axis_index("tile")       # longest causal ranges first
     wg = lax.axis_index("wg")
-    seq = meta_ref[j, 0]
-    row_start = meta_ref[j, 1]       # first row (token) of the tile, a multiple of 8
-    live_lo = meta_ref[j, 2]         # the tile's own rows: [live_lo, live_hi)
-    live_hi = meta_ref[j, 3]
-    pos0 = meta_ref[j, 4]            # position of row 0 in its sequence (may be < 0)
-    kv_len = meta_ref[j, 5]
-    # Clamped at 0 so that inconsistent metadata (kv_len < query tokens) cannot give a
-    # warpgroup a negative step count: it would then wait for blocks nobody loads, a hang.
-    kv_hi = jnp.where(live_hi > live_lo, jnp.clip(pos0 + live_hi, 0, kv_len), 0)
-    n_steps = (kv_hi + block_kv - 1) // block_kv     # KV blocks the CTA loads
+
+    def tile(j):
+      seq = meta_ref[j, 0]
+      row_start = meta_ref[j, 1]     # first row (token) of the tile, a multiple of 8
+      live_lo = meta_ref[j, 2]       # the tile's own rows: [live_lo, live_hi)
+      live_hi = meta_ref[j, 3]
+      pos0 = meta_ref[j, 4]          # position of row 0 in its sequence (may be < 0)
+      kv_len = meta_ref[j, 5]
+      # Clamped at 0 so that inconsistent metadata (kv_len < query tokens) cannot give a
+      # warpgroup a negative step count: it would then wait for blocks nobody loads, a hang.
+      kv_hi = jnp.where(live_hi > live_lo, jnp.clip(pos0 + live_hi, 0, kv_len), 0)
+      n_steps = (kv_hi + block_kv - 1) // block_kv   # KV blocks the CTA loads
+      return seq, row_start, live_lo, live_hi, pos0, kv_len, n_steps
+
+    def each_item(fn):
+      """fn(head, tile) for this CTA's work: one item per CTA, or (persistent) every
+      persistent-th of the valid tiles' items, heads fastest (a KV head's query heads run
+      side by side and share its pages in L2), longest causal ranges first."""
+      if not persistent:
+        fn(lax.axis_index("head"), num_tiles - 1 - lax.axis_index("tile"))
+        return
+      n_valid = meta_ref[0, 6]
+
+      @pl.loop(lax.axis_index("cta"), n_valid * Hq, step=persistent)
+      def _(w):
+        fn(w % Hq, n_valid - 1 - w // Hq)
 
     def schedule_barrier():
       if schedule:
         plgpu.barrier_arrive(sched)
         plgpu.barrier_wait(sched)
 
-    @pl.when(wg < COMPUTE_WGS)
-    def _compute():
-      plgpu.set_max_registers(compute_regs, action="increase")
+    def compute_item(h, j):
+      seq, row_start, live_lo, live_hi, pos0, kv_len, n_steps = tile(j)
       row0 = wg * M
       lo = jnp.clip(live_lo - row0, 0, M)            # this warpgroup's own rows [lo, hi)
       hi = jnp.clip(live_hi - row0, 0, M)
@@ -279,9 +294,8 @@ def mosaic_prefill_attention(q, k_flat, v_flat, meta, bt_flat, kv_base, *, num_t
         n //= 2
       plgpu.wait_smem_to_gmem(0)
 
-    @pl.when(wg == COMPUTE_WGS)
-    def _copies():
-      plgpu.set_max_registers(copy_regs, action="decrease")
+    def copy_item(h, j):
+      seq, row_start, live_lo, live_hi, pos0, kv_len, n_steps = tile(j)
       page_base = (base_ref[0] + h // G) * NB
 
       def issue(step, slot, which):
@@ -312,13 +326,12 @@ def mosaic_prefill_attention(q, k_flat, v_flat, meta, bt_flat, kv_base, *, num_t
         plgpu.barrier_wait(k_free.at[slot])
         plgpu.barrier_wait(v_free.at[slot])
 
-    @pl.when(wg == COMPUTE_WGS + 1)
-    def _convert():
+    def convert_item(h, j):
+      seq, row_start, live_lo, live_hi, pos0, kv_len, n_steps = tile(j)
       # Each V block -> fp16 in place, as it lands (it arrives as raw 16-bit words): the PV
       # product takes P in fp16 (11 significant bits; bf16's 8 miss the 2e-3 bar). Rows at or
       # past kv_len become 0; values are clamped to +-65280 (exact in both formats) so none
       # turns into inf. A warpgroup of its own, so the copies never wait for it.
-      plgpu.set_max_registers(convert_regs, action="decrease")
 
       def convert(step, slot, tail):
         vs = v_smem.at[slot]
@@ -344,6 +357,23 @@ def mosaic_prefill_attention(q, k_flat, v_flat, meta, bt_flat, kv_base, *, num_t
         plgpu.commit_smem()
         plgpu.barrier_arrive(v_ready.at[slot])
 
+    # Registers are set once per warpgroup; barrier phases carry over from item to item (each
+    # warpgroup waits on every phase of the barriers it waits on, in order).
+    @pl.when(wg < COMPUTE_WGS)
+    def _():
+      plgpu.set_max_registers(compute_regs, action="increase")
+      each_item(compute_item)
+
+    @pl.when(wg == COMPUTE_WGS)
+    def _():
+      plgpu.set_max_registers(copy_regs, action="decrease")
+      each_item(copy_item)
+
+    @pl.when(wg == COMPUTE_WGS + 1)
+    def _():
+      plgpu.set_max_registers(convert_regs, action="decrease")
+      each_item(convert_item)
+
   def entry(meta_ref, bt_ref, base_ref, q_ref, k_ref, v_ref, o_ref):
     tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     smem = (plgpu.SMEM((COMPUTE_WGS, M, D), dtype, transforms=tiled),
@@ -362,8 +392,8 @@ def mosaic_prefill_attention(q, k_flat, v_flat, meta, bt_flat, kv_base, *, num_t
   return plgpu.kernel(
       entry,
       out_type=jax.ShapeDtypeStruct((T, Hq, D), dtype),
-      grid=(Hq, num_tiles),
-      grid_names=("head", "tile"),
+      grid=(persistent,) if persistent else (Hq, num_tiles),
+      grid_names=("cta",) if persistent else ("head", "tile"),
       num_threads=COMPUTE_WGS + 2,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),

@@ -25,6 +25,8 @@ def test_tiles_cover_every_token_once(seqs, T, S):
   meta = np.asarray(mosaic_tile_metadata(md, T, mosaic_num_tiles(T, S)))
   qsl = np.asarray(md.query_start_loc)
   seen = np.zeros(T, int)
+  n_valid = meta[0, 6]
+  assert (meta[:, 6] == n_valid).all() and (meta[n_valid:, 2] == meta[n_valid:, 3]).all()
   for seq, row0, lo, hi, pos0, kv_len, *_ in meta:
     assert row0 % 8 == 0 and 0 <= lo <= hi <= TILE_TOKENS
     for r in range(lo, hi):
@@ -79,6 +81,10 @@ def _check(seqs, T, S, *, num_heads, num_kv_heads, head_dim, block_size, dtype=j
     # the ping-pong schedule barrier (off by default), with a warpgroup that has no rows
     dict(seqs=[(40, 300), (150, 150)], T=200, S=2, num_heads=2, num_kv_heads=1, head_dim=64,
          block_size=16, mosaic_block_k=64, mosaic_stages=2, schedule=True),
+    # persistent: 3 CTAs loop over 2 heads x 5 tiles (odd and even KV step counts, so the
+    # pipeline slots and barrier phases carry over unevenly from item to item)
+    dict(seqs=[(200, 330), (5, 5), (130, 130)], T=344, S=4, num_heads=2, num_kv_heads=1,
+         head_dim=64, block_size=16, mosaic_block_k=64, mosaic_stages=2, mosaic_persistent=3),
 ])
 def test_mosaic_prefill_matches_oracle(case):
   _check(**case)
@@ -91,6 +97,8 @@ def test_mosaic_mixed_batch_decodes_through_triton():
   seqs = [(1, 90), (1, 33), (150, 150), (1, 7), (70, 200)]
   _check(seqs, 240, 6, num_heads=6, num_kv_heads=2, head_dim=64, block_size=16,
          mosaic_block_k=64, mosaic_stages=2, mixed_split=True)
+  _check(seqs, 240, 6, num_heads=6, num_kv_heads=2, head_dim=64, block_size=16,
+         mosaic_block_k=64, mosaic_stages=2, mixed_split=True, mosaic_persistent=4)
 
 
 @needs_mosaic
@@ -98,6 +106,7 @@ def test_mosaic_mixed_batch_decodes_through_triton():
     dict(T=2048, S=1, P=128, mosaic_block_k=128, mosaic_stages=2),       # Llama-3.1-8B prefill
     dict(T=8192, S=8, P=512, mosaic_block_k=64, mosaic_stages=3),
     dict(T=2048, S=64, P=256, mosaic_block_k=128, mosaic_stages=2, mixed_split=True),
+    dict(T=8192, S=256, P=512, mosaic_persistent=132),          # an engine bucket
 ])
 def test_mosaic_lowers_for_cuda(cfg):
   from kernels_pallas.lowering import check_cuda_lowering
