@@ -295,7 +295,7 @@ def mosaic_prefill_attention(q, k_flat, v_flat, meta, bt_flat, kv_base, *, num_t
       plgpu.wait_smem_to_gmem(0)
 
     def copy_item(h, j):
-      seq, row_start, live_lo, live_hi, pos0, kv_len, n_steps = tile(j)
+      seq, *_, n_steps = tile(j)
       page_base = (base_ref[0] + h // G) * NB
 
       def issue(step, slot, which):
@@ -327,7 +327,7 @@ def mosaic_prefill_attention(q, k_flat, v_flat, meta, bt_flat, kv_base, *, num_t
         plgpu.barrier_wait(v_free.at[slot])
 
     def convert_item(h, j):
-      seq, row_start, live_lo, live_hi, pos0, kv_len, n_steps = tile(j)
+      *_, kv_len, n_steps = tile(j)
       # Each V block -> fp16 in place, as it lands (it arrives as raw 16-bit words): the PV
       # product takes P in fp16 (11 significant bits; bf16's 8 miss the 2e-3 bar). Rows at or
       # past kv_len become 0; values are clamped to +-65280 (exact in both formats) so none
