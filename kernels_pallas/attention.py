@@ -44,7 +44,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from kernels_pallas import attention_mgpu
-from kernels_pallas.metadata import AttentionMetadata, count_le
+from kernels_pallas.metadata import AttentionMetadata, count_le, live_query_lens
 
 LOG2E = 1.4426950408889634
 MASK_VALUE = -1e30
@@ -173,10 +173,7 @@ def tile_metadata(md: AttentionMetadata, num_tokens: int, block_q: int, num_tile
   """
   qsl = md.query_start_loc
   S = md.seq_lens.shape[0]
-  live = jnp.arange(S, dtype=jnp.int32) < md.num_seqs[0]
-  q_lens = jnp.where(live, qsl[1:] - qsl[:-1], 0)
-  if min_q_len > 1:
-    q_lens = jnp.where(q_lens >= min_q_len, q_lens, 0)
+  q_lens = live_query_lens(md, min_q_len)
   n_tiles = (q_lens + block_q - 1) // block_q
   cum = jnp.cumsum(n_tiles)
   j = jnp.arange(num_tiles, dtype=jnp.int32)
@@ -208,7 +205,7 @@ def decode_tile_metadata(md: AttentionMetadata, block_q: int):
   qsl = md.query_start_loc
   S = md.seq_lens.shape[0]
   s = jnp.arange(S, dtype=jnp.int32)
-  q_lens = jnp.where(s < md.num_seqs[0], qsl[1:] - qsl[:-1], 0)
+  q_lens = live_query_lens(md)
   q_len = jnp.where(q_lens <= block_q, q_lens, 0)
   z = jnp.zeros_like(s)
   return jnp.stack([s, qsl[:-1], q_len, md.seq_lens - q_lens, md.seq_lens, z, z, z],

@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from kernels_pallas.metadata import count_le
+from kernels_pallas.metadata import count_le, live_query_lens
 
 LOG2E = 1.4426950408889634
 MASK_VALUE = -1e30
@@ -83,11 +83,8 @@ def mosaic_tile_metadata(md, num_tokens: int, num_tiles: int, min_q_len: int = 1
   """
   qsl = md.query_start_loc
   S = md.seq_lens.shape[0]
-  n_seq = md.num_seqs[0]
-  live = jnp.arange(S, dtype=jnp.int32) < n_seq
-  q_lens = jnp.where(live, qsl[1:] - qsl[:-1], 0)
-  q_lens = jnp.where(q_lens >= min_q_len, q_lens, 0)
-  n_live = qsl[n_seq]
+  q_lens = live_query_lens(md, min_q_len)
+  n_live = qsl[md.num_seqs[0]]
   start = jnp.concatenate([qsl[:-1], n_live[None]]).astype(jnp.int32)
   length = jnp.concatenate([q_lens, (num_tokens - n_live)[None]]).astype(jnp.int32)
   kv_len = jnp.concatenate([md.seq_lens, jnp.zeros((1,), jnp.int32)]).astype(jnp.int32)
@@ -237,22 +234,21 @@ def mosaic_prefill_attention(q, k_flat, v_flat, meta, bt_flat, kv_base, *, num_t
         plgpu.barrier_wait(v_ready.at[slot])
         if schedule:
           plgpu.barrier_wait(sched)                   # the tensor cores are ours
-        def pv_scope(acc_ref):
-          plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+        def wait_next_k():           # while the PV product runs
           nxt = step + 1
 
           @pl.when(nxt < steps)
           def _():
             plgpu.barrier_wait(k_full.at[lax.rem(nxt, stages)])
+
+        def pv_scope(acc_ref):
+          plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+          wait_next_k()
         if interpret:
           # The GPU interpreter has neither run_state nor a wgmma with A in registers: the
           # same product (16-bit operands, fp32 accumulation) as a jnp dot.
           acc = acc + jnp.dot(p16, v_smem.at[slot][...], preferred_element_type=jnp.float32)
-          nxt = step + 1
-
-          @pl.when(nxt < steps)
-          def _():
-            plgpu.barrier_wait(k_full.at[lax.rem(nxt, stages)])
+          wait_next_k()
         else:
           acc = pl.run_state(pv_scope)(plgpu.ACC.init(acc))
         plgpu.barrier_arrive(v_free.at[slot])

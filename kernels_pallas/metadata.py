@@ -50,3 +50,12 @@ def token_to_seq(md: AttentionMetadata, num_tokens: int):
 def count_le(sorted_vals, x):
   """searchsorted(sorted_vals, x, side='right') as one parallel compare-and-sum (no loop)."""
   return jnp.sum(sorted_vals[None, :] <= x[:, None], axis=1, dtype=jnp.int32)
+
+
+def live_query_lens(md: AttentionMetadata, min_q_len: int = 1):
+  """[S] query tokens of each live sequence slot; 0 for slots past num_seqs and (min_q_len > 1)
+  for sequences with fewer than min_q_len of them."""
+  qsl = md.query_start_loc
+  live = jnp.arange(md.seq_lens.shape[0], dtype=jnp.int32) < md.num_seqs[0]
+  q_lens = jnp.where(live, qsl[1:] - qsl[:-1], 0)
+  return q_lens if min_q_len <= 1 else jnp.where(q_lens >= min_q_len, q_lens, 0)
