@@ -478,6 +478,11 @@ TUNE_SHAPES = {   # name: (seqs [(q_len, kv_len)], T, S)
     "mixed_60dec2048_1988pf": ([(1, 2048)] * 60 + [(1988, 1988)], 2048, 64),
     # the engine's long-prefill step: 8,192 tokens of 4 prompts
     "prefill_4x2048": ([(2048, 2048)] * 4, 8192, 4),
+    "prefill_8192": ([(8192, 8192)], 8192, 1),
+    "prefill_512": ([(512, 512)], 512, 1),
+    "decode_b1_ctx8192": ([(1, 8192)], 1, 1),
+    # 8 prompts in one of the GPU engine's long buckets: 256 sequence slots, mostly empty
+    "engine_8x1000_s256": ([(1000, 1000)] * 8, 8192, 256),
 }
 TUNE_QUICK = {
     "decode_b4_ctx64": ([(1, 64)] * 4, 4, 4),
@@ -486,17 +491,27 @@ TUNE_QUICK = {
 }
 _OLD_LOOP = dict(split_mask=False, reverse_tiles=False)   # the run-3 kernel's loop structure
 _F16 = dict(pv_fp16=True)
-# the Mosaic GPU kernel (attention_mgpu.py): KV block and pipeline depth; Triton
-_MOSAIC = [dict(mosaic=True, mosaic_block_k=128, mosaic_stages=2),
-           dict(mosaic=True, mosaic_block_k=64, mosaic_stages=3),
-           dict(mosaic=True, mosaic_block_k=64, mosaic_stages=4), dict(mosaic=False),
-           dict(mosaic=True, mosaic_persistent=132)]   # persistent: not yet run on a GPU
+# the Mosaic GPU prefill kernel (attention_mgpu.py): persistent grid (2 x SMs CTAs: the
+# default) or a CTA per (head, tile), N CTAs; KV block and pipeline depth; Triton
+_MOSAIC = [dict(mosaic=True, mosaic_persistent=0), dict(mosaic=True, mosaic_persistent=132),
+           dict(mosaic=True, mosaic_persistent=264, mosaic_block_k=64, mosaic_stages=3),
+           dict(mosaic=True, mosaic_persistent=396), dict(mosaic=False)]
+# the Mosaic GPU decode kernel (attention_mgpu_decode.py): KV block x pipeline depth, a CTA
+# per item or persistent, two compute warpgroups or one; Triton
+_MDEC = [dict(mosaic_decode=True, mosaic_block_k=128, mosaic_stages=2),
+         dict(mosaic_decode=True, mosaic_block_k=64, mosaic_stages=4),
+         dict(mosaic_decode=True, mosaic_block_k=128, mosaic_stages=2, mosaic_persistent=132),
+         dict(mosaic_decode=True, mosaic_block_k=64, mosaic_stages=4, mosaic_persistent=132),
+         dict(mosaic_decode=True, mosaic_block_k=128, mosaic_stages=2, mosaic_decode_wgs=1,
+              mosaic_persistent=132),
+         dict(mosaic_decode=False)]
 TUNE_CANDIDATES = {   # in priority order; {} = the current default
-    "decode_b64_ctx2048": [{}, dict(num_stages=3), dict(num_warps=8, num_stages=3),
-                           dict(num_warps=8), dict(num_warps=8, block_k=256), _OLD_LOOP,
-                           dict(k_splits=2), dict(block_k=64, num_stages=4), _F16],
-    "engine_b1_ctx256": [{}, dict(k_splits=1), dict(k_splits=2), dict(k_splits=1, block_k=64),
-                         dict(k_splits=1, num_warps=8), dict(k_splits=4)],
+    "decode_b1_ctx8192": [{}, *_MDEC, dict(_MDEC[2], k_splits=32), dict(k_splits=8)],
+    "engine_8x1000_s256": [{}, *_MOSAIC],
+    "decode_b64_ctx2048": [{}, *_MDEC, _F16, dict(num_warps=8, num_stages=3), _OLD_LOOP,
+                           dict(k_splits=2), dict(block_k=64, num_stages=4)],
+    "engine_b1_ctx256": [{}, *_MDEC[:3], dict(k_splits=1), dict(k_splits=2),
+                         dict(k_splits=1, block_k=64)],
     # the default is 256-row tiles (block_q 64 x 4 heads); 16 warps, 512-row tiles, 128-wide
     # KV blocks; the 64-row tiles of short prefills
     "prefill_2048": [{}, *_MOSAIC, dict(num_warps=16), dict(num_warps=16, block_k=128),
@@ -508,10 +523,10 @@ TUNE_CANDIDATES = {   # in priority order; {} = the current default
                      dict(_F16, block_q=32, block_k=128, num_warps=8, num_stages=2),
                      dict(_F16, block_k=128), dict(_F16, block_k=32, num_stages=3),
                      dict(reverse_tiles=False), dict(block_q=32, block_k=64, num_warps=8)],
-    "decode_b8_ctx8192": [{}, dict(num_stages=3), _OLD_LOOP, dict(k_splits=4),
-                          dict(k_splits=16), dict(block_k=64, num_stages=4)],
+    "decode_b8_ctx8192": [{}, *_MDEC, dict(_MDEC[2], k_splits=16), dict(num_stages=3),
+                          _OLD_LOOP, dict(k_splits=16), dict(block_k=64, num_stages=4)],
     # a chunk with a long context: 256-row tiles split over the KV range fill the GPU
-    "chunk_512_ctx4096": [{}, *_MOSAIC, dict(_F16, block_q=64, block_k=64, num_warps=8, num_stages=3,
+    "chunk_512_ctx4096": [{}, dict(mosaic=True, mosaic_persistent=264), *_MOSAIC, dict(_F16, block_q=64, block_k=64, num_warps=8, num_stages=3,
                                    k_splits=4),
                           dict(_F16, block_q=64, block_k=64, num_warps=8, num_stages=3,
                                k_splits=2),
@@ -522,17 +537,19 @@ TUNE_CANDIDATES = {   # in priority order; {} = the current default
                           dict(_F16, block_q=32, block_k=64, num_warps=8, num_stages=3),
                           dict(_F16, block_q=32, block_k=128, num_warps=8, num_stages=2),
                           dict(_F16, block_k=128)],
-    "decode_b256_ctx512": [{}, dict(num_stages=3), _OLD_LOOP, dict(block_k=64, num_stages=4),
-                           _F16],
+    "decode_b256_ctx512": [{}, *_MDEC, _F16, _OLD_LOOP, dict(block_k=64, num_stages=4)],
     "prefill_4x2048": [{}, *_MOSAIC],
-    "decode_b64_ctx512": [{}, _OLD_LOOP, dict(k_splits=2), dict(num_stages=3),
+    "prefill_8192": [{}, *_MOSAIC],
+    "prefill_512": [{}, dict(mosaic=True, mosaic_persistent=264), dict(mosaic=True)],
+    "decode_b64_ctx512": [{}, *_MDEC, _OLD_LOOP, dict(k_splits=2),
                           dict(block_k=64, num_stages=4)],
     # the decode launch takes the main launch's split_mask / pv_fp16 (plan_launches); the
     # second candidate was the decode defaults' values there
-    "mixed_60dec2048_1988pf": [{}, *_MOSAIC, dict(split_mask=False, pv_fp16=False),
+    "mixed_60dec2048_1988pf": [{}, dict(mosaic_decode=True), *_MOSAIC, dict(split_mask=False, pv_fp16=False),
                                dict(mixed_split=False),
                                dict(block_q=16, num_warps=4, num_stages=2, pv_fp16=False)],
-    "mixed_60dec2048_448pf": [{}, *_MOSAIC, dict(split_mask=False), _OLD_LOOP, _F16,
+    "mixed_60dec2048_448pf": [{}, dict(mosaic=True, mosaic_persistent=264),
+                              dict(mosaic_decode=True), *_MOSAIC, dict(split_mask=False), _OLD_LOOP, _F16,
                               dict(mixed_split=True, pv_fp16=True)],
 }
 TUNE_QUICK_CANDIDATES = [{}, _OLD_LOOP, dict(_F16, block_k=32), dict(k_splits=2, block_q=4),

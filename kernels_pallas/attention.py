@@ -44,6 +44,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from kernels_pallas import attention_mgpu
+from kernels_pallas import attention_mgpu_decode as mgpu_decode
 from kernels_pallas.metadata import AttentionMetadata, count_le, live_query_lens
 
 LOG2E = 1.4426950408889634
@@ -83,6 +84,12 @@ class Tuning:
   mosaic_block_k: int = 128
   mosaic_stages: int = 2
   mosaic_persistent: int = 0    # > 0: that many CTAs loop over the tiles (not measured yet)
+  # Decode launches (a decode bucket's only one, a mixed bucket's first one when its main
+  # launch is Triton) through the Mosaic GPU decode kernel (attention_mgpu_decode.py: TMA
+  # page copies in a warpgroup of their own), with mosaic_block_k / mosaic_stages of the
+  # decode tuning (and mosaic_persistent), where eligible; else the Triton fields apply.
+  mosaic_decode: bool = False
+  mosaic_decode_wgs: int = 2    # compute warpgroups of the decode kernel (1 or 2)
 
 
 TUNING_FIELDS = tuple(f.name for f in dataclasses.fields(Tuning))
@@ -92,8 +99,7 @@ def default_tuning(T: int, S: int, Hq: int, Hkv: int, D: int, block_size: int,
                    num_sms: int = 132) -> Tuning:
   """Static choice from the bucket shape (the engine may override any field)."""
   g_pad = next_pow2(Hq // Hkv)
-  decode_like = T <= 2 * S
-  if decode_like:
+  if is_decode_bucket(T, S):
     block_q = max(1, 16 // g_pad)
     programs = Hkv * max(S, 1)
     k_splits = 1
@@ -105,7 +111,8 @@ def default_tuning(T: int, S: int, Hq: int, Hkv: int, D: int, block_size: int,
     # B=64 ctx 2048). Split-K to one program per SM, not two (B=8 ctx 8192, 4 vs 8 splits:
     # 88.7 vs 103.4 us; an earlier run 87.6 vs 95.6).
     return Tuning(block_q, max(128, block_size), k_splits, 4, 3, split_mask=False,
-                  reverse_tiles=False)
+                  reverse_tiles=False, mosaic_block_k=64, mosaic_stages=4,
+                  mosaic_decode=_MOSAIC_DECODE_DEFAULT and attention_mgpu.available())
   # Prefill: mask-free interior blocks and longest tiles first (206 vs 246 us, 2048 tokens);
   # mixed buckets split decode rows into their own launch (196 vs 265 us, 60 decodes + 448).
   # Long prefills take 256-row tiles (each K/V block loaded serves 4x the query rows): 8 warps,
@@ -115,21 +122,18 @@ def default_tuning(T: int, S: int, Hq: int, Hkv: int, D: int, block_size: int,
   big_q = max(1, 256 // g_pad)
   if Hkv * -(-T // big_q) >= num_sms:
     return Tuning(big_q, max(64, block_size), 1, 8, 3, pv_fp16=True, mixed_split=True,
-                  mosaic=_mosaic_default(T, S))
+                  mosaic=attention_mgpu.available(), mosaic_persistent=2 * num_sms)
   block_q = max(1, 64 // g_pad)
-  return Tuning(block_q, max(64, block_size), 1, 4, 2, mixed_split=True)
+  return Tuning(block_q, max(64, block_size), 1, 4, 2, mixed_split=True,
+                mosaic=attention_mgpu.available() and T >= 512, mosaic_persistent=2 * num_sms)
 
 
-def _mosaic_default(T: int, S: int) -> bool:
-  """Long-prefill buckets take the Mosaic kernel where jax has Mosaic GPU (0.11+) and the
-  bucket holds few sequences. H200, kernel vs Triton in one call: 8,192 tokens of one prompt
-  1307 vs 1842 us, of 4 prompts 441 vs 567 (16 x 512: 240 vs 261); 2,048 tokens 145 vs 156.
-  Its grid has a CTA per head for every tile the bucket could need, cdiv(T + (S + 1) 134,
-  128), and an empty CTA still costs a 4-warpgroup launch: with 60 decodes and a 1,988-token
-  prompt in a (2048, 64) bucket (85 tiles for 16 used) it lost, 327 vs 313 us. So: no more
-  than 1.5x the tiles the tokens fill."""
-  return (attention_mgpu.available()
-          and attention_mgpu.mosaic_num_tiles(T, S) <= 1.5 * -(-T // attention_mgpu.TILE_TOKENS))
+_MOSAIC_DECODE_DEFAULT = False    # not measured on a GPU yet
+
+
+def is_decode_bucket(T: int, S: int) -> bool:
+  """Buckets of at most 2 tokens per sequence slot run one decode-shaped launch."""
+  return T <= 2 * S
 
 
 def resolve_tuning(T: int, S: int, Hq: int, Hkv: int, D: int, block_size: int,
@@ -155,7 +159,7 @@ def plan_launches(T: int, S: int, Hq: int, Hkv: int, D: int, block_size: int,
     return tun, None
   dtun = dataclasses.replace(default_tuning(S, S, Hq, Hkv, D, block_size, num_sms), k_splits=1,
                              pv_split=tun.pv_split, pv_fp16=tun.pv_fp16,
-                             split_mask=tun.split_mask)
+                             split_mask=tun.split_mask, mosaic_decode=tun.mosaic_decode)
   return tun, dtun
 
 
@@ -370,7 +374,7 @@ def ragged_paged_attention(q, k_cache, v_cache, layer, md: AttentionMetadata, *,
                            num_warps=None, num_stages=None, pv_split=None, split_mask=None,
                            reverse_tiles=None, pv_fp16=None, mixed_split=None, mosaic=None,
                            mosaic_block_k=None, mosaic_stages=None, mosaic_persistent=None,
-                           num_sms=132):
+                           mosaic_decode=None, mosaic_decode_wgs=None, num_sms=132):
   """Pallas ragged paged attention. q [T, Hq, D]; caches [L, Hkv, NB, bs, D] -> [T, Hq, D].
 
   `layer` may be a traced int32 scalar. fp8 caches are dequantized in-kernel with the
@@ -389,7 +393,8 @@ def ragged_paged_attention(q, k_cache, v_cache, layer, md: AttentionMetadata, *,
                             reverse_tiles=reverse_tiles, pv_fp16=pv_fp16,
                             mixed_split=mixed_split, mosaic=mosaic,
                             mosaic_block_k=mosaic_block_k, mosaic_stages=mosaic_stages,
-                            mosaic_persistent=mosaic_persistent)
+                            mosaic_persistent=mosaic_persistent, mosaic_decode=mosaic_decode,
+                            mosaic_decode_wgs=mosaic_decode_wgs)
   num_tiles = max(1, min(T, -(-(T + S * (tun.block_q - 1)) // tun.block_q)))
 
   compute_dtype = jnp.float32 if q.dtype == jnp.float32 else q.dtype
@@ -431,8 +436,21 @@ def ragged_paged_attention(q, k_cache, v_cache, layer, md: AttentionMetadata, *,
         name=f"ragged_paged_attention_q{tun.block_q}_k{tun.block_k}_s{tun.k_splits}",
     )(*args)
 
-  # Interpret mode takes the Mosaic kernel only when asked for by name: GPU interpret mode is
+  # Interpret mode takes a Mosaic kernel only when asked for by name: GPU interpret mode is
   # slow, and needs more CPU threads than a small machine has (tests/kernels/conftest.py).
+  def decode_by_mosaic(t):
+    return (t.mosaic_decode and (mosaic_decode or not interpret)
+            and attention_mgpu.available()
+            and mgpu_decode.decode_eligible(q.dtype, k_cache.dtype, Hq, Hkv, D, bs,
+                                            t.mosaic_block_k, t.mosaic_stages,
+                                            t.mosaic_decode_wgs, sliding_window=sliding_window,
+                                            soft_cap=soft_cap, k_scale=k_scale,
+                                            v_scale=v_scale))
+
+  mosaic_decode_args = (q, k_cache, v_cache, md, scal, bt_flat)
+  if is_decode_bucket(T, S) and decode_by_mosaic(tun):
+    return _mosaic_decode_launch(*mosaic_decode_args, tun, per_slot=False,
+                                 sm_scale=sm_scale, interpret=interpret).reshape(T, Hq, D)
   if (tun.mosaic and (mosaic or not interpret) and tun.k_splits == 1
       and attention_mgpu.mosaic_eligible(q.dtype, k_cache.dtype, D, bs, tun.mosaic_block_k,
                                          sliding_window=sliding_window, soft_cap=soft_cap,
@@ -440,9 +458,15 @@ def ragged_paged_attention(q, k_cache, v_cache, layer, md: AttentionMetadata, *,
     return _mosaic_main_launch(q, k_cache, v_cache, md, scal, bt_flat, tun, dtun, launch,
                                sm_scale=sm_scale, interpret=interpret)
   if dtun is not None:
-    o = launch(dtun, decode_tile_metadata(md, dtun.block_q), S)[0]
+    if decode_by_mosaic(dtun):
+      o = _mosaic_decode_launch(*mosaic_decode_args, dtun, per_slot=True, sm_scale=sm_scale,
+                                interpret=interpret)
+      decode_q = mgpu_decode.decode_block_q(Hq, Hkv)
+    else:
+      o = launch(dtun, decode_tile_metadata(md, dtun.block_q), S)[0]
+      decode_q = dtun.block_q
     meta = tile_metadata(md, T, tun.block_q, num_tiles, pad_tiles=True,
-                         min_q_len=dtun.block_q + 1)
+                         min_q_len=decode_q + 1)
     outs = launch(tun, meta, num_tiles, out_in=o)
   else:
     outs = launch(tun, tile_metadata(md, T, tun.block_q, num_tiles, pad_tiles=True), num_tiles)
@@ -478,4 +502,29 @@ def _mosaic_main_launch(q, k_cache, v_cache, md, scal, bt_flat, tun, dtun, launc
   if dtun is not None:
     out = launch(dtun, decode_tile_metadata(md, dtun.block_q), S,
                  out_in=out.reshape(T * Hq, D))[0].reshape(T, Hq, D)
+  return out
+
+
+def _mosaic_decode_launch(q, k_cache, v_cache, md, scal, bt_flat, tun, *, per_slot, sm_scale,
+                          interpret):
+  """A decode launch through attention_mgpu_decode -> [T * Hq, D]. per_slot: a mixed bucket's
+  first launch (one tile per sequence slot with at most decode_block_q query tokens; the other
+  rows are left for the main launch), else every token's tile (a decode bucket)."""
+  T, Hq, D = q.shape
+  L, Hkv, NB, bs, _ = k_cache.shape
+  S, P = md.block_tables.shape
+  bq = mgpu_decode.decode_block_q(Hq, Hkv)
+  if per_slot:
+    meta, nt, k_splits = decode_tile_metadata(md, bq), S, 1
+  else:
+    nt = max(1, min(T, -(-(T + S * (bq - 1)) // bq)))
+    meta, k_splits = tile_metadata(md, T, bq, nt, pad_tiles=True), tun.k_splits
+  out = mgpu_decode.mosaic_decode_attention(
+      q.reshape(T * Hq, D), k_cache.reshape(L * Hkv * NB, bs, D),
+      v_cache.reshape(L * Hkv * NB, bs, D), meta, bt_flat, scal, num_tiles=nt, NB=NB, P=P,
+      Hq=Hq, Hkv=Hkv, sm_scale=float(sm_scale), block_kv=tun.mosaic_block_k,
+      stages=tun.mosaic_stages, k_splits=k_splits, compute_wgs=tun.mosaic_decode_wgs,
+      persistent=tun.mosaic_persistent, interpret=interpret)
+  if k_splits > 1:
+    out = mgpu_decode.combine_splits(*out, k_splits, q.dtype)
   return out

@@ -131,13 +131,15 @@ def test_inconsistent_metadata_does_not_hang():
 
 
 def test_mosaic_default_buckets():
-  """Long prefill buckets with few sequences take the Mosaic kernel (where jax has it); a bucket
-  whose grid would be mostly empty tiles, a short bucket and a decode bucket stay on Triton."""
+  """Prefill and mixed buckets of 512+ tokens take the Mosaic kernel with a persistent grid
+  (where jax has it), whatever their sequence slots; shorter buckets and decode buckets stay
+  on Triton, and the decode kernel is opt-in."""
   from kernels_pallas.attention import default_tuning
   has = attention_mgpu.available()
-  pick = lambda T, S: default_tuning(T, S, 32, 8, 128, 16).mosaic
-  assert pick(8192, 1) == has and pick(8192, 4) == has and pick(2048, 1) == has
-  assert not pick(8192, 256) and not pick(2048, 64) and not pick(512, 1) and not pick(64, 64)
+  tun = lambda T, S: default_tuning(T, S, 32, 8, 128, 16)
+  for T, S in [(8192, 1), (8192, 256), (2048, 64), (512, 1), (512, 64)]:
+    assert tun(T, S).mosaic == has and tun(T, S).mosaic_persistent == 264
+  assert not tun(256, 8).mosaic and not tun(64, 64).mosaic and not tun(64, 64).mosaic_decode
 
 
 @needs_mosaic
