@@ -26,11 +26,12 @@ Work decomposition (all static shapes; the data decides which programs do work):
 * Padding tokens are covered by padding tiles (kv_len 0) that store zeros: the kernel writes
   every output row, no masking pass follows.
 
-Why Triton and not Mosaic GPU: the Triton lowering runs unchanged on jax 0.10.2 (CPU CI,
-interpret mode) and 0.11.2 (the H200), supports gathers through ref indexing (`ref[row_vec]`)
-which is exactly what a block table needs, and its CUDA lowering can be checked on a CPU (see
-`lowering.py`). Mosaic GPU's API moves weekly and needs M >= 64 for wgmma; decode tiles have
-M = 16. The kernel is behind `ragged_paged_attention`, so a Mosaic version can replace it.
+Why Triton first: the Triton lowering runs unchanged on jax 0.10.2 (CPU CI, interpret mode) and
+0.11.2 (the H200), supports gathers through ref indexing (`ref[row_vec]`) which is exactly what
+a block table needs, and its CUDA lowering can be checked on a CPU (see `lowering.py`). On jax
+0.11, prefill and mixed buckets of 512+ tokens go through the Mosaic GPU kernel
+(attention_mgpu.py, FA3-style, persistent), which measured 1.2-1.9x faster there; decode stays
+here (the Mosaic decode kernel, attention_mgpu_decode.py, is opt-in: it measured 0-10% slower).
 """
 from __future__ import annotations
 
@@ -83,11 +84,15 @@ class Tuning:
   mosaic: bool = False
   mosaic_block_k: int = 128
   mosaic_stages: int = 2
-  mosaic_persistent: int = 0    # > 0: that many CTAs loop over the tiles (not measured yet)
+  # > 0: that many CTAs loop over the valid tiles (prefill: the default, 2 per SM), else a CTA
+  # per tile the bucket could need, empty ones included; decode: over the (head, tile, split)
+  # items.
+  mosaic_persistent: int = 0
   # Decode launches (a decode bucket's only one, a mixed bucket's first one when its main
   # launch is Triton) through the Mosaic GPU decode kernel (attention_mgpu_decode.py: TMA
   # page copies in a warpgroup of their own), with mosaic_block_k / mosaic_stages of the
   # decode tuning (and mosaic_persistent), where eligible; else the Triton fields apply.
+  # Opt-in: on the H200 it measured 0-10% slower than the Triton decode launch.
   mosaic_decode: bool = False
   mosaic_decode_wgs: int = 2    # compute warpgroups of the decode kernel (1 or 2)
 
@@ -119,16 +124,26 @@ def default_tuning(T: int, S: int, Hq: int, Hkv: int, D: int, block_size: int,
   # 3 stages and the fp16 PV product (pv_split's second dot spills at this size: 373 us).
   # H200, 2,048 tokens: 156.5 vs 206.1 us (256 programs). They need a program per SM at
   # least: a 512-token chunk (64 programs) ran at 237 vs 195 us.
+  # Where jax has Mosaic GPU (0.11), buckets of 512+ tokens take the Mosaic kernel instead,
+  # with a persistent grid of 2 CTAs per SM looping over the valid tiles only. H200, one call
+  # (gpu_2026-11-30g/kernels_tune_decode_persistent_2.json), us, Mosaic vs Triton: 8,192
+  # tokens of one prompt 1,198 vs 1,832; 2,048 123 vs 154; 512 32.6 vs 41.0; a 512 chunk at
+  # ctx 4096 95.7 vs 184; 60 decodes + a 1,988 prefill in (2048, 64) 263 vs 302; 8 x 1,000
+  # in an engine bucket (8192, 256) 308 vs 422 (a CTA per tile there: 477).
+  mosaic = attention_mgpu.available() and T >= 512
   big_q = max(1, 256 // g_pad)
   if Hkv * -(-T // big_q) >= num_sms:
     return Tuning(big_q, max(64, block_size), 1, 8, 3, pv_fp16=True, mixed_split=True,
-                  mosaic=attention_mgpu.available(), mosaic_persistent=2 * num_sms)
+                  mosaic=mosaic, mosaic_persistent=2 * num_sms)
   block_q = max(1, 64 // g_pad)
-  return Tuning(block_q, max(64, block_size), 1, 4, 2, mixed_split=True,
-                mosaic=attention_mgpu.available() and T >= 512, mosaic_persistent=2 * num_sms)
+  return Tuning(block_q, max(64, block_size), 1, 4, 2, mixed_split=True, mosaic=mosaic,
+                mosaic_persistent=2 * num_sms)
 
 
-_MOSAIC_DECODE_DEFAULT = False    # not measured on a GPU yet
+# H200, Mosaic decode kernel (best variant) vs Triton, one call: B=64 ctx 2048 160.5 vs 159.7
+# us, B=8 ctx 8192 99.9 vs 92.0, B=256 ctx 512 176.0 vs 167.1, B=1 ctx 8192 32.0 vs 28.8
+# (benchmarks/results/gpu_2026-11-30g/kernels_tune_decode_3.json). So Triton keeps decode.
+_MOSAIC_DECODE_DEFAULT = False
 
 
 def is_decode_bucket(T: int, S: int) -> bool:

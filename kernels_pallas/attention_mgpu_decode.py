@@ -1,12 +1,17 @@
 """Decode tiles of ragged paged attention as a Mosaic GPU kernel (Hopper: TMA, wgmma).
 
+Opt-in (`Tuning.mosaic_decode`): on the H200 it measured 0-10% slower than the Triton decode
+launch (benchmarks/results/gpu_2026-11-30g/), which stays the default.
+
 Decode reads every KV byte once and does little math on it, so the kernel is built to keep
 HBM busy: one warpgroup only issues TMA copies (one per [block_size, D] page of K and of V,
-the block table read in-kernel), several pipeline slots deep, while a compute warpgroup
-consumes the slots. Its work decomposition is the Triton kernel's decode launch
-(attention.py): a CTA per (KV head, tile of up to `block_q` query tokens of one sequence,
-KV split), whose query rows are all G query heads of that KV head for each token, so every
-page loaded serves all G heads.
+the block table read in-kernel a block ahead), several pipeline slots deep, while two compute
+warpgroups consume alternate slots. Its work decomposition is the Triton kernel's decode
+launch (attention.py): an item per (KV head, tile of up to `block_q` query tokens of one
+sequence, KV split), whose query rows are all G query heads of that KV head for each token,
+so every page loaded serves all G heads. A CTA per item, or (`persistent`) a fixed number of
+CTAs looping over them, the pipeline slots running on from item to item and the queries
+double-buffered, so the next item's loads start under this one's last blocks.
 
 * Query rows: wgmma needs M = 64 rows; a tile fills `W` rows per token with an 8-row aligned
   window of the flat query [T * Hq, D] that holds its G heads (TMA into the tiled SMEM that
@@ -18,14 +23,15 @@ page loaded serves all G heads.
   (1.9-2.3e-3 measured), two keep ~16 bits of it, and the second MMA is free when memory
   bound. Only the blocks that reach past a row's position are masked; the last one's V rows
   at or past kv_len are zeroed in SMEM first (free slots may hold NaN bit patterns, and
-  P = 0 would still give 0 * NaN).
+  P = 0 would still give 0 * NaN). The second compute warpgroup hands its (acc, m, l) to the
+  first through SMEM at the end of an item.
 * Split-K (flash-decoding) when there are too few (head, tile) pairs to fill the GPU: each
   split writes its normalised partial output and log2-sum-exp per row (fp32), and a small
   jnp combine merges them (`combine_splits`).
 * Output leaves through SMEM by TMA, exactly each token's G rows.
 
-Mosaic GPU's Pallas API changes between jax releases; this file targets jax 0.11 and is only
-imported there (attention_mgpu.available()).
+Mosaic GPU's Pallas API changes between jax releases; the kernel targets jax 0.11 and imports
+Mosaic GPU only when called (attention.py calls it only where attention_mgpu.available()).
 """
 from __future__ import annotations
 
@@ -360,7 +366,7 @@ def mosaic_decode_attention(q2, k_flat, v_flat, meta, bt_flat, kv_base, *, num_t
     smem = (plgpu.SMEM((2, M, D), dtype, transforms=tiled),
             plgpu.SMEM((stages, block_kv, D), dtype, transforms=tiled),
             plgpu.SMEM((stages, block_kv, D), dtype, transforms=tiled),
-            plgpu.SMEM((8, D) if alias_out else (M, D), out_dtype),
+            plgpu.SMEM((8, D) if alias_out else (M, D), out_dtype),   # (8, D): unused
             plgpu.SMEM((M, LSE_COLS), jnp.float32))
     if C == 2:                  # the second warpgroup's (acc, m, l), handed over at the end
       smem += (plgpu.SMEM((M, D), jnp.float32), plgpu.SMEM((M,), jnp.float32),

@@ -64,3 +64,20 @@ def rel_err(out, ref, n):
   o = np.asarray(jnp.asarray(out[:n], jnp.float32), np.float64)
   r = np.asarray(jnp.asarray(ref[:n], jnp.float32), np.float64)
   return float(np.linalg.norm(o - r) / np.linalg.norm(r))
+
+
+def check_against_oracle(run, seqs, T, S, *, num_heads, num_kv_heads, head_dim, block_size,
+                         dtype, seed=0, tol=2e-3):
+  """A random batch through `run(q, k_cache, v_cache, md, sm_scale)` (layer 1 of 2) against
+  the oracle: same shape and dtype, finite, relative error < tol, padding tokens zero."""
+  from kernels_pallas.reference import ref_ragged_paged_attention
+  b = make_batch(np.random.default_rng(seed), seqs, T=T, S=S, num_heads=num_heads,
+                 num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size,
+                 dtype=dtype)
+  q, kc, vc, md, n = b["q"], b["k_cache"], b["v_cache"], b["md"], b["num_tokens"]
+  out = run(q, kc, vc, md, head_dim ** -0.5)
+  ref = ref_ragged_paged_attention(q, kc, vc, 1, md, sm_scale=head_dim ** -0.5)
+  assert out.shape == q.shape and out.dtype == q.dtype
+  assert bool(jnp.all(jnp.isfinite(out.astype(jnp.float32))))
+  assert rel_err(out, ref, n) < tol
+  assert bool(jnp.all(out[n:] == 0))      # padding tokens

@@ -2,13 +2,12 @@
 and its CUDA lowering. Both need jax >= 0.11 (CI's second venv); the tile metadata test runs
 everywhere."""
 import numpy as np
-import jax
 import jax.numpy as jnp
 import pytest
 
-from kernels_pallas import attention_mgpu, ref_ragged_paged_attention, ragged_paged_attention
+from kernels_pallas import attention_mgpu, ragged_paged_attention
 from kernels_pallas.attention_mgpu import mosaic_num_tiles, mosaic_tile_metadata, TILE_TOKENS
-from kernels_pallas.testing import make_batch, rel_err
+from kernels_pallas.testing import check_against_oracle, make_batch
 
 needs_mosaic = pytest.mark.skipif(not attention_mgpu.available(),
                                   reason="Mosaic GPU interpret mode needs jax >= 0.11")
@@ -41,30 +40,22 @@ def test_tiles_cover_every_token_once(seqs, T, S):
   assert (seen == 1).all()
 
 
-def _check(seqs, T, S, *, num_heads, num_kv_heads, head_dim, block_size, dtype=jnp.bfloat16,
-           seed=0, schedule=None, **tuning):
-  b = make_batch(np.random.default_rng(seed), seqs, T=T, S=S, num_heads=num_heads,
-                 num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size,
-                 dtype=dtype)
-  q, kc, vc, md, n = b["q"], b["k_cache"], b["v_cache"], b["md"], b["num_tokens"]
-  kw = dict(sm_scale=head_dim ** -0.5)
-  if schedule is None:
-    out = ragged_paged_attention(q, kc, vc, jnp.int32(1), md, interpret=True, mosaic=True,
-                                 **tuning, **kw)
-  else:                                   # the kernel's own knobs, called directly
-    L, Hkv, NB, bs, D = kc.shape
+def _check(seqs, T, S, *, dtype=jnp.bfloat16, schedule=None, **tuning):
+  shape = {k: tuning.pop(k) for k in ("num_heads", "num_kv_heads", "head_dim", "block_size")}
+
+  def run(q, kc, vc, md, sm_scale):
+    if schedule is None:
+      return ragged_paged_attention(q, kc, vc, jnp.int32(1), md, sm_scale=sm_scale,
+                                    interpret=True, mosaic=True, **tuning)
+    L, Hkv, NB, bs, D = kc.shape          # the kernel's own knobs, called directly
     nt = mosaic_num_tiles(T, S)
-    out = attention_mgpu.mosaic_prefill_attention(
+    return attention_mgpu.mosaic_prefill_attention(
         q, kc.reshape(L * Hkv * NB, bs, D), vc.reshape(L * Hkv * NB, bs, D),
         mosaic_tile_metadata(md, T, nt), md.block_tables.reshape(-1),
         jnp.array([Hkv], jnp.int32), num_tiles=nt, NB=NB, P=md.block_tables.shape[1], Hkv=Hkv,
         block_kv=tuning["mosaic_block_k"], stages=tuning["mosaic_stages"], schedule=schedule,
-        interpret=True, **kw)
-  ref = ref_ragged_paged_attention(q, kc, vc, 1, md, **kw)
-  assert out.shape == q.shape and out.dtype == q.dtype
-  assert bool(jnp.all(jnp.isfinite(out.astype(jnp.float32))))
-  assert rel_err(out, ref, n) < 2e-3
-  assert bool(jnp.all(out[n:] == 0))      # padding tokens
+        interpret=True, sm_scale=sm_scale)
+  check_against_oracle(run, seqs, T, S, dtype=dtype, **shape)
 
 
 @needs_mosaic
@@ -75,9 +66,11 @@ def _check(seqs, T, S, *, num_heads, num_kv_heads, head_dim, block_size, dtype=j
     # a chunk at long context next to a fresh prompt starting off the 8-row grid; GQA 4, d 128
     dict(seqs=[(64, 600), (100, 100)], T=200, S=3, num_heads=8, num_kv_heads=2, head_dim=128,
          block_size=32, mosaic_block_k=128, mosaic_stages=2),
-    # MHA, one page per KV block, 3 pipeline stages, fp16
+    # MHA, one page per KV block, 3 pipeline stages, fp16; a CTA per (head, tile), not the
+    # default persistent grid
     dict(seqs=[(300, 300)], T=320, S=2, num_heads=2, num_kv_heads=2, head_dim=64,
-         block_size=64, mosaic_block_k=64, mosaic_stages=3, dtype=jnp.float16),
+         block_size=64, mosaic_block_k=64, mosaic_stages=3, dtype=jnp.float16,
+         mosaic_persistent=0),
     # the ping-pong schedule barrier (off by default), with a warpgroup that has no rows
     dict(seqs=[(40, 300), (150, 150)], T=200, S=2, num_heads=2, num_kv_heads=1, head_dim=64,
          block_size=16, mosaic_block_k=64, mosaic_stages=2, schedule=True),
