@@ -545,11 +545,11 @@ TUNE_CANDIDATES = {   # in priority order; {} = the current default
                           dict(block_k=64, num_stages=4)],
     # the decode launch takes the main launch's split_mask / pv_fp16 (plan_launches); the
     # second candidate was the decode defaults' values there
-    "mixed_60dec2048_1988pf": [{}, dict(mosaic_decode=True), *_MOSAIC, dict(split_mask=False, pv_fp16=False),
+    "mixed_60dec2048_1988pf": [{}, dict(mosaic=False, mosaic_decode=True), *_MOSAIC, dict(split_mask=False, pv_fp16=False),
                                dict(mixed_split=False),
                                dict(block_q=16, num_warps=4, num_stages=2, pv_fp16=False)],
     "mixed_60dec2048_448pf": [{}, dict(mosaic=True, mosaic_persistent=264),
-                              dict(mosaic_decode=True), *_MOSAIC, dict(split_mask=False), _OLD_LOOP, _F16,
+                              dict(mosaic=False, mosaic_decode=True), *_MOSAIC, dict(split_mask=False), _OLD_LOOP, _F16,
                               dict(mixed_split=True, pv_fp16=True)],
 }
 TUNE_QUICK_CANDIDATES = [{}, _OLD_LOOP, dict(_F16, block_k=32), dict(k_splits=2, block_q=4),

@@ -30,8 +30,9 @@ Why Triton first: the Triton lowering runs unchanged on jax 0.10.2 (CPU CI, inte
 0.11.2 (the H200), supports gathers through ref indexing (`ref[row_vec]`) which is exactly what
 a block table needs, and its CUDA lowering can be checked on a CPU (see `lowering.py`). On jax
 0.11, prefill and mixed buckets of 512+ tokens go through the Mosaic GPU kernel
-(attention_mgpu.py, FA3-style, persistent), which measured 1.2-1.9x faster there; decode stays
-here (the Mosaic decode kernel, attention_mgpu_decode.py, is opt-in: it measured 0-10% slower).
+(attention_mgpu.py, FA3-style, persistent), which measured 1.15-1.9x faster there; decode
+stays here (the Mosaic decode kernel, attention_mgpu_decode.py, is opt-in: it measured 0-11%
+slower).
 """
 from __future__ import annotations
 
@@ -92,7 +93,7 @@ class Tuning:
   # launch is Triton) through the Mosaic GPU decode kernel (attention_mgpu_decode.py: TMA
   # page copies in a warpgroup of their own), with mosaic_block_k / mosaic_stages of the
   # decode tuning (and mosaic_persistent), where eligible; else the Triton fields apply.
-  # Opt-in: on the H200 it measured 0-10% slower than the Triton decode launch.
+  # Opt-in: on the H200 it measured 0-11% slower than the Triton decode launch.
   mosaic_decode: bool = False
   mosaic_decode_wgs: int = 2    # compute warpgroups of the decode kernel (1 or 2)
 
@@ -174,7 +175,8 @@ def plan_launches(T: int, S: int, Hq: int, Hkv: int, D: int, block_size: int,
     return tun, None
   dtun = dataclasses.replace(default_tuning(S, S, Hq, Hkv, D, block_size, num_sms), k_splits=1,
                              pv_split=tun.pv_split, pv_fp16=tun.pv_fp16,
-                             split_mask=tun.split_mask, mosaic_decode=tun.mosaic_decode)
+                             split_mask=tun.split_mask, mosaic_decode=tun.mosaic_decode,
+                             mosaic_decode_wgs=tun.mosaic_decode_wgs)
   return tun, dtun
 
 
@@ -458,7 +460,8 @@ def ragged_paged_attention(q, k_cache, v_cache, layer, md: AttentionMetadata, *,
             and attention_mgpu.available()
             and mgpu_decode.decode_eligible(q.dtype, k_cache.dtype, Hq, Hkv, D, bs,
                                             t.mosaic_block_k, t.mosaic_stages,
-                                            t.mosaic_decode_wgs, sliding_window=sliding_window,
+                                            t.mosaic_decode_wgs, t.k_splits,
+                                            sliding_window=sliding_window,
                                             soft_cap=soft_cap, k_scale=k_scale,
                                             v_scale=v_scale))
 

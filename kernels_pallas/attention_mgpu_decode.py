@@ -1,6 +1,6 @@
 """Decode tiles of ragged paged attention as a Mosaic GPU kernel (Hopper: TMA, wgmma).
 
-Opt-in (`Tuning.mosaic_decode`): on the H200 it measured 0-10% slower than the Triton decode
+Opt-in (`Tuning.mosaic_decode`): on the H200 it measured 0-11% slower than the Triton decode
 launch (benchmarks/results/gpu_2026-11-30g/), which stays the default.
 
 Decode reads every KV byte once and does little math on it, so the kernel is built to keep
@@ -44,7 +44,8 @@ from jax import lax
 LOG2E = 1.4426950408889634
 MASK_VALUE = -1e30
 M = 64                # wgmma's M: query rows per CTA
-LSE_COLS = 8          # the log2-sum-exp of a row, repeated (a TMA row needs >= 16 bytes)
+LSE_COLS = 32         # the log2-sum-exp of a row, repeated: 128-byte rows keep every TMA
+                      # store's shared-memory source aligned, whatever the row offset
 
 
 def rows_per_token(Hq: int, Hkv: int) -> int:
@@ -59,15 +60,30 @@ def decode_block_q(Hq: int, Hkv: int) -> int:
   return max(1, M // rows_per_token(Hq, Hkv))
 
 
+def smem_bytes(D: int, block_kv: int, stages: int, compute_wgs: int, split: bool,
+               itemsize: int = 2) -> int:
+  """Shared memory the kernel allocates (the buffers of `entry`)."""
+  kv = 2 * stages * block_kv * D * itemsize
+  q = 2 * M * D * itemsize
+  out = (8 * D * 4 if compute_wgs == 2 else M * D * 4) if split else M * D * itemsize
+  hand_over = (M * D + 2 * M) * 4 if compute_wgs == 2 else 0
+  return kv + q + out + M * LSE_COLS * 4 + hand_over
+
+
+SMEM_LIMIT = 227 * 1024 - 1024   # Hopper's per-block limit, less room for the barriers
+
+
 def decode_eligible(q_dtype, kv_dtype, Hq: int, Hkv: int, D: int, block_size: int,
-                    block_kv: int, stages: int, compute_wgs: int, *, sliding_window=None,
-                    soft_cap=None, k_scale=None, v_scale=None) -> bool:
+                    block_kv: int, stages: int, compute_wgs: int, k_splits: int = 1, *,
+                    sliding_window=None, soft_cap=None, k_scale=None,
+                    v_scale=None) -> bool:
   """Whether this kernel can serve a decode launch (else the Triton kernel does)."""
   half = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
   return (jnp.dtype(q_dtype) in half and jnp.dtype(kv_dtype) == jnp.dtype(q_dtype)
           and D % 64 == 0 and block_size % 8 == 0 and block_kv % block_size == 0
           and block_kv % 64 == 0 and rows_per_token(Hq, Hkv) <= M
           and compute_wgs in (1, 2) and stages % compute_wgs == 0
+          and smem_bytes(D, block_kv, stages, compute_wgs, k_splits > 1) <= SMEM_LIMIT
           and sliding_window is None and soft_cap is None and k_scale is None
           and v_scale is None)
 
@@ -90,8 +106,9 @@ def combine_splits(o_part, lse_part, k_splits: int, dtype):
 def mosaic_decode_attention(q2, k_flat, v_flat, meta, bt_flat, kv_base, *, num_tiles, NB, P,
                             Hq, Hkv, sm_scale, block_kv=64, stages=4, k_splits=1,
                             compute_wgs=2, persistent=0, interpret=False):
-  """Attention of the tiles in `meta` ([num_tiles, 8] from attention.tile_metadata with
-  block_q = decode_block_q(Hq, Hkv): seq, first token, tokens, first position, kv_len).
+  """Attention of the tiles in `meta` ([num_tiles, 8] from attention.tile_metadata or
+  decode_tile_metadata with block_q = decode_block_q(Hq, Hkv): seq, first token, tokens,
+  first position, kv_len).
 
   q2 [T * Hq, D] (token-major, heads inner); k_flat / v_flat [L * Hkv * NB, block_size, D]
   (one row per page); bt_flat [S * P]; kv_base [1] int32 = layer * Hkv.
@@ -173,7 +190,11 @@ def mosaic_decode_attention(q2, k_flat, v_flat, meta, bt_flat, kv_base, *, num_t
       def compute_item(k_item, w, g):
         h, sp, seq, q_len, pos0, kv_len, b0, n_steps, row0 = item_fields(w)
         qb = lax.rem(k_item, 2)
-        for t in range(block_q):
+        # Token 0's barrier completes for every item, with or without queries: an item without
+        # them must still wait for the copy warpgroup, or the compute warpgroups could run two
+        # items ahead on q_free, whose waits only see a phase's parity (a hang).
+        plgpu.barrier_wait(q_full.at[qb * block_q])
+        for t in range(1, block_q):
           pl.when(t < q_len)(functools.partial(plgpu.barrier_wait, q_full.at[qb * block_q + t]))
         m_i = plgpu.layout_cast(jnp.full((M,), MASK_VALUE, jnp.float32), row_layout)
         l_i = plgpu.layout_cast(jnp.full((M,), 0.0, jnp.float32), row_layout)
@@ -324,6 +345,10 @@ def mosaic_decode_attention(q2, k_flat, v_flat, meta, bt_flat, kv_base, *, num_t
             plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(pl.multiple_of(base, 8), W)],
                                     q_smem.at[qb, pl.ds(t * W, W)],
                                     q_full.at[qb * block_q + t])
+
+        @pl.when(q_len == 0)
+        def _():                         # nothing to load: release the compute warpgroups
+          plgpu.barrier_arrive(q_full.at[qb * block_q])
 
         def page_ids(blk):               # (the index is clamped: a block past the end is safe)
           return [jnp.clip(bt_ref[seq * P + jnp.minimum(blk * ppb + c, P - 1)], 0, NB - 1)

@@ -1,11 +1,14 @@
 """The Mosaic GPU decode kernel (attention_mgpu_decode.py) against the oracle, in GPU interpret
 mode, and its CUDA lowering. Both need jax >= 0.11 (CI's second venv); the row-layout test runs
 everywhere."""
+from unittest import mock
+
 import numpy as np
 import jax.numpy as jnp
 import pytest
 
 from kernels_pallas import attention_mgpu, ragged_paged_attention
+from kernels_pallas import attention_mgpu_decode as mgpu_decode
 from kernels_pallas.attention_mgpu_decode import decode_block_q, rows_per_token
 from kernels_pallas.testing import check_against_oracle, make_batch
 
@@ -28,7 +31,11 @@ def _check(seqs, T, S, *, dtype=jnp.bfloat16, **kw):
   shape = {k: kw.pop(k) for k in ("num_heads", "num_kv_heads", "head_dim", "block_size")}
   run = lambda q, kc, vc, md, sm_scale: ragged_paged_attention(
       q, kc, vc, jnp.int32(1), md, sm_scale=sm_scale, interpret=True, mosaic_decode=True, **kw)
-  check_against_oracle(run, seqs, T, S, dtype=dtype, **shape)
+  # The call must go through the Mosaic decode kernel (not fall back to Triton unnoticed).
+  with mock.patch.object(mgpu_decode, "mosaic_decode_attention",
+                         wraps=mgpu_decode.mosaic_decode_attention) as kernel:
+    check_against_oracle(run, seqs, T, S, dtype=dtype, **shape)
+  assert kernel.call_count == 1
 
 
 @needs_mosaic
@@ -46,6 +53,11 @@ def _check(seqs, T, S, *, dtype=jnp.bfloat16, **kw):
     dict(seqs=[(1, 300), (3, 130), (1, 20), (2, 900)], T=8, S=5, num_heads=4, num_kv_heads=4,
          head_dim=64, block_size=16, mosaic_block_k=64, mosaic_stages=4, mosaic_persistent=3,
          k_splits=1, dtype=jnp.float16),
+    # a bucket mostly empty: 3 decodes in (16, 16), so most items have no queries at all
+    # (they must still wait for the copy warpgroup, or the persistent loop could hang)
+    dict(seqs=[(1, 200), (1, 90), (1, 33)], T=16, S=16, num_heads=8, num_kv_heads=2,
+         head_dim=64, block_size=16, mosaic_block_k=64, mosaic_stages=2, mosaic_persistent=2,
+         k_splits=1),
     # persistent + split-K with two compute warpgroups: the fp32 partials leave through the
     # hand-over buffer
     dict(seqs=[(1, 700), (1, 260)], T=4, S=2, num_heads=8, num_kv_heads=2, head_dim=64,
@@ -65,7 +77,8 @@ def test_mosaic_decode_launch_of_a_mixed_batch():
 
 
 @needs_mosaic
-@pytest.mark.timeout(300, method="thread")   # a hang fails the test, not CI
+# A hang ends the run with a stack dump after 5 minutes, instead of stalling CI for 90.
+@pytest.mark.timeout(300, method="thread")
 def test_inconsistent_metadata_does_not_hang():
   """kv_len below the query count must not leave a warpgroup waiting for blocks nobody loads."""
   b = make_batch(np.random.default_rng(3), [(2, 300), (1, 40)], T=3, S=2, num_heads=8,
@@ -101,4 +114,4 @@ def test_ineligible_decode_falls_back_to_triton(extra):
   from kernels_pallas.lowering import check_cuda_lowering
   text = check_cuda_lowering(T=64, S=64, P=128, num_heads=32, num_kv_heads=8, head_dim=128,
                              mosaic_decode=True, **extra)
-  assert "triton" in text and "mosaic_gpu" not in text
+  assert "ragged_paged_attention_q" in text and "mosaic_gpu" not in text   # the Triton kernel
