@@ -29,7 +29,7 @@ import jax.numpy as jnp
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from kernels_pallas import (AttentionMetadata, ragged_paged_attention,  # noqa: E402
                             ref_ragged_paged_attention, ref_write_kv, write_kv)
-from kernels_pallas.attention import default_tuning, plan_launches  # noqa: E402
+from kernels_pallas.tuning import default_tuning, plan_launches  # noqa: E402
 from kernels_pallas.testing import make_batch, rel_err  # noqa: E402
 
 HQ, HKV, D, BS = 32, 8, 128, 16
@@ -456,7 +456,7 @@ def main():
 # ---------------------------------------------------------------------------------------------
 # --tune: the current default vs candidate tunings / kernel variants, per shape.
 #
-# Each candidate is a dict of Tuning overrides (kernels_pallas.attention.Tuning fields) on top of
+# Each candidate is a dict of Tuning overrides (kernels_pallas.tuning.Tuning fields) on top of
 # default_tuning(shape); rows report the fully resolved Tuning, so a winner maps 1:1 onto
 # default_tuning. Every candidate is compiled ONCE: a jitted fori_loop of `iters` calls whose
 # last output is checked against the oracle (bf16 rel. error < 2e-3) and whose wall time / iters
@@ -557,14 +557,19 @@ TUNE_QUICK_CANDIDATES = [{}, _OLD_LOOP, dict(_F16, block_k=32), dict(k_splits=2,
 
 
 def _loop_fn(tun, iters):
-  """One jit: `iters` chained calls (q carries a zero dependency); returns the last output."""
+  """ragged_paged_attention with the tuning overrides `tun`, as chained_calls."""
   f = functools.partial(ragged_paged_attention, sm_scale=D ** -0.5, interpret=INTERP, **tun)
+  return chained_calls(lambda q, kc, vc, md: f(q, kc, vc, jnp.int32(0), md), iters)
 
+
+def chained_calls(one, iters):
+  """One jit: `iters` chained calls of one(q, kc, vc, md) (q carries a zero dependency, so
+  nothing is hoisted); returns the last output."""
   @jax.jit
   def many(q, kc, vc, md):
     def body(i, c):
       q, _ = c
-      o = f(q, kc, vc, jnp.int32(0), md)
+      o = one(q, kc, vc, md)
       return q.at[0, 0, 0].add((o[0, 0, 0] * 0).astype(q.dtype)), o
     return jax.lax.fori_loop(0, iters, body, (q, jnp.zeros_like(q)))[1]
   return many

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.kernels import BS, D, attn_flops, build, time_loop
+from benchmarks.kernels import BS, D, attn_flops, build, chained_calls, time_loop
 from kernels_pallas import attention_mgpu, ragged_paged_attention, ref_ragged_paged_attention
 from kernels_pallas.testing import rel_err
 
@@ -44,15 +44,7 @@ def variant_fn(var, T, S, NB, P):
         q, kc.reshape(-1, BS, D), vc.reshape(-1, BS, D), meta, md.block_tables.reshape(-1),
         jnp.zeros((1,), jnp.int32), num_tiles=nt, NB=NB, P=P, Hkv=kc.shape[1],
         sm_scale=D ** -0.5, **var)
-
-  @jax.jit
-  def many(q, kc, vc, md):
-    def body(i, c):
-      q, _ = c
-      o = one(q, kc, vc, md)
-      return q.at[0, 0, 0].add((o[0, 0, 0] * 0).astype(q.dtype)), o
-    return jax.lax.fori_loop(0, 20, body, (q, jnp.zeros_like(q)))[1]
-  return many
+  return chained_calls(one, 20)
 
 
 def main(argv=None):

@@ -125,7 +125,7 @@ def mosaic_prefill_attention(q, k_flat, v_flat, meta, bt_flat, kv_base, *, num_t
   [S * P] block tables; kv_base [1] int32 = layer * Hkv (first (layer, head) page group).
   persistent=N > 0: N CTAs loop over the valid tiles' (head, tile) items instead of a CTA per
   item of every tile the bucket could need (empty ones included). The default is 2 x SMs
-  (attention.default_tuning): an engine bucket (8192, 256) holding 8 x 1,000 tokens took
+  (tuning.default_tuning): an engine bucket (8192, 256) holding 8 x 1,000 tokens took
   308 us with it, 477 us with a CTA per tile.
   """
   import jax.experimental.pallas as pl

@@ -16,7 +16,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from kernels_pallas.attention import _row_index, next_pow2
+from kernels_pallas.attention import _row_index
+from kernels_pallas.tuning import next_pow2
 
 
 def _write_kernel(slot_ref, scal_ref, fscal_ref, k_ref, v_ref, kc_in, vc_in, kc_out, vc_out, *,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-from kernels_pallas.attention import tile_metadata
+from kernels_pallas.attention import tile_count, tile_metadata
 from kernels_pallas.metadata import AttentionMetadata
 
 _HI = lax.Precision.HIGHEST
@@ -26,7 +26,7 @@ def xla_ragged_paged_attention(q, k_cache, v_cache, layer, md: AttentionMetadata
   S, P = md.block_tables.shape
   if block_q is None:   # decode-shaped buckets hold one token per sequence: tiles of one
     block_q = 1 if T <= 2 * S else 16
-  NT = min(T, -(-(T + S * (block_q - 1)) // block_q))      # enough tiles for any ragged batch
+  NT = tile_count(T, S, block_q)      # enough tiles for any ragged batch
   meta = tile_metadata(md, T, block_q, NT)
   seq, q_start, q_len, pos0, kv_len = (meta[:, i] for i in range(5))
   i = jnp.arange(block_q, dtype=jnp.int32)

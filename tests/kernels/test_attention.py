@@ -154,12 +154,12 @@ def test_pv_fp16_bf16(kv_dtype):
 def test_padding_tiles_cover_all_tokens():
   """Every output row is written by the kernel: padding tokens (past the live sequences,
   including a bucket with num_seqs = 0) come out as exact zeros, with NaN in the q padding."""
-  from kernels_pallas.attention import tile_metadata
+  from kernels_pallas.attention import tile_count, tile_metadata
   rng = np.random.default_rng()
   for seqs, T, S, bq in [([(5, 9), (1, 3)], 40, 6, 4), ([(3, 3)] * 4, 12, 4, 8),
                          ([(1, 4)], 7, 3, 1)]:
     b = make_batch(rng, seqs, T=T, S=S)
-    n_tiles = max(1, min(T, -(-(T + S * (bq - 1)) // bq)))
+    n_tiles = tile_count(T, S, bq)
     meta = np.asarray(tile_metadata(b["md"], T, bq, n_tiles, pad_tiles=True))
     covered = np.zeros(T, int)
     for _, q0, ql, *_ in meta:

@@ -134,7 +134,7 @@ def test_mosaic_default_buckets():
   """Prefill and mixed buckets of 512+ tokens take the Mosaic kernel with a persistent grid
   (where jax has it), whatever their sequence slots; shorter buckets and decode buckets stay
   on Triton, and the decode kernel is opt-in."""
-  from kernels_pallas.attention import default_tuning
+  from kernels_pallas.tuning import default_tuning
   has = attention_mgpu.available()
   tun = lambda T, S: default_tuning(T, S, 32, 8, 128, 16)
   for T, S in [(8192, 1), (8192, 256), (2048, 64), (512, 1), (512, 64)]:

@@ -56,7 +56,7 @@ def _engine_kernel_configs():
   """One (T, S) bucket per distinct set of kernel launches the engine compiles at Llama-3.1-8B
   shapes: for the GPU benchmark's buckets and for the buckets derived by default."""
   from benchmarks.gpu_bench import FULL
-  from kernels_pallas.attention import plan_launches
+  from kernels_pallas.tuning import plan_launches
   from paxengine.batch import bucket_pairs, seq_buckets, token_buckets
   e = FULL["engine"]
   bucket_sets = [(e["token_buckets"], e["seq_buckets"]),
