@@ -28,7 +28,8 @@ import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from kernels_pallas import (AttentionMetadata, ragged_paged_attention,  # noqa: E402
-                            ref_ragged_paged_attention, ref_write_kv, write_kv)
+                            ref_ragged_paged_attention, ref_write_kv, value_cache_dtype,
+                            write_kv)
 from kernels_pallas.tuning import default_tuning, plan_launches  # noqa: E402
 from kernels_pallas.testing import make_batch, rel_err  # noqa: E402
 
@@ -94,8 +95,9 @@ def copy_bandwidth():
   return 2 * n * 2 / t                                 # read + write bytes
 
 
-def build(seqs, T, S, key, num_blocks=None, kv_dtype=DT):
-  """Device-side random caches (fast for GBs) + host-built metadata with permuted blocks."""
+def build(seqs, T, S, key, num_blocks=None, kv_dtype=DT, v_dtype=None):
+  """Device-side random caches (fast for GBs) + host-built metadata with permuted blocks.
+  V pages take the engine's dtype (value_cache_dtype: fp16 under bf16) unless v_dtype says."""
   rng = np.random.default_rng(int(key))
   pages = [-(-kv // BS) for _, kv in seqs]
   P = max(pages)
@@ -116,7 +118,7 @@ def build(seqs, T, S, key, num_blocks=None, kv_dtype=DT):
   k1, k2, k3 = jax.random.split(jax.random.key(int(key)), 3)
   shape = (1, HKV, NB, BS, D)
   kc = jax.random.normal(k1, shape, jnp.float32).astype(kv_dtype)
-  vc = jax.random.normal(k2, shape, jnp.float32).astype(kv_dtype)
+  vc = jax.random.normal(k2, shape, jnp.float32).astype(v_dtype or value_cache_dtype(kv_dtype))
   q = jax.random.normal(k3, (T, HQ, D), jnp.float32).astype(DT)
   return q, kc, vc, md
 
@@ -235,7 +237,7 @@ def bench_write(T, L=4, NB=8192):
   """write_kv (Pallas, aliased) vs XLA scatter, in a jitted loop carrying donated caches."""
   shape = (L, HKV, NB, BS, D)
   kc = jnp.zeros(shape, DT) + 1
-  vc = jnp.zeros(shape, DT) + 1
+  vc = jnp.zeros(shape, value_cache_dtype(DT)) + 1
   k = jax.random.normal(jax.random.key(1), (T, HKV, D), jnp.float32).astype(DT)
   v = k * 2
   slots = jnp.asarray(np.random.default_rng(0).permutation(NB * BS)[:T].astype(np.int32))
@@ -315,6 +317,7 @@ def main():
     key += 1
     seqs = [(1, ctx)] * B
     q, kc, vc, md = build(seqs, B, B, key)
+    vc_bf16 = vc.astype(DT)          # the baselines' V pages: bf16, as their engines keep them
     P = md.block_tables.shape[1]
     byts = kv_bytes(seqs)
     row = dict(name=name, kind="decode", B=B, ctx=ctx, kv_bytes=byts)
@@ -351,7 +354,7 @@ def main():
         continue
       try:
         t = timeit(upstream_fn(B, P, pages_per_compute_block=ppcb, k_splits=ks, num_warps=w,
-                               num_stages=st), q, kc, vc, md)
+                               num_stages=st), q, kc, vc_bf16, md)
         ups.append((t, dict(pages_per_compute_block=ppcb, k_splits=ks, num_warps=w,
                             num_stages=st)))
       except Exception as e:
@@ -362,7 +365,7 @@ def main():
     # XLA gather + dot_product_attention
     if B * ctx <= 64 * 8192:
       try:
-        t_x = timeit(xla_fn(B, P), q, kc, vc, md, iters=10, reps=3)
+        t_x = timeit(xla_fn(B, P), q, kc, vc_bf16, md, iters=10, reps=3)
         row.update(xla_us=t_x * 1e6, xla_TBps=byts / t_x / 1e12)
       except Exception as e:
         log("  xla failed", type(e).__name__, str(e)[:120])
@@ -419,7 +422,7 @@ def main():
           mask = jnp.arange(kv)[None] <= (kv - T + jnp.arange(T))[:, None]
           return jax.nn.dot_product_attention(q[None], k[None], v[None], mask=mask[None, None],
                                               scale=D ** -0.5, implementation="xla")[0]
-        t_x = timeit(jax.jit(xf), q, kc, vc, md, iters=10, reps=3)
+        t_x = timeit(jax.jit(xf), q, kc, vc.astype(DT), md, iters=10, reps=3)
         row.update(xla_us=t_x * 1e6, xla_TFLOPs=fl / t_x / 1e12)
       except Exception as e:
         log("  xla failed", type(e).__name__, str(e)[:160])
@@ -495,7 +498,10 @@ _F16 = dict(pv_fp16=True)
 # default) or a CTA per (head, tile), N CTAs; KV block and pipeline depth; Triton
 _MOSAIC = [dict(mosaic=True, mosaic_persistent=0), dict(mosaic=True, mosaic_persistent=132),
            dict(mosaic=True, mosaic_persistent=264, mosaic_block_k=64, mosaic_stages=3),
-           dict(mosaic=True, mosaic_persistent=396), dict(mosaic=False)]
+           dict(mosaic=True, mosaic_persistent=396), dict(mosaic=False),
+           dict(mosaic=True, mosaic_persistent=264, mosaic_schedule=True),
+           dict(mosaic=True, mosaic_persistent=264, mosaic_schedule=False),
+           dict(mosaic=True, mosaic_persistent=396, mosaic_schedule=True)]
 # the Mosaic GPU decode kernel (attention_mgpu_decode.py): KV block x pipeline depth, a CTA
 # per item or persistent, two compute warpgroups or one; Triton
 _MDEC = [dict(mosaic_decode=True, mosaic_block_k=128, mosaic_stages=2),

@@ -47,6 +47,7 @@ from jax.experimental.pallas import triton as plt
 from kernels_pallas import attention_mgpu
 from kernels_pallas import attention_mgpu_decode as mgpu_decode
 from kernels_pallas.metadata import AttentionMetadata, count_le, live_query_lens
+from kernels_pallas.reference import quantize_kv
 from kernels_pallas.tuning import is_decode_bucket, next_pow2, plan_launches
 
 LOG2E = 1.4426950408889634
@@ -169,8 +170,18 @@ def _rpa_kernel(meta_ref, bt_ref, scal_ref, fscal_ref, q_ref, k_ref, v_ref, *out
 
   scale = sm_scale * k_scale
   precision = lax.Precision.HIGHEST if compute_dtype == jnp.float32 else None
-  fp16_pv = pv_fp16 and compute_dtype != jnp.float32
-  kv_is_compute = k_ref.dtype == compute_dtype
+  # The PV product's operand dtype: fp16 when asked for (pv_fp16) or when the V pages are fp16
+  # already (bf16 models' caches, reference.value_cache_dtype): P then keeps 11 significant
+  # bits in one dot, with no conversion of V.
+  if compute_dtype == jnp.float32:
+    pv_dtype = jnp.float32
+  elif pv_fp16 or v_ref.dtype == jnp.float16:
+    pv_dtype = jnp.float16
+  else:
+    pv_dtype = compute_dtype
+  pv_two_parts = pv_split and not pv_fp16 and pv_dtype != jnp.float32
+  k_is_compute = k_ref.dtype == compute_dtype
+  v_is_fp8 = v_ref.dtype.itemsize == 1
 
   def body(b, carry, masked):
     acc, m_prev, l_prev = carry
@@ -178,18 +189,18 @@ def _rpa_kernel(meta_ref, bt_ref, scal_ref, fscal_ref, q_ref, k_ref, v_ref, *out
     page = bt_ref[seq * P + jnp.minimum(kv // bs, P - 1)]
     rows = (head_base + page) * bs + kv % bs
     k = k_ref[rows]                                               # [block_k, D]
-    if not kv_is_compute:
+    if not k_is_compute:
       k = k.astype(compute_dtype)
     if masked:
       # V rows past kv_len may hold anything (NaN bit patterns too): load zeros there, since
       # p == 0 would still give 0 * NaN = NaN in the PV product.
       # (fp8: the Triton lowering cannot make an fp8 `other`, so zero after the upcast.)
       kv_ok = kv < kv_len
-      if kv_is_compute:
+      if v_is_fp8:
+        v = jnp.where(kv_ok[:, None], v_ref[rows].astype(compute_dtype), 0)
+      else:
         v = plt.load(v_ref.at[_row_index(rows, D)],
                      mask=jnp.broadcast_to(kv_ok[:, None], (block_k, D)), other=0.0)
-      else:
-        v = jnp.where(kv_ok[:, None], v_ref[rows].astype(compute_dtype), 0)
     else:
       v = v_ref[rows]
     s = jnp.dot(q, k.T, preferred_element_type=jnp.float32, precision=precision)
@@ -206,23 +217,18 @@ def _rpa_kernel(meta_ref, bt_ref, scal_ref, fscal_ref, q_ref, k_ref, v_ref, *out
     alpha = jnp.exp2(m_prev - m_new)
     p = jnp.exp2(s - m_new[:, None])
     l_new = l_prev * alpha + jnp.sum(p, axis=1)
-    if fp16_pv:
-      # fp16 has 11 significant bits (bf16: 8): P's rounding error drops 8x in one dot. V is
-      # clamped first (bf16 +-65280 is exact in fp16) so an outlier cannot become inf.
-      if v.dtype == jnp.bfloat16:
-        v = jnp.clip(v, -65280.0, 65280.0)
-      pv = jnp.dot(p.astype(jnp.float16), v.astype(jnp.float16),
-                   preferred_element_type=jnp.float32)
-    else:
-      if not kv_is_compute:
-        v = v.astype(compute_dtype)
-      p_hi = p.astype(compute_dtype)
-      pv = jnp.dot(p_hi, v, preferred_element_type=jnp.float32, precision=precision)
-      if pv_split and compute_dtype != jnp.float32:
-        # P = hi + lo in two 16-bit parts: the PV product keeps ~16 mantissa bits of P instead
-        # of 8 (a bf16 P alone costs ~1e-3 relative error on averaged, cancelling V rows).
-        p_lo = (p - p_hi.astype(jnp.float32)).astype(compute_dtype)
-        pv += jnp.dot(p_lo, v, preferred_element_type=jnp.float32)
+    if v.dtype != pv_dtype:
+      # (fp16 has 11 significant bits, bf16 8: P's rounding error drops 8x in one dot. A bf16
+      # V is clamped first, so an outlier cannot become inf.)
+      v = quantize_kv(v, pv_dtype)
+    p_hi = p.astype(pv_dtype)
+    pv = jnp.dot(p_hi, v, preferred_element_type=jnp.float32, precision=precision)
+    if pv_two_parts:
+      # P = hi + lo in two 16-bit parts: the PV product keeps ~16 (bf16) or ~22 (fp16)
+      # mantissa bits of P (a bf16 P alone costs ~1e-3 relative error on averaged, cancelling
+      # V rows).
+      p_lo = (p - p_hi.astype(jnp.float32)).astype(pv_dtype)
+      pv += jnp.dot(p_lo, v, preferred_element_type=jnp.float32)
     acc = acc * alpha[:, None] + pv
     return acc, m_new, l_new
 
@@ -270,6 +276,7 @@ def ragged_paged_attention(q, k_cache, v_cache, layer, md: AttentionMetadata, *,
                            num_warps=None, num_stages=None, pv_split=None, split_mask=None,
                            reverse_tiles=None, pv_fp16=None, mixed_split=None, mosaic=None,
                            mosaic_block_k=None, mosaic_stages=None, mosaic_persistent=None,
+                           mosaic_schedule=None,
                            mosaic_decode=None, mosaic_decode_wgs=None, num_sms=132):
   """Pallas ragged paged attention. q [T, Hq, D]; caches [L, Hkv, NB, bs, D] -> [T, Hq, D].
 
@@ -280,6 +287,9 @@ def ragged_paged_attention(q, k_cache, v_cache, layer, md: AttentionMetadata, *,
   T, Hq, D = q.shape
   L, Hkv, NB, bs, Dk = k_cache.shape
   assert Dk == D and v_cache.shape == k_cache.shape and Hq % Hkv == 0
+  # V pages may be fp16 under bf16 K pages (reference.value_cache_dtype), never another mix.
+  assert v_cache.dtype == k_cache.dtype or v_cache.dtype == jnp.float16, (k_cache.dtype,
+                                                                          v_cache.dtype)
   S, P = md.block_tables.shape
   G = Hq // Hkv
   G_pad = next_pow2(G)
@@ -289,7 +299,8 @@ def ragged_paged_attention(q, k_cache, v_cache, layer, md: AttentionMetadata, *,
                             reverse_tiles=reverse_tiles, pv_fp16=pv_fp16,
                             mixed_split=mixed_split, mosaic=mosaic,
                             mosaic_block_k=mosaic_block_k, mosaic_stages=mosaic_stages,
-                            mosaic_persistent=mosaic_persistent, mosaic_decode=mosaic_decode,
+                            mosaic_persistent=mosaic_persistent,
+                            mosaic_schedule=mosaic_schedule, mosaic_decode=mosaic_decode,
                             mosaic_decode_wgs=mosaic_decode_wgs)
   num_tiles = tile_count(T, S, tun.block_q)
 
@@ -337,7 +348,8 @@ def ragged_paged_attention(q, k_cache, v_cache, layer, md: AttentionMetadata, *,
   def decode_by_mosaic(t):
     return (t.mosaic_decode and (mosaic_decode or not interpret)
             and attention_mgpu.available()
-            and mgpu_decode.decode_eligible(q.dtype, k_cache.dtype, Hq, Hkv, D, bs,
+            and mgpu_decode.decode_eligible(q.dtype, k_cache.dtype, v_cache.dtype, Hq, Hkv, D,
+                                            bs,
                                             t.mosaic_block_k, t.mosaic_stages,
                                             t.mosaic_decode_wgs, t.k_splits,
                                             sliding_window=sliding_window,
@@ -349,7 +361,8 @@ def ragged_paged_attention(q, k_cache, v_cache, layer, md: AttentionMetadata, *,
     return _mosaic_decode_launch(*mosaic_decode_args, tun, per_slot=False,
                                  sm_scale=sm_scale, interpret=interpret).reshape(T, Hq, D)
   if (tun.mosaic and (mosaic or not interpret) and tun.k_splits == 1
-      and attention_mgpu.mosaic_eligible(q.dtype, k_cache.dtype, D, bs, tun.mosaic_block_k,
+      and attention_mgpu.mosaic_eligible(q.dtype, k_cache.dtype, v_cache.dtype, D, bs,
+                                         tun.mosaic_block_k,
                                          sliding_window=sliding_window, soft_cap=soft_cap,
                                          k_scale=k_scale, v_scale=v_scale)):
     return _mosaic_main_launch(q, k_cache, v_cache, md, scal, bt_flat, tun, dtun, launch,
@@ -395,6 +408,7 @@ def _mosaic_main_launch(q, k_cache, v_cache, md, scal, bt_flat, tun, dtun, launc
       q, k_cache.reshape(L * Hkv * NB, bs, D), v_cache.reshape(L * Hkv * NB, bs, D), meta,
       bt_flat, scal, num_tiles=nt, NB=NB, P=P, Hkv=Hkv, sm_scale=sm_scale,
       block_kv=tun.mosaic_block_k, stages=tun.mosaic_stages, persistent=tun.mosaic_persistent,
+      schedule=tun.mosaic_schedule,
       interpret=interpret)
   if dtun is not None:
     out = launch(dtun, decode_tile_metadata(md, dtun.block_q), S,

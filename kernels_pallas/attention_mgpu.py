@@ -14,12 +14,14 @@ pages and to a ragged flat batch:
   page of the cache (the block table is read from global memory, one scalar per page), all
   arriving on one barrier per pipeline slot. Slots are released by both compute warpgroups.
 * Precision: P goes into the PV product in fp16 (a bf16 P misses the 2e-3 bar on random
-  data: 1.9-2.3e-3 measured), so V must be fp16 too. V is copied as raw 16-bit words and the
-  convert warpgroup rewrites each block in place as it lands (clamped to +-65280, rows at or
-  past kv_len zeroed: stale or never-written slots may hold NaN bit patterns, and P = 0 would
-  still give 0 * NaN). Measured on the H200, the conversion costs ~12% (8,192 tokens: 1307 vs
-  1147 us without it); a separate warpgroup keeps it off the copies' critical path (the
-  copy warpgroup doing it too cost another 10-20%).
+  data: 1.9-2.3e-3 measured), so V must be fp16 too. The engine's bf16 caches store V pages
+  as fp16 (reference.value_cache_dtype), so they need no conversion. bf16 V pages (other
+  callers) are copied as raw 16-bit words and the convert warpgroup rewrites each block in
+  place as it lands (clamped to +-65280); measured on the H200 the conversion costs ~12%
+  (8,192 tokens: 1307 vs 1147 us without it). Either way the block reaching past kv_len has
+  its rows there zeroed (stale or never-written slots may hold NaN bit patterns, and P = 0
+  would still give 0 * NaN); a separate warpgroup keeps this off the copies' critical path
+  (the copy warpgroup converting cost another 10-20%).
 * Compute warpgroups: S = Q K^T with wgmma (Q and K in SMEM), online softmax in registers
   (exp2 domain), O += P V with P from registers. Blocks below the warpgroup's first own query
   position need no mask; the others mask by position and kv_len. `schedule=True` staggers the
@@ -60,11 +62,12 @@ def available() -> bool:
                                          "copy_gmem_to_smem", "set_max_registers"))
 
 
-def mosaic_eligible(q_dtype, kv_dtype, D: int, block_size: int, block_kv: int, *,
+def mosaic_eligible(q_dtype, k_dtype, v_dtype, D: int, block_size: int, block_kv: int, *,
                     sliding_window=None, soft_cap=None, k_scale=None, v_scale=None) -> bool:
   """Whether this kernel can serve a call (else the Triton kernel does)."""
   half = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-  return (available() and jnp.dtype(q_dtype) in half and jnp.dtype(kv_dtype) == jnp.dtype(q_dtype)
+  return (available() and jnp.dtype(q_dtype) in half and jnp.dtype(k_dtype) == jnp.dtype(q_dtype)
+          and jnp.dtype(v_dtype) in (jnp.dtype(q_dtype), jnp.dtype(jnp.float16))
           and D % 64 == 0 and block_size % 8 == 0 and block_kv % block_size == 0
           and block_kv % 64 == 0
           and sliding_window is None and soft_cap is None and k_scale is None
@@ -114,10 +117,11 @@ def mosaic_num_tiles(T: int, S: int) -> int:
 # call and ~0.75 MB of MLIR: unrolled 32 times it stalled the engine's start-up).
 @functools.partial(jax.jit, static_argnames=(
     "num_tiles", "NB", "P", "Hkv", "sm_scale", "block_kv", "stages", "compute_regs",
-    "copy_regs", "schedule", "persistent", "interpret"))
+    "copy_regs", "schedule", "persistent", "relay_v", "interpret"))
 def mosaic_prefill_attention(q, k_flat, v_flat, meta, bt_flat, kv_base, *, num_tiles, NB, P,
                              Hkv, sm_scale, block_kv=128, stages=2, compute_regs=208,
-                             copy_regs=40, schedule=False, persistent=0, interpret=False):
+                             copy_regs=40, schedule=False, persistent=0, relay_v=False,
+                             interpret=False):
   """Attention rows of the tiles in `meta` ([num_tiles, 8] from mosaic_tile_metadata)
   -> [T, Hq, D]; rows of no tile are left unwritten.
 
@@ -141,8 +145,14 @@ def mosaic_prefill_attention(q, k_flat, v_flat, meta, bt_flat, kv_base, *, num_t
   # Registers: 64K per SM over 4 warpgroups; the converter gets what the others leave.
   convert_regs = 512 - 2 * compute_regs - copy_regs
   persistent = min(persistent, Hq * num_tiles)   # no CTA that could never get an item
-  # V goes into SMEM as fp16-typed words (a free bitcast); a warpgroup converts it.
-  v_words = v_flat if dtype == jnp.float16 else lax.bitcast_convert_type(v_flat, jnp.float16)
+  # V goes into SMEM as fp16-typed words (a free bitcast); bf16 pages are converted there by
+  # a warpgroup (the engine's bf16 caches hold fp16 V pages: reference.value_cache_dtype).
+  v_convert = v_flat.dtype != jnp.float16
+  v_words = lax.bitcast_convert_type(v_flat, jnp.float16) if v_convert else v_flat
+  # fp16 pages: the compute warpgroups take V blocks as they land (v_full); only a block
+  # reaching past kv_len waits for the convert warpgroup to zero its rows there (v_ready).
+  # relay_v=True: every block goes through the convert warpgroup (as bf16 pages must).
+  v_direct = not (v_convert or relay_v)
 
   def kernel(meta_ref, bt_ref, base_ref, q_ref, k_ref, v_ref, o_ref, scoped):
     (q_smem, k_smem, v_smem, o_smem), (k_full, v_full, v_ready, q_full), (k_free, v_free), sched = scoped
@@ -178,6 +188,20 @@ def mosaic_prefill_attention(q, k_flat, v_flat, meta, bt_flat, kv_base, *, num_t
       if schedule:
         plgpu.barrier_arrive(sched)
         plgpu.barrier_wait(sched)
+
+    def is_tail(step, kv_len):
+      return (step + 1) * block_kv > kv_len     # the block holds rows at or past kv_len
+
+    def wait_v(step, slot, kv_len):
+      """Until V block `step` is ready for the PV product (see v_direct)."""
+      if not v_direct:
+        plgpu.barrier_wait(v_ready.at[slot])
+        return
+      plgpu.barrier_wait(v_full.at[slot])
+
+      @pl.when(is_tail(step, kv_len))
+      def _():
+        plgpu.barrier_wait(v_ready.at[slot])
 
     def compute_item(h, j):
       seq, row_start, live_lo, live_hi, pos0, kv_len, n_steps = tile(j)
@@ -235,7 +259,7 @@ def mosaic_prefill_attention(q, k_flat, v_flat, meta, bt_flat, kv_base, *, num_t
         acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
         if schedule:
           plgpu.barrier_arrive(sched)                 # softmax done
-        plgpu.barrier_wait(v_ready.at[slot])
+        wait_v(step, slot, kv_len)
         if schedule:
           plgpu.barrier_wait(sched)                   # the tensor cores are ours
         def wait_next_k():           # while the PV product runs
@@ -264,7 +288,7 @@ def mosaic_prefill_attention(q, k_flat, v_flat, meta, bt_flat, kv_base, *, num_t
         # other warpgroup.
         slot = lax.rem(step, stages)
         plgpu.barrier_wait(k_full.at[slot])
-        plgpu.barrier_wait(v_ready.at[slot])
+        wait_v(step, slot, kv_len)
         plgpu.barrier_arrive(k_free.at[slot])
         plgpu.barrier_arrive(v_free.at[slot])
         schedule_barrier()
@@ -328,10 +352,11 @@ def mosaic_prefill_attention(q, k_flat, v_flat, meta, bt_flat, kv_base, *, num_t
 
     def convert_item(h, j):
       *_, kv_len, n_steps = tile(j)
-      # Each V block -> fp16 in place, as it lands (it arrives as raw 16-bit words): the PV
-      # product takes P in fp16 (11 significant bits; bf16's 8 miss the 2e-3 bar). Rows at or
-      # past kv_len become 0; values are clamped to +-65280 (exact in both formats) so none
-      # turns into inf. A warpgroup of its own, so the copies never wait for it.
+      # Each V block, as it lands: bf16 pages (they arrive as raw 16-bit words) -> fp16 in
+      # place, clamped to +-65280 (exact in both formats) so none turns into inf: the PV
+      # product takes P in fp16 (11 significant bits; bf16's 8 miss the 2e-3 bar). The block
+      # reaching past kv_len gets its rows there zeroed. A warpgroup of its own, so the copies
+      # never wait for it; with fp16 pages it only zeroes tails (see v_direct).
 
       def convert(step, slot, tail):
         vs = v_smem.at[slot]
@@ -339,23 +364,30 @@ def mosaic_prefill_attention(q, k_flat, v_flat, meta, bt_flat, kv_base, *, num_t
           for c in range(D // 64):
             part = vs.at[pl.ds(r * M, M), pl.ds(c * 64, 64)]
             x = part[...]
-            if dtype == jnp.bfloat16:
+            if v_convert:
               x = lax.bitcast_convert_type(x, jnp.bfloat16)
-            x = jnp.clip(x, -65280.0, 65280.0).astype(jnp.float16)
+              x = jnp.clip(x, -65280.0, 65280.0).astype(jnp.float16)
             if tail:                    # only a block reaching past kv_len pays for the mask
               row = plgpu.broadcasted_iota(jnp.int32, (M, 64), 0, layout=plgpu.Layout.WGMMA)
               x = jnp.where(row + (step * block_kv + r * M) < kv_len, x, 0)
             part[...] = x
+        plgpu.commit_smem()
 
       @pl.loop(0, n_steps)
       def _(step):
         slot = lax.rem(step, stages)
         plgpu.barrier_wait(v_full.at[slot])
-        tail = (step + 1) * block_kv > kv_len
+        tail = is_tail(step, kv_len)
         pl.when(tail)(functools.partial(convert, step, slot, True))
-        pl.when(~tail)(functools.partial(convert, step, slot, False))
-        plgpu.commit_smem()
-        plgpu.barrier_arrive(v_ready.at[slot])
+        if v_convert:
+          pl.when(~tail)(functools.partial(convert, step, slot, False))
+        if v_direct:
+          # Only tail blocks are waited for (wait_v). The slot's release waits for this
+          # warpgroup too: the copies must not run two phases of v_full past it.
+          pl.when(tail)(lambda: plgpu.barrier_arrive(v_ready.at[slot]))
+          plgpu.barrier_arrive(v_free.at[slot])
+        else:
+          plgpu.barrier_arrive(v_ready.at[slot])
 
     # Registers are set once per warpgroup; barrier phases carry over from item to item (each
     # warpgroup waits on every phase of the barriers it waits on, in order).
@@ -384,7 +416,8 @@ def mosaic_prefill_attention(q, k_flat, v_flat, meta, bt_flat, kv_base, *, num_t
             plgpu.Barrier(num_arrivals=ppb, num_barriers=stages),
             plgpu.Barrier(num_barriers=stages),
             plgpu.Barrier(num_barriers=COMPUTE_WGS))
-    free = (plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),) * 2
+    free = (plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),
+            plgpu.Barrier(num_arrivals=COMPUTE_WGS + v_direct, num_barriers=stages))
     pl.run_scoped(
         lambda *scoped: kernel(meta_ref, bt_ref, base_ref, q_ref, k_ref, v_ref, o_ref, scoped),
         smem, full, free, plgpu.Barrier(num_arrivals=COMPUTE_WGS), collective_axes="wg")

@@ -19,7 +19,7 @@ double-buffered, so the next item's loads start under this one's last blocks.
   rows W t + off_t; every other row is computed and never stored (rows of an MMA do not mix).
   Decode is bound by memory, not by the 64 / G-fold wasted MMA work.
 * S = Q K^T with wgmma from SMEM; online softmax in registers (exp2 domain); O += P V with P
-  from registers as two bf16 (or fp16) parts, hi + lo: one 16-bit P misses the 2e-3 bar
+  from registers as two parts, hi + lo, of V's dtype (bf16 or fp16): one 16-bit P misses the 2e-3 bar
   (1.9-2.3e-3 measured), two keep ~16 bits of it, and the second MMA is free when memory
   bound. Only the blocks that reach past a row's position are masked; the last one's V rows
   at or past kv_len are zeroed in SMEM first (free slots may hold NaN bit patterns, and
@@ -73,13 +73,14 @@ def smem_bytes(D: int, block_kv: int, stages: int, compute_wgs: int, split: bool
 SMEM_LIMIT = 227 * 1024 - 1024   # Hopper's per-block limit, less room for the barriers
 
 
-def decode_eligible(q_dtype, kv_dtype, Hq: int, Hkv: int, D: int, block_size: int,
+def decode_eligible(q_dtype, k_dtype, v_dtype, Hq: int, Hkv: int, D: int, block_size: int,
                     block_kv: int, stages: int, compute_wgs: int, k_splits: int = 1, *,
                     sliding_window=None, soft_cap=None, k_scale=None,
                     v_scale=None) -> bool:
   """Whether this kernel can serve a decode launch (else the Triton kernel does)."""
   half = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-  return (jnp.dtype(q_dtype) in half and jnp.dtype(kv_dtype) == jnp.dtype(q_dtype)
+  return (jnp.dtype(q_dtype) in half and jnp.dtype(k_dtype) == jnp.dtype(q_dtype)
+          and jnp.dtype(v_dtype) in (jnp.dtype(q_dtype), jnp.dtype(jnp.float16))
           and D % 64 == 0 and block_size % 8 == 0 and block_kv % block_size == 0
           and block_kv % 64 == 0 and rows_per_token(Hq, Hkv) <= M
           and compute_wgs in (1, 2) and stages % compute_wgs == 0
@@ -129,6 +130,7 @@ def mosaic_decode_attention(q2, k_flat, v_flat, meta, bt_flat, kv_base, *, num_t
   W = rows_per_token(Hq, Hkv)
   block_q = M // W
   dtype = q2.dtype
+  v_dtype = v_flat.dtype                       # q2's, or fp16 (value_cache_dtype)
   ppb = block_kv // bs                         # pages per KV block
   C = compute_wgs
   assert C in (1, 2) and stages % C == 0, "each pipeline slot belongs to one compute warpgroup"
@@ -230,8 +232,8 @@ def mosaic_decode_attention(q2, k_flat, v_flat, meta, bt_flat, kv_base, *, num_t
           p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
           acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
           l_i = l_i * alpha + p.sum(axis=1)
-          p_hi = p.astype(dtype)
-          p_lo = (p - p_hi.astype(jnp.float32)).astype(dtype)
+          p_hi = p.astype(v_dtype)
+          p_lo = (p - p_hi.astype(jnp.float32)).astype(v_dtype)
           vs = v_smem.at[slot]
           plgpu.barrier_wait(v_full.at[slot])
           if masked:
@@ -390,7 +392,7 @@ def mosaic_decode_attention(q2, k_flat, v_flat, meta, bt_flat, kv_base, *, num_t
     tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     smem = (plgpu.SMEM((2, M, D), dtype, transforms=tiled),
             plgpu.SMEM((stages, block_kv, D), dtype, transforms=tiled),
-            plgpu.SMEM((stages, block_kv, D), dtype, transforms=tiled),
+            plgpu.SMEM((stages, block_kv, D), v_dtype, transforms=tiled),
             plgpu.SMEM((8, D) if alias_out else (M, D), out_dtype),   # (8, D): unused
             plgpu.SMEM((M, LSE_COLS), jnp.float32))
     if C == 2:                  # the second warpgroup's (acc, m, l), handed over at the end

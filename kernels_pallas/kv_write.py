@@ -17,6 +17,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from kernels_pallas.attention import _row_index
+from kernels_pallas.reference import quantize_kv
 from kernels_pallas.tuning import next_pow2
 
 
@@ -44,8 +45,9 @@ def _write_kernel(slot_ref, scal_ref, fscal_ref, k_ref, v_ref, kc_in, vc_in, kc_
     k = k.astype(jnp.float32) * (1.0 / fscal_ref[0])
     v = v.astype(jnp.float32) * (1.0 / fscal_ref[1])
   idx = _row_index(dst, D)
-  plt.store(kc_out.at[idx], k.astype(kc_out.dtype), mask=mask)
-  plt.store(vc_out.at[idx], v.astype(vc_out.dtype), mask=mask)
+  # quantize_kv without a scale (applied above): the cast, fp16 pages clamped first.
+  plt.store(kc_out.at[idx], quantize_kv(k, kc_out.dtype), mask=mask)
+  plt.store(vc_out.at[idx], quantize_kv(v, vc_out.dtype), mask=mask)
 
 
 def write_kv(k_cache, v_cache, layer, k, v, slot_mapping, *, k_scale=None, v_scale=None,

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from jax import export as jax_export
 
 from kernels_pallas.metadata import AttentionMetadata
+from kernels_pallas.reference import value_cache_dtype
 
 
 def _disabled_checks():
@@ -59,8 +60,10 @@ def metadata_specs(T: int, S: int, P: int) -> AttentionMetadata:
 
 def check_cuda_lowering(*, T, S, P, num_layers=2, num_heads=32, num_kv_heads=8, head_dim=128,
                         block_size=16, num_blocks=64, dtype=jnp.bfloat16, kv_dtype=None,
-                        sliding_window=None, soft_cap=None, kv_scales=False, **tuning):
-  """Lowers write_kv + ragged_paged_attention for CUDA at one configuration.
+                        v_dtype=None, sliding_window=None, soft_cap=None, kv_scales=False,
+                        **tuning):
+  """Lowers write_kv + ragged_paged_attention for CUDA at one configuration (V pages of
+  `v_dtype`, by default the engine's: reference.value_cache_dtype(kv_dtype)).
 
   Returns the StableHLO text (it contains the Triton kernels); raises on a lowering error.
   """
@@ -68,8 +71,9 @@ def check_cuda_lowering(*, T, S, P, num_layers=2, num_heads=32, num_kv_heads=8, 
   from kernels_pallas.kv_write import write_kv
 
   kv_dtype = kv_dtype or dtype
-  cache = jax.ShapeDtypeStruct((num_layers, num_kv_heads, num_blocks, block_size, head_dim),
-                               kv_dtype)
+  shape = (num_layers, num_kv_heads, num_blocks, block_size, head_dim)
+  k_cache = jax.ShapeDtypeStruct(shape, kv_dtype)
+  v_cache = jax.ShapeDtypeStruct(shape, v_dtype or value_cache_dtype(kv_dtype))
   q = jax.ShapeDtypeStruct((T, num_heads, head_dim), dtype)
   kv = jax.ShapeDtypeStruct((T, num_kv_heads, head_dim), dtype)
   scales = dict(k_scale=0.5, v_scale=0.25) if kv_scales else {}
@@ -81,6 +85,6 @@ def check_cuda_lowering(*, T, S, P, num_layers=2, num_heads=32, num_kv_heads=8, 
                                **tuning)
     return o, kc, vc
 
-  exp = lower_for_cuda(jax.jit(step, donate_argnums=(0, 1)), cache, cache,
+  exp = lower_for_cuda(jax.jit(step, donate_argnums=(0, 1)), k_cache, v_cache,
                        jax.ShapeDtypeStruct((), jnp.int32), q, kv, kv, metadata_specs(T, S, P))
   return exp.mlir_module()

@@ -5,13 +5,16 @@ import numpy as np
 import jax.numpy as jnp
 
 from kernels_pallas.metadata import AttentionMetadata
+from kernels_pallas.reference import value_cache_dtype
 
 
 def make_batch(rng: np.random.Generator, seqs, *, T=None, S=None, P=None, num_layers=2,
                num_heads=8, num_kv_heads=2, head_dim=64, block_size=16, num_blocks=None,
-               dtype=jnp.float32, kv_dtype=None, poison=True):
+               dtype=jnp.float32, kv_dtype=None, v_dtype=None, poison=True):
   """seqs: list of (q_len, kv_len) with q_len <= kv_len. Pads to T tokens / S sequence rows.
 
+  kv_dtype: the K pages' dtype (default dtype); v_dtype: the V pages' (default the engine's
+  choice, reference.value_cache_dtype(kv_dtype): fp16 under bf16).
   Returns dict(q, k_cache, v_cache, k_new, v_new, md, num_tokens). Block tables are random
   permutations of physical blocks; the cache is random, and (poison=True) every slot that no
   sequence owns up to its length holds NaN, so a kernel that reads past a length shows it.
@@ -40,6 +43,7 @@ def make_batch(rng: np.random.Generator, seqs, *, T=None, S=None, P=None, num_la
   qsl[len(seqs) + 1:] = qsl[len(seqs)]
   shape = (num_layers, num_kv_heads, num_blocks, block_size, head_dim)
   kv_dtype = kv_dtype or dtype
+  v_dtype = v_dtype or value_cache_dtype(kv_dtype)
   kc = rng.standard_normal(shape, np.float32)
   vc = rng.standard_normal(shape, np.float32)
   if poison:
@@ -55,7 +59,7 @@ def make_batch(rng: np.random.Generator, seqs, *, T=None, S=None, P=None, num_la
   kn = rng.standard_normal((T, num_kv_heads, head_dim), np.float32)
   vn = rng.standard_normal((T, num_kv_heads, head_dim), np.float32)
   return dict(q=jnp.asarray(q, dtype), k_cache=jnp.asarray(kc, kv_dtype),
-              v_cache=jnp.asarray(vc, kv_dtype), k_new=jnp.asarray(kn, dtype),
+              v_cache=jnp.asarray(vc, v_dtype), k_new=jnp.asarray(kn, dtype),
               v_new=jnp.asarray(vn, dtype), md=md, num_tokens=n_tok)
 
 
@@ -67,13 +71,13 @@ def rel_err(out, ref, n):
 
 
 def check_against_oracle(run, seqs, T, S, *, num_heads, num_kv_heads, head_dim, block_size,
-                         dtype, seed=0, tol=2e-3):
+                         dtype, v_dtype=None, seed=0, tol=2e-3):
   """A random batch through `run(q, k_cache, v_cache, md, sm_scale)` (layer 1 of 2) against
   the oracle: same shape and dtype, finite, relative error < tol, padding tokens zero."""
   from kernels_pallas.reference import ref_ragged_paged_attention
   b = make_batch(np.random.default_rng(seed), seqs, T=T, S=S, num_heads=num_heads,
                  num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size,
-                 dtype=dtype)
+                 dtype=dtype, v_dtype=v_dtype)
   q, kc, vc, md, n = b["q"], b["k_cache"], b["v_cache"], b["md"], b["num_tokens"]
   out = run(q, kc, vc, md, head_dim ** -0.5)
   ref = ref_ragged_paged_attention(q, kc, vc, 1, md, sm_scale=head_dim ** -0.5)

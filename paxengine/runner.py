@@ -76,12 +76,14 @@ def resolve_layer_loop(name: str) -> str:
 
 def allocate_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int, kv_dtype, layer_loop: str):
     """scan: one (k, v) pair of [L, Hkv, NB, bs, D]; unroll: a list of L pairs of [1, ...] (each
-    layer writes its own donated buffer in place)."""
+    layer writes its own donated buffer in place). V pages of a bf16 cache are fp16 (same size,
+    no value lost, no conversion in the attention kernels: kernels_pallas.value_cache_dtype)."""
+    v_dtype = kernels_pallas.value_cache_dtype(kv_dtype)
     if layer_loop == "scan":
         shape = (cfg.num_layers, cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)
-        return (jnp.zeros(shape, kv_dtype), jnp.zeros(shape, kv_dtype))
+        return (jnp.zeros(shape, kv_dtype), jnp.zeros(shape, v_dtype))
     shape = (1, cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)
-    return [(jnp.zeros(shape, kv_dtype), jnp.zeros(shape, kv_dtype)) for _ in range(cfg.num_layers)]
+    return [(jnp.zeros(shape, kv_dtype), jnp.zeros(shape, v_dtype)) for _ in range(cfg.num_layers)]
 
 
 def make_attend(md: kernels_pallas.AttentionMetadata, backend: str, cfg: ModelConfig):

@@ -151,6 +151,29 @@ def test_pv_fp16_bf16(kv_dtype):
   assert rel_err(out, ref, n) < 2e-3
 
 
+@pytest.mark.parametrize("v_dtype,kw", [
+    (jnp.float16, {}),                        # the engine's layout: fp16 V pages, bf16 K
+    (jnp.float16, dict(pv_split=False)),      # one fp16 PV dot, no conversion of V
+    (jnp.bfloat16, {}),                       # bf16 V pages: P as bf16 hi + lo
+])
+def test_value_page_dtypes(v_dtype, kw):
+  """bf16 queries and K pages with fp16 or bf16 V pages meet the bf16 bar, decode and prefill
+  rows in one call, NaN in every slot no sequence owns."""
+  rng = np.random.default_rng()
+  seqs = [(1, 130), (45, 100), (1, 17), (30, 30)]
+  b = make_batch(rng, seqs, T=96, S=5, num_heads=8, num_kv_heads=2, head_dim=128,
+                 dtype=jnp.bfloat16, v_dtype=v_dtype)
+  assert b["v_cache"].dtype == v_dtype
+  out = ragged_paged_attention(b["q"], b["k_cache"], b["v_cache"], 1, b["md"], interpret=True,
+                               sm_scale=128 ** -0.5, block_k=32, **kw)
+  ref = ref_ragged_paged_attention(b["q"], b["k_cache"], b["v_cache"], 1, b["md"],
+                                   sm_scale=128 ** -0.5)
+  n = b["num_tokens"]
+  assert np.all(np.isfinite(np.asarray(out.astype(jnp.float32))))
+  assert np.all(np.asarray(out[n:].astype(jnp.float32)) == 0)
+  assert rel_err(out, ref, n) < 2e-3
+
+
 def test_padding_tiles_cover_all_tokens():
   """Every output row is written by the kernel: padding tokens (past the live sequences,
   including a bucket with num_seqs = 0) come out as exact zeros, with NaN in the q padding."""

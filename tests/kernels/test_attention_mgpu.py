@@ -42,7 +42,7 @@ def test_tiles_cover_every_token_once(seqs, T, S):
   assert (seen == 1).all()
 
 
-def _check(seqs, T, S, *, dtype=jnp.bfloat16, schedule=None, **tuning):
+def _check(seqs, T, S, *, dtype=jnp.bfloat16, v_dtype=None, schedule=None, **tuning):
   shape = {k: tuning.pop(k) for k in ("num_heads", "num_kv_heads", "head_dim", "block_size")}
 
   def run(q, kc, vc, md, sm_scale):
@@ -60,15 +60,19 @@ def _check(seqs, T, S, *, dtype=jnp.bfloat16, schedule=None, **tuning):
         mosaic_tile_metadata(md, T, nt), md.block_tables.reshape(-1),
         jnp.array([Hkv], jnp.int32), num_tiles=nt, NB=NB, P=md.block_tables.shape[1], Hkv=Hkv,
         block_kv=tuning["mosaic_block_k"], stages=tuning["mosaic_stages"], schedule=schedule,
-        interpret=True, sm_scale=sm_scale)
-  check_against_oracle(run, seqs, T, S, dtype=dtype, **shape)
+        persistent=tuning.get("mosaic_persistent", 0), interpret=True, sm_scale=sm_scale)
+  check_against_oracle(run, seqs, T, S, dtype=dtype, v_dtype=v_dtype, **shape)
 
 
 @needs_mosaic
 @pytest.mark.parametrize("case", [
     # one prefill with cached context, GQA 4, d 64, 4 pages per KV block, partial last page
+    # (bf16 caches hold fp16 V pages unless v_dtype says: the engine's layout)
     dict(seqs=[(200, 300)], T=200, S=1, num_heads=4, num_kv_heads=1, head_dim=64,
          block_size=16, mosaic_block_k=64, mosaic_stages=2),
+    # the same with bf16 V pages: the convert warpgroup rewrites each block as fp16
+    dict(seqs=[(200, 300)], T=200, S=1, num_heads=4, num_kv_heads=1, head_dim=64,
+         block_size=16, mosaic_block_k=64, mosaic_stages=2, v_dtype=jnp.bfloat16),
     # a chunk at long context next to a fresh prompt starting off the 8-row grid; GQA 4, d 128
     dict(seqs=[(64, 600), (100, 100)], T=200, S=3, num_heads=8, num_kv_heads=2, head_dim=128,
          block_size=32, mosaic_block_k=128, mosaic_stages=2),
@@ -80,6 +84,10 @@ def _check(seqs, T, S, *, dtype=jnp.bfloat16, schedule=None, **tuning):
     # the ping-pong schedule barrier (off by default), with a warpgroup that has no rows
     dict(seqs=[(40, 300), (150, 150)], T=200, S=2, num_heads=2, num_kv_heads=1, head_dim=64,
          block_size=16, mosaic_block_k=64, mosaic_stages=2, schedule=True),
+    # the schedule barrier in a persistent loop (its phases carry over from item to item)
+    dict(seqs=[(200, 330), (5, 5), (130, 130)], T=344, S=4, num_heads=2, num_kv_heads=1,
+         head_dim=64, block_size=16, mosaic_block_k=64, mosaic_stages=2, mosaic_persistent=3,
+         schedule=True),
     # persistent: 3 CTAs loop over 2 heads x 5 tiles (odd and even KV step counts, so the
     # pipeline slots and barrier phases carry over unevenly from item to item)
     dict(seqs=[(200, 330), (5, 5), (130, 130)], T=344, S=4, num_heads=2, num_kv_heads=1,

@@ -27,14 +27,14 @@ def test_row_windows_hold_every_head(Hq, Hkv):
       assert row % 8 + G <= W
 
 
-def _check(seqs, T, S, *, dtype=jnp.bfloat16, **kw):
+def _check(seqs, T, S, *, dtype=jnp.bfloat16, v_dtype=None, **kw):
   shape = {k: kw.pop(k) for k in ("num_heads", "num_kv_heads", "head_dim", "block_size")}
   run = lambda q, kc, vc, md, sm_scale: ragged_paged_attention(
       q, kc, vc, jnp.int32(1), md, sm_scale=sm_scale, interpret=True, mosaic_decode=True, **kw)
   # The call must go through the Mosaic decode kernel (not fall back to Triton unnoticed).
   with mock.patch.object(mgpu_decode, "mosaic_decode_attention",
                          wraps=mgpu_decode.mosaic_decode_attention) as kernel:
-    check_against_oracle(run, seqs, T, S, dtype=dtype, **shape)
+    check_against_oracle(run, seqs, T, S, dtype=dtype, v_dtype=v_dtype, **shape)
   assert kernel.call_count == 1
 
 
@@ -45,9 +45,10 @@ def _check(seqs, T, S, *, dtype=jnp.bfloat16, **kw):
     dict(seqs=[(1, 100), (1, 37), (2, 64), (1, 1)], T=7, S=4, num_heads=8, num_kv_heads=2,
          head_dim=64, block_size=16, mosaic_block_k=64, mosaic_stages=2, k_splits=4),
     # GQA 3 (16-row windows), tokens of 3 in one tile, d 128, pages of 32, one compute
-    # warpgroup, no split
+    # warpgroup, no split; bf16 V pages (the other cases: fp16 V under bf16, the engine's)
     dict(seqs=[(3, 500), (1, 70)], T=6, S=3, num_heads=12, num_kv_heads=4, head_dim=128,
-         block_size=32, mosaic_block_k=128, mosaic_stages=2, mosaic_decode_wgs=1, k_splits=1),
+         block_size=32, mosaic_block_k=128, mosaic_stages=2, mosaic_decode_wgs=1, k_splits=1,
+         v_dtype=jnp.bfloat16),
     # persistent: 3 CTAs over uneven items (the slots and barrier phases carry over), MHA,
     # fp16, 4 stages
     dict(seqs=[(1, 300), (3, 130), (1, 20), (2, 900)], T=8, S=5, num_heads=4, num_kv_heads=4,

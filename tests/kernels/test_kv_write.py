@@ -32,6 +32,23 @@ def test_write_kv(dtype, kv_dtype, scales):
         int((slots >= 0).sum()) * got.shape[1]
 
 
+def test_fp16_value_pages_saturate():
+  """bf16 K/V into a bf16 cache whose V pages are fp16 (the engine's layout): V outliers past
+  fp16's range saturate at +-65280 instead of turning into inf, in the kernel and the oracle."""
+  rng = np.random.default_rng()
+  b = make_batch(rng, [(4, 9), (3, 3)], T=8, S=2, num_heads=4, num_kv_heads=2,
+                 dtype=jnp.bfloat16, poison=False)
+  assert b["v_cache"].dtype == jnp.float16 and b["k_cache"].dtype == jnp.bfloat16
+  v = b["v_new"].at[0, 0, :3].set(jnp.asarray([1e6, -3e38, 70000.0], jnp.bfloat16))
+  args = (b["k_cache"], b["v_cache"], jnp.int32(0), b["k_new"], v, b["md"].slot_mapping)
+  for impl in ("pallas", "xla"):
+    _, vc = jax.jit(lambda *a, impl=impl: write_kv(*a, interpret=True, impl=impl))(*args)
+    slot = int(b["md"].slot_mapping[0])
+    row = np.asarray(vc[0, 0, slot // 16, slot % 16, :4].astype(jnp.float32))
+    np.testing.assert_array_equal(row[:3], [65280.0, -65280.0, 65280.0])
+    assert row[3] == float(v[0, 0, 3].astype(jnp.float16).astype(jnp.float32))
+
+
 def test_scan_layers_donated():
   """2 layers in lax.scan with a traced layer index, caches donated: as the engine runs it."""
   rng = np.random.default_rng()
