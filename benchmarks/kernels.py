@@ -499,9 +499,9 @@ _F16 = dict(pv_fp16=True)
 _MOSAIC = [dict(mosaic=True, mosaic_persistent=0), dict(mosaic=True, mosaic_persistent=132),
            dict(mosaic=True, mosaic_persistent=264, mosaic_block_k=64, mosaic_stages=3),
            dict(mosaic=True, mosaic_persistent=396), dict(mosaic=False),
-           dict(mosaic=True, mosaic_persistent=264, mosaic_schedule=True),
-           dict(mosaic=True, mosaic_persistent=264, mosaic_schedule=False),
-           dict(mosaic=True, mosaic_persistent=396, mosaic_schedule=True)]
+           dict(mosaic=True, mosaic_persistent=264, mosaic_schedule=1)]
+# the Mosaic prefill kernel's ping-pong schedule: never, always, on items of 4+ / 16+ KV blocks
+_SCHED = [dict(mosaic_schedule=n) for n in (0, 1, 4, 16)]
 # the Mosaic GPU decode kernel (attention_mgpu_decode.py): KV block x pipeline depth, a CTA
 # per item or persistent, two compute warpgroups or one; Triton
 _MDEC = [dict(mosaic_decode=True, mosaic_block_k=128, mosaic_stages=2),
@@ -513,14 +513,14 @@ _MDEC = [dict(mosaic_decode=True, mosaic_block_k=128, mosaic_stages=2),
          dict(mosaic_decode=False)]
 TUNE_CANDIDATES = {   # in priority order; {} = the current default
     "decode_b1_ctx8192": [{}, *_MDEC, dict(_MDEC[2], k_splits=32), dict(k_splits=8)],
-    "engine_8x1000_s256": [{}, *_MOSAIC],
+    "engine_8x1000_s256": [{}, *_SCHED, *_MOSAIC],
     "decode_b64_ctx2048": [{}, *_MDEC, _F16, dict(num_warps=8, num_stages=3), _OLD_LOOP,
                            dict(k_splits=2), dict(block_k=64, num_stages=4)],
     "engine_b1_ctx256": [{}, *_MDEC[:3], dict(k_splits=1), dict(k_splits=2),
                          dict(k_splits=1, block_k=64)],
     # the default is 256-row tiles (block_q 64 x 4 heads); 16 warps, 512-row tiles, 128-wide
     # KV blocks; the 64-row tiles of short prefills
-    "prefill_2048": [{}, *_MOSAIC, dict(num_warps=16), dict(num_warps=16, block_k=128),
+    "prefill_2048": [{}, *_SCHED, *_MOSAIC, dict(num_warps=16), dict(num_warps=16, block_k=128),
                      dict(block_q=128, num_warps=16), dict(num_stages=2), dict(num_stages=4),
                      dict(block_q=16, block_k=64, num_warps=4, num_stages=2, pv_fp16=False),
                      _OLD_LOOP,
@@ -532,7 +532,7 @@ TUNE_CANDIDATES = {   # in priority order; {} = the current default
     "decode_b8_ctx8192": [{}, *_MDEC, dict(_MDEC[2], k_splits=16), dict(num_stages=3),
                           _OLD_LOOP, dict(k_splits=16), dict(block_k=64, num_stages=4)],
     # a chunk with a long context: 256-row tiles split over the KV range fill the GPU
-    "chunk_512_ctx4096": [{}, dict(mosaic=True, mosaic_persistent=264), *_MOSAIC, dict(_F16, block_q=64, block_k=64, num_warps=8, num_stages=3,
+    "chunk_512_ctx4096": [{}, *_SCHED, *_MOSAIC, dict(_F16, block_q=64, block_k=64, num_warps=8, num_stages=3,
                                    k_splits=4),
                           dict(_F16, block_q=64, block_k=64, num_warps=8, num_stages=3,
                                k_splits=2),
@@ -544,14 +544,14 @@ TUNE_CANDIDATES = {   # in priority order; {} = the current default
                           dict(_F16, block_q=32, block_k=128, num_warps=8, num_stages=2),
                           dict(_F16, block_k=128)],
     "decode_b256_ctx512": [{}, *_MDEC, _F16, _OLD_LOOP, dict(block_k=64, num_stages=4)],
-    "prefill_4x2048": [{}, *_MOSAIC],
-    "prefill_8192": [{}, *_MOSAIC],
-    "prefill_512": [{}, dict(mosaic=True, mosaic_persistent=264), dict(mosaic=True)],
+    "prefill_4x2048": [{}, *_SCHED, *_MOSAIC],
+    "prefill_8192": [{}, *_SCHED, *_MOSAIC],
+    "prefill_512": [{}, *_SCHED, dict(mosaic=True, mosaic_persistent=264), dict(mosaic=True)],
     "decode_b64_ctx512": [{}, *_MDEC, _OLD_LOOP, dict(k_splits=2),
                           dict(block_k=64, num_stages=4)],
     # the decode launch takes the main launch's split_mask / pv_fp16 (plan_launches); the
     # second candidate was the decode defaults' values there
-    "mixed_60dec2048_1988pf": [{}, dict(mosaic=False, mosaic_decode=True), *_MOSAIC, dict(split_mask=False, pv_fp16=False),
+    "mixed_60dec2048_1988pf": [{}, *_SCHED, dict(mosaic=False, mosaic_decode=True), *_MOSAIC, dict(split_mask=False, pv_fp16=False),
                                dict(mixed_split=False),
                                dict(block_q=16, num_warps=4, num_stages=2, pv_fp16=False)],
     "mixed_60dec2048_448pf": [{}, dict(mosaic=True, mosaic_persistent=264),

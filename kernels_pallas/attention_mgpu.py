@@ -24,10 +24,11 @@ pages and to a ragged flat batch:
   (the copy warpgroup converting cost another 10-20%).
 * Compute warpgroups: S = Q K^T with wgmma (Q and K in SMEM), online softmax in registers
   (exp2 domain), O += P V with P from registers. Blocks below the warpgroup's first own query
-  position need no mask; the others mask by position and kv_len. `schedule=True` staggers the
-  two warpgroups with a shared barrier (FA3's ping-pong: one's softmax under the other's
-  matmuls); on the H200 it measured equal or slower (e.g. 2,048 tokens 145 vs 138.5 us), so
-  it is off by default.
+  position need no mask; the others mask by position and kv_len. `schedule=n` staggers the
+  two warpgroups with a shared barrier on items of n+ KV blocks (FA3's ping-pong: one's
+  softmax under the other's matmuls). On the H200 it pays on long items (8,192 tokens: 1,078
+  vs 1,122 us) and costs on short ones (8 x 1,000 tokens: 301 vs 281 us): see
+  tuning.default_tuning.
 * The output leaves through SMEM with TMA stores of exactly the warpgroup's own rows, in
   power-of-two pieces (a row count has at most 7 bits set), so no CTA writes rows it does not
   own and no masking or scatter pass follows.
@@ -120,7 +121,7 @@ def mosaic_num_tiles(T: int, S: int) -> int:
     "copy_regs", "schedule", "persistent", "relay_v", "interpret"))
 def mosaic_prefill_attention(q, k_flat, v_flat, meta, bt_flat, kv_base, *, num_tiles, NB, P,
                              Hkv, sm_scale, block_kv=128, stages=2, compute_regs=208,
-                             copy_regs=40, schedule=False, persistent=0, relay_v=False,
+                             copy_regs=40, schedule=0, persistent=0, relay_v=False,
                              interpret=False):
   """Attention rows of the tiles in `meta` ([num_tiles, 8] from mosaic_tile_metadata)
   -> [T, Hq, D]; rows of no tile are left unwritten.
@@ -184,10 +185,19 @@ def mosaic_prefill_attention(q, k_flat, v_flat, meta, bt_flat, kv_base, *, num_t
       def _(w):
         fn(w % Hq, n_valid - 1 - w // Hq)
 
-    def schedule_barrier():
+    # The ping-pong schedule (`schedule` = n > 0) runs for items of n+ KV blocks: both compute
+    # warpgroups see the same item, so they agree on `pp`, and the barrier's phases stay even.
+    def sched_arrive(pp):
       if schedule:
-        plgpu.barrier_arrive(sched)
-        plgpu.barrier_wait(sched)
+        pl.when(pp)(lambda: plgpu.barrier_arrive(sched))
+
+    def sched_wait(pp):
+      if schedule:
+        pl.when(pp)(lambda: plgpu.barrier_wait(sched))
+
+    def schedule_barrier(pp):
+      sched_arrive(pp)
+      sched_wait(pp)
 
     def is_tail(step, kv_len):
       return (step + 1) * block_kv > kv_len     # the block holds rows at or past kv_len
@@ -232,7 +242,8 @@ def mosaic_prefill_attention(q, k_flat, v_flat, meta, bt_flat, kv_base, *, num_t
       def _():
         plgpu.barrier_wait(k_full.at[0])
 
-      pl.when(wg == 1)(schedule_barrier)
+      pp = n_steps >= schedule                         # (see sched_arrive)
+      pl.when(wg == 1)(lambda: schedule_barrier(pp))
 
       def kv_step(step, carry, masked):
         acc, m_i, l_i = carry
@@ -240,7 +251,7 @@ def mosaic_prefill_attention(q, k_flat, v_flat, meta, bt_flat, kv_base, *, num_t
 
         def qk_scope(acc_ref):
           plgpu.wgmma(acc_ref, qs, k_smem.at[slot].transpose((1, 0)))
-          schedule_barrier()
+          schedule_barrier(pp)
           return acc_ref[...]
         s = pl.run_scoped(qk_scope, plgpu.ACC((M, block_kv), jnp.float32))
         plgpu.barrier_arrive(k_free.at[slot])
@@ -257,11 +268,9 @@ def mosaic_prefill_attention(q, k_flat, v_flat, meta, bt_flat, kv_base, *, num_t
         l_i = l_i * alpha + p.sum(axis=1)
         p16 = p.astype(jnp.float16)
         acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
-        if schedule:
-          plgpu.barrier_arrive(sched)                 # softmax done
+        sched_arrive(pp)                              # softmax done
         wait_v(step, slot, kv_len)
-        if schedule:
-          plgpu.barrier_wait(sched)                   # the tensor cores are ours
+        sched_wait(pp)                                # the tensor cores are ours
         def wait_next_k():           # while the PV product runs
           nxt = step + 1
 
@@ -291,14 +300,14 @@ def mosaic_prefill_attention(q, k_flat, v_flat, meta, bt_flat, kv_base, *, num_t
         wait_v(step, slot, kv_len)
         plgpu.barrier_arrive(k_free.at[slot])
         plgpu.barrier_arrive(v_free.at[slot])
-        schedule_barrier()
-        schedule_barrier()
+        schedule_barrier(pp)
+        schedule_barrier(pp)
 
       carry = (acc, m_i, l_i)
       carry = lax.fori_loop(0, full_steps, functools.partial(kv_step, masked=False), carry)
       carry = lax.fori_loop(full_steps, steps, functools.partial(kv_step, masked=True), carry)
       lax.fori_loop(steps, n_steps, drain, None)
-      pl.when(wg == 0)(schedule_barrier)
+      pl.when(wg == 0)(lambda: schedule_barrier(pp))
       acc, m_i, l_i = carry
 
       l_safe = jnp.where(l_i > 0, l_i, 1.0)

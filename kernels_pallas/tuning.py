@@ -46,8 +46,8 @@ class Tuning:
   # items.
   mosaic_persistent: int = 0
   # The Mosaic prefill kernel's ping-pong schedule (attention_mgpu: one compute warpgroup's
-  # softmax under the other's matmuls).
-  mosaic_schedule: bool = False
+  # softmax under the other's matmuls) on items of at least this many KV blocks; 0: never.
+  mosaic_schedule: int = 0
   # Decode launches (a decode bucket's only one, a mixed bucket's first one when its main
   # launch is Triton) through the Mosaic GPU decode kernel (attention_mgpu_decode.py: TMA
   # page copies in a warpgroup of their own), with mosaic_block_k / mosaic_stages of the
@@ -92,7 +92,7 @@ def default_tuning(T: int, S: int, Hq: int, Hkv: int, D: int, block_size: int,
   # in an engine bucket (8192, 256) 308 vs 422 (a CTA per tile there: 477).
   mosaic = attention_mgpu.available() and T >= 512
   mosaic_kw = dict(mosaic=mosaic, mosaic_persistent=2 * num_sms,
-                   mosaic_schedule=T >= _MOSAIC_SCHEDULE_MIN_T)
+                   mosaic_schedule=_MOSAIC_SCHEDULE_MIN_BLOCKS)
   big_q = max(1, 256 // g_pad)
   if Hkv * -(-T // big_q) >= num_sms:
     return Tuning(big_q, max(64, block_size), 1, 8, 3, pv_fp16=True, mixed_split=True,
@@ -101,9 +101,11 @@ def default_tuning(T: int, S: int, Hq: int, Hkv: int, D: int, block_size: int,
   return Tuning(block_q, max(64, block_size), 1, 4, 2, mixed_split=True, **mosaic_kw)
 
 
-# The ping-pong schedule, H200, fp16 V pages, one call (gpu_2026-11-30h/mosaic_knobs.json), us,
-# with vs without: 8,192 tokens 1,128 vs 1,182; 4 x 2,048 428 vs 452; 2,048 110.5 vs 107.2.
-_MOSAIC_SCHEDULE_MIN_T = 4096
+# The ping-pong schedule, H200, fp16 V pages, one call (gpu_2026-11-30h/kernels_tune_sched.json),
+# us, always vs never: 8,192 tokens 1,078 vs 1,122; 4 x 2,048 422 vs 445; 2,048 105 vs 111; a
+# 512 chunk at ctx 4,096 84 vs 89; but 8 x 1,000 in (8192, 256) 301 vs 281: it pays on items
+# with long causal ranges only.
+_MOSAIC_SCHEDULE_MIN_BLOCKS = 8
 
 
 # H200, Mosaic decode kernel (best variant) vs Triton, one call: B=64 ctx 2048 160.5 vs 159.7

@@ -83,11 +83,12 @@ def _check(seqs, T, S, *, dtype=jnp.bfloat16, v_dtype=None, schedule=None, **tun
          mosaic_persistent=0),
     # the ping-pong schedule barrier (off by default), with a warpgroup that has no rows
     dict(seqs=[(40, 300), (150, 150)], T=200, S=2, num_heads=2, num_kv_heads=1, head_dim=64,
-         block_size=16, mosaic_block_k=64, mosaic_stages=2, schedule=True),
-    # the schedule barrier in a persistent loop (its phases carry over from item to item)
+         block_size=16, mosaic_block_k=64, mosaic_stages=2, schedule=1),
+    # the schedule barrier in a persistent loop (its phases carry over from item to item) on
+    # items of 3+ KV blocks only: items with and without it follow each other
     dict(seqs=[(200, 330), (5, 5), (130, 130)], T=344, S=4, num_heads=2, num_kv_heads=1,
          head_dim=64, block_size=16, mosaic_block_k=64, mosaic_stages=2, mosaic_persistent=3,
-         schedule=True),
+         schedule=3),
     # persistent: 3 CTAs loop over 2 heads x 5 tiles (odd and even KV step counts, so the
     # pipeline slots and barrier phases carry over unevenly from item to item)
     dict(seqs=[(200, 330), (5, 5), (130, 130)], T=344, S=4, num_heads=2, num_kv_heads=1,
@@ -147,6 +148,7 @@ def test_mosaic_default_buckets():
   tun = lambda T, S: default_tuning(T, S, 32, 8, 128, 16)
   for T, S in [(8192, 1), (8192, 256), (2048, 64), (512, 1), (512, 64)]:
     assert tun(T, S).mosaic == has and tun(T, S).mosaic_persistent == 264
+    assert tun(T, S).mosaic_schedule > 1       # ping-pong on long items only
   assert not tun(256, 8).mosaic and not tun(64, 64).mosaic and not tun(64, 64).mosaic_decode
 
 
