@@ -29,6 +29,7 @@ SHAPES = {   # name: (seqs [(q_len, kv_len)], T, S)
     "prefill_8192": ([(8192, 8192)], 8192, 1),
     "prefill_4x2048": ([(2048, 2048)] * 4, 8192, 4),
     "prefill_16x512": ([(512, 512)] * 16, 8192, 16),
+    "engine_8x1000_s256": ([(1000, 1000)] * 8, 8192, 256),   # 8 prompts in an engine bucket
 }
 
 

@@ -26,9 +26,9 @@ pages and to a ragged flat batch:
   (exp2 domain), O += P V with P from registers. Blocks below the warpgroup's first own query
   position need no mask; the others mask by position and kv_len. `schedule=n` staggers the
   two warpgroups with a shared barrier on items of n+ KV blocks (FA3's ping-pong: one's
-  softmax under the other's matmuls). On the H200 it pays on long items (8,192 tokens: 1,078
-  vs 1,122 us) and costs on short ones (8 x 1,000 tokens: 301 vs 281 us): see
-  tuning.default_tuning.
+  softmax under the other's matmuls). With fp16 V pages it pays on the H200 (8,192 tokens:
+  1,118-1,125 vs 1,158 us without it; 8 x 1,000 in an engine bucket: the same, 261-268 vs
+  262); with the V conversion it did not (2,048 tokens 145 vs 138.5 us).
 * The output leaves through SMEM with TMA stores of exactly the warpgroup's own rows, in
   power-of-two pieces (a row count has at most 7 bits set), so no CTA writes rows it does not
   own and no masking or scatter pass follows.
@@ -118,11 +118,10 @@ def mosaic_num_tiles(T: int, S: int) -> int:
 # call and ~0.75 MB of MLIR: unrolled 32 times it stalled the engine's start-up).
 @functools.partial(jax.jit, static_argnames=(
     "num_tiles", "NB", "P", "Hkv", "sm_scale", "block_kv", "stages", "compute_regs",
-    "copy_regs", "schedule", "persistent", "relay_v", "interpret"))
+    "copy_regs", "schedule", "persistent", "interpret"))
 def mosaic_prefill_attention(q, k_flat, v_flat, meta, bt_flat, kv_base, *, num_tiles, NB, P,
                              Hkv, sm_scale, block_kv=128, stages=2, compute_regs=208,
-                             copy_regs=40, schedule=0, persistent=0, relay_v=False,
-                             interpret=False):
+                             copy_regs=40, schedule=0, persistent=0, interpret=False):
   """Attention rows of the tiles in `meta` ([num_tiles, 8] from mosaic_tile_metadata)
   -> [T, Hq, D]; rows of no tile are left unwritten.
 
@@ -150,10 +149,6 @@ def mosaic_prefill_attention(q, k_flat, v_flat, meta, bt_flat, kv_base, *, num_t
   # a warpgroup (the engine's bf16 caches hold fp16 V pages: reference.value_cache_dtype).
   v_convert = v_flat.dtype != jnp.float16
   v_words = lax.bitcast_convert_type(v_flat, jnp.float16) if v_convert else v_flat
-  # fp16 pages: the compute warpgroups take V blocks as they land (v_full); only a block
-  # reaching past kv_len waits for the convert warpgroup to zero its rows there (v_ready).
-  # relay_v=True: every block goes through the convert warpgroup (as bf16 pages must).
-  v_direct = not (v_convert or relay_v)
 
   def kernel(meta_ref, bt_ref, base_ref, q_ref, k_ref, v_ref, o_ref, scoped):
     (q_smem, k_smem, v_smem, o_smem), (k_full, v_full, v_ready, q_full), (k_free, v_free), sched = scoped
@@ -198,20 +193,6 @@ def mosaic_prefill_attention(q, k_flat, v_flat, meta, bt_flat, kv_base, *, num_t
     def schedule_barrier(pp):
       sched_arrive(pp)
       sched_wait(pp)
-
-    def is_tail(step, kv_len):
-      return (step + 1) * block_kv > kv_len     # the block holds rows at or past kv_len
-
-    def wait_v(step, slot, kv_len):
-      """Until V block `step` is ready for the PV product (see v_direct)."""
-      if not v_direct:
-        plgpu.barrier_wait(v_ready.at[slot])
-        return
-      plgpu.barrier_wait(v_full.at[slot])
-
-      @pl.when(is_tail(step, kv_len))
-      def _():
-        plgpu.barrier_wait(v_ready.at[slot])
 
     def compute_item(h, j):
       seq, row_start, live_lo, live_hi, pos0, kv_len, n_steps = tile(j)
@@ -269,7 +250,7 @@ def mosaic_prefill_attention(q, k_flat, v_flat, meta, bt_flat, kv_base, *, num_t
         p16 = p.astype(jnp.float16)
         acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
         sched_arrive(pp)                              # softmax done
-        wait_v(step, slot, kv_len)
+        plgpu.barrier_wait(v_ready.at[slot])
         sched_wait(pp)                                # the tensor cores are ours
         def wait_next_k():           # while the PV product runs
           nxt = step + 1
@@ -297,7 +278,7 @@ def mosaic_prefill_attention(q, k_flat, v_flat, meta, bt_flat, kv_base, *, num_t
         # other warpgroup.
         slot = lax.rem(step, stages)
         plgpu.barrier_wait(k_full.at[slot])
-        wait_v(step, slot, kv_len)
+        plgpu.barrier_wait(v_ready.at[slot])
         plgpu.barrier_arrive(k_free.at[slot])
         plgpu.barrier_arrive(v_free.at[slot])
         schedule_barrier(pp)
@@ -365,7 +346,8 @@ def mosaic_prefill_attention(q, k_flat, v_flat, meta, bt_flat, kv_base, *, num_t
       # place, clamped to +-65280 (exact in both formats) so none turns into inf: the PV
       # product takes P in fp16 (11 significant bits; bf16's 8 miss the 2e-3 bar). The block
       # reaching past kv_len gets its rows there zeroed. A warpgroup of its own, so the copies
-      # never wait for it; with fp16 pages it only zeroes tails (see v_direct).
+      # never wait for it. With fp16 pages it only zeroes tails and passes the other blocks on
+      # (taking them straight from v_full instead measured the same on the H200).
 
       def convert(step, slot, tail):
         vs = v_smem.at[slot]
@@ -386,17 +368,11 @@ def mosaic_prefill_attention(q, k_flat, v_flat, meta, bt_flat, kv_base, *, num_t
       def _(step):
         slot = lax.rem(step, stages)
         plgpu.barrier_wait(v_full.at[slot])
-        tail = is_tail(step, kv_len)
+        tail = (step + 1) * block_kv > kv_len
         pl.when(tail)(functools.partial(convert, step, slot, True))
         if v_convert:
           pl.when(~tail)(functools.partial(convert, step, slot, False))
-        if v_direct:
-          # Only tail blocks are waited for (wait_v). The slot's release waits for this
-          # warpgroup too: the copies must not run two phases of v_full past it.
-          pl.when(tail)(lambda: plgpu.barrier_arrive(v_ready.at[slot]))
-          plgpu.barrier_arrive(v_free.at[slot])
-        else:
-          plgpu.barrier_arrive(v_ready.at[slot])
+        plgpu.barrier_arrive(v_ready.at[slot])
 
     # Registers are set once per warpgroup; barrier phases carry over from item to item (each
     # warpgroup waits on every phase of the barriers it waits on, in order).
@@ -425,8 +401,7 @@ def mosaic_prefill_attention(q, k_flat, v_flat, meta, bt_flat, kv_base, *, num_t
             plgpu.Barrier(num_arrivals=ppb, num_barriers=stages),
             plgpu.Barrier(num_barriers=stages),
             plgpu.Barrier(num_barriers=COMPUTE_WGS))
-    free = (plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),
-            plgpu.Barrier(num_arrivals=COMPUTE_WGS + v_direct, num_barriers=stages))
+    free = (plgpu.Barrier(num_arrivals=COMPUTE_WGS, num_barriers=stages),) * 2
     pl.run_scoped(
         lambda *scoped: kernel(meta_ref, bt_ref, base_ref, q_ref, k_ref, v_ref, o_ref, scoped),
         smem, full, free, plgpu.Barrier(num_arrivals=COMPUTE_WGS), collective_axes="wg")

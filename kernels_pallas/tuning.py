@@ -101,10 +101,11 @@ def default_tuning(T: int, S: int, Hq: int, Hkv: int, D: int, block_size: int,
   return Tuning(block_q, max(64, block_size), 1, 4, 2, mixed_split=True, **mosaic_kw)
 
 
-# The ping-pong schedule, H200, fp16 V pages, one call (gpu_2026-11-30h/kernels_tune_sched.json),
-# us, always vs never: 8,192 tokens 1,078 vs 1,122; 4 x 2,048 422 vs 445; 2,048 105 vs 111; a
-# 512 chunk at ctx 4,096 84 vs 89; but 8 x 1,000 in (8192, 256) 301 vs 281: it pays on items
-# with long causal ranges only.
+# The ping-pong schedule on items of 8+ KV blocks vs never, H200, fp16 V pages, one call
+# (gpu_2026-11-30h/kernels_tune_sched_4.json), us: 8,192 tokens 1,095 vs 1,172; 4 x 2,048 428 vs
+# 445; 2,048 109.5 vs 114.7; 60 decodes + 1,988 prefill 268 vs 268. On every item (1) or 4+:
+# within noise of 8+ (e.g. 8,192: 1,119 / 1,127). The kernel alone, 8 x 1,000 in (8192, 256):
+# 261-268 vs 262 (mosaic_knobs_5.json). Short items have little to overlap, so they skip it.
 _MOSAIC_SCHEDULE_MIN_BLOCKS = 8
 
 
