@@ -21,7 +21,8 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     kv_cache_memory_bytes: int | None = None  # byte budget for the KV pool (CPU default: 1 GiB)
     enable_prefix_caching: bool = True
-    kv_cache_dtype: str = "auto"        # auto (= model dtype) | float32 | bfloat16 | fp8
+    # auto (= model dtype) | float32 | bfloat16 | fp8; a bf16 cache keeps V pages in fp16
+    kv_cache_dtype: str = "auto"
     quantization: str | None = None     # None | fp8
     attention_backend: str = "auto"     # auto (pallas on GPU, xla elsewhere) | xla | pallas | reference
     layer_loop: str = "auto"            # auto (unroll on GPU, scan elsewhere) | unroll | scan
