@@ -21,7 +21,6 @@ import numpy as np
 
 import benchmarks.kernels as K
 from kernels_pallas import ref_ragged_paged_attention
-from kernels_pallas.testing import rel_err
 
 SHAPES = {"decode_b64_ctx2048": ([(1, 2048)] * 64, 64, 64),
           "decode_b256_ctx512": ([(1, 512)] * 256, 256, 256)}
@@ -54,14 +53,9 @@ def main():
       for var, tun in variants(bs).items():
         row = dict(page_size=bs, shape=name, variant=var, overrides=tun,
                    kv_bytes=K.kv_bytes(seqs))
-        try:
-          f = K._loop_fn(tun, 20)
-          out = jax.block_until_ready(f(q, kc, vc, md))
-          row["rel_err"] = rel_err(out, ref, n)
-          row["us_rounds"] = [K.time_loop(f, (q, kc, vc, md), 5, 20) * 1e6]
+        f = K.timed_variant(row, tun, (q, kc, vc, md), ref, n)
+        if f is not None:
           fns[len(rows)] = (f, (q, kc, vc, md))
-        except Exception as e:  # noqa: BLE001 -- a variant that fails is recorded
-          row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
         rows.append(row)
         print(row, flush=True)
   for i, (f, a) in fns.items():                 # a second round, interleaved

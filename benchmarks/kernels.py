@@ -568,6 +568,21 @@ def _loop_fn(tun, iters):
   return chained_calls(lambda q, kc, vc, md: f(q, kc, vc, jnp.int32(0), md), iters)
 
 
+def timed_variant(row, tun, data, ref, n):
+  """ragged_paged_attention with the tuning overrides `tun` as 20 chained calls on data (q, kc,
+  vc, md), checked against `ref` over the first n tokens: sets row["rel_err"] and the first of
+  row["us_rounds"] (median of 5 runs), or row["error"]. Returns the compiled loop for more
+  interleaved rounds, None if the variant failed."""
+  try:
+    f = _loop_fn(tun, 20)
+    row["rel_err"] = rel_err(jax.block_until_ready(f(*data)), ref, n)
+    row["us_rounds"] = [time_loop(f, data, 5, 20) * 1e6]
+    return f
+  except Exception as e:  # noqa: BLE001 -- a variant that fails is recorded
+    row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    return None
+
+
 def chained_calls(one, iters):
   """One jit: `iters` chained calls of one(q, kc, vc, md) (q carries a zero dependency, so
   nothing is hoisted); returns the last output."""

@@ -23,7 +23,6 @@ import numpy as np
 
 import benchmarks.kernels as K
 from kernels_pallas import ref_ragged_paged_attention
-from kernels_pallas.testing import rel_err
 
 SHAPES = ("prefill_8192", "prefill_4x2048", "prefill_2048", "prefill_512", "chunk_512_ctx4096",
           "mixed_60dec2048_1988pf", "engine_8x1000_s256", "decode_b64_ctx2048",
@@ -73,14 +72,9 @@ def main():
       ref = refs[v_dtype]
       row = dict(shape=name, variant=var, v_dtype=jnp.dtype(v_dtype).name, overrides=tun,
                  T=T, S=S, kv_bytes=K.kv_bytes(seqs), flops=K.attn_flops(seqs))
-      try:
-        f = K._loop_fn(tun, 20)
-        out = jax.block_until_ready(f(q, kc, vc, md))
-        row["rel_err"] = rel_err(out, ref, n)
-        row["us_rounds"] = [K.time_loop(f, (q, kc, vc, md), 5, 20) * 1e6]
+      f = K.timed_variant(row, tun, (q, kc, vc, md), ref, n)
+      if f is not None:
         fns[len(rows)] = (f, (q, kc, vc, md))
-      except Exception as e:  # noqa: BLE001 -- a variant that fails is recorded
-        row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
       rows.append(row)
       print(row, flush=True)
   for _ in range(args.rounds - 1):                # more rounds, interleaved

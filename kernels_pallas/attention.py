@@ -276,8 +276,8 @@ def ragged_paged_attention(q, k_cache, v_cache, layer, md: AttentionMetadata, *,
                            num_warps=None, num_stages=None, pv_split=None, split_mask=None,
                            reverse_tiles=None, pv_fp16=None, mixed_split=None, mosaic=None,
                            mosaic_block_k=None, mosaic_stages=None, mosaic_persistent=None,
-                           mosaic_schedule=None,
-                           mosaic_decode=None, mosaic_decode_wgs=None, num_sms=132):
+                           mosaic_schedule=None, mosaic_decode=None, mosaic_decode_wgs=None,
+                           num_sms=132):
   """Pallas ragged paged attention. q [T, Hq, D]; caches [L, Hkv, NB, bs, D] -> [T, Hq, D].
 
   `layer` may be a traced int32 scalar. fp8 caches are dequantized in-kernel with the
@@ -349,8 +349,7 @@ def ragged_paged_attention(q, k_cache, v_cache, layer, md: AttentionMetadata, *,
     return (t.mosaic_decode and (mosaic_decode or not interpret)
             and attention_mgpu.available()
             and mgpu_decode.decode_eligible(q.dtype, k_cache.dtype, v_cache.dtype, Hq, Hkv, D,
-                                            bs,
-                                            t.mosaic_block_k, t.mosaic_stages,
+                                            bs, t.mosaic_block_k, t.mosaic_stages,
                                             t.mosaic_decode_wgs, t.k_splits,
                                             sliding_window=sliding_window,
                                             soft_cap=soft_cap, k_scale=k_scale,

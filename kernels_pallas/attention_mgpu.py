@@ -27,8 +27,8 @@ pages and to a ragged flat batch:
   position need no mask; the others mask by position and kv_len. `schedule=n` staggers the
   two warpgroups with a shared barrier on items of n+ KV blocks (FA3's ping-pong: one's
   softmax under the other's matmuls). With fp16 V pages it pays on the H200 (8,192 tokens:
-  1,118-1,125 vs 1,158 us without it; 8 x 1,000 in an engine bucket: the same, 261-268 vs
-  262); with the V conversion it did not (2,048 tokens 145 vs 138.5 us).
+  1,118-1,146 vs 1,158-1,164 us without it; 8 x 1,000 in an engine bucket: within noise,
+  261-269 vs 258-262); with the V conversion it did not (2,048 tokens 145 vs 138.5 us).
 * The output leaves through SMEM with TMA stores of exactly the warpgroup's own rows, in
   power-of-two pieces (a row count has at most 7 bits set), so no CTA writes rows it does not
   own and no masking or scatter pass follows.
@@ -45,6 +45,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from kernels_pallas.metadata import count_le, live_query_lens
+from kernels_pallas.reference import FP16_SAFE_MAX
 
 LOG2E = 1.4426950408889634
 MASK_VALUE = -1e30
@@ -357,7 +358,7 @@ def mosaic_prefill_attention(q, k_flat, v_flat, meta, bt_flat, kv_base, *, num_t
             x = part[...]
             if v_convert:
               x = lax.bitcast_convert_type(x, jnp.bfloat16)
-              x = jnp.clip(x, -65280.0, 65280.0).astype(jnp.float16)
+              x = jnp.clip(x, -FP16_SAFE_MAX, FP16_SAFE_MAX).astype(jnp.float16)
             if tail:                    # only a block reaching past kv_len pays for the mask
               row = plgpu.broadcasted_iota(jnp.int32, (M, 64), 0, layout=plgpu.Layout.WGMMA)
               x = jnp.where(row + (step * block_kv + r * M) < kv_len, x, 0)

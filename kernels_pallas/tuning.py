@@ -20,7 +20,7 @@ class Tuning:
   k_splits: int     # split-K partitions
   num_warps: int
   num_stages: int
-  pv_split: bool = True   # P as bf16 hi + lo parts in the PV product (see _rpa_kernel)
+  pv_split: bool = True   # P as hi + lo parts in the PV product: bf16, or fp16 over fp16 V pages
   # KV blocks that no query row of the tile masks (all causal-visible, inside the window,
   # below kv_len) run a loop without masks, with V going straight to the dot; only the
   # boundary blocks pay for the masks. False: one masked loop (the run-3 kernel).
