@@ -498,8 +498,7 @@ _F16 = dict(pv_fp16=True)
 # default) or a CTA per (head, tile), N CTAs; KV block and pipeline depth; Triton
 _MOSAIC = [dict(mosaic=True, mosaic_persistent=0), dict(mosaic=True, mosaic_persistent=132),
            dict(mosaic=True, mosaic_persistent=264, mosaic_block_k=64, mosaic_stages=3),
-           dict(mosaic=True, mosaic_persistent=396), dict(mosaic=False),
-           dict(mosaic=True, mosaic_persistent=264, mosaic_schedule=1)]
+           dict(mosaic=True, mosaic_persistent=396), dict(mosaic=False)]
 # the Mosaic prefill kernel's ping-pong schedule: never, always, on items of 4+ / 16+ KV blocks
 _SCHED = [dict(mosaic_schedule=n) for n in (0, 1, 4, 16)]
 # the Mosaic GPU decode kernel (attention_mgpu_decode.py): KV block x pipeline depth, a CTA

@@ -1,7 +1,7 @@
 """The Mosaic GPU prefill kernel's own knobs (attention_mgpu.mosaic_prefill_attention: KV block,
 pipeline depth, schedule barrier, register split) against the Triton kernel, on the GPU.
 
-    python -m benchmarks.mosaic_knobs '[{"block_kv": 128, "stages": 2}, {"schedule": true}]'
+    python -m benchmarks.mosaic_knobs '[{"block_kv": 128, "stages": 2}, {"schedule": 8}]'
 
 Each variant runs as a jitted loop of 20 calls (median of 3 x 5 runs), checked against the
 oracle first; writes $OUT/mosaic_knobs.json. The Tuning-level choices (Triton vs Mosaic, which

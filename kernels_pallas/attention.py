@@ -47,7 +47,7 @@ from jax.experimental.pallas import triton as plt
 from kernels_pallas import attention_mgpu
 from kernels_pallas import attention_mgpu_decode as mgpu_decode
 from kernels_pallas.metadata import AttentionMetadata, count_le, live_query_lens
-from kernels_pallas.reference import quantize_kv
+from kernels_pallas.reference import P_LOG2_GAIN, quantize_kv
 from kernels_pallas.tuning import is_decode_bucket, next_pow2, plan_launches
 
 LOG2E = 1.4426950408889634
@@ -215,7 +215,7 @@ def _rpa_kernel(meta_ref, bt_ref, scal_ref, fscal_ref, q_ref, k_ref, v_ref, *out
       s = jnp.where(mask, s, MASK_VALUE)
     m_new = jnp.maximum(m_prev, jnp.max(s, axis=1))
     alpha = jnp.exp2(m_prev - m_new)
-    p = jnp.exp2(s - m_new[:, None])
+    p = jnp.exp2(s - (m_new - P_LOG2_GAIN)[:, None])          # (reference.P_LOG2_GAIN)
     l_new = l_prev * alpha + jnp.sum(p, axis=1)
     if v.dtype != pv_dtype:
       # (fp16 has 11 significant bits, bf16 8: P's rounding error drops 8x in one dot. A bf16
@@ -288,8 +288,9 @@ def ragged_paged_attention(q, k_cache, v_cache, layer, md: AttentionMetadata, *,
   L, Hkv, NB, bs, Dk = k_cache.shape
   assert Dk == D and v_cache.shape == k_cache.shape and Hq % Hkv == 0
   # V pages may be fp16 under bf16 K pages (reference.value_cache_dtype), never another mix.
-  assert v_cache.dtype == k_cache.dtype or v_cache.dtype == jnp.float16, (k_cache.dtype,
-                                                                          v_cache.dtype)
+  assert v_cache.dtype == k_cache.dtype or (k_cache.dtype == jnp.bfloat16
+                                            and v_cache.dtype == jnp.float16), (k_cache.dtype,
+                                                                                v_cache.dtype)
   S, P = md.block_tables.shape
   G = Hq // Hkv
   G_pad = next_pow2(G)

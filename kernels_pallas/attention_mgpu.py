@@ -45,7 +45,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from kernels_pallas.metadata import count_le, live_query_lens
-from kernels_pallas.reference import FP16_SAFE_MAX
+from kernels_pallas.reference import FP16_SAFE_MAX, P_LOG2_GAIN
 
 LOG2E = 1.4426950408889634
 MASK_VALUE = -1e30
@@ -245,7 +245,7 @@ def mosaic_prefill_attention(q, k_flat, v_flat, meta, bt_flat, kv_base, *, num_t
           s = jnp.where((kv <= rows + first_pos) & (kv < kv_len), s, MASK_VALUE)
         m_new = jnp.maximum(m_i, s.max(axis=1))
         alpha = jnp.exp2(m_i - m_new)
-        p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+        p = jnp.exp2(s - lax.broadcast_in_dim(m_new - P_LOG2_GAIN, s.shape, [0]))
         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
         l_i = l_i * alpha + p.sum(axis=1)
         p16 = p.astype(jnp.float16)

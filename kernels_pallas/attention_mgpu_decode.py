@@ -41,6 +41,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from kernels_pallas.reference import P_LOG2_GAIN
+
 LOG2E = 1.4426950408889634
 MASK_VALUE = -1e30
 M = 64                # wgmma's M: query rows per CTA
@@ -229,7 +231,7 @@ def mosaic_decode_attention(q2, k_flat, v_flat, meta, bt_flat, kv_base, *, num_t
             s = jnp.where((kv <= rows // W + pos0) & (kv < kv_len), s, MASK_VALUE)
           m_new = jnp.maximum(m_i, s.max(axis=1))
           alpha = jnp.exp2(m_i - m_new)
-          p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+          p = jnp.exp2(s - lax.broadcast_in_dim(m_new - P_LOG2_GAIN, s.shape, [0]))
           acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
           l_i = l_i * alpha + p.sum(axis=1)
           p_hi = p.astype(v_dtype)

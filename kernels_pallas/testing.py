@@ -63,6 +63,27 @@ def make_batch(rng: np.random.Generator, seqs, *, T=None, S=None, P=None, num_la
               v_new=jnp.asarray(vn, dtype), md=md, num_tokens=n_tok)
 
 
+def sink_batch(seqs, *, T=None, S=None, num_heads=4, num_kv_heads=2, head_dim=64,
+               block_size=16, dtype=jnp.float16):
+  """make_batch's layout with an attention sink: every query sees its sequence's position 0
+  18 nats above all its other keys (q = 8 e0, k = 18 e0 there and 0 elsewhere, sm_scale 1/8),
+  whose V rows are 1 (the sink's: 0). So each of them has p = e^-18 ~ 2^-26 after the max,
+  under fp16's smallest subnormal, and the output, their share N e^-18 / (1 + N e^-18), is
+  what a kernel loses if it flushes them."""
+  assert head_dim == 64, "sm_scale 1/8"
+  b = make_batch(np.random.default_rng(0), seqs, T=T, S=S, num_heads=num_heads,
+                 num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size,
+                 dtype=dtype, poison=False)
+  q = jnp.zeros_like(b["q"]).at[:, :, 0].set(8.0)
+  kc = jnp.zeros_like(b["k_cache"])
+  vc = jnp.ones_like(b["v_cache"])
+  for i in range(len(seqs)):
+    page = int(b["md"].block_tables[i, 0])
+    kc = kc.at[:, :, page, 0, 0].set(18.0)
+    vc = vc.at[:, :, page, 0, :].set(0.0)
+  return dict(b, q=q, k_cache=kc, v_cache=vc)
+
+
 def rel_err(out, ref, n):
   """||out - ref|| / ||ref|| over the first n (valid) tokens, in float64."""
   o = np.asarray(jnp.asarray(out[:n], jnp.float32), np.float64)

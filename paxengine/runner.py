@@ -77,7 +77,7 @@ def resolve_layer_loop(name: str) -> str:
 def allocate_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int, kv_dtype, layer_loop: str):
     """scan: one (k, v) pair of [L, Hkv, NB, bs, D]; unroll: a list of L pairs of [1, ...] (each
     layer writes its own donated buffer in place). V pages of a bf16 cache are fp16 (same size,
-    no value lost, no conversion in the attention kernels: kernels_pallas.value_cache_dtype)."""
+    no conversion in the attention kernels: kernels_pallas.value_cache_dtype)."""
     v_dtype = kernels_pallas.value_cache_dtype(kv_dtype)
     if layer_loop == "scan":
         shape = (cfg.num_layers, cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)
@@ -213,7 +213,9 @@ class Runner:
 
 
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, kv_dtype) -> int:
-    return 2 * cfg.num_layers * cfg.num_kv_heads * block_size * cfg.head_dim * jnp.dtype(kv_dtype).itemsize
+    """K and V pages of one block over all layers (V in kernels_pallas.value_cache_dtype)."""
+    itemsize = jnp.dtype(kv_dtype).itemsize + kernels_pallas.value_cache_dtype(kv_dtype).itemsize
+    return cfg.num_layers * cfg.num_kv_heads * block_size * cfg.head_dim * itemsize
 
 
 def plan_num_blocks(cfg: ModelConfig, block_size: int, kv_dtype, *, num_kv_blocks: int | None,

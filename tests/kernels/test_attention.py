@@ -132,13 +132,15 @@ def test_big_prefill_tiles_gqa(heads):
   assert err < 2e-3, err
 
 
-@pytest.mark.parametrize("kv_dtype", [None, jnp.float8_e4m3fn])
-def test_pv_fp16_bf16(kv_dtype):
-  """bf16 with the PV product in fp16 (one dot) meets the bf16 bar, like pv_split."""
+@pytest.mark.parametrize("kv_dtype,v_dtype", [(None, jnp.bfloat16), (None, None),
+                                              (jnp.float8_e4m3fn, None)])
+def test_pv_fp16_bf16(kv_dtype, v_dtype):
+  """bf16 with the PV product in fp16 (one dot) meets the bf16 bar, like pv_split: V converted
+  (and clamped) in the kernel from bf16 or fp8 pages, or read as the engine's fp16 pages."""
   rng = np.random.default_rng()
   seqs = [(40, 200), (1, 150), (60, 60)]
   b = make_batch(rng, seqs, T=112, S=4, num_heads=8, num_kv_heads=2, head_dim=128,
-                 dtype=jnp.bfloat16, kv_dtype=kv_dtype)
+                 dtype=jnp.bfloat16, kv_dtype=kv_dtype, v_dtype=v_dtype)
   kw = dict(sm_scale=128 ** -0.5)
   if kv_dtype is not None:
     kw.update(k_scale=0.5, v_scale=2.0)
@@ -171,6 +173,21 @@ def test_value_page_dtypes(v_dtype, kw):
   n = b["num_tokens"]
   assert np.all(np.isfinite(np.asarray(out.astype(jnp.float32))))
   assert np.all(np.asarray(out[n:].astype(jnp.float32)) == 0)
+  assert rel_err(out, ref, n) < 2e-3
+
+
+@pytest.mark.parametrize("kw", [{}, dict(pv_split=False), dict(pv_fp16=True, k_splits=1)])
+def test_tiny_probabilities_are_not_flushed(kw):
+  """Keys 18 nats under an attention sink (p ~ 2^-26, below fp16's subnormals) still count in
+  the fp16 PV product: decode and prefill rows, fp16 model."""
+  from kernels_pallas.testing import sink_batch
+  b = sink_batch([(1, 2000), (40, 1500)], T=48, S=3)
+  out = ragged_paged_attention(b["q"], b["k_cache"], b["v_cache"], 1, b["md"], interpret=True,
+                               sm_scale=0.125, **kw)
+  ref = ref_ragged_paged_attention(b["q"], b["k_cache"], b["v_cache"], 1, b["md"],
+                                   sm_scale=0.125)
+  n = b["num_tokens"]
+  assert float(jnp.min(ref[:n].astype(jnp.float32))) > 5e-6       # the keys' share is there
   assert rel_err(out, ref, n) < 2e-3
 
 

@@ -69,6 +69,25 @@ def test_mosaic_decode_matches_oracle(case):
 
 
 @needs_mosaic
+def test_mosaic_decode_keeps_tiny_probabilities():
+  """Keys 18 nats under an attention sink (p ~ 2^-26, flushed by a plain fp16 P) still count,
+  through split-K and the two compute warpgroups' merge."""
+  from kernels_pallas import ref_ragged_paged_attention
+  from kernels_pallas.testing import rel_err, sink_batch
+  b = sink_batch([(1, 2000), (1, 700)], T=2, S=2)
+  with mock.patch.object(mgpu_decode, "mosaic_decode_attention",
+                         wraps=mgpu_decode.mosaic_decode_attention) as kernel:
+    out = ragged_paged_attention(b["q"], b["k_cache"], b["v_cache"], jnp.int32(1), b["md"],
+                                 sm_scale=0.125, interpret=True, mosaic_decode=True,
+                                 mosaic_block_k=128, mosaic_stages=2, k_splits=2)
+  assert kernel.call_count == 1
+  ref = ref_ragged_paged_attention(b["q"], b["k_cache"], b["v_cache"], 1, b["md"],
+                                   sm_scale=0.125)
+  assert float(jnp.min(ref[:2].astype(jnp.float32))) > 5e-6
+  assert rel_err(out, ref, 2) < 2e-3
+
+
+@needs_mosaic
 def test_mosaic_decode_launch_of_a_mixed_batch():
   # T > 2 S: the decode rows go through the Mosaic decode kernel first, the prefills through
   # the Triton kernel, which writes its rows into that output in place.

@@ -38,6 +38,11 @@ CONFIGS = {
     "mixed_split": dict(T=512, S=64, P=128, mixed_split=True, **LLAMA8B),
     "fp8_fp16pv_window": dict(T=64, S=8, P=64, kv_dtype=jnp.float8_e4m3fn, kv_scales=True,
                               pv_fp16=True, sliding_window=1024, k_splits=2, **LLAMA8B),
+    # bf16 V pages (callers other than the engine, whose bf16 caches hold fp16 V): converted
+    # in-kernel for the fp16 PV product, or P as bf16 hi + lo
+    "bf16_v_fp16pv": dict(T=512, S=1, P=128, v_dtype=jnp.bfloat16, block_q=32, block_k=64,
+                          num_warps=8, num_stages=3, pv_fp16=True, mosaic=False, **LLAMA8B),
+    "bf16_v_decode": dict(T=64, S=64, P=128, v_dtype=jnp.bfloat16, **LLAMA8B),
 }
 
 
