@@ -93,7 +93,8 @@ def decode_eligible(q_dtype, k_dtype, v_dtype, Hq: int, Hkv: int, D: int, block_
 
 def combine_splits(o_part, lse_part, k_splits: int, dtype):
   """Merges split-K partials: o_part [k * R, D] (normalised per split), lse_part [k * R, 8]
-  (log2-sum-exp; MASK_VALUE where a split saw no key) -> [R, D]."""
+  (log2-sum-exp, offset by P_LOG2_GAIN in every split alike; MASK_VALUE where a split saw no
+  key) -> [R, D]."""
   o = o_part.reshape(k_splits, -1, o_part.shape[-1])
   lse = lse_part.reshape(k_splits, -1, LSE_COLS)[..., 0]
   w = jnp.exp2(lse - jnp.max(lse, axis=0)[None])
