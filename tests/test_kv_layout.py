@@ -2,6 +2,7 @@
 every bf16 value in [6e-5, 65280] exact, and the attention kernels' fp16 PV product reads them
 without a conversion."""
 import jax.numpy as jnp
+import pytest
 
 import kernels_pallas
 from paxengine import LLM, SamplingParams
@@ -21,8 +22,15 @@ def run(attention_backend="xla", logprobs=None):
     return llm, [(o.token_ids, o.logprobs) for o in outs]
 
 
-def test_bf16_cache_stores_values_in_fp16_without_changing_tokens(monkeypatch):
-    llm, tokens = run()
+@pytest.fixture(scope="module")
+def xla_run():
+    """The bf16 engine on the XLA backend, fp16 V pages: (llm, [(tokens, logprobs)])."""
+    return run("xla", logprobs=5)
+
+
+def test_bf16_cache_stores_values_in_fp16_without_changing_tokens(monkeypatch, xla_run):
+    llm, outs = xla_run
+    tokens = [t for t, _ in outs]
     k_cache, v_cache = llm.engine.runner.kv_cache
     assert k_cache.dtype == jnp.bfloat16 and v_cache.dtype == jnp.float16
     assert k_cache.nbytes == v_cache.nbytes
@@ -35,7 +43,7 @@ def test_bf16_cache_stores_values_in_fp16_without_changing_tokens(monkeypatch):
     assert all(len(t) == 12 for t in tokens)
 
 
-def test_pallas_kernels_read_the_fp16_value_pages():
+def test_pallas_kernels_read_the_fp16_value_pages(xla_run):
     """The engine's real layout through the Pallas kernels (interpret mode): a bf16 model, fp16
     V pages, prefill chunks, decode and mixed steps follow the XLA backend's greedy path, with
     the same log-probabilities, until a near-tie (a bf16 model's greedy tokens are not
@@ -44,7 +52,7 @@ def test_pallas_kernels_read_the_fp16_value_pages():
     bf16 ones; a misread V page costs whole nats."""
     llm, pallas = run("pallas", logprobs=5)
     assert llm.engine.runner.kv_cache[1].dtype == jnp.float16
-    _, xla = run("xla", logprobs=5)
+    xla = xla_run[1]
     agreed = 0
     for (tok_p, lp_p), (tok_x, lp_x) in zip(pallas, xla):
         for i, (a, b) in enumerate(zip(tok_p, tok_x)):
