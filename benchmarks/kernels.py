@@ -134,6 +134,11 @@ def attn_flops(seqs):
   return 4 * HQ * D * f
 
 
+# The jnp oracle on a batch from build() (fp32 queries): what every variant is checked against.
+oracle = jax.jit(lambda q, kc, vc, md: ref_ragged_paged_attention(
+    q.astype(jnp.float32), kc, vc, 0, md, sm_scale=D ** -0.5))
+
+
 def ours_fn(**tun):
   f = functools.partial(ragged_paged_attention, sm_scale=D ** -0.5, interpret=INTERP, **tun)
   return jax.jit(lambda q, kc, vc, md: f(q, kc, vc, jnp.int32(0), md))
@@ -604,9 +609,7 @@ def tune_main(args, result, dev, t_start):
   for i, (name, (seqs, T, S)) in enumerate(shapes.items()):
     q, kc, vc, md = build(seqs, T, S, 100 + i)
     n = sum(ql for ql, _ in seqs)
-    ref = jax.jit(lambda q, kc, vc, md: ref_ragged_paged_attention(
-        q.astype(jnp.float32), kc, vc, 0, md, sm_scale=D ** -0.5))(q, kc, vc, md)
-    jax.block_until_ready(ref)
+    ref = jax.block_until_ready(oracle(q, kc, vc, md))
     dflt = dataclasses.asdict(default_tuning(T, S, HQ, HKV, D, BS))
     data[name] = (q, kc, vc, md, ref, n)
     rows[name] = dict(name=name, T=T, S=S, kv_bytes=kv_bytes(seqs), flops=attn_flops(seqs),

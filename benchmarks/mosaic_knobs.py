@@ -18,8 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.kernels import BS, D, attn_flops, build, chained_calls, time_loop
-from kernels_pallas import attention_mgpu, ragged_paged_attention, ref_ragged_paged_attention
+from benchmarks.kernels import BS, D, attn_flops, build, chained_calls, oracle, time_loop
+from kernels_pallas import attention_mgpu, ragged_paged_attention
 from kernels_pallas.testing import rel_err
 
 SHAPES = {   # name: (seqs [(q_len, kv_len)], T, S)
@@ -63,8 +63,7 @@ def main(argv=None):
       continue
     q, kc, vc, md = build(seqs, T, S, 7)
     n = sum(ql for ql, _ in seqs)
-    ref = jax.jit(lambda q, kc, vc, md: ref_ragged_paged_attention(
-        q.astype(jnp.float32), kc, vc, 0, md, sm_scale=D ** -0.5))(q, kc, vc, md)
+    ref = oracle(q, kc, vc, md)
     NB, P = kc.shape[2], md.block_tables.shape[1]
     for var in variants:
       row = dict(shape=name, variant=var)

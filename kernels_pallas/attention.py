@@ -348,7 +348,6 @@ def ragged_paged_attention(q, k_cache, v_cache, layer, md: AttentionMetadata, *,
   # slow, and needs more CPU threads than a small machine has (tests/kernels/conftest.py).
   def decode_by_mosaic(t):
     return (t.mosaic_decode and (mosaic_decode or not interpret)
-            and attention_mgpu.available()
             and mgpu_decode.decode_eligible(q.dtype, k_cache.dtype, v_cache.dtype, Hq, Hkv, D,
                                             bs, t.mosaic_block_k, t.mosaic_stages,
                                             t.mosaic_decode_wgs, t.k_splits,

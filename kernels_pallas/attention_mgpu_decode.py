@@ -41,6 +41,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from kernels_pallas import attention_mgpu
 from kernels_pallas.reference import P_LOG2_GAIN
 
 LOG2E = 1.4426950408889634
@@ -79,16 +80,15 @@ def decode_eligible(q_dtype, k_dtype, v_dtype, Hq: int, Hkv: int, D: int, block_
                     block_kv: int, stages: int, compute_wgs: int, k_splits: int = 1, *,
                     sliding_window=None, soft_cap=None, k_scale=None,
                     v_scale=None) -> bool:
-  """Whether this kernel can serve a decode launch (else the Triton kernel does)."""
-  half = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-  return (jnp.dtype(q_dtype) in half and jnp.dtype(k_dtype) == jnp.dtype(q_dtype)
-          and jnp.dtype(v_dtype) in (jnp.dtype(q_dtype), jnp.dtype(jnp.float16))
-          and D % 64 == 0 and block_size % 8 == 0 and block_kv % block_size == 0
-          and block_kv % 64 == 0 and rows_per_token(Hq, Hkv) <= M
+  """Whether this kernel can serve a decode launch (else the Triton kernel does): what the
+  Mosaic prefill kernel needs (dtypes, shapes, no window / soft cap / fp8, jax >= 0.11), and
+  the query rows, warpgroups and shared memory of this one."""
+  return (attention_mgpu.mosaic_eligible(q_dtype, k_dtype, v_dtype, D, block_size, block_kv,
+                                         sliding_window=sliding_window, soft_cap=soft_cap,
+                                         k_scale=k_scale, v_scale=v_scale)
+          and rows_per_token(Hq, Hkv) <= M
           and compute_wgs in (1, 2) and stages % compute_wgs == 0
-          and smem_bytes(D, block_kv, stages, compute_wgs, k_splits > 1) <= SMEM_LIMIT
-          and sliding_window is None and soft_cap is None and k_scale is None
-          and v_scale is None)
+          and smem_bytes(D, block_kv, stages, compute_wgs, k_splits > 1) <= SMEM_LIMIT)
 
 
 def combine_splits(o_part, lse_part, k_splits: int, dtype):
