@@ -36,10 +36,10 @@ def kind_of(name: str) -> str:
     return next((k for k, rx in KINDS if rx.search(name)), "other")
 
 
-def device_kernel_times(trace_dir: str) -> tuple[dict[str, float], dict[str, int]]:
-    """Kernel name -> total microseconds, and kernel name -> launches, over the device tracks
-    of the newest trace in the dir (on a CPU, where there is no device track, over every
-    complete event: host ops)."""
+def device_events(trace_dir: str) -> list[tuple[str, float, float]]:
+    """(kernel name, start us, duration us) of every kernel on the device tracks of the newest
+    trace in the dir (on a CPU, where there is no device track, of every complete event: host
+    ops)."""
     path = sorted(glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"),
                             recursive=True))[-1]
     with gzip.open(path) as f:
@@ -48,14 +48,18 @@ def device_kernel_times(trace_dir: str) -> tuple[dict[str, float], dict[str, int
     procs = {e.get("pid"): str(e.get("args", {}).get("name", "")) for e in events
              if e.get("ph") == "M" and e.get("name") == "process_name"}
     device = {pid for pid, name in procs.items() if "gpu" in name.lower() or "device" in name.lower()}
+    return [(e["name"], float(e.get("ts", 0.0)), float(e.get("dur", 0.0))) for e in events
+            if e.get("ph") == "X" and not str(e.get("name", "")).startswith("$")   # $: Python
+            and (not device or e.get("pid") in device)]
+
+
+def device_kernel_times(trace_dir: str) -> tuple[dict[str, float], dict[str, int]]:
+    """Kernel name -> total microseconds, and kernel name -> launches (see device_events)."""
     totals: dict[str, float] = defaultdict(float)
     counts: dict[str, int] = defaultdict(int)
-    for e in events:
-        if e.get("ph") != "X" or str(e.get("name", "")).startswith("$"):   # $: Python frames
-            continue
-        if not device or e.get("pid") in device:
-            totals[e["name"]] += float(e.get("dur", 0.0))
-            counts[e["name"]] += 1
+    for name, _, dur in device_events(trace_dir):
+        totals[name] += dur
+        counts[name] += 1
     return dict(totals), dict(counts)
 
 

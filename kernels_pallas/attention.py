@@ -383,14 +383,49 @@ def ragged_paged_attention(q, k_cache, v_cache, layer, md: AttentionMetadata, *,
   if tun.k_splits == 1:
     out = outs[0].reshape(T, Hq, D)
   else:
-    acc, m, l = (x.reshape(tun.k_splits, T, Hq, *x.shape[1:]) for x in outs)
-    m_max = jnp.max(m, axis=0)
-    c = jnp.exp2(m - m_max[None])
-    den = jnp.sum(c * l, axis=0)
-    out = jnp.sum(c[..., None] * acc, axis=0) / jnp.where(den > 0, den, 1.0)[..., None]
-    out = out.astype(q.dtype)
+    acc, m, l = (x.reshape(tun.k_splits, T * Hq, *x.shape[1:]) for x in outs)
+    out = merge_splits(acc, m, l, q.dtype, interpret=interpret).reshape(T, Hq, D)
   # Padding tokens: written as zeros by the kernel's padding tiles (see tile_metadata).
   return out
+
+
+def merge_splits(acc, m, l, dtype, interpret=False):
+  """Split-K partials -> output rows: acc [k, R, D] (un-normalised), m and l [k, R] (running
+  max and sum, exp2 domain; an empty split has m = MASK_VALUE, l = 0) -> [R, D] in dtype.
+
+  One small Pallas kernel: as jnp, XLA took 2-4 kernels a call for it (H200, decode B=1 ctx
+  8192: 4.6 us a layer beside an 11.5 us attention kernel, as a max-then-weighted-sum or as
+  one variadic reduction)."""
+  k, R, D = acc.shape
+  cols = 32 if D % 32 == 0 else D
+  # A program per (row, 32 columns), one warp: each thread loads its k values at once and
+  # merges them (the merge is latency-bound; one program per 32 rows measured 13.6 us).
+  return pl.pallas_call(
+      functools.partial(_merge_kernel, k=k),
+      grid=(R, D // cols),
+      in_specs=[pl.BlockSpec((k, 1, cols), lambda i, j: (0, i, j)),
+                pl.BlockSpec((k, 1), lambda i, j: (0, i)),
+                pl.BlockSpec((k, 1), lambda i, j: (0, i))],
+      out_specs=pl.BlockSpec((1, cols), lambda i, j: (i, j)),
+      out_shape=jax.ShapeDtypeStruct((R, D), dtype),
+      compiler_params=plt.CompilerParams(num_warps=1, num_stages=1),
+      interpret=interpret,
+      name="merge_splits",
+  )(acc, m, l)
+
+
+def _merge_kernel(acc_ref, m_ref, l_ref, o_ref, *, k):
+  m = m_ref[0, :]
+  l = l_ref[0, :]
+  acc = acc_ref[0, :, :]
+  for s in range(1, k):       # the online-softmax merge, split by split (k is small)
+    m_s = m_ref[s, :]
+    m_new = jnp.maximum(m, m_s)
+    a, b = jnp.exp2(m - m_new), jnp.exp2(m_s - m_new)
+    l = l * a + l_ref[s, :] * b
+    acc = acc * a[:, None] + acc_ref[s, :, :] * b[:, None]
+    m = m_new
+  o_ref[...] = (acc / jnp.where(l > 0, l, 1.0)[:, None]).astype(o_ref.dtype)
 
 
 def _mosaic_main_launch(q, k_cache, v_cache, md, scal, bt_flat, tun, dtun, launch, *, sm_scale,

@@ -215,3 +215,36 @@ def test_padding_tiles_cover_all_tokens():
   out = ragged_paged_attention(b["q"], b["k_cache"], b["v_cache"], 0, md0, sm_scale=0.125,
                                interpret=True, k_splits=2)
   assert np.all(np.asarray(out) == 0)
+
+
+def test_merge_splits_is_softmax_over_all_keys():
+  """The split-K merge kernel gives softmax(s) @ v over every key, whatever
+  the split boundaries: empty splits, maxima far apart (2^-150 underflows to 0 in fp32), rows
+  with no keys at all (zeros)."""
+  from kernels_pallas.attention import MASK_VALUE, merge_splits
+  rng = np.random.default_rng(3)
+  R, N, D = 6, 40, 8
+  s = rng.normal(size=(R, N)).astype(np.float32) * 4
+  s[1, 30:] += 150.0                      # split 3 of row 1 dominates by 2^150
+  v = rng.normal(size=(N, D)).astype(np.float32)
+  bounds = [0, 0, 17, 30, 40, 40]         # splits 0 and 4 are empty
+  acc, m, l = [], [], []
+  for a, b in zip(bounds[:-1], bounds[1:]):
+    if a == b:
+      acc.append(np.zeros((R, D), np.float32))
+      m.append(np.full(R, MASK_VALUE, np.float32))
+      l.append(np.zeros(R, np.float32))
+      continue
+    mk = s[:, a:b].max(axis=1)
+    p = np.exp2(s[:, a:b] - mk[:, None])
+    acc.append(p @ v[a:b])
+    m.append(mk)
+    l.append(p.sum(axis=1))
+  acc, m, l = (np.stack(x) for x in (acc, m, l))
+  acc[:, 5], m[:, 5], l[:, 5] = 0.0, MASK_VALUE, 0.0     # row 5: no keys in any split
+  out = np.asarray(merge_splits(jnp.asarray(acc), jnp.asarray(m), jnp.asarray(l), jnp.float32,
+                                interpret=True))
+  p = np.exp2(s - s.max(axis=1, keepdims=True))
+  want = (p / p.sum(axis=1, keepdims=True)) @ v
+  np.testing.assert_allclose(out[:5], want[:5], rtol=2e-5, atol=2e-6)
+  assert np.all(out[5] == 0)

@@ -36,6 +36,8 @@ CONFIGS = {
     "decode_bk256_onemask": dict(T=64, S=64, P=128, block_k=256, num_stages=1,
                                  split_mask=False, reverse_tiles=False, **LLAMA8B),
     "mixed_split": dict(T=512, S=64, P=128, mixed_split=True, **LLAMA8B),
+    # split-K merge kernel with k not a power of two, head_dim 64
+    "split_k3_d64": dict(T=16, S=4, P=64, num_heads=9, num_kv_heads=3, head_dim=64, k_splits=3),
     "fp8_fp16pv_window": dict(T=64, S=8, P=64, kv_dtype=jnp.float8_e4m3fn, kv_scales=True,
                               pv_fp16=True, sliding_window=1024, k_splits=2, **LLAMA8B),
     # bf16 V pages (callers other than the engine, whose bf16 caches hold fp16 V): converted

@@ -1,0 +1,197 @@
+"""Where a decode call's time goes. Each variant is timed two ways and traced:
+* loop: a jitted fori_loop of chained calls (kernels.py's `--timing loop`): every call also
+  rebuilds its tile metadata (XLA does not hoist it) and the loop updates q;
+* unrolled: calls on separate query buffers unrolled in one jit, as the engine unrolls its
+  layers: the tile metadata is built once and shared (XLA's CSE), as in an engine step, so
+  a call costs its kernel, its split-K combine and the gaps between them;
+and the trace separates the attention kernel's own device time from the other kernels and the
+gaps. With the read rate of the same bytes through an XLA reduction, and each shape with its
+pages in order as well as permuted.
+
+  python -m benchmarks.decode_trace [--only SHAPES] [--variants JSON] [--out DIR]    (GPU)
+
+Writes decode_trace.json to --out (default $OUT or .).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.kernels import (TUNE_QUICK, TUNE_SHAPES, BS, build, chained_calls, kv_bytes, oracle,
+                                ragged_paged_attention, time_loop, D, INTERP)
+from benchmarks.profile_trace import device_events
+from kernels_pallas.testing import rel_err
+
+SHAPES = "decode_b64_ctx2048,decode_b8_ctx8192,decode_b256_ctx512,decode_b1_ctx8192"
+VARIANTS = [{}, {"num_warps": 8}, {"num_stages": 2}, {"pv_split": False},
+            {"mosaic_decode": True, "mosaic_block_k": 64, "mosaic_stages": 4,
+             "mosaic_persistent": 132}]
+ITERS = 20
+
+
+def attention_kernel(name: str) -> bool:
+  """The Pallas attention kernel of a trace (Triton or Mosaic GPU), not an XLA fusion."""
+  n = name.lower()
+  return "ragged_paged" in n or "mosaic" in n or "decode_attention" in n or "entry" in n
+
+
+def span_of(events) -> tuple[float, float]:
+  """(first kernel start to last kernel end, the device's idle time inside that span), us."""
+  if not events:
+    return 0.0, 0.0
+  ev = sorted((ts, ts + dur) for _, ts, dur in events)
+  idle, end = 0.0, ev[0][1]
+  for ts, te in ev[1:]:
+    idle += max(0.0, ts - end)
+    end = max(end, te)
+  return end - ev[0][0], idle
+
+
+def traced(f, data) -> dict:
+  """Per call, over one run of f (ITERS calls): device microseconds of the attention kernel,
+  of every other kernel, the device span (first kernel start to last kernel end) and the idle
+  time inside it, and the top kernel names."""
+  with tempfile.TemporaryDirectory() as d:
+    with jax.profiler.trace(d, create_perfetto_trace=True):
+      jax.block_until_ready(f(*data))
+    events = device_events(d)
+  times, counts = {}, {}
+  for n, _, dur in events:
+    times[n] = times.get(n, 0.0) + dur
+    counts[n] = counts.get(n, 0) + 1
+  attn = sum(us for n, us in times.items() if attention_kernel(n))
+  other = sum(us for n, us in times.items() if not attention_kernel(n))
+  span, idle = span_of(events)
+  return {"kernel_us": attn / ITERS, "other_us": other / ITERS, "span_us": span / ITERS,
+          "idle_us": idle / ITERS,
+          "kernels": {n[:90]: [round(us / ITERS, 2), counts[n] / ITERS]
+                      for n, us in sorted(times.items(), key=lambda kv: -kv[1])[:8]}}
+
+
+def unrolled(over):
+  """ITERS calls in one jit, each on its own query buffer, unrolled as the engine unrolls its
+  layers: what does not depend on the queries (the tile metadata) is computed once and shared,
+  as in an engine step."""
+  @jax.jit
+  def many(qs, kc, vc, md):
+    return [ragged_paged_attention(q, kc, vc, jnp.int32(0), md, sm_scale=D ** -0.5,
+                                   interpret=INTERP, **over) for q in qs]
+  return many
+
+
+def time_unrolled(f, data, reps=5, per_sync=3) -> float:
+  """Microseconds per call of an unrolled jit: per_sync dispatches per synchronization (the
+  host's dispatch hides under the device's work), median of reps."""
+  ts = []
+  for _ in range(reps):
+    t = time.perf_counter()
+    for _ in range(per_sync):
+      out = f(*data)
+    jax.block_until_ready(out)
+    ts.append((time.perf_counter() - t) / (per_sync * ITERS) * 1e6)
+  return float(np.median(ts))
+
+
+def read_ceiling(kc, vc) -> float:
+  """Seconds for XLA to read both caches once (a sum in fp32)."""
+  @jax.jit
+  def loop(kc, vc):
+    def body(i, acc):   # (acc * 0 inside the sums: nothing is hoisted out of the loop)
+      return (acc + jnp.sum(kc.astype(jnp.float32) + acc * 0)
+              + jnp.sum(vc.astype(jnp.float32) + acc * 0))
+    return jax.lax.fori_loop(0, ITERS, body, jnp.float32(0))
+  jax.block_until_ready(loop(kc, vc))
+  return time_loop(loop, (kc, vc), 5, ITERS)
+
+
+def in_order(md, block_size):
+  """The same batch with each sequence's pages in physical order, one after the other."""
+  bt = np.asarray(md.block_tables)
+  pages = -(-np.asarray(md.seq_lens) // block_size)
+  live = np.arange(bt.shape[1])[None, :] < pages[:, None]
+  order = (np.cumsum(live.reshape(-1)).reshape(bt.shape) - 1) * live
+  return md.__class__(md.slot_mapping, jnp.asarray(order.astype(np.int32)), md.seq_lens,
+                      md.query_start_loc, md.num_seqs)
+
+
+def main() -> int:
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--only", default=SHAPES)
+  ap.add_argument("--variants", default=None, help="JSON list of Tuning overrides")
+  ap.add_argument("--rounds", type=int, default=3)
+  ap.add_argument("--out", default=os.environ.get("OUT", "."))
+  args = ap.parse_args()
+  variants = json.loads(args.variants) if args.variants else VARIANTS
+  res = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "shapes": []}
+  t0 = time.time()
+  for i, name in enumerate(args.only.split(",")):
+    seqs, T, S = {**TUNE_SHAPES, **TUNE_QUICK}[name]
+    q, kc, vc, md = build(seqs, T, S, 200 + i)
+    n = sum(ql for ql, _ in seqs)
+    ref = oracle(q, kc, vc, md)
+    nbytes = kv_bytes(seqs)
+    row = {"name": name, "kv_bytes": nbytes, "variants": []}
+    t_read = read_ceiling(kc, vc)
+    row["xla_read_TBps"] = (kc.size * kc.dtype.itemsize
+                            + vc.size * vc.dtype.itemsize) / t_read / 1e12
+    runs = []
+    for pages in ("permuted", "in_order"):
+      data = (q, kc, vc, md if pages == "permuted" else in_order(md, BS))
+      for over in (variants if pages == "permuted" else variants[:1]):
+        v = {"overrides": over, "pages": pages, "us_rounds": []}
+        f = chained_calls(lambda q, kc, vc, md, over=over: ragged_paged_attention(
+            q, kc, vc, jnp.int32(0), md, sm_scale=D ** -0.5, interpret=INTERP, **over), ITERS)
+        try:
+          out = jax.block_until_ready(f(*data))
+          v["rel_err"] = rel_err(out, ref if pages == "permuted" else oracle(*data), n)
+          v["us_rounds"].append(time_loop(f, data, 5, ITERS) * 1e6)
+          v.update(traced(f, data))
+          u = unrolled(over)
+          udata = ([q + 0 for _ in range(ITERS)],) + data[1:]
+          jax.block_until_ready(u(*udata))
+          v["unrolled_us_rounds"] = [time_unrolled(u, udata)]
+          v["unrolled"] = traced(u, udata)
+          runs.append((v, f, data, u, udata))
+        except Exception as e:  # noqa: BLE001 -- a variant that fails is recorded
+          v["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        row["variants"].append(v)
+    for _ in range(args.rounds - 1):   # interleaved re-timing: the card drifts over a call
+      for v, f, data, u, udata in runs:
+        v["us_rounds"].append(time_loop(f, data, 5, ITERS) * 1e6)
+        v["unrolled_us_rounds"].append(time_unrolled(u, udata))
+    for v, *_ in runs:
+      v["us"] = float(np.median(v["us_rounds"]))
+      v["unrolled_us"] = float(np.median(v["unrolled_us_rounds"]))
+      v["TBps"] = nbytes / v["us"] / 1e6
+      v["kernel_TBps"] = nbytes / v["kernel_us"] / 1e6 if v["kernel_us"] else float("nan")
+      v["gap_us"] = v["us"] - v["kernel_us"] - v["other_us"]
+    res["shapes"].append(row)
+    print(f"\n{name}: {nbytes / 1e6:.0f} MB of KV, XLA read {row['xla_read_TBps']:.2f} TB/s "
+          f"[{time.time() - t0:.0f}s]")
+    print(f"  {'variant':48s} {'loop us':>8s} {'kernel':>8s} {'other':>6s} {'gap':>6s} "
+          f"{'kern TB/s':>9s} {'unrolled':>8s} {'its other':>9s} {'span':>7s} {'idle':>6s} "
+          f"{'err':>8s}")
+    for v in row["variants"]:
+      label = f"{v['pages']:8s} {json.dumps(v['overrides'])}"[:48]
+      if "us" in v:
+        u = v["unrolled"]
+        print(f"  {label:48s} {v['us']:8.1f} {v['kernel_us']:8.1f} {v['other_us']:6.1f} "
+              f"{v['gap_us']:6.1f} {v['kernel_TBps']:9.2f} {v['unrolled_us']:8.1f} "
+              f"{u['other_us']:9.1f} {u['span_us']:7.1f} {u['idle_us']:6.1f} {v['rel_err']:8.1e}")
+      else:
+        print(f"  {label:48s} {v['error'][:100]}")
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "decode_trace.json"), "w") as f:
+      json.dump(res, f, indent=1)
+  return 0
+
+
+if __name__ == "__main__":
+  raise SystemExit(main())
