@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import tempfile
 import time
 
@@ -129,7 +130,8 @@ def main() -> int:
   ap.add_argument("--out", default=os.environ.get("OUT", "."))
   args = ap.parse_args()
   variants = json.loads(args.variants) if args.variants else VARIANTS
-  res = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "shapes": []}
+  res = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
+         "command": "python -m benchmarks.decode_trace " + " ".join(sys.argv[1:]), "shapes": []}
   t0 = time.time()
   for i, name in enumerate(args.only.split(",")):
     seqs, T, S = {**TUNE_SHAPES, **TUNE_QUICK}[name]

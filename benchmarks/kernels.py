@@ -61,8 +61,9 @@ def time_loop(f, args, reps, iters):
 
 def timeit(fn, *args, iters=20, reps=5):
   """Median seconds per call: `iters` async calls per sync, or (TIMING == "loop") one jitted
-  lax.fori_loop of `iters` calls (q carries a dependency so nothing is hoisted but the
-  loop-invariant metadata, as in the engine's scan over layers)."""
+  lax.fori_loop of `iters` calls (q carries a dependency so the calls stay distinct; XLA does
+  not hoist the tile metadata out of the loop either, so every call rebuilds it, which an
+  engine step does once for all layers: decode_trace.py measures both)."""
   if TIMING == "loop" and args and getattr(args[0], "ndim", 0) == 3:
     inner = fn
 

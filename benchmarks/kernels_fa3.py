@@ -5,8 +5,11 @@ the same device call.
   PYTHONPATH=/tmp/vsite python -m benchmarks.kernels_fa3 [--out DIR] [--only NAMES]
 
 Same shapes (Llama-3.1-8B attention: 32 q / 8 kv heads, d=128, page 16, bf16), same row names,
-same byte and FLOP counts (the KV pages each call must read; causal QK and PV), same timing
-method (20 calls per synchronization, median of the repetitions). Needs torch with CUDA and vLLM 0.26
+same byte and FLOP counts (the KV pages each call must read; causal QK and PV). Timed as 20
+eager calls per synchronization (median of the repetitions), as 20 calls replayed from a CUDA
+graph with the schedule planned once (how vLLM decodes), and both under torch.profiler for the
+attention kernel's own device time and the device span of a call (`decode_trace.py` measures
+ours the same ways; `kernels_compare.py` puts them side by side). Needs torch with CUDA and vLLM 0.26
 (`../shared/gpu/VLLM-PEER.md`); writes kernels_fa3_<device>.json under --out (default $OUT).
 A separate process from kernels.py: JAX and torch would each claim the GPU's memory.
 """

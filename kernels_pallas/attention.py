@@ -19,7 +19,8 @@ Work decomposition (all static shapes; the data decides which programs do work):
   traced `layer` costs nothing and the cache is never sliced or copied), with an online
   softmax in fp32 (exp2 domain).
 * Split-K (flash-decoding): with k_splits > 1 each program takes 1/k_splits of the tile's KV
-  blocks and writes un-normalised partials (acc, m, l); a small jnp combine merges them.
+  blocks and writes un-normalised partials (acc, m, l); a small kernel merges them
+  (merge_splits).
 * split_mask: the KV blocks that no row of the tile masks run in a mask-free loop (V loaded
   straight into the dot); the diagonal, last and window-edge blocks in a masked one.
 * reverse_tiles: programs take tiles last-first (longest causal ranges first).

@@ -111,7 +111,9 @@ _MOSAIC_SCHEDULE_MIN_BLOCKS = 8
 
 # H200, Mosaic decode kernel (best variant) vs Triton, one call: B=64 ctx 2048 160.5 vs 159.7
 # us, B=8 ctx 8192 99.9 vs 92.0, B=256 ctx 512 176.0 vs 167.1, B=1 ctx 8192 32.0 vs 28.8
-# (benchmarks/results/gpu_2026-11-30g/kernels_tune_decode_3.json). So Triton keeps decode.
+# (benchmarks/results/gpu_2026-11-30g/kernels_tune_decode_3.json). Kernel alone (device trace,
+# gpu_2026-11-30i/decode_trace_5bdb89b_*.json): 133 vs 131 us, 70.5 vs 69.1, 142 vs 137, 11.1 vs
+# 11.6. So Triton keeps decode.
 _MOSAIC_DECODE_DEFAULT = False
 
 

@@ -20,3 +20,53 @@ def test_timed_variant_checks_times_and_records_failures():
     bad = {}
     assert K.timed_variant(bad, dict(no_such_field=1), data, ref, 2) is None
     assert "no_such_field" in bad["error"] and "us_rounds" not in bad
+
+
+def test_decode_trace_helpers():
+    """decode_trace's device span (gaps counted once, overlaps not twice), its in-order page
+    tables (same attention output as the permuted ones) and its unrolled form (one output per
+    query buffer, each the attention of that buffer)."""
+    from benchmarks import decode_trace as DT
+    span, idle = DT.span_of([("a", 0.0, 10.0), ("b", 12.0, 3.0), ("c", 13.0, 5.0),
+                             ("d", 30.0, 1.0)])
+    assert span == 31.0 and idle == 2.0 + 12.0
+    assert DT.span_of([]) == (0.0, 0.0)
+    seqs = [(1, 40), (1, 17), (1, 33)]
+    q, kc, vc, md = K.build(seqs, 3, 4, 5)
+    md2 = DT.in_order(md, K.BS)
+    bt = md2.block_tables
+    assert bt[0, :3].tolist() == [0, 1, 2] and bt[1, :2].tolist() == [3, 4]
+    assert bt[2, :3].tolist() == [5, 6, 7] and int(bt[3].max()) == 0
+    # the same pages' contents at their new ids: the output must not change
+    live = [(s, i) for s, (_, kv) in enumerate(seqs) for i in range(-(-kv // K.BS))]
+    new = jnp.asarray([int(bt[s, i]) for s, i in live])
+    old = jnp.asarray([int(md.block_tables[s, i]) for s, i in live])
+    k2, v2 = kc.at[:, :, new].set(kc[:, :, old]), vc.at[:, :, new].set(vc[:, :, old])
+    ref = K.oracle(q, kc, vc, md)
+    assert bool(jnp.allclose(K.oracle(q, k2, v2, md2)[:3], ref[:3], atol=1e-5))
+    outs = DT.unrolled({})([q, q * 2], kc, vc, md)
+    assert len(outs) == 2
+    assert float(jnp.max(jnp.abs(outs[0][:3].astype(jnp.float32) - ref[:3]))) < 2e-2
+
+
+def test_compare_decode_levels():
+    """kernels_compare's decode table: our median over the runs against FA3, per level."""
+    from benchmarks.kernels_compare import compare_decode, markdown_decode
+
+    def run(kernel, span, loop):
+        v = {"overrides": {}, "pages": "permuted", "us": loop, "kernel_us": kernel,
+             "unrolled_us": span + 10, "unrolled": {"span_us": span}}
+        other = dict(v, overrides={"num_warps": 8}, kernel_us=1.0)   # not the default: ignored
+        return {"shapes": [{"name": "decode_b64_ctx2048", "variants": [other, v]}]}
+    fa3 = {"rows": [{"name": "decode_b64_ctx2048", "kv_bytes": 10 ** 8, "fa3_us": 150.0,
+                     "fa3_graph_us": 140.0,
+                     "fa3_graph_trace": {"kernel_us": 120.0, "span_us": 130.0}},
+                    {"name": "prefill_2048", "flops": 1, "fa3_us": 80.0}]}
+    rows = compare_decode([run(100.0, 110.0, 160.0), run(140.0, 150.0, 170.0),
+                           run(120.0, 130.0, 200.0)], fa3)
+    assert len(rows) == 1
+    r = rows[0]
+    assert r["ours_kernel_us"] == 120.0 and r["kernel_rate"] == 1.0
+    assert r["ours_step_us"] == 130.0 and r["step_rate"] == 1.0
+    assert r["ours_alone_us"] == 170.0 and abs(r["alone_rate"] - 150 / 170) < 1e-12
+    assert "| decode_b64_ctx2048 | 120.0 (0.83) / 120.0 (0.83) | 1.00x |" in markdown_decode(rows)
