@@ -79,25 +79,13 @@ def traced(f, data) -> dict:
 def unrolled(over):
   """ITERS calls in one jit, each on its own query buffer, unrolled as the engine unrolls its
   layers: what does not depend on the queries (the tile metadata) is computed once and shared,
-  as in an engine step."""
+  as in an engine step. Timed with 3 dispatches per synchronisation (the host's dispatch
+  hides under the device's work)."""
   @jax.jit
   def many(qs, kc, vc, md):
     return [ragged_paged_attention(q, kc, vc, jnp.int32(0), md, sm_scale=D ** -0.5,
                                    interpret=INTERP, **over) for q in qs]
   return many
-
-
-def time_unrolled(f, data, reps=5, per_sync=3) -> float:
-  """Microseconds per call of an unrolled jit: per_sync dispatches per synchronization (the
-  host's dispatch hides under the device's work), median of reps."""
-  ts = []
-  for _ in range(reps):
-    t = time.perf_counter()
-    for _ in range(per_sync):
-      out = f(*data)
-    jax.block_until_ready(out)
-    ts.append((time.perf_counter() - t) / (per_sync * ITERS) * 1e6)
-  return float(np.median(ts))
 
 
 def read_ceiling(kc, vc) -> float:
@@ -158,7 +146,7 @@ def main() -> int:
           u = unrolled(over)
           udata = ([q + 0 for _ in range(ITERS)],) + data[1:]
           jax.block_until_ready(u(*udata))
-          v["unrolled_us_rounds"] = [time_unrolled(u, udata)]
+          v["unrolled_us_rounds"] = [time_loop(u, udata, 5, ITERS, per_sync=3) * 1e6]
           v["unrolled"] = traced(u, udata)
           runs.append((v, f, data, u, udata))
         except Exception as e:  # noqa: BLE001 -- a variant that fails is recorded
@@ -167,7 +155,7 @@ def main() -> int:
     for _ in range(args.rounds - 1):   # interleaved re-timing: the card drifts over a call
       for v, f, data, u, udata in runs:
         v["us_rounds"].append(time_loop(f, data, 5, ITERS) * 1e6)
-        v["unrolled_us_rounds"].append(time_unrolled(u, udata))
+        v["unrolled_us_rounds"].append(time_loop(u, udata, 5, ITERS, per_sync=3) * 1e6)
     for v, *_ in runs:
       v["us"] = float(np.median(v["us_rounds"]))
       v["unrolled_us"] = float(np.median(v["unrolled_us_rounds"]))

@@ -49,13 +49,16 @@ def log(*a):
 TIMING = "calls"
 
 
-def time_loop(f, args, reps, iters):
-  """Seconds per call: median over `reps` runs of a compiled `iters`-call loop."""
+def time_loop(f, args, reps, iters, per_sync=1):
+  """Seconds per call: median over `reps` synchronisations of `per_sync` dispatches of f, a
+  compiled loop (or unrolled sequence) of `iters` calls."""
   ts = []
   for _ in range(reps):
     t1 = time.perf_counter()
-    jax.block_until_ready(f(*args))
-    ts.append((time.perf_counter() - t1) / iters)
+    for _ in range(per_sync):
+      out = f(*args)
+    jax.block_until_ready(out)
+    ts.append((time.perf_counter() - t1) / (iters * per_sync))
   return float(np.median(ts))
 
 
@@ -76,16 +79,8 @@ def timeit(fn, *args, iters=20, reps=5):
       return jax.lax.fori_loop(0, iters, body, (q, jnp.float32(0)))
     jax.block_until_ready(many(*args))
     return time_loop(many, args, reps, iters)
-  out = fn(*args)
-  jax.block_until_ready(out)
-  ts = []
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    for _ in range(iters):
-      out = fn(*args)
-    jax.block_until_ready(out)
-    ts.append((time.perf_counter() - t0) / iters)
-  return float(np.median(ts))
+  jax.block_until_ready(fn(*args))
+  return time_loop(fn, args, reps, 1, per_sync=iters)
 
 
 def copy_bandwidth():
