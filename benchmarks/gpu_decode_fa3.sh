@@ -22,5 +22,10 @@ PYTHONPATH=/tmp/vsite:$PWD python3 -m benchmarks.kernels_fa3 --only "$S" --out "
   > "$OUT/fa3_log.txt" 2>&1 || echo "kernels_fa3.py failed, see $OUT/fa3_log.txt"
 grep "FA3\|Error\|error" "$OUT/fa3_log.txt" | tail -12
 ours "$OUT/ours2"
-python3 -m benchmarks.kernels_compare "$OUT"/ours1/decode_trace.json "$OUT"/ours2/decode_trace.json \
-  "$OUT"/kernels_fa3_*.json --out "$OUT/decode_compare.json"
+fa3=$(ls "$OUT"/kernels_fa3_*.json 2>/dev/null | head -1)
+if [ -n "$fa3" ]; then
+  python3 -m benchmarks.kernels_compare "$OUT"/ours1/decode_trace.json \
+    "$OUT"/ours2/decode_trace.json "$fa3" --out "$OUT/decode_compare.json"
+else
+  echo "no FA3 results in $OUT: no comparison"
+fi

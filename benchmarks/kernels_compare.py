@@ -37,14 +37,16 @@ def compare(ours_runs: list[dict], fa3: dict) -> list[dict]:
 def compare_decode(traces: list[dict], fa3: dict) -> list[dict]:
     """Decode rows from decode_trace.py runs (their default variant, pages permuted) and a
     kernels_fa3.py run, on three levels:
-    * kernel: the attention kernel alone (device time);
+    * kernel: the attention kernel alone (device time), both sides back to back as in a step
+      (ours in the unrolled form, FA3 in the graph replay);
     * step: a call inside an engine step, on the device (first kernel start to last kernel end,
       per call; kernels, split-K combine and the gaps between them): ours unrolled in one jit
       with the metadata shared, FA3 replayed from a CUDA graph with its schedule planned once
       (as vLLM decodes);
     * alone: wall time of a call on its own (ours: the jitted loop, metadata rebuilt every
       call; FA3: eager calls, each planning its schedule).
-    Ours is the median over the traces; rate = FA3's time / ours (> 1: ours is faster)."""
+    Ours is the median over the traces; rate = FA3's time / ours (> 1: ours is faster). Shapes
+    without FA3's graph trace are left out, with a note on stderr."""
     ours: dict[str, list[dict]] = {}
     for run in traces:
         for shape in run["shapes"]:
@@ -56,11 +58,17 @@ def compare_decode(traces: list[dict], fa3: dict) -> list[dict]:
     for f in fa3["rows"]:
         vs = ours.get(f["name"])
         ft = f.get("fa3_graph_trace")
-        if not vs or "kv_bytes" not in f or not ft:
+        if not vs or "kv_bytes" not in f:
+            continue
+        if not ft:
+            print(f"note: {f['name']}: no FA3 graph trace "
+                  f"({f.get('fa3_graph_error', 'no kernels traced')}); left out", file=sys.stderr)
             continue
         med = lambda key: statistics.median(key(v) for v in vs)  # noqa: E731
         r = {"name": f["name"], "kv_bytes": f["kv_bytes"], "ours_runs": len(vs),
-             "ours_kernel_us": med(lambda v: v["kernel_us"]), "fa3_kernel_us": ft["kernel_us"],
+             "ours_kernel_us": med(lambda v: v["unrolled"]["kernel_us"]),
+             "fa3_kernel_us": ft["kernel_us"],
+             "ours_kernel_in_loop_us": med(lambda v: v["kernel_us"]),
              "ours_step_us": med(lambda v: v["unrolled"]["span_us"]),
              "fa3_step_us": ft["span_us"],
              "ours_alone_us": med(lambda v: v["us"]), "fa3_alone_us": f["fa3_us"],
@@ -108,7 +116,7 @@ def main(argv=None) -> int:
     for path in args.files:
         with open(path) as f:
             loaded.append(json.load(f))
-    if all("shapes" in run for run in loaded[:-1]):    # decode_trace.py runs
+    if all(isinstance(run.get("shapes"), list) for run in loaded[:-1]):   # decode_trace.py
         rows = compare_decode(loaded[:-1], loaded[-1])
         print(markdown_decode(rows))
     else:

@@ -85,7 +85,8 @@ def time_fa3(batch: int, ctx: int, fa, torch, q_len: int = 1) -> dict:
     """FA3 on one shape, three ways (microseconds per call):
     fa3_us: CALLS eager calls per sync, each planning its own schedule (the earlier runs' method);
     fa3_graph_us: as vLLM decodes, the schedule planned once (get_scheduler_metadata, per step
-      in vLLM) and CALLS calls replayed from one CUDA graph;
+      in vLLM; vLLM's CUDA graphs also cap the number of splits, left to FA3's heuristic here)
+      and CALLS calls replayed from one CUDA graph, checked against an eager call's output;
     fa3_eager_trace / fa3_graph_trace: the same under torch.profiler (kernel_us: the attention
       kernel alone; device_us: every kernel; span_us: the device's span, gaps included)."""
     flash_attn_varlen_func, get_scheduler_metadata = fa
@@ -127,9 +128,13 @@ def time_fa3(batch: int, ctx: int, fa, torch, q_len: int = 1) -> dict:
         torch.cuda.current_stream().wait_stream(s)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            for _ in range(CALLS):
-                call(scheduler_metadata=meta)
+            outs = [call(scheduler_metadata=meta) for _ in range(CALLS)]
+        graph.replay()
         torch.cuda.synchronize()
+        # the planned schedule must give the eager call's output (else the timing means nothing)
+        res["fa3_graph_max_abs_diff"] = float((outs[-1].float() - call().float()).abs().max())
+        if not res["fa3_graph_max_abs_diff"] < 1e-2:
+            raise ValueError(f"graph output differs from eager: {res['fa3_graph_max_abs_diff']}")
         res["fa3_graph_us"] = median_us(graph.replay, torch)
         res["fa3_graph_trace"] = kernel_us(graph.replay, torch)
     except Exception as e:  # noqa: BLE001 -- recorded; the eager numbers stand

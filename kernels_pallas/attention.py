@@ -32,12 +32,14 @@ Why Triton first: the Triton lowering runs unchanged on jax 0.10.2 (CPU CI, inte
 a block table needs, and its CUDA lowering can be checked on a CPU (see `lowering.py`). On jax
 0.11, prefill and mixed buckets of 512+ tokens go through the Mosaic GPU kernel
 (attention_mgpu.py, FA3-style, persistent), which measured 1.15-1.9x faster there; decode
-stays here (the Mosaic decode kernel, attention_mgpu_decode.py, is opt-in: it measured 0-11%
-slower).
+stays here: within 2% of FlashAttention-3 or faster on the H200 (kernels_pallas/README.md, run
+9); the Mosaic decode kernel, attention_mgpu_decode.py, is opt-in (it measured 0-11% slower at
+B >= 8).
 """
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -390,26 +392,30 @@ def ragged_paged_attention(q, k_cache, v_cache, layer, md: AttentionMetadata, *,
   return out
 
 
-def merge_splits(acc, m, l, dtype, interpret=False):
+def merge_splits(acc, m, l, dtype, interpret=False, rows=None):
   """Split-K partials -> output rows: acc [k, R, D] (un-normalised), m and l [k, R] (running
   max and sum, exp2 domain; an empty split has m = MASK_VALUE, l = 0) -> [R, D] in dtype.
 
   One small Pallas kernel: as jnp, XLA took 2-4 kernels a call for it (H200, decode B=1 ctx
   8192: 4.6 us a layer beside an 11.5 us attention kernel, as a max-then-weighted-sum or as
-  one variadic reduction)."""
+  one variadic reduction). `rows` per program: by default 1 on the GPU, where a program per
+  (row, 32 columns) in one warp has each thread load its k values at once (the merge is
+  latency-bound: a program per 32 rows took 13.6 us at B=1, this 1.65 us); in interpret mode
+  the largest power of two dividing R up to 256, with whole rows (interpret mode runs the
+  programs one by one, each copying the buffers, so many small ones cost seconds)."""
   k, R, D = acc.shape
-  cols = 32 if D % 32 == 0 else D
-  # A program per (row, 32 columns), one warp: each thread loads its k values at once and
-  # merges them (the merge is latency-bound; one program per 32 rows measured 13.6 us).
+  if rows is None:
+    rows = math.gcd(R, 256) if interpret else 1
+  cols = 32 if rows == 1 and D % 32 == 0 else D
   return pl.pallas_call(
       functools.partial(_merge_kernel, k=k),
-      grid=(R, D // cols),
-      in_specs=[pl.BlockSpec((k, 1, cols), lambda i, j: (0, i, j)),
-                pl.BlockSpec((k, 1), lambda i, j: (0, i)),
-                pl.BlockSpec((k, 1), lambda i, j: (0, i))],
-      out_specs=pl.BlockSpec((1, cols), lambda i, j: (i, j)),
+      grid=(R // rows, D // cols),
+      in_specs=[pl.BlockSpec((k, rows, cols), lambda i, j: (0, i, j)),
+                pl.BlockSpec((k, rows), lambda i, j: (0, i)),
+                pl.BlockSpec((k, rows), lambda i, j: (0, i))],
+      out_specs=pl.BlockSpec((rows, cols), lambda i, j: (i, j)),
       out_shape=jax.ShapeDtypeStruct((R, D), dtype),
-      compiler_params=plt.CompilerParams(num_warps=1, num_stages=1),
+      compiler_params=plt.CompilerParams(num_warps=1 if rows == 1 else 4, num_stages=1),
       interpret=interpret,
       name="merge_splits",
   )(acc, m, l)

@@ -155,9 +155,12 @@ def test_kernels_compare_brackets_fa3(tmp_path):
     """kernels_compare: our median over the runs against FA3, the range from our fastest and
     slowest run; shapes FA3 did not time are left out; the CLI prints the table."""
     from benchmarks import kernels_compare as kc
-    ours = [{"rows": [{"name": "a", "ours_us": 100.0}, {"name": "b", "ours_us": 40.0},
-                      {"name": "write_kv_T64", "pallas_us": 3.0}]},
-            {"rows": [{"name": "a", "ours_us": 120.0}, {"name": "b", "ours_us": 60.0}]}]
+    shapes = {"num_heads": 32, "num_kv_heads": 8}     # kernels.py writes the model's shapes
+    ours = [{"shapes": shapes, "rows": [{"name": "a", "ours_us": 100.0},
+                                        {"name": "b", "ours_us": 40.0},
+                                        {"name": "write_kv_T64", "pallas_us": 3.0}]},
+            {"shapes": shapes, "rows": [{"name": "a", "ours_us": 120.0},
+                                        {"name": "b", "ours_us": 60.0}]}]
     fa3 = {"rows": [{"name": "a", "fa3_us": 110.0}, {"name": "c", "fa3_us": 1.0}]}
     row, = kc.compare(ours, fa3)
     assert row["name"] == "a" and row["ours_median_us"] == 110.0

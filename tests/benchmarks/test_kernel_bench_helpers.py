@@ -47,6 +47,9 @@ def test_decode_trace_helpers():
     outs = DT.unrolled({})([q, q * 2], kc, vc, md)
     assert len(outs) == 2
     assert float(jnp.max(jnp.abs(outs[0][:3].astype(jnp.float32) - ref[:3]))) < 2e-2
+    ref2 = K.oracle(q * 2, kc, vc, md)
+    assert float(jnp.max(jnp.abs(outs[1][:3].astype(jnp.float32) - ref2[:3]))) < 2e-2
+    assert float(jnp.max(jnp.abs(ref2[:3] - ref[:3]))) > 0.1      # the two calls differ
 
 
 def test_compare_decode_levels():
@@ -54,9 +57,10 @@ def test_compare_decode_levels():
     from benchmarks.kernels_compare import compare_decode, markdown_decode
 
     def run(kernel, span, loop):
-        v = {"overrides": {}, "pages": "permuted", "us": loop, "kernel_us": kernel,
-             "unrolled_us": span + 10, "unrolled": {"span_us": span}}
-        other = dict(v, overrides={"num_warps": 8}, kernel_us=1.0)   # not the default: ignored
+        v = {"overrides": {}, "pages": "permuted", "us": loop, "kernel_us": kernel + 3,
+             "unrolled_us": span + 10, "unrolled": {"span_us": span, "kernel_us": kernel}}
+        other = dict(v, overrides={"num_warps": 8},
+                     unrolled={"span_us": 1.0, "kernel_us": 1.0})   # not the default: ignored
         return {"shapes": [{"name": "decode_b64_ctx2048", "variants": [other, v]}]}
     fa3 = {"rows": [{"name": "decode_b64_ctx2048", "kv_bytes": 10 ** 8, "fa3_us": 150.0,
                      "fa3_graph_us": 140.0,
@@ -66,7 +70,8 @@ def test_compare_decode_levels():
                            run(120.0, 130.0, 200.0)], fa3)
     assert len(rows) == 1
     r = rows[0]
-    assert r["ours_kernel_us"] == 120.0 and r["kernel_rate"] == 1.0
+    assert r["ours_kernel_us"] == 120.0 and r["kernel_rate"] == 1.0   # back to back: unrolled
+    assert r["ours_kernel_in_loop_us"] == 123.0
     assert r["ours_step_us"] == 130.0 and r["step_rate"] == 1.0
     assert r["ours_alone_us"] == 170.0 and abs(r["alone_rate"] - 150 / 170) < 1e-12
     assert "| decode_b64_ctx2048 | 120.0 (0.83) / 120.0 (0.83) | 1.00x |" in markdown_decode(rows)

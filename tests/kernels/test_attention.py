@@ -217,13 +217,15 @@ def test_padding_tiles_cover_all_tokens():
   assert np.all(np.asarray(out) == 0)
 
 
-def test_merge_splits_is_softmax_over_all_keys():
-  """The split-K merge kernel gives softmax(s) @ v over every key, whatever
-  the split boundaries: empty splits, maxima far apart (2^-150 underflows to 0 in fp32), rows
-  with no keys at all (zeros)."""
+@pytest.mark.parametrize("rows", [None, 1])
+def test_merge_splits_is_softmax_over_all_keys(rows):
+  """The split-K merge kernel gives softmax(s) @ v over every key, whatever the split
+  boundaries: empty splits, maxima far apart (2^-150 underflows to 0 in fp32), rows with no keys
+  at all (zeros). Both tilings: interpret mode's (whole rows) and the GPU's (a program per row
+  and 32 columns)."""
   from kernels_pallas.attention import MASK_VALUE, merge_splits
   rng = np.random.default_rng(3)
-  R, N, D = 6, 40, 8
+  R, N, D = 6, 40, 64
   s = rng.normal(size=(R, N)).astype(np.float32) * 4
   s[1, 30:] += 150.0                      # split 3 of row 1 dominates by 2^150
   v = rng.normal(size=(N, D)).astype(np.float32)
@@ -243,7 +245,7 @@ def test_merge_splits_is_softmax_over_all_keys():
   acc, m, l = (np.stack(x) for x in (acc, m, l))
   acc[:, 5], m[:, 5], l[:, 5] = 0.0, MASK_VALUE, 0.0     # row 5: no keys in any split
   out = np.asarray(merge_splits(jnp.asarray(acc), jnp.asarray(m), jnp.asarray(l), jnp.float32,
-                                interpret=True))
+                                interpret=True, rows=rows))
   p = np.exp2(s - s.max(axis=1, keepdims=True))
   want = (p / p.sum(axis=1, keepdims=True)) @ v
   np.testing.assert_allclose(out[:5], want[:5], rtol=2e-5, atol=2e-6)

@@ -52,6 +52,8 @@ CONFIGS = {
 def test_lowers_for_cuda(name):
   txt = check_cuda_lowering(**CONFIGS[name])
   assert "triton" in txt
+  if CONFIGS[name].get("k_splits", 1) > 1:
+    assert "merge_splits" in txt          # the split-K merge kernel lowered too
 
 
 def test_broken_rule_is_caught():
