@@ -30,7 +30,7 @@ import numpy as np
 
 from benchmarks.kernels import (TUNE_QUICK, TUNE_SHAPES, BS, build, chained_calls, kv_bytes, oracle,
                                 ragged_paged_attention, time_loop, D, INTERP)
-from benchmarks.profile_trace import device_events
+from benchmarks.profile_trace import device_events, span_of
 from kernels_pallas.testing import rel_err
 
 SHAPES = "decode_b64_ctx2048,decode_b8_ctx8192,decode_b256_ctx512,decode_b1_ctx8192"
@@ -44,18 +44,6 @@ def attention_kernel(name: str) -> bool:
   """The Pallas attention kernel of a trace (Triton or Mosaic GPU), not an XLA fusion."""
   n = name.lower()
   return "ragged_paged" in n or "mosaic_gpu" in n
-
-
-def span_of(events) -> tuple[float, float]:
-  """(first kernel start to last kernel end, the device's idle time inside that span), us."""
-  if not events:
-    return 0.0, 0.0
-  ev = sorted((ts, ts + dur) for _, ts, dur in events)
-  idle, end = 0.0, ev[0][1]
-  for ts, te in ev[1:]:
-    idle += max(0.0, ts - end)
-    end = max(end, te)
-  return end - ev[0][0], idle
 
 
 def traced(f, data) -> dict:

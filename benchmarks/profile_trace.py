@@ -18,12 +18,13 @@ import os
 import re
 import sys
 import tempfile
+import time
 from collections import defaultdict
 
 import jax
 
 KINDS = [   # first match wins
-    ("attention", re.compile(r"ragged_paged_attention")),
+    ("attention", re.compile(r"ragged_paged_attention|mosaic_gpu|merge_splits")),
     ("kv_write", re.compile(r"write_kv")),
     ("matmul", re.compile(r"gemm|cublas|nvjet|cutlass|xmma|matmul|dot|triton_gemm", re.I)),
     ("sort/top-k", re.compile(r"sort|topk|top_k", re.I)),
@@ -63,13 +64,29 @@ def device_kernel_times(trace_dir: str) -> tuple[dict[str, float], dict[str, int
     return dict(totals), dict(counts)
 
 
+def span_of(events) -> tuple[float, float]:
+    """(first kernel start to last kernel end, the device's idle time inside that span), us,
+    of device_events() rows."""
+    if not events:
+        return 0.0, 0.0
+    ev = sorted((ts, ts + dur) for _, ts, dur in events)
+    idle, end = 0.0, ev[0][1]
+    for ts, te in ev[1:]:
+        idle += max(0.0, ts - end)
+        end = max(end, te)
+    return end - ev[0][0], idle
+
+
 def trace_steps(step, n: int) -> dict:
     step()                                     # outside the trace: nothing compiles in it
     with tempfile.TemporaryDirectory() as d:
         with jax.profiler.trace(d, create_perfetto_trace=True):
+            t = time.perf_counter()
             for _ in range(n):
                 step()
+            wall = time.perf_counter() - t
         times, counts = device_kernel_times(d)
+        span, idle = span_of(device_events(d))
     by_kind: dict[str, float] = defaultdict(float)
     launches: dict[str, float] = defaultdict(float)
     for name, us in times.items():
@@ -79,6 +96,10 @@ def trace_steps(step, n: int) -> dict:
     return {"per_step_ms": {k: v / 1e3 for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
             "launches_per_step": dict(launches),
             "total_ms": sum(by_kind.values()) / 1e3,
+            # per step: wall clock (under the tracer), the device's span (first kernel start to
+            # last kernel end) and its idle time inside the span
+            "wall_ms": wall / n * 1e3, "device_span_ms": span / n / 1e3,
+            "device_idle_ms": idle / n / 1e3,
             "top_kernels_ms_per_step": [(name, us / n / 1e3, kind_of(name), counts[name] / n)
                                         for name, us in top]}
 
@@ -127,7 +148,8 @@ def main() -> int:
     res["decode_rows"], res["prefill_tokens"] = rows, chunk
     for name in ("prefill", "decode", "decode_b1"):
         r = res[name]
-        print(f"\n{name}: {r['total_ms']:.2f} ms of kernels per step")
+        print(f"\n{name}: {r['total_ms']:.2f} ms of kernels per step; wall {r['wall_ms']:.2f} ms, "
+              f"device span {r['device_span_ms']:.2f} ms with {r['device_idle_ms']:.2f} ms idle")
         for kind, ms in r["per_step_ms"].items():
             print(f"  {kind:12s} {ms:8.2f} ms  {r['launches_per_step'][kind]:6.0f} launches")
         for kname, ms, kind, cnt in r["top_kernels_ms_per_step"][:20]:

@@ -131,6 +131,10 @@ def test_profile_trace_sums_device_kernels(tmp_path):
     assert counts == {"ragged_paged_attention_q16_k128_s1": 2, "nvjet_hsh_256x128_gemm": 1,
                       "loop_multiply_fusion": 1, "write_kv": 1}
     assert [pt.kind_of(n) for n in times] == ["attention", "matmul", "fusion", "kv_write"]
+    # the Mosaic GPU kernels and the split-K merge count as attention too
+    assert pt.kind_of("entry_mosaic_gpu_kernel") == pt.kind_of("merge_splits") == "attention"
+    span, idle = pt.span_of(pt.device_events(str(tmp_path)))
+    assert span > 0 and 0 <= idle <= span
 
 
 def test_kernel_tune_rounds(tmp_path):
