@@ -30,7 +30,7 @@ import numpy as np
 
 from benchmarks.kernels import (TUNE_QUICK, TUNE_SHAPES, BS, build, chained_calls, kv_bytes, oracle,
                                 ragged_paged_attention, time_loop, D, INTERP)
-from benchmarks.profile_trace import device_events, span_of
+from benchmarks.profile_trace import device_events, device_kernel_times, span_of
 from kernels_pallas.testing import rel_err
 
 SHAPES = "decode_b64_ctx2048,decode_b8_ctx8192,decode_b256_ctx512,decode_b1_ctx8192"
@@ -54,10 +54,7 @@ def traced(f, data) -> dict:
     with jax.profiler.trace(d, create_perfetto_trace=True):
       jax.block_until_ready(f(*data))
     events = device_events(d)
-  times, counts = {}, {}
-  for n, _, dur in events:
-    times[n] = times.get(n, 0.0) + dur
-    counts[n] = counts.get(n, 0) + 1
+    times, counts = device_kernel_times(d)
   attn = sum(us for n, us in times.items() if attention_kernel(n))
   other = sum(us for n, us in times.items() if not attention_kernel(n))
   span, idle = span_of(events)
@@ -71,7 +68,7 @@ def unrolled(over):
   """ITERS calls in one jit, each on its own query buffer, unrolled as the engine unrolls its
   layers: what does not depend on the queries (the tile metadata) is computed once and shared,
   as in an engine step. Timed with 3 dispatches per synchronisation (the host's dispatch
-  hides under the device's work)."""
+  overlaps the device's work; what it cannot hide shows as wall clock minus device span)."""
   @jax.jit
   def many(qs, kc, vc, md):
     return [ragged_paged_attention(q, kc, vc, jnp.int32(0), md, sm_scale=D ** -0.5,
