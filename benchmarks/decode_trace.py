@@ -28,8 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.kernels import (TUNE_QUICK, TUNE_SHAPES, BS, build, chained_calls, kv_bytes, oracle,
-                                ragged_paged_attention, time_loop, D, INTERP)
+from benchmarks.kernels import (TUNE_QUICK, TUNE_SHAPES, BS, D, INTERP, _loop_fn, build,
+                                kv_bytes, oracle, ragged_paged_attention, time_loop)
 from benchmarks.profile_trace import device_events, device_kernel_times, span_of
 from kernels_pallas.testing import rel_err
 
@@ -125,8 +125,7 @@ def main() -> int:
       data = (q, kc, vc, md if pages == "permuted" else in_order(md, BS))
       for over in (variants if pages == "permuted" else variants[:1]):
         v = {"overrides": over, "pages": pages, "us_rounds": []}
-        f = chained_calls(lambda q, kc, vc, md, over=over: ragged_paged_attention(
-            q, kc, vc, jnp.int32(0), md, sm_scale=D ** -0.5, interpret=INTERP, **over), ITERS)
+        f = _loop_fn(over, ITERS)
         try:
           out = jax.block_until_ready(f(*data))
           v["rel_err"] = rel_err(out, ref if pages == "permuted" else oracle(*data), n)

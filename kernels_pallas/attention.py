@@ -50,7 +50,7 @@ from jax.experimental.pallas import triton as plt
 from kernels_pallas import attention_mgpu
 from kernels_pallas import attention_mgpu_decode as mgpu_decode
 from kernels_pallas.metadata import AttentionMetadata, count_le, live_query_lens
-from kernels_pallas.reference import P_LOG2_GAIN, quantize_kv
+from kernels_pallas.reference import P_LOG2_GAIN, quantize_kv, value_cache_dtype
 from kernels_pallas.tuning import is_decode_bucket, next_pow2, plan_launches
 
 LOG2E = 1.4426950408889634
@@ -290,10 +290,9 @@ def ragged_paged_attention(q, k_cache, v_cache, layer, md: AttentionMetadata, *,
   T, Hq, D = q.shape
   L, Hkv, NB, bs, Dk = k_cache.shape
   assert Dk == D and v_cache.shape == k_cache.shape and Hq % Hkv == 0
-  # V pages may be fp16 under bf16 K pages (reference.value_cache_dtype), never another mix.
-  assert v_cache.dtype == k_cache.dtype or (k_cache.dtype == jnp.bfloat16
-                                            and v_cache.dtype == jnp.float16), (k_cache.dtype,
-                                                                                v_cache.dtype)
+  # V pages are K's dtype or the engine's choice for it (fp16 under bf16), never another mix.
+  assert v_cache.dtype in (k_cache.dtype, value_cache_dtype(k_cache.dtype)), (k_cache.dtype,
+                                                                             v_cache.dtype)
   S, P = md.block_tables.shape
   G = Hq // Hkv
   G_pad = next_pow2(G)

@@ -45,7 +45,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from kernels_pallas.metadata import count_le, live_query_lens
-from kernels_pallas.reference import FP16_SAFE_MAX, P_LOG2_GAIN
+from kernels_pallas.reference import FP16_SAFE_MAX, P_LOG2_GAIN, value_cache_dtype
 
 LOG2E = 1.4426950408889634
 MASK_VALUE = -1e30
@@ -69,7 +69,7 @@ def mosaic_eligible(q_dtype, k_dtype, v_dtype, D: int, block_size: int, block_kv
   """Whether this kernel can serve a call (else the Triton kernel does)."""
   half = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
   return (available() and jnp.dtype(q_dtype) in half and jnp.dtype(k_dtype) == jnp.dtype(q_dtype)
-          and jnp.dtype(v_dtype) in (jnp.dtype(q_dtype), jnp.dtype(jnp.float16))
+          and jnp.dtype(v_dtype) in (jnp.dtype(k_dtype), value_cache_dtype(k_dtype))
           and D % 64 == 0 and block_size % 8 == 0 and block_kv % block_size == 0
           and block_kv % 64 == 0
           and sliding_window is None and soft_cap is None and k_scale is None
