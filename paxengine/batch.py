@@ -6,24 +6,23 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from paxengine.request import PLACEHOLDER
 from paxengine.scheduler import SchedulerOutput
 
 
-def token_buckets(max_num_batched_tokens: int, smallest: int = 16) -> list[int]:
+def _ladder(largest: int, smallest: int, factor: int) -> list[int]:
     out, b = [], smallest
-    while b < max_num_batched_tokens:
+    while b < largest:
         out.append(b)
-        b *= 2
-    return out + [max_num_batched_tokens]
+        b *= factor
+    return out + [largest]
+
+
+def token_buckets(max_num_batched_tokens: int, smallest: int = 16) -> list[int]:
+    return _ladder(max_num_batched_tokens, smallest, 2)
 
 
 def seq_buckets(max_num_seqs: int, smallest: int = 4) -> list[int]:
-    out, b = [], smallest
-    while b < max_num_seqs:
-        out.append(b)
-        b *= 4
-    return out + [max_num_seqs]
+    return _ladder(max_num_seqs, smallest, 4)
 
 
 MAX_TOKENS_PER_ROW = 128   # a bucket (T, S) with T > 128 S is left out unless S is the largest
@@ -63,8 +62,9 @@ class StepArrays:
 
 def build_step(out: SchedulerOutput, block_size: int, T: int, S: int, P: int,
                prev_rows: dict[str, int] | None = None) -> StepArrays:
-    """prev_rows: request id -> its row in the step still on the device, for requests whose last
-    token is a PLACEHOLDER sampled there."""
+    """Call right after `out` was scheduled. prev_rows: request id -> its row in the step still on
+    the device, for requests whose last scheduled token is the sample of that step (not yet on
+    the host: its id is taken on the device)."""
     tokens = np.zeros(T, np.int32)
     positions = np.zeros(T, np.int32)
     slots = np.full(T, -1, np.int32)
@@ -76,22 +76,25 @@ def build_step(out: SchedulerOutput, block_size: int, T: int, S: int, P: int,
     t = 0
     for row, req in enumerate(out.requests):
         n = out.num_scheduled_tokens[req.request_id]
-        start = req.num_computed_tokens
+        end = req.num_computed_tokens             # schedule() already counted the n as computed
+        start = end - n
+        known = min(end, req.num_known_tokens)    # past it: the previous step's sample
         blocks = req.block_array()
         if n == 1:      # a decode row: no per-row numpy temporaries (most rows of a big batch)
-            tokens[t] = req.token_slice(start, start + 1)[0]
+            if known > start:
+                tokens[t] = req.token_slice(start, known)[0]
             positions[t] = start
             slots[t] = blocks[start // block_size] * block_size + start % block_size
         else:
-            pos = np.arange(start, start + n, dtype=np.int32)
-            tokens[t:t + n] = req.token_slice(start, start + n)
+            pos = np.arange(start, end, dtype=np.int32)
+            tokens[t:t + known - start] = req.token_slice(start, known)
             positions[t:t + n] = pos
             slots[t:t + n] = blocks[pos // block_size] * block_size + pos % block_size
         tables[row, :len(blocks)] = blocks
-        if req.output_token_ids and req.output_token_ids[-1] == PLACEHOLDER and start + n == req.num_tokens:
+        if known < end:
+            assert known == end - 1, (req.request_id, known, end)
             prev_index[t + n - 1] = prev_rows[req.request_id]
-            tokens[t + n - 1] = 0
-        seq_lens[row] = start + n
+        seq_lens[row] = end
         t += n
         qsl[row + 1] = t
         logits_idx[row] = t - 1

@@ -19,7 +19,7 @@ class EngineConfig:
     block_size: int = 16
     num_kv_blocks: int | None = None    # explicit pool size; else from the memory budget
     gpu_memory_utilization: float = 0.9
-    kv_cache_memory_bytes: int | None = None  # byte budget for the KV pool (CPU default: 1 GiB)
+    kv_cache_memory_bytes: int | None = None  # byte budget for the KV pool (CPU default: 512 MiB)
     enable_prefix_caching: bool = True
     # auto (= model dtype) | float32 | bfloat16 | fp8; a bf16 cache keeps V pages in fp16
     kv_cache_dtype: str = "auto"
@@ -33,7 +33,7 @@ class EngineConfig:
     weights_cache_dir: str | None = None      # default ~/.cache/paxengine/weights
     token_buckets: list[int] | None = None    # derived from max_num_batched_tokens when None
     seq_buckets: list[int] | None = None      # derived from max_num_seqs when None
-    max_waiting_requests: int = 1024    # admission bound: beyond it new requests are refused
+    max_waiting_requests: int = 1024    # AsyncEngine refuses requests (503) while this many wait
     show_progress: bool = True
 
     @classmethod

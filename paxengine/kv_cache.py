@@ -73,7 +73,9 @@ class KVCacheManager:
         """Publish the request's newly completed full blocks under their chain hash."""
         if not self.enable_prefix_caching:
             return
-        n_full = min(req.num_computed_tokens // self.block_size, len(req.block_ids))
+        # Only blocks whose token ids the host has: a sample fed from the device is not hashed yet.
+        computed = min(req.num_computed_tokens, req.num_known_tokens)
+        n_full = min(computed // self.block_size, len(req.block_ids))
         if n_full <= req.num_published_blocks:    # nothing new: O(1) for most decode steps
             return
         hashes = self._hashes(req, n_full)

@@ -1,7 +1,7 @@
 """What callers get back: vLLM-shaped RequestOutput / CompletionOutput."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass
@@ -19,20 +19,6 @@ class RequestMetrics:
     finished_time: float | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
-    num_generation_tokens: int = 0
-
-    @property
-    def ttft(self) -> float | None:
-        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
-
-    @property
-    def queue_time(self) -> float | None:
-        s = self.first_scheduled_time
-        return None if s is None else s - self.arrival_time
-
-    @property
-    def e2e(self) -> float | None:
-        return None if self.finished_time is None else self.finished_time - self.arrival_time
 
 
 @dataclass
@@ -58,6 +44,4 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
-    error: str | None = None
     num_cached_tokens: int = 0
-    extra: dict = field(default_factory=dict)

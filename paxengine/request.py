@@ -10,11 +10,6 @@ import numpy as np
 from paxengine.sampling_params import SamplingParams
 
 
-# The token a request sampled in the step still running on the device; the next step reads the
-# real id from the device (see batch.build_step's prev_index), the host fills it in afterwards.
-PLACEHOLDER = -1
-
-
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -29,7 +24,11 @@ class Request:
     params: SamplingParams
     seed: int                                   # sampling seed (the request's own or drawn for it)
     arrival_time: float = field(default_factory=time.monotonic)
-    output_token_ids: list[int] = field(default_factory=list)
+    output_token_ids: list[int] = field(default_factory=list)   # known on the host
+    # Samples of steps still on the device: counted in num_tokens, their ids not known here yet
+    # (the next step reads them on the device, see batch.build_step's prev_index). Only
+    # Scheduler changes this and output_token_ids (schedule and update_from_output).
+    num_pending_tokens: int = 0
     status: Status = Status.WAITING
     num_computed_tokens: int = 0                # tokens whose KV is in the cache
     num_cached_tokens: int = 0                  # of the prompt, served by the prefix cache
@@ -74,7 +73,18 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
+        """Prompt and output tokens, pending samples included (the scheduler's view)."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending_tokens
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Tokens whose ids the host has: token_slice reads only below this."""
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Tokens generated so far, pending samples included."""
+        return len(self.output_token_ids) + self.num_pending_tokens
 
     @property
     def num_prompt_tokens(self) -> int:

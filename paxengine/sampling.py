@@ -183,7 +183,8 @@ def sample(logits: jax.Array, st: SamplingTensors):
 
 def build_sampling_tensors(rows: list, num_rows: int, history_len: int,
                            eos_ids: list[int]) -> SamplingTensors:
-    """rows: (Request) objects for the live rows; the rest is padding. Host-side numpy."""
+    """rows: (Request) objects for the live rows, right after they were scheduled; the rest is
+    padding. Host-side numpy."""
     s = num_rows
     temperature = np.zeros(s, np.float32)
     top_k = np.zeros(s, np.int32)
@@ -212,8 +213,9 @@ def build_sampling_tensors(rows: list, num_rows: int, history_len: int,
         top |= p.top_k > 0 or p.top_p < 1
         logprobs |= p.logprobs is not None
         seeds[i] = req.seed & 0xFFFFFFFF
-        steps[i] = len(req.output_token_ids)
-        if len(req.output_token_ids) < p.min_tokens:
+        # tokens generated before the one this step samples (its own sample is already pending)
+        steps[i] = before = max(req.num_output_tokens - 1, 0)
+        if before < p.min_tokens:
             ban[i] = True
             ids = ([] if p.ignore_eos else list(eos_ids)) + list(p.stop_token_ids)
             ids = ids[:MAX_STOP_IDS]

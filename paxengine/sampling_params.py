@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from paxengine.errors import InvalidRequest
+
 MAX_LOGPROBS = 20
 MAX_N = 64
 MAX_LOGIT_BIAS = 300
@@ -41,9 +43,9 @@ class SamplingParams:
         return self.temperature == 0.0
 
     def validate(self, vocab_size: int) -> None:
-        """Raise ValueError naming the first bad field."""
+        """Raise InvalidRequest (a ValueError) naming the first bad field."""
         def bad(name, why):
-            raise ValueError(f"{name}: {why}")
+            raise InvalidRequest(f"{name}: {why}", param=name)
 
         def num(name, v):
             if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v:

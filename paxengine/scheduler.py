@@ -3,6 +3,12 @@
 Running requests first (decode tokens and unfinished prefill chunks), then waiting ones, within
 a token budget and a sequence cap. Long prompts are chunked. When blocks run out, the newest
 running request is preempted (its blocks freed; it is recomputed later). No JAX in here.
+
+The scheduler is the one owner of a request's tokens and progress: `schedule` counts the
+scheduled tokens as computed and a sample as pending, `update_from_output` turns a step's samples
+(1..k+1 per request) into output tokens, applies the token-level stops and max_tokens, and
+`finish` frees the blocks. Stop strings are text: the output processor finds them and calls
+`finish`.
 """
 from __future__ import annotations
 
@@ -12,7 +18,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from paxengine.kv_cache import KVCacheManager
-from paxengine.request import PLACEHOLDER, Request, Status
+from paxengine.request import Request, Status
 
 
 @dataclass
@@ -20,6 +26,7 @@ class SchedulerOutput:
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     requests: list[Request] = field(default_factory=list)   # in batch order
     preempted: list[Request] = field(default_factory=list)
+    sampling: set[str] = field(default_factory=set)   # ids of the requests this step samples for
 
     @property
     def total_tokens(self) -> int:
@@ -31,8 +38,10 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, token_buckets: list[int] | None = None):
+                 max_model_len: int, token_buckets: list[int] | None = None,
+                 eos_token_ids: list[int] = ()):
         self.kv = kv
+        self.eos_token_ids = frozenset(eos_token_ids)
         self.token_buckets = sorted(token_buckets or [])   # the runner's compiled step sizes
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -42,17 +51,6 @@ class Scheduler:
         self.num_preemptions = 0
 
     # -- admission ------------------------------------------------------------------------------
-    def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
-        """Refuse, with a clear message, a request that could never be scheduled."""
-        total = num_prompt_tokens + max_tokens
-        if total > self.max_model_len:
-            raise ValueError(f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = "
-                             f"{total} exceeds max_model_len ({self.max_model_len})")
-        if self.kv.blocks_needed(total) > self.kv.num_blocks:
-            raise ValueError(f"prompt + max_tokens = {total} tokens needs "
-                             f"{self.kv.blocks_needed(total)} KV blocks but the pool has only "
-                             f"{self.kv.num_blocks}")
-
     def add(self, req: Request) -> None:
         self.waiting.append(req)
 
@@ -68,7 +66,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if n <= 0:
+            if n <= 0 or self._ends_with_pending(req):
                 i += 1
                 continue
             while not self.kv.allocate(req, n):
@@ -85,6 +83,8 @@ class Scheduler:
 
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
             req = self.waiting[0]
+            if req.num_pending_tokens:            # preempted with a sample still on the device
+                break
             cached = self.kv.find_cached_prefix(req) if req.num_computed_tokens == 0 else []
             already = req.num_computed_tokens + len(cached) * self.kv.block_size
             n = min(req.num_tokens - already, budget)
@@ -102,7 +102,25 @@ class Scheduler:
             out.requests.append(req)
             budget -= n
         self._fit_bucket(out)
+        self._count_scheduled(out)
         return out
+
+    def _ends_with_pending(self, req: Request) -> bool:
+        """The sample on the device is its last (max_tokens or the context reached): another
+        row would be wasted. It finishes in update_from_output."""
+        p = req.params
+        return req.num_pending_tokens > 0 and (
+            (p.max_tokens is not None and req.num_output_tokens >= p.max_tokens)
+            or req.num_tokens >= self.max_model_len)
+
+    def _count_scheduled(self, out: SchedulerOutput) -> None:
+        """The step will compute the scheduled tokens; a request whose every token is then in
+        the cache gets a sample, pending until update_from_output."""
+        for req in out.requests:
+            req.num_computed_tokens += out.num_scheduled_tokens[req.request_id]
+            if req.num_computed_tokens == req.num_tokens:
+                req.num_pending_tokens += 1
+                out.sampling.add(req.request_id)
 
     def _fit_bucket(self, out: SchedulerOutput) -> None:
         """Shorten the last prefill chunk so the step fills a compiled token bucket exactly when
@@ -134,21 +152,50 @@ class Scheduler:
             out.requests.remove(req)
 
     # -- after the step -------------------------------------------------------------------------
-    def advance(self, out: SchedulerOutput) -> list[Request]:
-        """Count this step's tokens as computed; return the requests that produced a new token
-        (those whose whole prompt and output are now in the cache)."""
-        sampled = []
+    def update_from_output(self, out: SchedulerOutput,
+                           sampled: dict[str, list[int]]) -> list[Request]:
+        """Take a finished step's samples (request id -> its new token ids, 1..k+1 of them):
+        append them, stop at EOS, a stop token, max_tokens or the context, publish the full
+        blocks. Returns the requests that got tokens, finished ones included."""
+        updated = []
         for req in out.requests:
-            if req.status != Status.RUNNING:      # finished (or preempted) since it was scheduled
+            if req.status == Status.FINISHED:      # aborted or stopped since it was scheduled
                 continue
-            req.num_computed_tokens += out.num_scheduled_tokens[req.request_id]
-            self.kv.cache_computed_blocks(req)
-            if req.num_computed_tokens == req.num_tokens:
-                sampled.append(req)
-        return sampled
+            tokens = sampled.get(req.request_id)
+            if tokens is not None:
+                req.num_pending_tokens -= 1
+                self._append(req, tokens)
+                updated.append(req)
+            if not req.is_finished:
+                self.kv.cache_computed_blocks(req)
+        return updated
 
-    def finish(self, req: Request, reason: str) -> None:
-        """End a request for any reason; its blocks go back to the pool (or stay cached)."""
+    def _append(self, req: Request, tokens: list[int]) -> None:
+        if req.first_token_time is None:
+            req.first_token_time = time.monotonic()
+        for t in tokens:
+            req.output_token_ids.append(t)
+            reason, stop_reason = self._stop_reason(req, t)
+            if reason is not None:               # tokens after a stop are dropped
+                self.finish(req, reason, stop_reason)
+                return
+
+    def _stop_reason(self, req: Request, token: int) -> tuple[str | None, int | None]:
+        p, n = req.params, len(req.output_token_ids)
+        if n >= p.min_tokens:
+            if token in self.eos_token_ids and not p.ignore_eos:
+                return "stop", None
+            if token in p.stop_token_ids:
+                return "stop", token
+        if p.max_tokens is not None and n >= p.max_tokens:
+            return "length", None
+        if req.num_known_tokens >= self.max_model_len:
+            return "length", None
+        return None, None
+
+    def finish(self, req: Request, reason: str, stop_reason: str | int | None = None) -> None:
+        """End a request for any reason; its blocks go back to the pool (or stay cached).
+        A sample still on the device is dropped."""
         if req.status == Status.FINISHED:
             return
         if req in self.running:
@@ -156,8 +203,7 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         self.kv.free_request(req)
-        if req.output_token_ids and req.output_token_ids[-1] == PLACEHOLDER:
-            req.output_token_ids.pop()          # its sample is still on the device: drop it
+        req.num_pending_tokens = 0
         req.status = Status.FINISHED
-        req.finish_reason = reason
+        req.finish_reason, req.stop_reason = reason, stop_reason
         req.finished_time = time.monotonic()

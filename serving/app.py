@@ -1,12 +1,10 @@
-"""The FastAPI app: `build_app(engine, server_config)`.
+"""The FastAPI app: `build_app(engine, server_config)` around any `paxengine.EngineClient`.
 
-The app's lifespan starts the engine (`await engine.start()`) and shuts it down on exit, so the
-engine loop runs on the server's event loop.
+The app's lifespan starts the engine (`await engine.start()`) and shuts it down on exit.
 """
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
 import secrets
 from contextlib import asynccontextmanager
@@ -15,6 +13,8 @@ from typing import Optional
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import Response
 
+from paxengine.client import EngineClient
+from paxengine.errors import EngineError
 from serving.config import ServerConfig
 from serving.errors import ApiError, bad_request, install_error_handlers, parse_body
 from serving.generation import ServerState
@@ -28,26 +28,11 @@ log = logging.getLogger("serving")
 
 
 def _version() -> str:
-    try:
-        import paxengine
-        v = getattr(paxengine, "__version__", None)
-        if v:
-            return str(v)
-    except Exception:
-        pass
-    try:
-        from importlib.metadata import version
-        return version("paxengine")
-    except Exception:
-        return "0.0.0+dev"
+    import paxengine
+    return paxengine.__version__
 
 
-async def _maybe_await(x):
-    if inspect.isawaitable(x):
-        await x
-
-
-def build_app(engine, server_config: Optional[ServerConfig] = None, *, manage_engine: bool = True) -> FastAPI:
+def build_app(engine: EngineClient, server_config: Optional[ServerConfig] = None, *, manage_engine: bool = True) -> FastAPI:
     """An OpenAI-compatible app around `engine`. With `manage_engine` the app's lifespan calls
     `engine.start()` and `engine.shutdown()`."""
     cfg = server_config or ServerConfig()
@@ -56,12 +41,12 @@ def build_app(engine, server_config: Optional[ServerConfig] = None, *, manage_en
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         if manage_engine:
-            await _maybe_await(engine.start())
+            await engine.start()
         try:
             yield
         finally:
             if manage_engine:
-                await _maybe_await(engine.shutdown())
+                await engine.shutdown()
 
     app = FastAPI(title="paxengine OpenAI-compatible server", version=_version(), lifespan=lifespan)
     app.state.serving = state
@@ -89,16 +74,19 @@ def build_app(engine, server_config: Optional[ServerConfig] = None, *, manage_en
         req = await parse_body(request, ChatCompletionRequest)
         return await respond(state, "chat", request, req)
 
+    def model_card() -> ModelCard:
+        info = state.info
+        return ModelCard(id=info.name, root=info.aliases[0] if info.aliases else info.name,
+                         max_model_len=info.max_model_len)
+
     @app.get("/v1/models", dependencies=auth, response_model=ModelList)
     async def models():
-        return ModelList(data=[ModelCard(id=state.model_name, root=str(engine.config.model or state.model_name),
-                                         max_model_len=state.max_model_len)])
+        return ModelList(data=[model_card()])
 
     @app.get("/v1/models/{model_id:path}", dependencies=auth, response_model=ModelCard)
     async def model(model_id: str):
         state.check_model(model_id)
-        return ModelCard(id=state.model_name, root=str(engine.config.model or state.model_name),
-                         max_model_len=state.max_model_len)
+        return model_card()
 
     # ------------------------------------------------------------------ tokenizer
     @app.post("/tokenize", dependencies=auth, response_model=TokenizeResponse,
@@ -126,13 +114,22 @@ def build_app(engine, server_config: Optional[ServerConfig] = None, *, manage_en
     # ------------------------------------------------------------------ operations
     @app.get("/health", response_model=HealthResponse)
     async def health():
-        try:
-            ok = bool(engine.is_healthy())
-        except Exception:
-            ok = False
-        if not ok:
+        if not engine.is_healthy():
             return ApiError(503, "the engine is not healthy", code="engine_unhealthy").response()
         return HealthResponse(status="ok")
+
+    @app.post("/reset_prefix_cache", dependencies=auth)
+    async def reset_prefix_cache():
+        """vLLM's endpoint: forget every cached prefix block (e.g. after a weight swap, or to
+        measure cold prefill). 200 when done; 503 when the engine could not do it now."""
+        try:
+            done = await engine.reset_prefix_cache()
+        except EngineError as e:
+            raise state.api_error(e) from None
+        if not done:
+            raise ApiError(503, "the prefix cache could not be reset now (blocks are in use by "
+                           "running requests); retry when idle", code="prefix_cache_busy")
+        return Response(status_code=200)
 
     @app.get("/version", response_model=VersionResponse)
     async def version():
@@ -140,7 +137,7 @@ def build_app(engine, server_config: Optional[ServerConfig] = None, *, manage_en
 
     @app.get("/metrics")
     async def metrics():
-        # the collector reads engine.stats(), which may wait for the step lock: not on the loop
+        # rendering every family takes milliseconds: not on the event loop, which streams tokens
         return Response(await asyncio.to_thread(state.metrics.render), media_type=CONTENT_TYPE)
 
     return app

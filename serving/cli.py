@@ -10,6 +10,7 @@ import logging
 import sys
 from typing import Optional
 
+from paxengine.client import EngineClient
 from serving.config import PERFORMANCE_MODES, ServerConfig, resolve_configs
 
 log = logging.getLogger("serving")
@@ -88,32 +89,13 @@ def parse(argv: list[str]):
         parser.error(str(e))
 
 
-def describe(engine, scfg: ServerConfig) -> str:
-    """One start-up line from what the engine knows about itself."""
-    ec = engine.config
-    try:
-        stats = engine.stats() or {}
-    except Exception:
-        stats = {}
-    core = getattr(engine, "core", None)
-
-    def pick(*keys, default="?"):
-        for k in keys:
-            for v in (stats.get(k), getattr(engine, k, None), getattr(core, k, None)):
-                if v is not None:
-                    return v
-        return default
-    kv_tokens = pick("kv_capacity_tokens", "num_kv_tokens", default=None)
-    if kv_tokens is None:
-        blocks = pick("num_kv_blocks", "num_blocks", default=None) or ec.num_kv_blocks
-        kv_tokens = blocks * ec.block_size if blocks else "?"
-    buckets = pick("buckets", "compiled_buckets", "token_buckets", default=ec.token_buckets)
-    compiled = getattr(getattr(core, "runner", None), "compiled", None)
-    if isinstance(compiled, dict) and compiled:  # {(tokens, seqs): executable}
-        buckets = f"{len(compiled)} [tokens x seqs: {', '.join(f'{t}x{s}' for t, s in sorted(compiled))}]"
-    return (f"model={ec.served_model_name or ec.model or 'SmolLM2-135M-Instruct (embedded)'} "
-            f"dtype={pick('dtype', default=ec.dtype)} max_model_len={pick('max_model_len', default=ec.max_model_len)} "
-            f"kv_capacity_tokens={kv_tokens} buckets={buckets} "
+def describe(engine: EngineClient, scfg: ServerConfig) -> str:
+    """One start-up line from what the engine serves."""
+    info = engine.model_info()
+    shapes = ", ".join(f"{t}x{s}" for t, s in info.buckets)
+    return (f"model={info.name} dtype={info.dtype} kv_cache_dtype={info.kv_cache_dtype} "
+            f"max_model_len={info.max_model_len} kv_capacity_tokens={info.kv_capacity_tokens} "
+            f"buckets={len(info.buckets)} [tokens x seqs: {shapes}] "
             f"url=http://{scfg.host}:{scfg.port}/v1")
 
 
@@ -128,7 +110,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     logging.basicConfig(level=scfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     import uvicorn
-    from paxengine.engine import AsyncEngine
+    from paxengine.async_engine import AsyncEngine
     from serving.app import build_app
 
     log.info("engine config: %s", ecfg)

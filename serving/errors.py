@@ -49,14 +49,6 @@ def bad_request(message: str, param: Optional[str] = None) -> ApiError:
     return ApiError(400, message, param=param)
 
 
-def from_value_error(e: ValueError, default_param: Optional[str] = None) -> ApiError:
-    """SamplingParams.validate and the engine raise "field: why"; name the field as param."""
-    msg = str(e) or e.__class__.__name__
-    head = msg.split(":", 1)[0].strip()
-    param = head if head.isidentifier() and ":" in msg else default_param
-    return bad_request(msg, param)
-
-
 def _loc(loc) -> Optional[str]:
     # drop pydantic's union-branch names ("str", "list[int]") and FastAPI's "body" prefix
     parts = [str(p) for p in loc if p != "body" and not (isinstance(p, str) and ("[" in p or p in (

@@ -1,130 +1,92 @@
-"""What sits between the HTTP handlers and `AsyncEngine`: admission checks, running one or more
-engine requests concurrently, metrics per request, and aborting on every early exit.
+"""What sits between the HTTP handlers and the engine (an `EngineClient`): starting one or more
+engine requests, mapping the engine's errors to HTTP errors, metrics per request, and aborting
+every request the response did not see finish.
 
-Abort paths: a handler that stops consuming `run_requests` (client gone, server shutdown, error)
-cancels the per-request pump tasks; each pump's `finally` schedules `engine.abort(request_id)` on a
-fresh task (so it runs even inside a cancelled scope), and closing `engine.generate` aborts too.
+A call's requests start in `start_jobs`, before the response does, so a refusal (bad input, a
+full queue, a dead engine) is an HTTP status and not an error inside a 200 stream. Whatever ends
+the response (done, client gone, cancelled, error), `abort_unfinished` aborts what is left.
 """
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
 import time
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Optional, Sequence
+from typing import AsyncIterator, Optional, Sequence
 
 from fastapi import Request
 
+from paxengine.client import EngineClient, ModelInfo
+from paxengine.errors import EngineDead, EngineError, EngineOverloaded, InvalidRequest
+from paxengine.sampling_params import SamplingParams
+from paxengine.validation import check_token_ids
 from serving.config import ServerConfig
-from serving.errors import ApiError, from_value_error
+from serving.errors import ApiError
 from serving.metrics import ServerMetrics
 
 log = logging.getLogger("serving")
 
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-
-
-def is_overload_error(e: BaseException) -> bool:
-    name = type(e).__name__.lower()
-    return "overload" in name or "queuefull" in name
-
-
-def is_dead_error(e: BaseException) -> bool:
-    return "dead" in type(e).__name__.lower()
-
 
 @dataclass
 class ServerState:
-    engine: Any
+    engine: EngineClient
     config: ServerConfig
-    model_name: str
-    accepted_names: set[str]
-    max_model_len: int
-    vocab_size: int
+    info: ModelInfo
     metrics: ServerMetrics
     _bg: set = field(default_factory=set)
 
     @classmethod
-    def create(cls, engine, config: ServerConfig) -> "ServerState":
-        ec = engine.config
-        name = ec.served_model_name or (str(ec.model) if ec.model else DEFAULT_MODEL_NAME)
-        accepted = {name} | ({str(ec.model)} if ec.model else set())
-        max_len = int(getattr(engine, "max_model_len", None) or ec.max_model_len or 8192)
-        core = getattr(engine, "core", None)  # AsyncEngine keeps the model's vocab on its core
-        vocab = (getattr(engine, "vocab_size", None)
-                 or getattr(getattr(core, "model_config", None), "vocab_size", None)
-                 or engine.tokenizer.vocab_size)
-        metrics = ServerMetrics(config.metrics_prefix, name, engine.stats, max_len)
-        return cls(engine, config, name, accepted, max_len, int(vocab), metrics)
+    def create(cls, engine: EngineClient, config: ServerConfig) -> "ServerState":
+        info = engine.model_info()
+        metrics = ServerMetrics(config.metrics_prefix, info.name, engine.stats, info.max_model_len)
+        return cls(engine, config, info, metrics)
+
+    @property
+    def model_name(self) -> str:
+        return self.info.name
+
+    @property
+    def max_model_len(self) -> int:
+        return self.info.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.info.vocab_size
 
     @property
     def tokenizer(self):
         return self.engine.tokenizer
 
-    # ------------------------------------------------------------------ admission
     def check_model(self, name: Optional[str]) -> None:
-        if name is not None and name not in self.accepted_names:
+        if name is not None and name != self.info.name and name not in self.info.aliases:
             raise ApiError(404, f"The model `{name}` does not exist. Available: {self.model_name!r}.",
                            param="model", code="model_not_found")
 
-    async def check_admission(self, num_requests: int) -> None:
-        """`num_requests` sequences want in; refuse them when the waiting queue is at its bound.
-        (engine.stats() may wait for the engine's step lock: ask from a worker thread.)"""
-        if not self.engine.is_healthy():
-            self.metrics.rejected("unhealthy")
-            raise ApiError(503, "the engine is not healthy", code="engine_unhealthy")
-        bound = getattr(self.engine.config, "max_waiting_requests", None)
-        bound = 1024 if bound is None else int(bound)
-        try:
-            waiting = int((await asyncio.to_thread(self.engine.stats) or {}).get("num_requests_waiting", 0))
-        except Exception:
-            waiting = 0
-        if waiting >= bound:
-            raise self.overloaded(f"server overloaded: {waiting} requests waiting (bound {bound}); retry later")
-        if num_requests > bound:
-            raise ApiError(400, f"request asks for {num_requests} sequences (prompts x n); at most "
-                           f"{bound} are accepted at once", param="n")
-        if waiting + num_requests > bound:
-            raise self.overloaded(f"server overloaded: {waiting} requests waiting (bound {bound}); retry later")
-
-    def overloaded(self, message: str) -> ApiError:
-        self.metrics.rejected("overloaded")
-        return ApiError(503, message, code="server_overloaded",
-                        headers={"Retry-After": str(self.config.retry_after_s)})
-
     def check_tokens(self, ids: Sequence[int], param: str = "prompt") -> None:
-        for t in ids:
-            if not 0 <= t < self.vocab_size:
-                raise ApiError(400, f"token id {t} is outside the vocabulary [0, {self.vocab_size})", param=param)
-
-    def check_prompt(self, ids: Sequence[int], params) -> None:
-        """Context-length checks, then SamplingParams.validate and engine.validate (ValueError -> 400)."""
-        n, limit = len(ids), self.max_model_len
-        if n == 0:
-            raise ApiError(400, "prompt is empty", param="prompt")
-        if n >= limit:
-            raise ApiError(400, f"prompt has {n} tokens but the context is {limit} tokens (at most "
-                           f"{limit - 1} prompt tokens leave room for one generated token)",
-                           param="prompt", code="context_length_exceeded")
-        if isinstance(params.max_tokens, int) and n + params.max_tokens > limit:
-            raise ApiError(400, f"max_tokens ({params.max_tokens}) plus the prompt ({n} tokens) exceeds "
-                           f"the context of {limit} tokens", param="max_tokens",
-                           code="context_length_exceeded")
         try:
-            params.validate(self.vocab_size)
-            self.engine.validate(list(ids), params)
-        except ValueError as e:
-            raise from_value_error(e) from None
+            check_token_ids(ids, self.vocab_size, param)
+        except InvalidRequest as e:
+            raise self.api_error(e) from None
 
-    # ------------------------------------------------------------------ aborts
+    def api_error(self, e: EngineError) -> ApiError:
+        """The one mapping of the engine's errors to HTTP."""
+        if isinstance(e, InvalidRequest):
+            return ApiError(400, str(e), param=e.param, code=e.code)
+        if isinstance(e, EngineOverloaded):
+            self.metrics.rejected("overloaded")
+            return ApiError(503, f"server overloaded: {e}", code="server_overloaded",
+                            headers={"Retry-After": str(self.config.retry_after_s)})
+        if isinstance(e, EngineDead):
+            self.metrics.rejected("unhealthy")
+            return ApiError(503, f"the engine is not running: {e}", code="engine_unhealthy")
+        return ApiError(500, f"engine error: {e}")
+
     def spawn_abort(self, request_id: str) -> None:
+        """engine.abort on a task of its own, so it runs even from a cancelled scope."""
         async def _abort():
             try:
-                r = self.engine.abort(request_id)
-                if inspect.isawaitable(r):
-                    await r
+                await self.engine.abort(request_id)
             except Exception:  # already finished / unknown id: nothing to free
                 log.debug("abort(%s) failed", request_id, exc_info=True)
         try:
@@ -139,50 +101,61 @@ class ServerState:
 class Job:
     request_id: str
     prompt_ids: list[int]
-    params: Any
+    params: SamplingParams
+    stream: Optional[AsyncIterator] = None     # engine.generate's outputs, once started
+    finished: bool = False
 
 
-async def _tracked(state: ServerState, job: Job) -> AsyncIterator[Any]:
-    """engine.generate with TTFT/ITL/e2e metrics; aborts unless the request finished."""
-    m, t0 = state.metrics, time.monotonic()
-    finished, refused, first, last_t, last_n = False, False, True, t0, 0
-    try:
-        gen = state.engine.generate(job.request_id, job.prompt_ids, job.params)
-        async with aclosing(gen):
-            async for out in gen:
-                now = time.monotonic()
-                ntok = max((len(o.token_ids) for o in out.outputs), default=0)
-                if ntok > last_n:
-                    if first:
-                        em = getattr(out, "metrics", None)
-                        a, b = getattr(em, "arrival_time", None), getattr(em, "first_token_time", None)
-                        m.ttft.observe(b - a if a is not None and b is not None else now - t0)
-                        first = False
-                    else:
-                        k = ntok - last_n
-                        for _ in range(k):
-                            m.itl.observe((now - last_t) / k)
-                    last_t, last_n = now, ntok
-                if out.finished:
-                    finished = True
-                    m.observe_request(getattr(out, "metrics", None), len(job.prompt_ids),
-                                      sum(len(o.token_ids) for o in out.outputs))
-                    for o in out.outputs:
-                        m.finished(o.finish_reason)
-                yield out
-    except ValueError:
-        refused = True  # the engine refused the input: nothing ran
-        raise
-    finally:
-        if not finished:
+def start_jobs(state: ServerState, jobs: list[Job]) -> None:
+    """Hand every job to the engine, or none: a refusal aborts the ones already started."""
+    for i, job in enumerate(jobs):
+        try:
+            job.stream = state.engine.generate(job.request_id, job.prompt_ids, job.params)
+        except EngineError as e:
+            abort_unfinished(state, jobs[:i], count=False)
+            raise state.api_error(e) from None
+
+
+def abort_unfinished(state: ServerState, jobs: list[Job], count: bool = True) -> None:
+    for job in jobs:
+        if job.stream is not None and not job.finished:
+            job.finished = True
             state.spawn_abort(job.request_id)
-            if not refused:
-                for _ in range(getattr(job.params, "n", 1) or 1):
-                    m.finished("abort")
+            if count:
+                for _ in range(job.params.n):
+                    state.metrics.finished("abort")
 
 
-async def run_requests(state: ServerState, jobs: list[Job]) -> AsyncIterator[tuple[int, Any]]:
-    """Run jobs concurrently; yield (job index, cumulative RequestOutput) as they come."""
+async def _tracked(state: ServerState, job: Job) -> AsyncIterator:
+    """The job's outputs, observing TTFT, ITL and the finished request's histograms."""
+    m, t0 = state.metrics, time.monotonic()
+    first, last_t, last_n = True, t0, 0
+    async with aclosing(job.stream) as stream:
+        async for out in stream:
+            now = time.monotonic()
+            ntok = max((len(o.token_ids) for o in out.outputs), default=0)
+            if ntok > last_n:
+                if first:
+                    em = out.metrics
+                    m.ttft.observe(em.first_token_time - em.arrival_time
+                                   if em.first_token_time is not None else now - t0)
+                    first = False
+                else:
+                    k = ntok - last_n
+                    for _ in range(k):
+                        m.itl.observe((now - last_t) / k)
+                last_t, last_n = now, ntok
+            if out.finished:
+                job.finished = True
+                m.observe_request(out.metrics, len(job.prompt_ids),
+                                  sum(len(o.token_ids) for o in out.outputs))
+                for o in out.outputs:
+                    m.finished(o.finish_reason)
+            yield out
+
+
+async def run_requests(state: ServerState, jobs: list[Job]) -> AsyncIterator[tuple[int, object]]:
+    """Run started jobs concurrently; yield (job index, cumulative RequestOutput) as they come."""
     queue: asyncio.Queue = asyncio.Queue()
     _DONE = object()
 
@@ -205,13 +178,9 @@ async def run_requests(state: ServerState, jobs: list[Job]) -> AsyncIterator[tup
             i, item = await queue.get()
             if item is _DONE:
                 remaining -= 1
+            elif isinstance(item, EngineError):
+                raise state.api_error(item) from item
             elif isinstance(item, BaseException):
-                if isinstance(item, ValueError):
-                    raise from_value_error(item) from item
-                if is_overload_error(item):
-                    raise state.overloaded(str(item) or "server overloaded") from item
-                if is_dead_error(item):
-                    raise ApiError(503, f"the engine is not running: {item}", code="engine_unhealthy") from item
                 raise item
             else:
                 yield i, item
@@ -232,7 +201,7 @@ async def _wait_disconnect(request: Request) -> None:
 
 
 async def until_disconnect(request: Request, coro):
-    """Await `coro` unless the client goes away first (then it is cancelled: requests abort)."""
+    """Await `coro` unless the client goes away first (then it is cancelled)."""
     task = asyncio.ensure_future(coro)
     watcher = asyncio.ensure_future(_wait_disconnect(request))
     try:

@@ -14,7 +14,8 @@ from starlette.responses import StreamingResponse
 
 from paxengine.sampling_params import MAX_LOGPROBS, SamplingParams
 from serving.errors import ApiError, bad_request
-from serving.generation import ClientDisconnected, Job, ServerState, run_requests, until_disconnect
+from serving.generation import (ClientDisconnected, Job, ServerState, abort_unfinished,
+                                run_requests, start_jobs, until_disconnect)
 from serving.protocol import (ChatChoice, ChatCompletionChunk,
                               ChatCompletionResponse, ChatLogprobs, ChatResponseMessage,
                               ChatStreamChoice, ChatTokenLogprob, CompletionChoice,
@@ -24,23 +25,28 @@ from serving.protocol import (ChatChoice, ChatCompletionChunk,
 
 class SSEResponse(StreamingResponse):
     """StreamingResponse that always listens for the client going away (whatever ASGI spec version
-    the server reports), so a dropped stream cancels its generator at once."""
+    the server reports), so a dropped stream cancels its generator at once; `on_close` runs
+    however the response ends, also when the generator never started."""
 
-    def __init__(self, content, **kw):
+    def __init__(self, content, on_close, **kw):
         super().__init__(content, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}, **kw)
+        self.on_close = on_close
 
     async def __call__(self, scope, receive, send):
-        async with anyio.create_task_group() as tg:
-            async def stream():
-                try:
-                    await self.stream_response(send)
-                except OSError:
-                    pass
+        try:
+            async with anyio.create_task_group() as tg:
+                async def stream():
+                    try:
+                        await self.stream_response(send)
+                    except OSError:
+                        pass
+                    tg.cancel_scope.cancel()
+                tg.start_soon(stream)
+                await self.listen_for_disconnect(receive)
                 tg.cancel_scope.cancel()
-            tg.start_soon(stream)
-            await self.listen_for_disconnect(receive)
-            tg.cancel_scope.cancel()
+        finally:
+            self.on_close()
 
 
 def sse(obj) -> str:
@@ -49,14 +55,9 @@ def sse(obj) -> str:
 
 
 # ----------------------------------------------------------------------------- request -> params
-MAX_LOGIT_BIAS = 300  # OpenAI's limit, and the engine's fixed per-row bias slots
-
-
 def sampling_params(state: ServerState, req, max_tokens: Optional[int], logprobs: Optional[int]) -> SamplingParams:
+    """The request's fields as SamplingParams; their values are checked by the engine."""
     bias = {}
-    if len(req.logit_bias or {}) > MAX_LOGIT_BIAS:
-        raise bad_request(f"logit_bias: at most {MAX_LOGIT_BIAS} entries, got {len(req.logit_bias)}",
-                          "logit_bias")
     for k, v in (req.logit_bias or {}).items():
         try:
             bias[int(k)] = v
@@ -209,16 +210,16 @@ async def prepare(state: ServerState, kind: str, req) -> _Call:
         if max_tokens is None:
             max_tokens = max(1, state.max_model_len - max(len(ids) for _, ids in prompts))
     params = sampling_params(state, req, max_tokens, k)
-    for _, ids in prompts:
-        state.check_prompt(ids, params)
-    await state.check_admission(len(prompts) * params.n)
-    return _Call(state, kind, req, prompts, params, k)
+    call = _Call(state, kind, req, prompts, params, k)
+    start_jobs(state, call.jobs)      # the engine validates and admits: refusals are 4xx/503 here
+    return call
 
 
 async def respond(state: ServerState, kind: str, request: Request, req) -> Response:
     call = await prepare(state, kind, req)
+    close = lambda: abort_unfinished(state, call.jobs)  # noqa: E731
     if req.stream:
-        return SSEResponse(_stream(call))
+        return SSEResponse(_stream(call), on_close=close)
 
     async def collect():
         finals = {}
@@ -231,6 +232,8 @@ async def respond(state: ServerState, kind: str, request: Request, req) -> Respo
         finals = await until_disconnect(request, collect())
     except ClientDisconnected:
         return Response(status_code=499)
+    finally:
+        close()
     return Response(_final_response(call, finals).model_dump_json(), media_type="application/json")
 
 

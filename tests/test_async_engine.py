@@ -4,7 +4,7 @@ import asyncio
 import pytest
 
 from paxengine import SamplingParams
-from paxengine.engine import AsyncEngine, EngineDead
+from paxengine import AsyncEngine, EngineDead
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,7 @@ def tensors(*params, history=None, out_tokens=None):
     for i, p in enumerate(params):
         r = Request(f"r{i}", list(history or [0]), p, seed=i)
         r.output_token_ids = list(out_tokens or [])
+        r.num_pending_tokens = 1       # as right after scheduling: this step's sample is pending
         reqs.append(r)
     return build_sampling_tensors(reqs, len(reqs), 16, eos_ids=[7])
 

@@ -36,7 +36,7 @@ def _free_port() -> int:
 def server():
     """One real SmolLM2 server on a loopback port for the whole session."""
     import uvicorn
-    from paxengine.engine import AsyncEngine
+    from paxengine.async_engine import AsyncEngine
     from serving.app import build_app
     from serving.config import ServerConfig
 

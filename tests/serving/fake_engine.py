@@ -1,14 +1,18 @@
-"""A tiny stand-in for AsyncEngine with the documented API, for fast unit tests of the server's
-validation and response shapes (the real-engine tests are in the other test files)."""
+"""A tiny `EngineClient` for fast unit tests of the server's validation and response shapes (the
+real-engine tests are in the other test files). It validates with the engine's own
+`validate_request` and returns the engine's own output types; only the tokens are made up."""
 from __future__ import annotations
 
 import asyncio
 import random
 import time
-from dataclasses import dataclass, field
 from typing import Optional
 
+from paxengine.client import ModelInfo, served_name
 from paxengine.config import EngineConfig
+from paxengine.errors import EngineDead, EngineOverloaded, InvalidRequest
+from paxengine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from paxengine.validation import validate_request
 
 
 class CharTokenizer:
@@ -26,52 +30,15 @@ class CharTokenizer:
         return s + ("<assistant>" if add_generation_prompt else "")
 
 
-@dataclass
-class Logprob:
-    logprob: float
-    rank: int
-    decoded_token: Optional[str] = None
-
-
-@dataclass
-class CompletionOutput:
-    index: int
-    text: str = ""
-    token_ids: list = field(default_factory=list)
-    logprobs: Optional[list] = None
-    cumulative_logprob: float = 0.0
-    finish_reason: Optional[str] = None
-    stop_reason: object = None
-
-
-@dataclass
-class Metrics:
-    arrival_time: float
-    first_scheduled_time: Optional[float] = None
-    first_token_time: Optional[float] = None
-    finished_time: Optional[float] = None
-    num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    prompt: Optional[str]
-    prompt_token_ids: list
-    outputs: list
-    finished: bool
-    metrics: Metrics
-
-
 def _copy(o: CompletionOutput) -> CompletionOutput:
-    return CompletionOutput(o.index, o.text, list(o.token_ids),
-                            None if o.logprobs is None else list(o.logprobs),
-                            o.cumulative_logprob, o.finish_reason, o.stop_reason)
+    return CompletionOutput(o.index, o.text, list(o.token_ids), o.cumulative_logprob,
+                            None if o.logprobs is None else list(o.logprobs), o.finish_reason,
+                            o.stop_reason)
 
 
 class FakeEngine:
-    """Generates letters a-z from a seeded RNG, one token per 'step' of `step_s` seconds."""
+    """Generates letters a-z from a seeded RNG, one token per 'step' of `step_s` seconds.
+    `waiting` and `healthy` are knobs for the tests; `prefix_cache_busy` makes a reset fail."""
 
     def __init__(self, config: Optional[EngineConfig] = None, step_s: float = 0.002):
         self.config = config or EngineConfig(max_model_len=128, max_waiting_requests=8,
@@ -81,8 +48,18 @@ class FakeEngine:
         self.running: dict[str, bool] = {}
         self.waiting = 0
         self.healthy = True
+        self.prefix_cache_busy = False
+        self.resets = 0
         self.aborted: list[str] = []
         self.totals = {"prompt_tokens": 0, "generation_tokens": 0}
+        cfg = self.config
+        self.info = ModelInfo(name=served_name(cfg), aliases=(cfg.model,) if cfg.model else (),
+                              max_model_len=cfg.max_model_len or 128, vocab_size=256,
+                              dtype="float32", kv_cache_dtype="float32",
+                              kv_capacity_tokens=1 << 20, buckets=((16, 4),))
+
+    def model_info(self) -> ModelInfo:
+        return self.info
 
     async def start(self):
         pass
@@ -99,23 +76,38 @@ class FakeEngine:
                 "prefix_cache_hits": 0, "num_preemptions": 0, **self.totals}
 
     def validate(self, prompt_token_ids, params):
-        if len(prompt_token_ids) >= self.config.max_model_len:
-            raise ValueError("prompt: too long")
-        params.validate(self.tokenizer.vocab_size)
+        validate_request(prompt_token_ids, params, self.info.limits)
 
     async def abort(self, request_id):
         self.aborted.append(request_id)
         self.running.pop(request_id, None)
 
-    async def generate(self, request_id, prompt, params):
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        self.validate(ids, params)
-        m = Metrics(arrival_time=time.monotonic(), num_prompt_tokens=len(ids))
-        outs = [CompletionOutput(index=i, logprobs=[] if params.logprobs is not None else None)
+    async def reset_prefix_cache(self):
+        if not self.healthy:
+            raise EngineDead("fake engine is down")
+        self.resets += 1
+        return not self.prefix_cache_busy
+
+    def generate(self, request_id, prompt, params):
+        """Checks at once, like AsyncEngine; the outputs come from the returned iterator."""
+        if not self.healthy:
+            raise EngineDead("fake engine is down")
+        prompt_token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+        self.validate(prompt_token_ids, params)
+        if request_id in self.running:
+            raise InvalidRequest(f"request id {request_id!r} is already in use")
+        if self.waiting >= self.config.max_waiting_requests:
+            raise EngineOverloaded(f"{self.waiting} requests are waiting")
+        self.running[request_id] = True
+        return self._run(request_id, list(prompt_token_ids), params)
+
+    async def _run(self, request_id, ids, params):
+        m = RequestMetrics(arrival_time=time.monotonic(), num_prompt_tokens=len(ids))
+        outs = [CompletionOutput(index=i, text="", token_ids=[],
+                                 logprobs=[] if params.logprobs is not None else None)
                 for i in range(params.n)]
         rngs = [random.Random(hash((params.seed, i)) if params.seed is not None else None)
                 for i in range(params.n)]
-        self.running[request_id] = True
         self.totals["prompt_tokens"] += len(ids)
         try:
             m.first_scheduled_time = time.monotonic()
@@ -145,7 +137,6 @@ class FakeEngine:
                 done = all(o.finish_reason for o in outs)
                 if done:
                     m.finished_time = time.monotonic()
-                yield RequestOutput(request_id, prompt if isinstance(prompt, str) else None, ids,
-                                    [_copy(o) for o in outs], done, m)
+                yield RequestOutput(request_id, None, ids, [_copy(o) for o in outs], done, m)
         finally:
             self.running.pop(request_id, None)

@@ -171,7 +171,7 @@ def test_cli_main_wires_engine_app_and_uvicorn(monkeypatch, tmp_path, caplog):
     """`paxengine serve` with the engine and uvicorn replaced: flags reach both, start-up is logged."""
     import logging
     import uvicorn
-    import paxengine.engine
+    import paxengine.async_engine
     seen = {}
 
     def fake_engine(cfg):
@@ -181,7 +181,7 @@ def test_cli_main_wires_engine_app_and_uvicorn(monkeypatch, tmp_path, caplog):
     def fake_run(app, **kw):
         seen["app"], seen["uvicorn"] = app, kw
 
-    monkeypatch.setattr(paxengine.engine, "AsyncEngine", fake_engine)
+    monkeypatch.setattr(paxengine.async_engine, "AsyncEngine", fake_engine)
     monkeypatch.setattr(uvicorn, "run", fake_run)
     from serving.cli import main
     with caplog.at_level(logging.INFO, logger="serving"):

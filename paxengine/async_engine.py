@@ -1,0 +1,196 @@
+"""AsyncEngine: EngineCore on a background thread, behind the `EngineClient` interface.
+
+The event loop side (generate, abort, reset_prefix_cache) only validates and posts messages; the
+engine thread alone touches the core: it takes the messages between steps, runs steps while
+there is work, and hands each output to the event loop of the request it belongs to.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from concurrent.futures import Future
+from typing import AsyncIterator, Sequence
+
+from paxengine.client import ModelInfo
+from paxengine.config import EngineConfig
+from paxengine.engine import EngineCore
+from paxengine.errors import EngineDead, EngineOverloaded, InvalidRequest
+from paxengine.outputs import RequestOutput
+from paxengine.sampling_params import SamplingParams
+
+log = logging.getLogger("paxengine")
+
+
+def _put_all(items) -> None:
+    for q, item in items:
+        q.put_nowait(item)
+
+
+class AsyncEngine:
+    """An `EngineClient` running EngineCore in this process."""
+
+    def __init__(self, config: EngineConfig | None = None, **overrides):
+        self.core = EngineCore(config, **overrides)
+        self.config = self.core.config
+        self._inbox: queue.Queue = queue.Queue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._posted = 0            # adds posted to the inbox and not yet taken by the loop
+        self._posted_lock = threading.Lock()
+        self.error: BaseException | None = None
+
+    # -- EngineClient ---------------------------------------------------------------------------
+    @property
+    def tokenizer(self):
+        return self.core.tokenizer
+
+    def model_info(self) -> ModelInfo:
+        return self.core.info
+
+    def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+        self.core.validate(prompt_token_ids, params)     # static limits only: safe off-thread
+
+    def stats(self) -> dict:
+        # No lock: plain reads of counters between steps; a scrape must not wait for a step.
+        return self.core.stats()
+
+    def is_healthy(self) -> bool:
+        return self.error is None and self._thread is not None and self._thread.is_alive()
+
+    async def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="paxengine-loop", daemon=True)
+            self._thread.start()
+
+    async def shutdown(self) -> None:
+        self._stop.set()
+        self._inbox.put(("wake", None, None))
+        if self._thread is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 30)
+
+    def generate(self, request_id: str, prompt: str | Sequence[int],
+                 params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """Checks and admits at once (raising InvalidRequest, EngineOverloaded or EngineDead
+        here, before any output), then returns the outputs' iterator. Call it from the event
+        loop that will consume the outputs."""
+        self._check_alive()
+        text, ids = self.core.tokenize_prompt(prompt)
+        self.validate(ids, params)                    # bad input fails here, alone
+        if request_id in self._streams:
+            raise InvalidRequest(f"request id {request_id!r} is already in use")
+        self._admit(params.n)
+        q: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = (asyncio.get_running_loop(), q)
+        self._inbox.put(("add", request_id, ({"prompt": text, "prompt_token_ids": ids}, params)))
+        return self._outputs(request_id, q)
+
+    async def _outputs(self, request_id: str, q: asyncio.Queue) -> AsyncIterator[RequestOutput]:
+        finished = False
+        try:
+            while True:
+                item = await q.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:   # the consumer went away (disconnect, cancel): free its blocks
+                self._inbox.put(("abort", request_id, None))
+
+    async def abort(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id, None))
+
+    async def reset_prefix_cache(self) -> bool:
+        self._check_alive()
+        done: Future = Future()
+        self._inbox.put(("reset", None, done))
+        return await asyncio.wrap_future(done)
+
+    # -- admission ------------------------------------------------------------------------------
+    def _check_alive(self) -> None:
+        if not self.is_healthy():
+            raise EngineDead(f"the engine loop is not running ({self.error!r})")
+
+    def _admit(self, num_seqs: int) -> None:
+        """The one admission check: a request is refused while the waiting queue (and what is on
+        its way there) is at max_waiting_requests. Its n sequences may overshoot the bound: a
+        valid request is never refused for good."""
+        bound = self.config.max_waiting_requests
+        with self._posted_lock:
+            waiting = len(self.core.scheduler.waiting) + self._posted
+            if waiting >= bound:
+                raise EngineOverloaded(f"{waiting} requests are waiting (bound {bound}); "
+                                       "retry later")
+            self._posted += num_seqs
+
+    # -- the engine thread ----------------------------------------------------------------------
+    def _deliver(self, request_id: str, item) -> None:
+        self._deliver_all([(request_id, item)])
+
+    def _deliver_all(self, items) -> None:
+        """(request id, output or error) pairs, in one wake-up per event loop (not one per
+        request: at 64 streams the per-call wake-ups cost the loop thread more than the outputs)."""
+        by_loop: dict = {}
+        for rid, item in items:
+            entry = self._streams.get(rid)
+            if entry is not None:
+                by_loop.setdefault(entry[0], []).append((entry[1], item))
+        for loop, pairs in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, pairs)
+
+    def _handle(self, kind: str, rid: str, payload) -> None:
+        if kind == "add":
+            prompt, params = payload
+            try:
+                self.core.add_request(rid, prompt, params)
+            except Exception as e:   # refused after all (an id reused while its abort is queued)
+                self._deliver(rid, e)
+            finally:
+                with self._posted_lock:
+                    self._posted -= params.n
+        elif kind == "abort":
+            out = self.core.abort(rid)
+            if out is not None:
+                out.finished = True
+                self._deliver(rid, out)
+        elif kind == "reset":
+            try:
+                payload.set_result(self.core.reset_prefix_cache())
+            except Exception as e:
+                payload.set_exception(e)
+
+    def _loop(self) -> None:
+        try:
+            while not self._stop.is_set():
+                block = not self.core.has_unfinished()
+                try:
+                    item = self._inbox.get(block=block, timeout=0.5 if block else None)
+                    while True:
+                        self._handle(*item)
+                        item = self._inbox.get_nowait()
+                except queue.Empty:
+                    pass
+                if self.core.has_unfinished():
+                    outputs = self.core.step()
+                    self._deliver_all((out.request_id, out) for out in outputs)
+        except BaseException as e:  # a dead loop must be visible, and nobody left waiting
+            self.error = e
+            log.exception("engine loop died")
+            for rid in list(self._streams):
+                self._deliver(rid, EngineDead(f"engine loop died: {e!r}"))
+            self._fail_pending_resets(e)
+
+    def _fail_pending_resets(self, e: BaseException) -> None:
+        while True:
+            try:
+                kind, _, payload = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "reset" and not payload.done():
+                payload.set_exception(EngineDead(f"engine loop died: {e!r}"))

@@ -1,0 +1,23 @@
+"""The errors an engine client can raise: what a server maps to HTTP statuses, by type."""
+from __future__ import annotations
+
+
+class EngineError(Exception):
+    """Base of the errors below."""
+
+
+class InvalidRequest(EngineError, ValueError):
+    """The request itself is wrong (a 400): nothing ran, retrying it unchanged cannot help.
+    `param` names the offending field when one does; `code` is a machine-readable reason."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.param, self.code = param, code
+
+
+class EngineOverloaded(EngineError):
+    """The waiting queue is at its bound (a 503 with Retry-After): retry later."""
+
+
+class EngineDead(EngineError):
+    """The engine loop has stopped (a 503): no request can run until it is restarted."""

@@ -1,0 +1,97 @@
+"""The scheduler as the one owner of a request's tokens: pending samples of an overlapped step,
+1..k+1 tokens per request per step, token-level stops, and blocks returned on every ending.
+Pure Python: no model, no JAX."""
+from paxengine.batch import build_step
+from paxengine.kv_cache import KVCacheManager
+from paxengine.request import Request, Status
+from paxengine.sampling_params import SamplingParams
+from paxengine.scheduler import Scheduler
+
+EOS = 2
+
+
+def setup(num_blocks=64, **params):
+    kv = KVCacheManager(num_blocks, 4, enable_prefix_caching=False)
+    sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64,
+                      eos_token_ids=[EOS])
+    req = Request("r", [10, 11, 12, 13, 14], SamplingParams(**params), seed=0)
+    sched.add(req)
+    return kv, sched, req
+
+
+def test_overlapped_step_feeds_the_pending_sample_from_the_device():
+    kv, sched, req = setup(max_tokens=8)
+    first = sched.schedule()                     # the prompt: 5 tokens, then a sample
+    assert first.sampling == {"r"} and req.num_pending_tokens == 1
+    assert req.num_tokens == 6 and req.num_known_tokens == 5 and not req.output_token_ids
+    second = sched.schedule()                    # before the first step's sample is read
+    assert second.num_scheduled_tokens == {"r": 1} and req.num_pending_tokens == 2
+    arrays = build_step(second, 4, 16, 4, 16, prev_rows={"r": 0})
+    assert arrays.positions[0] == 5 and arrays.prev_index[0] == 0 and arrays.tokens[0] == 0
+    assert arrays.seq_lens[0] == 6
+    sched.update_from_output(first, {"r": [21]})
+    assert req.output_token_ids == [21] and req.num_pending_tokens == 1
+    sched.update_from_output(second, {"r": [22]})
+    assert req.output_token_ids == [21, 22] and req.num_pending_tokens == 0
+    third = sched.schedule()                     # read in between: the id comes from the host
+    arrays = build_step(third, 4, 16, 4, 16)
+    assert arrays.tokens[0] == 22 and arrays.prev_index[0] == -1 and arrays.positions[0] == 6
+
+
+def test_several_tokens_a_step_stop_at_a_stop_token_and_free_the_blocks():
+    kv, sched, req = setup(max_tokens=10, stop_token_ids=[30])
+    out = sched.schedule()
+    updated = sched.update_from_output(out, {"r": [21, 22, 30, 23, 24]})   # 30 stops: 23, 24 dropped
+    assert updated == [req] and req.output_token_ids == [21, 22, 30]
+    assert req.status == Status.FINISHED and (req.finish_reason, req.stop_reason) == ("stop", 30)
+    assert kv.num_free_blocks == kv.num_blocks and not sched.running
+
+
+def test_max_tokens_cuts_a_multi_token_step():
+    kv, sched, req = setup(max_tokens=3)
+    sched.update_from_output(sched.schedule(), {"r": [21, 22, 23, 24]})
+    assert req.output_token_ids == [21, 22, 23] and req.finish_reason == "length"
+    assert kv.num_free_blocks == kv.num_blocks
+
+
+def test_eos_counts_only_after_min_tokens_and_not_with_ignore_eos():
+    _, sched, req = setup(max_tokens=10, min_tokens=2)
+    sched.update_from_output(sched.schedule(), {"r": [EOS, 21, EOS, 22]})
+    assert req.output_token_ids == [EOS, 21, EOS] and req.finish_reason == "stop"
+    assert req.stop_reason is None
+    _, sched, req = setup(max_tokens=3, ignore_eos=True)
+    sched.update_from_output(sched.schedule(), {"r": [EOS, EOS, EOS]})
+    assert req.output_token_ids == [EOS] * 3 and req.finish_reason == "length"
+
+
+def test_a_last_pending_sample_gets_no_second_row():
+    _, sched, req = setup(max_tokens=1)
+    first = sched.schedule()
+    assert not sched.schedule()                  # its one token is on the device: nothing to run
+    sched.update_from_output(first, {"r": [21]})
+    assert req.finish_reason == "length" and req.output_token_ids == [21]
+
+
+def test_abort_while_in_flight_drops_the_sample():
+    kv, sched, req = setup(max_tokens=8)
+    out = sched.schedule()
+    sched.finish(req, "abort")
+    assert kv.num_free_blocks == kv.num_blocks and req.num_pending_tokens == 0
+    assert sched.update_from_output(out, {"r": [21]}) == [] and req.output_token_ids == []
+
+
+def test_preempted_with_a_pending_sample_waits_for_it():
+    kv = KVCacheManager(3, 4, enable_prefix_caching=False)
+    sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64)
+    a = Request("a", [1] * 4, SamplingParams(max_tokens=8), seed=0)
+    b = Request("b", [1] * 7, SamplingParams(max_tokens=8), seed=0)
+    sched.add(a)
+    sched.add(b)
+    first = sched.schedule()                     # a: 1 block, b: 2 blocks: the pool is full
+    assert first.sampling == {"a", "b"}
+    second = sched.schedule()                    # a needs a 2nd block: b, the newest, goes
+    assert second.preempted == [b] and b.status == Status.PREEMPTED and b.num_pending_tokens == 1
+    assert list(second.num_scheduled_tokens) == ["a"]
+    sched.update_from_output(first, {"a": [5], "b": [6]})
+    assert b.output_token_ids == [6] and b.num_pending_tokens == 0   # kept for its recompute
+    assert b.num_computed_tokens == 0 and b.num_tokens == 8
