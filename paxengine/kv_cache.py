@@ -3,16 +3,57 @@
 A block is free when no running request references it. Free blocks that hold a full, hashed
 prefix stay findable by their hash until they are reused (LRU), so a later request with the same
 prefix gets them back without recomputation.
+
+A hit must never serve another prompt's KV (issue #16, vLLM's CVE-2025-25183): the index key is a
+SHA-256 chain (`hash_block`), and a hit is trusted only after checking what the block holds: its
+token ids and extra keys equal the request's, and it was computed right after the block the
+request matched one level up (the parent entry, by identity). So a collision of the key, found or
+crafted, costs a miss, never a wrong block, whatever the hash function.
 """
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
+
+import numpy as np
 
 from paxengine.request import Request
 
+# Parent of a prompt's first block. A fixed, versioned constant rather than a per-engine random
+# salt: SHA-256 needs no salt to resist crafted collisions (the hits are checked anyway), and
+# stable keys let a later KV offload/transfer match blocks across processes. Change the tag if
+# the encoding below changes. Per-tenant isolation, if wanted, belongs in the extra keys.
+ROOT_HASH = hashlib.sha256(b"paxengine-prefix-cache-v1").digest()
 
-def chain_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
-    return hash((parent, tokens))
+
+def token_bytes(tokens) -> bytes:
+    return np.asarray(tokens, "<i4").tobytes()    # fixed width and byte order: stable everywhere
+
+
+def hash_block(parent: bytes, tokens: bytes, extra_keys: tuple = ()) -> bytes:
+    """SHA-256 of the parent block's hash, this block's token ids (`token_bytes`) and its extra
+    keys. Full blocks only: the token bytes have a fixed length, so the parts cannot run into
+    each other. Extra keys are ints, strings or bytes (adapter ids, multimodal content hashes),
+    whose repr, unlike hash(), is the same in every process."""
+    return hashlib.sha256(parent + tokens + (repr(extra_keys).encode() if extra_keys else b"")).digest()
+
+
+class _Entry:
+    """A cached block: where it is, what it holds, and which cached block it was computed after."""
+    __slots__ = ("block", "extra_keys", "hash", "parent", "tokens")
+
+    def __init__(self, block: int, block_hash: bytes, tokens: bytes, extra_keys: tuple,
+                 parent: _Entry | None):
+        self.block, self.hash, self.tokens = block, block_hash, tokens
+        self.extra_keys, self.parent = extra_keys, parent
+
+    def holds(self, parent: _Entry | None, tokens: bytes, extra_keys: tuple) -> bool:
+        """Whether this block is the KV of `tokens` (with `extra_keys`) right after `parent`:
+        by induction from the first block, of the whole prefix."""
+        return self.parent is parent and self.tokens == tokens and self.extra_keys == extra_keys
+
+
+_BROKEN = object()   # a request's chain can no longer be published (see cache_computed_blocks)
 
 
 class KVCacheManager:
@@ -23,8 +64,10 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_counts = [0] * num_blocks
-        self.block_hash: list[int | None] = [None] * num_blocks
-        self.cached: dict[int, int] = {}                     # hash -> block id
+        self.entry_of: list[_Entry | None] = [None] * num_blocks   # block id -> its index entry
+        self.cached: dict[bytes, _Entry] = {}                      # block hash -> entry
+        # The last entry of each running request's published chain: the parent of its next block.
+        self._tail: dict[str, _Entry | object | None] = {}
         # Free blocks in eviction order (oldest first); cached-but-free blocks are in here too.
         self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
         self.prefix_queries = 0      # prompt tokens looked up
@@ -44,47 +87,117 @@ class KVCacheManager:
         return -(-num_tokens // self.block_size)
 
     # -- prefix cache ---------------------------------------------------------------------------
-    def _hashes(self, req: Request, num_full_blocks: int) -> list[int]:
+    def _extra_keys(self, req: Request, i: int) -> tuple:
+        """What besides the tokens decides block i's KV (a LoRA adapter, the images it covers, a
+        tenant's cache salt): nothing yet. Goes into the hash and is checked on a hit."""
+        return ()
+
+    def _token_bytes(self, req: Request, start: int, stop: int) -> bytes:
+        """Token ids of full blocks [start, stop), as `token_bytes`."""
+        return token_bytes(req.token_slice(start * self.block_size, stop * self.block_size))
+
+    def _hashes(self, req: Request, num_full_blocks: int) -> list[bytes]:
+        """The request's block hashes, each computed once and kept in req.block_hashes."""
         hashes = req.block_hashes
-        bs = self.block_size
-        while len(hashes) < num_full_blocks:
-            i = len(hashes)
-            hashes.append(chain_hash(hashes[-1] if hashes else None,
-                                     tuple(req.token_slice(i * bs, (i + 1) * bs))))
+        start = len(hashes)
+        if start < num_full_blocks:
+            buf, w = self._token_bytes(req, start, num_full_blocks), 4 * self.block_size
+            parent = hashes[-1] if hashes else ROOT_HASH
+            for i in range(start, num_full_blocks):
+                j = (i - start) * w
+                parent = hash_block(parent, buf[j:j + w], self._extra_keys(req, i))
+                hashes.append(parent)
         return hashes
+
+    def _live(self, e: _Entry) -> bool:
+        return self.entry_of[e.block] is e
+
+    def _unindex(self, e: _Entry) -> None:
+        del self.cached[e.hash]
+        self.entry_of[e.block] = None
+        e.parent = None                  # a dead entry keeps no chain alive
+
+    def _lookup(self, h: bytes) -> _Entry | None:
+        e = self.cached.get(h)
+        if e is not None and e.parent is not None and not self._live(e.parent):
+            self._unindex(e)             # its parent was evicted: no lookup can reach it again
+            return None
+        return e
 
     def find_cached_prefix(self, req: Request) -> list[int]:
         """Blocks holding the longest cached prefix of the request (at least one token is always
-        left to compute, so the step still produces logits)."""
+        left to compute, so the step still produces logits). A block whose key matches is taken
+        only if it holds the request's tokens and follows the block taken one level up."""
         if not self.enable_prefix_caching:
             return []
         n_full = (req.num_tokens - 1) // self.block_size
-        found = []
+        candidates = []
         for h in self._hashes(req, n_full)[:n_full]:
-            b = self.cached.get(h)
-            if b is None:
+            e = self._lookup(h)
+            if e is None:
                 break
-            found.append(b)
-        self.prefix_queries += req.num_prompt_tokens
-        self.prefix_hits += min(len(found) * self.block_size, req.num_prompt_tokens)
+            candidates.append(e)
+        found, parent = [], None
+        if candidates:                   # the token copy only when there is something to check
+            buf, w = self._token_bytes(req, 0, len(candidates)), 4 * self.block_size
+            for i, e in enumerate(candidates):
+                if not e.holds(parent, buf[i * w:(i + 1) * w], self._extra_keys(req, i)):
+                    break
+                found.append(e.block)
+                parent = e
         return found
 
     def cache_computed_blocks(self, req: Request) -> None:
-        """Publish the request's newly completed full blocks under their chain hash."""
+        """Publish the request's newly completed full blocks under their chain hash.
+
+        A block whose key is already taken by the same content (another request computed it at
+        the same time) is not published again; the chain goes on through that entry. A key taken
+        by other content (a collision) ends the request's publishing: its later blocks would
+        hang off a block no lookup can match."""
         if not self.enable_prefix_caching:
             return
         # Only blocks whose token ids the host has: a sample fed from the device is not hashed yet.
         computed = min(req.num_computed_tokens, req.num_known_tokens)
         n_full = min(computed // self.block_size, len(req.block_ids))
-        if n_full <= req.num_published_blocks:    # nothing new: O(1) for most decode steps
+        start = req.num_published_blocks
+        if n_full <= start:              # nothing new: O(1) for most decode steps
             return
         hashes = self._hashes(req, n_full)
-        for i in range(req.num_published_blocks, n_full):
-            b, h = req.block_ids[i], hashes[i]
-            if self.block_hash[b] is None and h not in self.cached:
-                self.block_hash[b] = h
-                self.cached[h] = b
+        parent = self._tail.get(req.request_id) if start else None
+        if parent is not None and parent is not _BROKEN and not self._live(parent):
+            parent = _BROKEN             # it followed another request's block, since evicted
+        if parent is not _BROKEN:
+            buf, w = self._token_bytes(req, start, n_full), 4 * self.block_size
+            for i in range(start, n_full):
+                tokens, extra = buf[(i - start) * w:(i - start + 1) * w], self._extra_keys(req, i)
+                e = self._lookup(hashes[i])
+                if e is None:
+                    b = req.block_ids[i]
+                    if self.entry_of[b] is not None:   # cannot happen: a hit is found by this key
+                        parent = _BROKEN
+                        break
+                    e = _Entry(b, hashes[i], tokens, extra, parent)
+                    self.cached[e.hash] = self.entry_of[b] = e
+                elif not e.holds(parent, tokens, extra):
+                    parent = _BROKEN
+                    break
+                parent = e
+        self._tail[req.request_id] = parent
         req.num_published_blocks = n_full
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (e.g. after a weight update made the cached KV stale).
+
+        As in vLLM, refused while any block is held by a request: returns False and changes
+        nothing. A running request's blocks, and every block it would publish later, hold KV
+        computed from the state the reset is meant to discard; call it when the engine is idle.
+        The hit counters stay: they are monotonic (Prometheus counters)."""
+        if len(self.free) != self.num_blocks:
+            return False
+        self.cached.clear()
+        self.entry_of = [None] * self.num_blocks
+        self._tail.clear()
+        return True
 
     # -- allocation -----------------------------------------------------------------------------
     def _take(self, b: int) -> None:
@@ -94,10 +207,9 @@ class KVCacheManager:
 
     def _pop_free(self) -> int:
         b, _ = self.free.popitem(last=False)
-        h = self.block_hash[b]
-        if h is not None:                      # evict: its contents are about to be overwritten
-            del self.cached[h]
-            self.block_hash[b] = None
+        e = self.entry_of[b]
+        if e is not None:                      # evict: its contents are about to be overwritten
+            self._unindex(e)
         self.ref_counts[b] = 1
         return b
 
@@ -112,6 +224,9 @@ class KVCacheManager:
         revived = sum(1 for b in cached_blocks if self.ref_counts[b] == 0)
         if need > len(self.free) - revived:
             return False
+        if self.enable_prefix_caching and not req.block_ids:   # admitted now: count its lookup
+            self.prefix_queries += req.num_prompt_tokens
+            self.prefix_hits += min(len(cached_blocks) * self.block_size, req.num_prompt_tokens)
         for b in cached_blocks:
             self._take(b)
         req.block_ids.extend(cached_blocks)
@@ -125,8 +240,4 @@ class KVCacheManager:
             if self.ref_counts[b] == 0:
                 self.free[b] = None
         req.clear_blocks()
-
-    def reset_prefix_cache(self) -> None:
-        for h, b in list(self.cached.items()):
-            self.block_hash[b] = None
-        self.cached.clear()
+        self._tail.pop(req.request_id, None)

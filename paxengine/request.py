@@ -33,7 +33,7 @@ class Request:
     num_computed_tokens: int = 0                # tokens whose KV is in the cache
     num_cached_tokens: int = 0                  # of the prompt, served by the prefix cache
     block_ids: list[int] = field(default_factory=list)
-    block_hashes: list[int] = field(default_factory=list)   # chain hashes of full blocks
+    block_hashes: list[bytes] = field(default_factory=list)  # full blocks' keys (kv_cache.hash_block)
     num_published_blocks: int = 0               # full blocks already offered to the prefix cache
     _block_array: object = field(default=None, repr=False)   # block_ids as int32 (block_array)
     num_preemptions: int = 0

@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from serving.protocol import ErrorInfo, ErrorResponse
+from serving.protocol import UNIMPLEMENTED_FIELDS, ErrorInfo, ErrorResponse
 
 log = logging.getLogger("serving")
 
@@ -56,7 +56,17 @@ def _loc(loc) -> Optional[str]:
     return ".".join(parts) or None
 
 
+def _not_supported(name: str) -> str:
+    if name.rsplit(".", 1)[-1] in UNIMPLEMENTED_FIELDS:
+        return f"`{name}` is not supported by this server yet"
+    return f"`{name}` is not supported by this server (unknown field)"
+
+
 def validation_error(errors: list[dict]) -> ApiError:
+    # A field we do not implement comes first: the client is counting on what it asks for.
+    extra = [_loc(e["loc"]) for e in errors if e.get("type") == "extra_forbidden"]
+    if extra:
+        return bad_request("; ".join(_not_supported(n) for n in extra), extra[0])
     first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
     param = _loc(first.get("loc", ()))
     top = param.split(".")[0] if param else None

@@ -99,7 +99,9 @@ def _prompts(state: ServerState, req: CompletionRequest) -> list[tuple[str, list
 
 
 def chat_prompt(state: ServerState, messages, add_generation_prompt: bool) -> tuple[str, list[int]]:
-    msgs = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
+    # `name` goes to the template as vLLM passes it (templates that know it use it)
+    msgs = [{"role": "system" if m.role == "developer" else m.role, "content": m.text(),
+             **({"name": m.name} if m.name is not None else {})} for m in messages]
     try:
         text = state.tokenizer.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt)
     except Exception as e:  # template errors (role order, ...) are the client's

@@ -1,17 +1,18 @@
 """Pydantic models of every request and response body (OpenAI shapes).
 
-Requests are validated strictly from JSON (no "0.5" -> 0.5, no true -> 1, no NaN/inf); fields
-that OpenAI clients send but we do not use are ignored. Value ranges are checked by
-`SamplingParams.validate` and the engine, so there is one source of truth for them.
+Requests are validated strictly from JSON (no "0.5" -> 0.5, no true -> 1, no NaN/inf). A field
+we do not implement is a 400 that names it, never a silent ignore (issue #16): unknown fields are
+forbidden, and the fields OpenAI or vLLM define that we lack are listed (`_NoOp` tables) with the
+values that ask for nothing, which are accepted since common clients send them. Value ranges are
+checked by `SamplingParams.validate` and the engine, so there is one source of truth for them.
 """
 from __future__ import annotations
 
 import time
-from typing import Any, Literal, Optional, Union
+from collections.abc import Callable
+from typing import Any, ClassVar, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
-
-_REQUEST = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
 TokenIds = list[int]
 Prompt = Union[str, list[str], TokenIds, list[TokenIds]]
@@ -30,11 +31,124 @@ class ErrorResponse(BaseModel):
     error: ErrorInfo
 
 
+# ----------------------------------------------------------------------------- unimplemented
+class _NoOp:
+    """The values of a field we do not implement that ask for nothing: null, the documented
+    defaults in `values`, or whatever `test(value, body)` accepts. Any other value is a 400."""
+
+    def __init__(self, *values, test: Optional[Callable[[Any, dict], bool]] = None):
+        self.values, self.test = values, test
+
+    def __call__(self, value, body: dict) -> bool:
+        if value is None:
+            return True
+        if self.test is not None:
+            return self.test(value, body)
+        # == alone would take true for 1 and 1 for true
+        return any(value == v and isinstance(value, bool) == isinstance(v, bool) for v in self.values)
+
+
+def _best_of_is_n(value, body) -> bool:
+    n = body.get("n", 1)
+    return type(value) is int and type(n) is int and value == n    # one candidate per output
+
+
+class _Request(BaseModel):
+    """A request body: unknown fields are refused, and the listed unimplemented ones too unless
+    their value is a no-op, which is dropped before validation. What stays is refused by
+    extra="forbid" with the field's path, which errors.py turns into a 400 naming it."""
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+    unimplemented: ClassVar[dict[str, _NoOp]] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_noops(cls, data):
+        if not isinstance(data, dict) or not cls.unimplemented:
+            return data
+        return {k: v for k, v in data.items()
+                if not (k in cls.unimplemented and cls.unimplemented[k](v, data))}
+
+
+# Both endpoints. OpenAI's and vLLM's names; vLLM-only ones would otherwise be "unknown".
+_SHARED_UNIMPLEMENTED = {
+    # structured output
+    "response_format": _NoOp({"type": "text"}),
+    "structured_outputs": _NoOp(),
+    "guided_json": _NoOp(), "guided_regex": _NoOp(), "guided_choice": _NoOp(),
+    "guided_grammar": _NoOp(), "guided_whitespace_pattern": _NoOp(),
+    "guided_decoding_backend": _NoOp(),
+    # sampling and decoding
+    "best_of": _NoOp(test=_best_of_is_n),
+    "use_beam_search": _NoOp(False),
+    "length_penalty": _NoOp(1.0),               # beam search only
+    "prompt_logprobs": _NoOp(),                 # even 0 asks for the prompt tokens' logprobs
+    "allowed_token_ids": _NoOp(),
+    "bad_words": _NoOp([]),
+    "logits_processors": _NoOp(),
+    "truncate_prompt_tokens": _NoOp(),
+    "spaces_between_special_tokens": _NoOp(True),
+    "return_tokens_as_token_ids": _NoOp(False),
+    "return_token_ids": _NoOp(False),
+    # serving
+    "cache_salt": _NoOp(),          # per-tenant prefix-cache isolation: ignoring it would share KV
+    "priority": _NoOp(0),
+    "request_id": _NoOp(),
+    "kv_transfer_params": _NoOp(),
+    "vllm_xargs": _NoOp(),
+    "store": _NoOp(False),                      # keeping the completion for later retrieval
+    "service_tier": _NoOp("auto", "default"),   # flex / priority processing
+}
+
+_CHAT_UNIMPLEMENTED = {
+    **_SHARED_UNIMPLEMENTED,
+    # tool calling: with no tools, "none" and "auto" both mean plain text
+    "tools": _NoOp([]),
+    "tool_choice": _NoOp("none", "auto"),
+    "parallel_tool_calls": _NoOp(True),
+    "functions": _NoOp([]),
+    "function_call": _NoOp("none", "auto"),
+    # other outputs and models' options
+    "modalities": _NoOp(["text"]),
+    "audio": _NoOp(), "prediction": _NoOp(), "reasoning_effort": _NoOp(), "verbosity": _NoOp(),
+    "web_search_options": _NoOp(),
+    # vLLM's chat extras
+    "echo": _NoOp(False),                       # echo the last message
+    "add_special_tokens": _NoOp(False),         # the template already has them
+    "continue_final_message": _NoOp(False),
+    "chat_template": _NoOp(), "chat_template_kwargs": _NoOp({}),
+    "documents": _NoOp(), "mm_processor_kwargs": _NoOp(),
+}
+
+_COMPLETION_UNIMPLEMENTED = {
+    **_SHARED_UNIMPLEMENTED,
+    "suffix": _NoOp(""),
+    "prompt_embeds": _NoOp(),
+}
+
+# Fields of a message that a client replaying an earlier answer sends as null or empty.
+_MESSAGE_UNIMPLEMENTED = {
+    "tool_calls": _NoOp([]), "tool_call_id": _NoOp(), "function_call": _NoOp(),
+    "refusal": _NoOp(), "annotations": _NoOp([]), "audio": _NoOp(), "reasoning_content": _NoOp(),
+}
+
+# Content parts other than text (their `type` is refused too; this names the part).
+_CONTENT_PART_UNIMPLEMENTED = {"image_url": _NoOp(), "input_audio": _NoOp(), "file": _NoOp()}
+
+_STREAM_OPTIONS_UNIMPLEMENTED = {
+    "continuous_usage_stats": _NoOp(False),     # vLLM: usage in every chunk
+    "include_obfuscation": _NoOp(False),        # OpenAI: random padding against size side channels
+}
+
+# Every listed name: errors.py says "not supported yet" for these, "unknown field" for others.
+UNIMPLEMENTED_FIELDS = frozenset().union(_CHAT_UNIMPLEMENTED, _COMPLETION_UNIMPLEMENTED,
+                                         _MESSAGE_UNIMPLEMENTED, _CONTENT_PART_UNIMPLEMENTED,
+                                         _STREAM_OPTIONS_UNIMPLEMENTED)
+
+
 # ----------------------------------------------------------------------------- shared
-class StreamOptions(BaseModel):
-    model_config = _REQUEST
+class StreamOptions(_Request):
+    unimplemented = _STREAM_OPTIONS_UNIMPLEMENTED
     include_usage: bool = False
-    continuous_usage_stats: bool = False
 
 
 class Usage(BaseModel):
@@ -43,9 +157,8 @@ class Usage(BaseModel):
     total_tokens: int = 0
 
 
-class _SamplingFields(BaseModel):
+class _SamplingFields(_Request):
     """Fields common to /v1/completions and /v1/chat/completions."""
-    model_config = _REQUEST
     model: Optional[str] = None
     n: int = 1
     temperature: Optional[float] = None
@@ -65,11 +178,16 @@ class _SamplingFields(BaseModel):
     skip_special_tokens: bool = True
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
+    # Accepted and unused: metadata about the caller, or a routing hint, that changes no output.
     user: Optional[str] = None
+    safety_identifier: Optional[str] = None     # OpenAI's successor of `user`
+    metadata: Optional[dict[str, Any]] = None
+    prompt_cache_key: Optional[str] = None      # our prefix cache needs no hint
 
 
 # ----------------------------------------------------------------------------- completions
 class CompletionRequest(_SamplingFields):
+    unimplemented = _COMPLETION_UNIMPLEMENTED
     prompt: Prompt
     max_tokens: Optional[int] = 16
     logprobs: Optional[int] = None
@@ -102,14 +220,14 @@ class CompletionResponse(BaseModel):
 
 
 # ----------------------------------------------------------------------------- chat
-class TextContentPart(BaseModel):
-    model_config = _REQUEST
+class TextContentPart(_Request):
+    unimplemented = _CONTENT_PART_UNIMPLEMENTED
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(BaseModel):
-    model_config = _REQUEST
+class ChatMessage(_Request):
+    unimplemented = _MESSAGE_UNIMPLEMENTED
     role: Literal["system", "developer", "user", "assistant"]
     content: Union[str, list[TextContentPart], None] = None
     name: Optional[str] = None
@@ -123,6 +241,7 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(_SamplingFields):
+    unimplemented = _CHAT_UNIMPLEMENTED
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: Optional[int] = None
     max_completion_tokens: Optional[int] = None
@@ -208,9 +327,8 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(_Request):
     """Either `prompt` (text) or `messages` (rendered with the chat template)."""
-    model_config = _REQUEST
     model: Optional[str] = None
     prompt: Optional[str] = None
     messages: Optional[list[ChatMessage]] = Field(default=None, min_length=1)
@@ -224,8 +342,7 @@ class TokenizeResponse(BaseModel):
     tokens: list[int]
 
 
-class DetokenizeRequest(BaseModel):
-    model_config = _REQUEST
+class DetokenizeRequest(_Request):
     model: Optional[str] = None
     tokens: list[int]
 
