@@ -49,12 +49,10 @@ from jax.experimental.pallas import triton as plt
 
 from kernels_pallas import attention_mgpu
 from kernels_pallas import attention_mgpu_decode as mgpu_decode
+from kernels_pallas.layout import quantize_kv, value_cache_dtype
 from kernels_pallas.metadata import AttentionMetadata, count_le, live_query_lens
-from kernels_pallas.reference import P_LOG2_GAIN, quantize_kv, value_cache_dtype
+from kernels_pallas.softmax import LOG2E, MASK_VALUE, P_LOG2_GAIN
 from kernels_pallas.tuning import is_decode_bucket, next_pow2, plan_launches
-
-LOG2E = 1.4426950408889634
-MASK_VALUE = -1e30
 
 
 def tile_count(T: int, S: int, block_q: int) -> int:
@@ -174,7 +172,7 @@ def _rpa_kernel(meta_ref, bt_ref, scal_ref, fscal_ref, q_ref, k_ref, v_ref, *out
   scale = sm_scale * k_scale
   precision = lax.Precision.HIGHEST if compute_dtype == jnp.float32 else None
   # The PV product's operand dtype: fp16 when asked for (pv_fp16) or when the V pages are fp16
-  # already (bf16 models' caches, reference.value_cache_dtype): P then keeps 11 significant
+  # already (bf16 models' caches, layout.value_cache_dtype): P then keeps 11 significant
   # bits in one dot, with no conversion of V.
   if compute_dtype == jnp.float32:
     pv_dtype = jnp.float32
@@ -218,7 +216,7 @@ def _rpa_kernel(meta_ref, bt_ref, scal_ref, fscal_ref, q_ref, k_ref, v_ref, *out
       s = jnp.where(mask, s, MASK_VALUE)
     m_new = jnp.maximum(m_prev, jnp.max(s, axis=1))
     alpha = jnp.exp2(m_prev - m_new)
-    p = jnp.exp2(s - (m_new - P_LOG2_GAIN)[:, None])          # (reference.P_LOG2_GAIN)
+    p = jnp.exp2(s - (m_new - P_LOG2_GAIN)[:, None])          # (softmax.P_LOG2_GAIN)
     l_new = l_prev * alpha + jnp.sum(p, axis=1)
     if v.dtype != pv_dtype:
       # (fp16 has 11 significant bits, bf16 8: P's rounding error drops 8x in one dot. A bf16

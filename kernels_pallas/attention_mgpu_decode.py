@@ -42,10 +42,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from kernels_pallas import attention_mgpu
-from kernels_pallas.reference import P_LOG2_GAIN
+from kernels_pallas.softmax import LOG2E, MASK_VALUE, P_LOG2_GAIN
 
-LOG2E = 1.4426950408889634
-MASK_VALUE = -1e30
 M = 64                # wgmma's M: query rows per CTA
 LSE_COLS = 32         # the log2-sum-exp of a row, repeated: 128-byte rows keep every TMA
                       # store's shared-memory source aligned, whatever the row offset

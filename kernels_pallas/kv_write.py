@@ -17,7 +17,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from kernels_pallas.attention import _row_index
-from kernels_pallas.reference import quantize_kv
+from kernels_pallas.layout import quantize_kv
 from kernels_pallas.tuning import next_pow2
 
 

@@ -223,7 +223,8 @@ def test_merge_splits_is_softmax_over_all_keys(rows):
   boundaries: empty splits, maxima far apart (2^-150 underflows to 0 in fp32), rows with no keys
   at all (zeros). Both tilings: interpret mode's (whole rows) and the GPU's (a program per row
   and 32 columns)."""
-  from kernels_pallas.attention import MASK_VALUE, merge_splits
+  from kernels_pallas.attention import merge_splits
+  from kernels_pallas.softmax import MASK_VALUE
   rng = np.random.default_rng(3)
   R, N, D = 6, 40, 64
   s = rng.normal(size=(R, N)).astype(np.float32) * 4
