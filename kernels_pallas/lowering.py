@@ -67,7 +67,7 @@ def check_cuda_lowering(*, T, S, P, num_layers=2, num_heads=32, num_kv_heads=8, 
 
   Returns the StableHLO text (it contains the Triton kernels); raises on a lowering error.
   """
-  from kernels_pallas.attention import ragged_paged_attention
+  from kernels_pallas.dispatch import ragged_paged_attention
   from kernels_pallas.kv_write import write_kv
 
   kv_dtype = kv_dtype or dtype

@@ -194,7 +194,7 @@ def test_tiny_probabilities_are_not_flushed(kw):
 def test_padding_tiles_cover_all_tokens():
   """Every output row is written by the kernel: padding tokens (past the live sequences,
   including a bucket with num_seqs = 0) come out as exact zeros, with NaN in the q padding."""
-  from kernels_pallas.attention import tile_count, tile_metadata
+  from kernels_pallas.tiles import tile_count, tile_metadata
   rng = np.random.default_rng()
   for seqs, T, S, bq in [([(5, 9), (1, 3)], 40, 6, 4), ([(3, 3)] * 4, 12, 4, 8),
                          ([(1, 4)], 7, 3, 1)]:
