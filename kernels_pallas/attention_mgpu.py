@@ -15,7 +15,7 @@ pages and to a ragged flat batch:
   arriving on one barrier per pipeline slot. Slots are released by both compute warpgroups.
 * Precision: P goes into the PV product in fp16 (a bf16 P misses the 2e-3 bar on random
   data: 1.9-2.3e-3 measured), so V must be fp16 too. The engine's bf16 caches store V pages
-  as fp16 (reference.value_cache_dtype), so they need no conversion. bf16 V pages (other
+  as fp16 (layout.value_cache_dtype), so they need no conversion. bf16 V pages (other
   callers) are copied as raw 16-bit words and the convert warpgroup rewrites each block in
   place as it lands (clamped to +-65280); measured on the H200 the conversion costs ~12%
   (8,192 tokens: 1307 vs 1147 us without it). Either way the block reaching past kv_len has
@@ -44,11 +44,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from kernels_pallas.layout import FP16_SAFE_MAX, value_cache_dtype
 from kernels_pallas.metadata import count_le, live_query_lens
-from kernels_pallas.reference import FP16_SAFE_MAX, P_LOG2_GAIN, value_cache_dtype
+from kernels_pallas.softmax import LOG2E, MASK_VALUE, P_LOG2_GAIN
 
-LOG2E = 1.4426950408889634
-MASK_VALUE = -1e30
 ROWS_PER_WG = 64          # wgmma's M per warpgroup
 COMPUTE_WGS = 2
 TILE_TOKENS = ROWS_PER_WG * COMPUTE_WGS
@@ -147,7 +146,7 @@ def mosaic_prefill_attention(q, k_flat, v_flat, meta, bt_flat, kv_base, *, num_t
   convert_regs = 512 - 2 * compute_regs - copy_regs
   persistent = min(persistent, Hq * num_tiles)   # no CTA that could never get an item
   # V goes into SMEM as fp16-typed words (a free bitcast); bf16 pages are converted there by
-  # a warpgroup (the engine's bf16 caches hold fp16 V pages: reference.value_cache_dtype).
+  # a warpgroup (the engine's bf16 caches hold fp16 V pages: layout.value_cache_dtype).
   v_convert = v_flat.dtype != jnp.float16
   v_words = lax.bitcast_convert_type(v_flat, jnp.float16) if v_convert else v_flat
 

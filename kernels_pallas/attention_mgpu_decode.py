@@ -31,7 +31,7 @@ double-buffered, so the next item's loads start under this one's last blocks.
 * Output leaves through SMEM by TMA, exactly each token's G rows.
 
 Mosaic GPU's Pallas API changes between jax releases; the kernel targets jax 0.11 and imports
-Mosaic GPU only when called (attention.py calls it only where attention_mgpu.available()).
+Mosaic GPU only when called (dispatch.py calls it only where attention_mgpu.available()).
 """
 from __future__ import annotations
 
@@ -42,10 +42,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from kernels_pallas import attention_mgpu
-from kernels_pallas.reference import P_LOG2_GAIN
+from kernels_pallas.softmax import LOG2E, MASK_VALUE, P_LOG2_GAIN
 
-LOG2E = 1.4426950408889634
-MASK_VALUE = -1e30
 M = 64                # wgmma's M: query rows per CTA
 LSE_COLS = 32         # the log2-sum-exp of a row, repeated: 128-byte rows keep every TMA
                       # store's shared-memory source aligned, whatever the row offset
@@ -110,8 +108,8 @@ def combine_splits(o_part, lse_part, k_splits: int, dtype):
 def mosaic_decode_attention(q2, k_flat, v_flat, meta, bt_flat, kv_base, *, num_tiles, NB, P,
                             Hq, Hkv, sm_scale, block_kv=64, stages=4, k_splits=1,
                             compute_wgs=2, persistent=0, interpret=False):
-  """Attention of the tiles in `meta` ([num_tiles, 8] from attention.tile_metadata or
-  decode_tile_metadata with block_q = decode_block_q(Hq, Hkv): seq, first token, tokens,
+  """Attention of the tiles in `meta` ([num_tiles, 8] from tiles.tile_metadata or
+  tiles.decode_tile_metadata with block_q = decode_block_q(Hq, Hkv): seq, first token, tokens,
   first position, kv_len).
 
   q2 [T * Hq, D] (token-major, heads inner); k_flat / v_flat [L * Hkv * NB, block_size, D]

@@ -16,8 +16,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from kernels_pallas.attention import _row_index
-from kernels_pallas.reference import quantize_kv
+from kernels_pallas.flat_cache import kv_scales, layer_base, row_index
+from kernels_pallas.layout import quantize_kv
 from kernels_pallas.tuning import next_pow2
 
 
@@ -35,7 +35,7 @@ def _write_kernel(slot_ref, scal_ref, fscal_ref, k_ref, v_ref, kc_in, vc_in, kc_
   slot = slot_ref[tc]
   ok &= slot >= 0
   src = tc * Hkv + hc
-  # masked rows point past the end (see attention.py)
+  # masked rows point past the end (see flat_cache.py)
   dst = jnp.where(ok, (scal_ref[0] + hc) * NBbs + jnp.maximum(slot, 0), kc_out.shape[0])
   D = k_ref.shape[1]
   mask = jnp.broadcast_to(ok[:, None], (R, D))
@@ -44,7 +44,7 @@ def _write_kernel(slot_ref, scal_ref, fscal_ref, k_ref, v_ref, kc_in, vc_in, kc_
   if quantize:
     k = k.astype(jnp.float32) * (1.0 / fscal_ref[0])
     v = v.astype(jnp.float32) * (1.0 / fscal_ref[1])
-  idx = _row_index(dst, D)
+  idx = row_index(dst, D)
   # quantize_kv without a scale (applied above): the cast, fp16 pages clamped first.
   plt.store(kc_out.at[idx], quantize_kv(k, kc_out.dtype), mask=mask)
   plt.store(vc_out.at[idx], quantize_kv(v, vc_out.dtype), mask=mask)
@@ -69,9 +69,8 @@ def write_kv(k_cache, v_cache, layer, k, v, slot_mapping, *, k_scale=None, v_sca
   if block_t is None:
     block_t = max(1, 32 // H_pad)
   quantize = k_scale is not None or v_scale is not None
-  scal = (jnp.asarray(layer, jnp.int32) * Hkv).reshape(1)
-  fscal = jnp.stack([jnp.asarray(1.0 if k_scale is None else k_scale, jnp.float32).reshape(()),
-                     jnp.asarray(1.0 if v_scale is None else v_scale, jnp.float32).reshape(())])
+  kv_base = layer_base(layer, Hkv)
+  scales = kv_scales(k_scale, v_scale)
   shape2 = (L * Hkv * NB * bs, D)
   kernel = functools.partial(_write_kernel, T=T, Hkv=Hkv, H_pad=H_pad, NBbs=NB * bs,
                              block_t=block_t, quantize=quantize)
@@ -84,6 +83,6 @@ def write_kv(k_cache, v_cache, layer, k, v, slot_mapping, *, k_scale=None, v_sca
       compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
       interpret=interpret,
       name="write_kv",
-  )(slot_mapping.astype(jnp.int32), scal, fscal, k.reshape(T * Hkv, D), v.reshape(T * Hkv, D),
+  )(slot_mapping.astype(jnp.int32), kv_base, scales, k.reshape(T * Hkv, D), v.reshape(T * Hkv, D),
     k_cache.reshape(shape2), v_cache.reshape(shape2))
   return kc.reshape(k_cache.shape), vc.reshape(v_cache.shape)

@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 from jax import export as jax_export
 
+from kernels_pallas.layout import value_cache_dtype
 from kernels_pallas.metadata import AttentionMetadata
-from kernels_pallas.reference import value_cache_dtype
 
 
 def _disabled_checks():
@@ -63,11 +63,11 @@ def check_cuda_lowering(*, T, S, P, num_layers=2, num_heads=32, num_kv_heads=8, 
                         v_dtype=None, sliding_window=None, soft_cap=None, kv_scales=False,
                         **tuning):
   """Lowers write_kv + ragged_paged_attention for CUDA at one configuration (V pages of
-  `v_dtype`, by default the engine's: reference.value_cache_dtype(kv_dtype)).
+  `v_dtype`, by default the engine's: layout.value_cache_dtype(kv_dtype)).
 
   Returns the StableHLO text (it contains the Triton kernels); raises on a lowering error.
   """
-  from kernels_pallas.attention import ragged_paged_attention
+  from kernels_pallas.dispatch import ragged_paged_attention
   from kernels_pallas.kv_write import write_kv
 
   kv_dtype = kv_dtype or dtype

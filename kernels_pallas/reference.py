@@ -4,45 +4,17 @@ Written to be obviously right, and cheap enough under jit on a CPU to serve as t
 `attention_backend: reference`: every token gathers the pages of its own sequence from its
 block-table row and attends over them with a position mask. Tokens are processed in batches
 (`lax.map(..., batch_size=...)`) so a long prefill chunk does not materialise T copies of the
-context at once.
+context at once. What a cache stores (page dtypes, clamping, fp8 scales) is `layout.py`'s.
 """
 from __future__ import annotations
 
 import jax.numpy as jnp
 from jax import lax
 
+from kernels_pallas.layout import quantize_kv
 from kernels_pallas.metadata import AttentionMetadata, token_to_seq
 
 _HI = lax.Precision.HIGHEST
-# The largest bf16 value that fp16 holds exactly: values are clamped to it before they are
-# stored in an fp16 cache, so an outlier saturates instead of becoming inf.
-FP16_SAFE_MAX = 65280.0
-# The kernels' softmax probabilities are p * 2^P_LOG2_GAIN (exp2 of the logit less the row max
-# less this), and so is their running sum l, so O = acc / l does not change. Why: P enters
-# fp16 PV products, and fp16 flushes p < 2^-24 to zero while l would still count it (an
-# attention sink 18 nats above 4k other keys lost their whole 6e-5 share of the output); with
-# the gain p keeps its bits down to 2^-39, and p <= 2^15 stays far below fp16's 65504.
-P_LOG2_GAIN = 15.0
-
-
-def value_cache_dtype(kv_dtype):
-  """The dtype of the V pages of a KV cache of `kv_dtype`: fp16 for bf16 caches, else the same.
-
-  Same size; fp16 holds every bf16 value in [6e-5, 65280] exactly (3 more mantissa bits),
-  clamps larger ones and keeps fewer bits of smaller ones (none below 3e-8), but the PV product can then take P in fp16 (11 significant bits; a
-  bf16 P misses the 2e-3 bar) straight from the cache: the Mosaic prefill kernel otherwise
-  converts every V block in shared memory, which cost it ~12% on the H200."""
-  return jnp.dtype(jnp.float16) if jnp.dtype(kv_dtype) == jnp.bfloat16 else jnp.dtype(kv_dtype)
-
-
-def quantize_kv(x, cache_dtype, scale=None):
-  """What is stored for x in a cache of `cache_dtype` (fp8 caches divide by the scale; fp16
-  caches clamp to +-FP16_SAFE_MAX)."""
-  if scale is not None:
-    x = x.astype(jnp.float32) / jnp.asarray(scale, jnp.float32)
-  if jnp.dtype(cache_dtype) == jnp.float16 and x.dtype in (jnp.bfloat16, jnp.float32):
-    x = jnp.clip(x, -FP16_SAFE_MAX, FP16_SAFE_MAX)   # (fp8's range is inside fp16's)
-  return x.astype(cache_dtype)
 
 
 def ref_write_kv(k_cache, v_cache, layer, k, v, slot_mapping, *, k_scale=None, v_scale=None,

@@ -4,8 +4,8 @@ from __future__ import annotations
 import numpy as np
 import jax.numpy as jnp
 
+from kernels_pallas.layout import value_cache_dtype
 from kernels_pallas.metadata import AttentionMetadata
-from kernels_pallas.reference import value_cache_dtype
 
 
 def make_batch(rng: np.random.Generator, seqs, *, T=None, S=None, P=None, num_layers=2,
@@ -14,7 +14,7 @@ def make_batch(rng: np.random.Generator, seqs, *, T=None, S=None, P=None, num_la
   """seqs: list of (q_len, kv_len) with q_len <= kv_len. Pads to T tokens / S sequence rows.
 
   kv_dtype: the K pages' dtype (default dtype); v_dtype: the V pages' (default the engine's
-  choice, reference.value_cache_dtype(kv_dtype): fp16 under bf16).
+  choice, layout.value_cache_dtype(kv_dtype): fp16 under bf16).
   Returns dict(q, k_cache, v_cache, k_new, v_new, md, num_tokens). Block tables are random
   permutations of physical blocks; the cache is random, and (poison=True) every slot that no
   sequence owns up to its length holds NaN, so a kernel that reads past a length shows it.

@@ -11,8 +11,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-from kernels_pallas.attention import tile_count, tile_metadata
 from kernels_pallas.metadata import AttentionMetadata
+from kernels_pallas.tiles import tile_count, tile_metadata
 
 _HI = lax.Precision.HIGHEST
 

@@ -194,7 +194,7 @@ def test_tiny_probabilities_are_not_flushed(kw):
 def test_padding_tiles_cover_all_tokens():
   """Every output row is written by the kernel: padding tokens (past the live sequences,
   including a bucket with num_seqs = 0) come out as exact zeros, with NaN in the q padding."""
-  from kernels_pallas.attention import tile_count, tile_metadata
+  from kernels_pallas.tiles import tile_count, tile_metadata
   rng = np.random.default_rng()
   for seqs, T, S, bq in [([(5, 9), (1, 3)], 40, 6, 4), ([(3, 3)] * 4, 12, 4, 8),
                          ([(1, 4)], 7, 3, 1)]:
@@ -223,7 +223,8 @@ def test_merge_splits_is_softmax_over_all_keys(rows):
   boundaries: empty splits, maxima far apart (2^-150 underflows to 0 in fp32), rows with no keys
   at all (zeros). Both tilings: interpret mode's (whole rows) and the GPU's (a program per row
   and 32 columns)."""
-  from kernels_pallas.attention import MASK_VALUE, merge_splits
+  from kernels_pallas.attention import merge_splits
+  from kernels_pallas.softmax import MASK_VALUE
   rng = np.random.default_rng(3)
   R, N, D = 6, 40, 64
   s = rng.normal(size=(R, N)).astype(np.float32) * 4
