@@ -39,7 +39,7 @@ class SequenceOutput:
         new token); return the stop string they complete, if any."""
         req, p = self.req, self.req.params
         new = req.output_token_ids[self.num_seen:]
-        for j, (token, lp) in enumerate(zip(new, logprobs)):
+        for token, lp in zip(new, logprobs):
             self.num_seen += 1
             self._add_logprobs(token, lp)
             delta = self.detok.add(token) if self.detok else ""

@@ -190,7 +190,7 @@ def test_logprobs_match_oracle_log_softmax(llm_chunked, smollm):
         np.testing.assert_allclose(entry[tok].logprob, lsm[tok], atol=1e-4)
         top5 = np.argsort(-lsm)[:5]
         assert set(top5.tolist()) <= set(entry)
-        for r, t in enumerate(top5):
+        for t in top5:
             np.testing.assert_allclose(entry[int(t)].logprob, lsm[t], atol=1e-4)
     assert out.cumulative_logprob == pytest.approx(sum(out.logprobs[i][t].logprob
                                                        for i, t in enumerate(toks)), abs=1e-4)

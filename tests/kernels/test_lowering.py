@@ -57,7 +57,7 @@ def test_lowers_for_cuda(name):
 
 
 def test_broken_rule_is_caught():
-  with pytest.raises(Exception):
+  with pytest.raises(ValueError, match="power of 2"):
     check_cuda_lowering(T=16, S=4, P=8, block_k=48)
 
 

@@ -70,7 +70,7 @@ def test_logprobs_completions(client, server):
     lp = r.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == r.usage.completion_tokens
     assert "".join(lp.tokens) == r.choices[0].text
-    for tok, val, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+    for val, top in zip(lp.token_logprobs, lp.top_logprobs):
         assert val <= 0 and 3 <= len(top) <= 4
         assert max(top.values()) == val   # greedy: the sampled token is the most likely one
 
