@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import gpu_bench as gb
+from benchmarks.gpu import main as gb
 from paxengine.models.config import PRESETS, from_hf_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -68,14 +68,14 @@ def test_report_table():
 
 @pytest.mark.parametrize("script", ["gpu_run.sh", "gpu_kernels_fa3.sh", "gpu_vllm_install.sh"])
 def test_gpu_scripts_parse(script):
-    subprocess.run(["bash", "-n", str(ROOT / "benchmarks" / script)], check=True)
+    subprocess.run(["bash", "-n", str(ROOT / "benchmarks" / "gpu" / script)], check=True)
 
 
 def test_vllm_install_without_parts_is_a_no_op(tmp_path):
     """No /tmp/vparts: the installer says nothing, changes nothing, and does not fail the caller."""
     if Path("/tmp/vparts").exists() or Path("/tmp/vsite").exists():
         pytest.skip("this machine has vLLM parts")
-    r = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_vllm_install.sh")],
+    r = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu" / "gpu_vllm_install.sh")],
                        capture_output=True, text=True, timeout=30)
     assert r.returncode == 0 and r.stdout == "" and not Path("/tmp/vsite").exists()
 
@@ -95,7 +95,7 @@ def test_hf_stage_runs_on_cpu_and_reports(tmp_path):
 def test_fa3_rows_match_our_kernel_rows():
     """kernels_fa3.py must time the shapes kernels.py times and count the same KV bytes, or the
     rate comparison in kernels_pallas/README.md means nothing."""
-    from benchmarks import kernels, kernels_fa3
+    from benchmarks.kernels import attention as kernels, fa3 as kernels_fa3
     assert (kernels_fa3.HQ, kernels_fa3.HKV, kernels_fa3.D, kernels_fa3.BS) == (
         kernels.HQ, kernels.HKV, kernels.D, kernels.BS)
     for b, ctx in kernels_fa3.DECODE_SHAPES:
@@ -110,7 +110,7 @@ def test_profile_trace_sums_device_kernels(tmp_path):
     """The trace reader keeps the device's kernels (not host events), sums them per name, and
     sorts our kernels, matmuls and fusions into their kinds."""
     import gzip
-    from benchmarks import profile_trace as pt
+    from benchmarks.profile import trace as pt
     events = [
         {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/host:CPU"}},
         {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/device:GPU:0"}},
@@ -142,7 +142,7 @@ def test_kernel_tune_rounds(tmp_path):
     timed in each round; the time it keeps is the median of its rounds; the best is the fastest
     correct one."""
     import statistics
-    r = subprocess.run([sys.executable, "-m", "benchmarks.kernels", "--tune", "--quick", "--only",
+    r = subprocess.run([sys.executable, "-m", "benchmarks.kernels.attention", "--tune", "--quick", "--only",
                         "decode_b4_ctx64", "--rounds", "2", "--budget", "120", "--out",
                         str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
@@ -158,7 +158,7 @@ def test_kernel_tune_rounds(tmp_path):
 def test_kernels_compare_brackets_fa3(tmp_path):
     """kernels_compare: our median over the runs against FA3, the range from our fastest and
     slowest run; shapes FA3 did not time are left out; the CLI prints the table."""
-    from benchmarks import kernels_compare as kc
+    from benchmarks.kernels import compare as kc
     shapes = {"num_heads": 32, "num_kv_heads": 8}     # kernels.py writes the model's shapes
     ours = [{"shapes": shapes, "rows": [{"name": "a", "ours_us": 100.0},
                                         {"name": "b", "ours_us": 40.0},
@@ -174,7 +174,7 @@ def test_kernels_compare_brackets_fa3(tmp_path):
     for i, d in enumerate(ours + [fa3]):
         paths.append(tmp_path / f"{i}.json")
         paths[-1].write_text(json.dumps(d))
-    r = subprocess.run([sys.executable, "-m", "benchmarks.kernels_compare", *map(str, paths),
+    r = subprocess.run([sys.executable, "-m", "benchmarks.kernels.compare", *map(str, paths),
                         "--out", str(tmp_path / "cmp.json")], cwd=ROOT, capture_output=True,
                        text=True, timeout=60)
     assert r.returncode == 0, r.stderr

@@ -1,7 +1,7 @@
 """The kernel benchmarks' shared timing helper, on the CPU (interpret mode, a tiny batch)."""
 import jax.numpy as jnp
 
-from benchmarks import kernels as K
+from benchmarks.kernels import attention as K
 from kernels_pallas import ref_ragged_paged_attention
 
 
@@ -26,7 +26,7 @@ def test_decode_trace_helpers():
     """decode_trace's device span (gaps counted once, overlaps not twice), its in-order page
     tables (same attention output as the permuted ones) and its unrolled form (one output per
     query buffer, each the attention of that buffer)."""
-    from benchmarks import decode_trace as DT
+    from benchmarks.kernels import decode_trace as DT
     span, idle = DT.span_of([("a", 0.0, 10.0), ("b", 12.0, 3.0), ("c", 13.0, 5.0),
                              ("d", 30.0, 1.0)])
     assert span == 31.0 and idle == 2.0 + 12.0
@@ -54,7 +54,7 @@ def test_decode_trace_helpers():
 
 def test_compare_decode_levels():
     """kernels_compare's decode table: our median over the runs against FA3, per level."""
-    from benchmarks.kernels_compare import compare_decode, markdown_decode
+    from benchmarks.kernels.compare import compare_decode, markdown_decode
 
     def run(kernel, span, loop):
         v = {"overrides": {}, "pages": "permuted", "us": loop, "kernel_us": kernel + 3,

@@ -1,7 +1,7 @@
 """Where does a prefill step's time go? The compiled 8192-token step (8 prompts of 1024) vs the
 same forward without attention vs the matmul FLOPs at the measured rate (GPU).
 
-  python -m benchmarks.profile_prefill [PRESET]
+  python -m benchmarks.profile.prefill [PRESET]
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from benchmarks.profile_decode import report, timed
+from benchmarks.profile.decode import report, timed
 
 
 def main() -> int:

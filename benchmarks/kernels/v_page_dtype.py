@@ -2,7 +2,7 @@
 layout now, kernels_pallas.value_cache_dtype), our kernels at their default tuning, side by side
 in one run on the GPU, with the bf16 matmul rate measured in the same run.
 
-    python -m benchmarks.v_page_dtype [--only a,b] [--rounds 3] [--out DIR]
+    python -m benchmarks.kernels.v_page_dtype [--only a,b] [--rounds 3] [--out DIR]
 
 The Mosaic prefill kernel converts bf16 V blocks to fp16 in shared memory (its PV product takes
 P in fp16); fp16 pages skip that. Each variant is a jitted loop of 20 chained calls (median of 5
@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import benchmarks.kernels as K
+import benchmarks.kernels.attention as K
 
 SHAPES = ("prefill_8192", "prefill_4x2048", "prefill_2048", "prefill_512", "chunk_512_ctx4096",
           "mixed_60dec2048_1988pf", "engine_8x1000_s256", "decode_b64_ctx2048",
@@ -92,7 +92,7 @@ def main():
   os.makedirs(args.out, exist_ok=True)
   with open(os.path.join(args.out, "v_page_dtype.json"), "w") as fh:
     json.dump(dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
-                   command=" ".join(["python -m benchmarks.v_page_dtype"] + sys.argv[1:]),
+                   command=" ".join(["python -m benchmarks.kernels.v_page_dtype"] + sys.argv[1:]),
                    matmul_flops_per_s=rate, rows=rows), fh, indent=1, default=str)
 
 

@@ -3,7 +3,7 @@
 (`runner.fetch`), and in all, with steps launched from the caller and from the dispatch thread.
 Run it under different XLA_FLAGS (e.g. command buffers) to compare launch costs (GPU).
 
-  python -m benchmarks.profile_dispatch [PRESET] [BATCHES, e.g. 64,256]
+  python -m benchmarks.profile.dispatch [PRESET] [BATCHES, e.g. 64,256]
 
 The largest batch's caller-mode steps also run under cProfile: the top host functions are printed
 and saved (where the host time goes on that machine, not on ours).
@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 import jax
 import numpy as np
 
-from benchmarks.profile_decode import report
+from benchmarks.profile.decode import report
 
 
 def main() -> int:

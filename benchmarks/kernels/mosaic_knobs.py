@@ -1,11 +1,11 @@
 """The Mosaic GPU prefill kernel's own knobs (attention_mgpu.mosaic_prefill_attention: KV block,
 pipeline depth, schedule barrier, register split) against the Triton kernel, on the GPU.
 
-    python -m benchmarks.mosaic_knobs '[{"block_kv": 128, "stages": 2}, {"schedule": 8}]'
+    python -m benchmarks.kernels.mosaic_knobs '[{"block_kv": 128, "stages": 2}, {"schedule": 8}]'
 
 Each variant runs as a jitted loop of 20 calls (median of 3 x 5 runs), checked against the
 oracle first; writes $OUT/mosaic_knobs.json. The Tuning-level choices (Triton vs Mosaic, which
-buckets) are `benchmarks.kernels --tune`'s job; this is for what sits below them.
+buckets) are `benchmarks.kernels.attention --tune`'s job; this is for what sits below them.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.kernels import BS, D, attn_flops, build, chained_calls, oracle, time_loop
+from benchmarks.kernels.attention import BS, D, attn_flops, build, chained_calls, oracle, time_loop
 from kernels_pallas import attention_mgpu, ragged_paged_attention
 from kernels_pallas.testing import rel_err
 
@@ -56,7 +56,7 @@ def main(argv=None):
   args = ap.parse_args(argv)
   variants = [{"triton": True}] + json.loads(args.variants)
   res = dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
-             command="python -m benchmarks.mosaic_knobs " + " ".join(argv or sys.argv[1:]),
+             command="python -m benchmarks.kernels.mosaic_knobs " + " ".join(argv or sys.argv[1:]),
              rows=[])
   for name, (seqs, T, S) in SHAPES.items():
     if args.only and name not in args.only.split(","):

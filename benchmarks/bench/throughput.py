@@ -23,7 +23,7 @@ import typing
 from datetime import datetime, timezone
 from pathlib import Path
 
-from benchmarks import datasets as ds
+from benchmarks.bench import datasets as ds
 
 _ENGINE_FLAG_PREFIX = "engine_"
 
@@ -306,7 +306,7 @@ def _print(res: dict) -> None:
 
 
 def main(argv=None) -> int:
-    from benchmarks.serve import environment, finite
+    from benchmarks.bench.serve import environment, finite
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     if args.baseline == "hf" and args.range_ratio:
@@ -349,7 +349,7 @@ def main(argv=None) -> int:
         result["greedy_agreement"] = agreement(outs["paxengine"], outs["hf_transformers"])
     _print(result)
     if args.plot and len(res) > 1:
-        from benchmarks.plots import bar_plot
+        from benchmarks.bench.plots import bar_plot
         w = result["workload"]
         result["plots"] = [bar_plot(args.plot, list(res), [s["output_tokens_per_s"] for s in res.values()],
                                     "output tokens / s",

@@ -3,7 +3,7 @@ more `kernels.py` runs, or `decode_trace.py` runs (run before and after `kernels
 bracket the card's drift over the call) and one `kernels_fa3.py` run. Prints a markdown table: per shape, our time (the
 spread over our runs), FA3's, and our rate as a fraction of FA3's (1.0 = as fast).
 
-  python -m benchmarks.kernels_compare OURS.json [OURS.json ...] FA3.json [--out FILE]
+  python -m benchmarks.kernels.compare OURS.json [OURS.json ...] FA3.json [--out FILE]
 
 Reads JSON only (no JAX, no torch), so it runs anywhere.
 """

@@ -1,7 +1,7 @@
 """Benchmark of the paxengine Pallas attention kernels (Llama-3.1-8B attention shapes).
 
-  python -m benchmarks.kernels [--quick] [--sweep full|small|none] [--out DIR]
-  python -m benchmarks.kernels --tune [--quick] [--budget S] [--out DIR]   (tuning sweep)
+  python -m benchmarks.kernels.attention [--quick] [--sweep full|small|none] [--out DIR]
+  python -m benchmarks.kernels.attention --tune [--quick] [--budget S] [--out DIR]   (tuning sweep)
 
 Per shape: median time (20 calls per sync, median of reps), effective KV bandwidth (bytes of KV
 pages the step must read / time), % of the copy bandwidth measured in the same run; the same
@@ -26,7 +26,7 @@ import numpy as np
 import jax
 import jax.numpy as jnp
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from kernels_pallas import (AttentionMetadata, ragged_paged_attention,  # noqa: E402
                             ref_ragged_paged_attention, ref_write_kv, value_cache_dtype,
                             write_kv)

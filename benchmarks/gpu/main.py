@@ -1,8 +1,8 @@
 """The GPU benchmark: paxengine (and optionally vLLM) on Llama-3.1-8B shapes with dummy weights,
-in one device call. Run through `benchmarks/gpu_run.sh` on the lent GPU.
+in one device call. Run through `benchmarks/gpu/gpu_run.sh` on the lent GPU.
 
-    python -m benchmarks.gpu_bench --out DIR [--stages roofline,pax-offline,pax-serve] [--quick]
-    python -m benchmarks.gpu_bench report DIR/gpu_bench.json     # markdown table for the README
+    python -m benchmarks.gpu.main --out DIR [--stages roofline,pax-offline,pax-serve] [--quick]
+    python -m benchmarks.gpu.main report DIR/gpu_bench.json     # markdown table for the README
 
 Stages (each in its own process, so each frees the GPU's memory for the next):
   roofline      measured copy bandwidth (read + write bytes) and bf16 matmul rate, and the floors
@@ -34,7 +34,7 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 ALL_STAGES = ("roofline", "pax-offline", "pax-serve", "vllm-offline", "vllm-serve", "hf")
 
 FULL = {
@@ -252,7 +252,7 @@ def _median(xs):
 
 def _itl(gen, spec, vocab: int) -> dict:
     """ITL for each batch size: (t(n2) - t(n1)) / (n2 - n1), median of reps, fresh prompts."""
-    from benchmarks.datasets import random_dataset
+    from benchmarks.bench.datasets import random_dataset
     itl = spec["itl"]
     res = {}
     seed = 100
@@ -280,7 +280,7 @@ _DEADLINE: float | None = None   # time.time() by which this stage must be done
 
 def _offline(gen, spec, vocab: int, stats=None) -> dict:
     """stats: a callable giving engine counters (steps, preemptions), recorded per workload."""
-    from benchmarks.datasets import random_dataset
+    from benchmarks.bench.datasets import random_dataset
     res = {}
     rate = None   # output tok/s of the last workload, to project the next one's duration
     for k, w in enumerate(spec["offline"]):
@@ -317,7 +317,7 @@ def _offline(gen, spec, vocab: int, stats=None) -> dict:
 
 
 def stage_pax_offline(spec: dict, out: Path) -> dict:
-    from benchmarks.throughput import _params, _prompts, compile_count
+    from benchmarks.bench.throughput import _params, _prompts, compile_count
     from paxengine import LLM
     from paxengine.config import EngineConfig
     from paxengine.models.config import PRESETS
@@ -334,7 +334,7 @@ def stage_pax_offline(spec: dict, out: Path) -> dict:
         outs = llm.generate(_prompts(reqs), _params(reqs), use_tqdm=False)
         return [len(o.outputs[0].token_ids) for o in outs]
 
-    from benchmarks.datasets import random_dataset
+    from benchmarks.bench.datasets import random_dataset
     gen(random_dataset(4, 64, 8, vocab_size=vocab, seed=7))      # warm-up (untimed)
     engine_compiles_before = compile_count(llm)
     counter.start()
@@ -371,7 +371,7 @@ def stage_vllm_offline(spec: dict, out: Path) -> dict:
                                             detokenize=False) for r in reqs], use_tqdm=False)
         return [len(o.outputs[0].token_ids) for o in outs]
 
-    from benchmarks.datasets import random_dataset
+    from benchmarks.bench.datasets import random_dataset
     gen(random_dataset(4, 64, 8, vocab_size=vocab, seed=7))
     res = {"startup_s": startup, "vllm_version": vllm.__version__}
     res.update(_itl(gen, spec, vocab))
@@ -416,7 +416,7 @@ def _serve_stage(spec: dict, out: Path, server_cmd: list[str], label: str, env: 
         startup = time.perf_counter() - t
         log(f"{label} server ready in {startup:.1f} s")
         sv = spec["serve"]
-        from benchmarks import plots, serve
+        from benchmarks.bench import plots, serve
         from paxengine.models.config import PRESETS
         vocab = PRESETS[spec["preset"]].vocab_size
         combined_file = out.parent / f"{label}_serve.json"
@@ -621,7 +621,7 @@ _PARTIAL_FILE: Path | None = None
 
 def save_partial(**kv) -> None:
     """Record finished measurements at once, so a stage cut off by its time limit keeps them."""
-    from benchmarks.serve import finite
+    from benchmarks.bench.serve import finite
     _PARTIAL.update(kv)
     if _PARTIAL_FILE is not None:
         _PARTIAL_FILE.write_text(json.dumps(finite({"ok": False, "partial": True, **_PARTIAL}),
@@ -642,7 +642,7 @@ def run_stage_inproc(name: str, spec: dict, out_dir: Path, deadline: float | Non
         traceback.print_exc()
         res = {**_PARTIAL, "ok": False, "error": f"{type(e).__name__}: {e}"[:3000]}
     res["stage_wall_s"] = time.perf_counter() - t
-    from benchmarks.serve import finite
+    from benchmarks.bench.serve import finite
     out.write_text(json.dumps(finite(res), indent=1, allow_nan=False))
     sys.stdout.flush()
     sys.stderr.flush()
@@ -790,7 +790,7 @@ def main(argv=None) -> int:
         for path in argv[1:]:
             print(markdown_table(json.loads(Path(path).read_text())))
         return 0
-    p = argparse.ArgumentParser(prog="python -m benchmarks.gpu_bench", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.gpu.main", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=os.environ.get("OUT") or "benchmarks/results/gpu",
                    help="where the results are copied (at most 8 files: the device's limit)")
     p.add_argument("--work", default="/tmp/paxengine_gpu_bench",
@@ -828,9 +828,9 @@ def main(argv=None) -> int:
         p.error(f"unknown stages {bad}; choose from {ALL_STAGES}")
     base_env = dict(os.environ)
     merged = {"benchmark": "gpu", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-              "command": "python -m benchmarks.gpu_bench " + shlex.join(argv), "spec": spec,
+              "command": "python -m benchmarks.gpu.main " + shlex.join(argv), "spec": spec,
               "stages": {}}
-    from benchmarks.serve import environment, finite
+    from benchmarks.bench.serve import environment, finite
     merged["environment"] = environment()
     prev = work / "gpu_bench.json"
     if prev.is_file():   # stages of an earlier call on this machine (e.g. vLLM run later) are kept
@@ -862,7 +862,7 @@ def main(argv=None) -> int:
                 merged["stages"][name] = {"ok": False, "skipped": True, "error": "no time left in the budget"}
                 continue
         (work / f"stage_{name}.json").unlink(missing_ok=True)
-        cmd = [sys.executable, "-m", "benchmarks.gpu_bench", "--work", str(work), "--_stage", name,
+        cmd = [sys.executable, "-m", "benchmarks.gpu.main", "--work", str(work), "--_stage", name,
                "--_spec", json.dumps(spec), "--_deadline", str(time.time() + limit)]
         # its own process group: on a timeout the stage's server goes down with it
         proc = subprocess.Popen(cmd, env=env, cwd=ROOT, start_new_session=True)

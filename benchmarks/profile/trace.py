@@ -2,7 +2,7 @@
 reads the Perfetto trace it writes, and sums the device's kernel time per step by kind (matmul,
 our attention, KV write, other fusions, sampling sorts) and by kernel name.
 
-  python -m benchmarks.profile_trace [PRESET]      (GPU: llama-3.1-8b; CPU: tiny, host ops only)
+  python -m benchmarks.profile.trace [PRESET]      (GPU: llama-3.1-8b; CPU: tiny, host ops only)
 
 Three steps are traced: an 8,192-token prefill (8 prompts of 1,024), a 256-row decode at ~1k
 context (where the offline and serving benchmarks spend their time) and a batch-1 decode at ~140

@@ -1,7 +1,7 @@
 """Where does a decode step's time go? Engine ITL vs the bare compiled step vs a forward without
 attention vs sampling alone, on dummy weights of a real model (GPU).
 
-  python -m benchmarks.profile_decode [PRESET] [LAYER_LOOP]     (defaults: llama-3.1-8b auto)
+  python -m benchmarks.profile.decode [PRESET] [LAYER_LOOP]     (defaults: llama-3.1-8b auto)
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from benchmarks.profile_decode import report, timed
+from benchmarks.profile.decode import report, timed
 from paxengine.models import llama
 from paxengine.models.loader import load_model
 

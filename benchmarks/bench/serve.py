@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks import datasets as ds
+from benchmarks.bench import datasets as ds
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
@@ -673,7 +673,7 @@ def main(argv=None) -> int:
     if plot_dir is None and args.result_file:
         plot_dir = str(Path(args.result_file).parent)
     if plot_dir and plot_dir != "none":
-        from benchmarks import plots as pl
+        from benchmarks.bench import plots as pl
         stem = Path(args.result_file).stem if args.result_file else "serve"
         plots = pl.serve_plots(result, plot_dir, stem)
         result["plots"] = plots

@@ -1,8 +1,8 @@
 """vLLM's FlashAttention-3 paged attention on the decode and prefill shapes of
-`benchmarks/kernels.py`, so our kernel and the one vLLM serves with are timed on the same card in
+`benchmarks/kernels/attention.py`, so our kernel and the one vLLM serves with are timed on the same card in
 the same device call.
 
-  PYTHONPATH=/tmp/vsite python -m benchmarks.kernels_fa3 [--out DIR] [--only NAMES]
+  PYTHONPATH=/tmp/vsite python -m benchmarks.kernels.fa3 [--out DIR] [--only NAMES]
 
 Same shapes (Llama-3.1-8B attention: 32 q / 8 kv heads, d=128, page 16, bf16), same row names,
 same byte and FLOP counts (the KV pages each call must read; causal QK and PV). Timed as 20
@@ -180,7 +180,7 @@ def main(argv=None) -> int:
     res = {"device": dev_name, "torch": torch.__version__, "vllm": vllm.__version__,
            "timing": f"{CALLS} calls per sync, median of {REPS}; eager and CUDA-graph replay; "
                      "kernel times from torch.profiler",
-           "command": "python -m benchmarks.kernels_fa3 " + " ".join(argv or sys.argv[1:]),
+           "command": "python -m benchmarks.kernels.fa3 " + " ".join(argv or sys.argv[1:]),
            "rows": rows}
     tag = "h200" if "H200" in dev_name else dev_name.lower().replace(" ", "_")
     with open(os.path.join(args.out, f"kernels_fa3_{tag}.json"), "w") as f:

@@ -3,7 +3,7 @@
 arrays and sampling tensors, and processing outputs (streamed, as a server asks for them). Runs on
 a CPU with the tiny dummy model; the GPU step must stay longer than this for the host to hide.
 
-  python -m benchmarks.profile_host [ROWS] [--profile]
+  python -m benchmarks.profile.host [ROWS] [--profile]
 """
 from __future__ import annotations
 

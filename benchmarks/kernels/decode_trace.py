@@ -10,7 +10,7 @@ host's dispatch and synchronisation (`outside_kernels_us` = wall - device busy).
 rate of the same bytes through an XLA reduction, and each shape with its pages in order as well
 as permuted.
 
-  python -m benchmarks.decode_trace [--only SHAPES] [--variants JSON] [--out DIR]    (GPU)
+  python -m benchmarks.kernels.decode_trace [--only SHAPES] [--variants JSON] [--out DIR]    (GPU)
 
 Writes decode_trace.json to --out (default $OUT or .).
 """
@@ -28,9 +28,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.kernels import (TUNE_QUICK, TUNE_SHAPES, BS, D, INTERP, _loop_fn, build,
+from benchmarks.kernels.attention import (TUNE_QUICK, TUNE_SHAPES, BS, D, INTERP, _loop_fn, build,
                                 kv_bytes, oracle, ragged_paged_attention, time_loop)
-from benchmarks.profile_trace import device_events, device_kernel_times, span_of
+from benchmarks.profile.trace import device_events, device_kernel_times, span_of
 from kernels_pallas.testing import rel_err
 
 SHAPES = "decode_b64_ctx2048,decode_b8_ctx8192,decode_b256_ctx512,decode_b1_ctx8192"
@@ -106,7 +106,7 @@ def main() -> int:
   args = ap.parse_args()
   variants = json.loads(args.variants) if args.variants else VARIANTS
   res = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
-         "command": "python -m benchmarks.decode_trace " + " ".join(sys.argv[1:]), "shapes": []}
+         "command": "python -m benchmarks.kernels.decode_trace " + " ".join(sys.argv[1:]), "shapes": []}
   t0 = time.time()
   for i, name in enumerate(args.only.split(",")):
     seqs, T, S = {**TUNE_SHAPES, **TUNE_QUICK}[name]
