@@ -1,4 +1,5 @@
-"""The GPU benchmark's pieces that need no GPU: roofline arithmetic, the dummy model dir, the report."""
+"""The GPU run's pieces that need no GPU: roofline arithmetic, the dummy model dir, the report,
+the shell scripts, the HF stage on CPU; and the kernel benchmarks' CPU-runnable parts."""
 from __future__ import annotations
 
 import json
@@ -8,28 +9,30 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.gpu import main as gb
+from benchmarks.gpu import hf, report, roofline
+from benchmarks.gpu.dummy_model import write_dummy_model_dir
+from benchmarks.gpu.workloads import FULL, QUICK
 from paxengine.models.config import PRESETS, from_hf_config
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_roofline_arithmetic_llama8b():
-    c = gb.model_costs(PRESETS["llama-3.1-8b"], 2)
+    c = roofline.model_costs(PRESETS["llama-3.1-8b"], 2)
     assert c["weight_bytes_per_step"] == pytest.approx(15.0e9, rel=0.01)   # 7.5 B params read per step
     assert c["kv_bytes_per_token"] == 2 * 32 * 8 * 128 * 2
     bw, rate = 4.0e12, 7.0e14
-    one = gb.decode_step_floor(c, 1, 1024, bw, rate)
+    one = roofline.decode_step_floor(c, 1, 1024, bw, rate)
     assert one == pytest.approx(c["weight_bytes_per_step"] / bw, rel=0.02)  # batch 1: weight-bound
-    assert gb.decode_step_floor(c, 64, 1024, bw, rate) > one
+    assert roofline.decode_step_floor(c, 64, 1024, bw, rate) > one
     # prefill of 1024 tokens is compute-bound: ~2 * 7 GFLOP per token
-    assert gb.prefill_floor(c, 1, 1024, bw, rate) == pytest.approx(2 * 1024 * 6.98e9 / rate, rel=0.05)
-    t = gb.workload_floor(c, 300, 1000, 1000, 256, bw, rate)
+    assert roofline.prefill_floor(c, 1, 1024, bw, rate) == pytest.approx(2 * 1024 * 6.98e9 / rate, rel=0.05)
+    t = roofline.workload_floor(c, 300, 1000, 1000, 256, bw, rate)
     assert 5_000 < 300 * 1000 / t < 20_000
 
 
 def test_dummy_model_dir(tmp_path):
-    d = gb.write_dummy_model_dir("tiny", tmp_path / "m")
+    d = write_dummy_model_dir("tiny", tmp_path / "m")
     cfg = from_hf_config(json.loads((d / "config.json").read_text()))
     tiny = PRESETS["tiny"]
     for k in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -41,13 +44,13 @@ def test_dummy_model_dir(tmp_path):
     ids = [5, 17, 511, 0]
     text = tok.decode(ids)
     assert text == "t5 t17 t511 t0" and tok.encode(text).ids == ids
-    llama = from_hf_config(json.loads(gb.write_dummy_model_dir("llama-3.1-8b", tmp_path / "l")
+    llama = from_hf_config(json.loads(write_dummy_model_dir("llama-3.1-8b", tmp_path / "l")
                                       .joinpath("config.json").read_text()))
     assert llama.rope_scaling == PRESETS["llama-3.1-8b"].rope_scaling
 
 
 def test_report_table():
-    merged = {"spec": gb.FULL, "date": "d", "environment": {"device": "NVIDIA H200", "jax_version": "0.11.2",
+    merged = {"spec": FULL, "date": "d", "environment": {"device": "NVIDIA H200", "jax_version": "0.11.2",
                                                             "commit": "abcdef1234567"},
               "stages": {
                   "roofline": {"ok": True, "copy_bandwidth_Bps": 4.2e12, "matmul_flops_per_s": 7.5e14,
@@ -59,14 +62,15 @@ def test_report_table():
                   "pax-serve": {"ok": False, "error": "boom", "runs": {}},
                   "vllm-offline": {"ok": True, "itl_batch1_ms": 4.74},
               }}
-    md = gb.markdown_table(merged)
+    md = report.markdown_table(merged)
     assert "| batch-1 ITL (ms) | 5.00 | 4.74 | 4.74 | 3.80 |" in md
     assert "| offline 256x(1024,128) output tok/s | 3,000 | - | 3,962 | - |" in md
     assert "JAX compiles during timed runs (must be 0) | 0 offline |" in md
     assert "Failed stages: pax-serve: boom" in md and "4.2 TB/s" in md
 
 
-@pytest.mark.parametrize("script", ["gpu_run.sh", "gpu_kernels_fa3.sh", "gpu_vllm_install.sh"])
+@pytest.mark.parametrize("script", ["gpu_run.sh", "gpu_kernels.sh", "gpu_kernels_fa3.sh",
+                                    "gpu_decode_fa3.sh", "gpu_vllm_install.sh"])
 def test_gpu_scripts_parse(script):
     subprocess.run(["bash", "-n", str(ROOT / "benchmarks" / "gpu" / script)], check=True)
 
@@ -83,13 +87,13 @@ def test_vllm_install_without_parts_is_a_no_op(tmp_path):
 def test_hf_stage_runs_on_cpu_and_reports(tmp_path):
     """The HF baseline stage (tiny model, eager only) measures ITL and batched generate; the
     report prints its line."""
-    res = gb.stage_hf(gb.QUICK, tmp_path / "stage_hf.json")
+    res = hf.stage_hf(QUICK, tmp_path / "stage_hf.json")
     assert res["device"] == "cpu" and res["itl_batch1_eager_ms"] == res["itl_batch1_eager_ms"]
-    w = gb.QUICK["hf"]["batched"]
+    w = QUICK["hf"]["batched"]
     b = res["batched"]
     assert b["output_tok_s"] == pytest.approx(w["num_prompts"] * w["output_len"] / b["elapsed_s"])
-    merged = {"spec": gb.QUICK, "environment": {}, "stages": {"hf": {"ok": True, **res}}}
-    assert f"batched generate {w['name']}" in gb.markdown_table(merged)
+    merged = {"spec": QUICK, "environment": {}, "stages": {"hf": {"ok": True, **res}}}
+    assert f"batched generate {w['name']}" in report.markdown_table(merged)
 
 
 def test_fa3_rows_match_our_kernel_rows():

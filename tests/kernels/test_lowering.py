@@ -64,7 +64,7 @@ def test_broken_rule_is_caught():
 def _engine_kernel_configs():
   """One (T, S) bucket per distinct set of kernel launches the engine compiles at Llama-3.1-8B
   shapes: for the GPU benchmark's buckets and for the buckets derived by default."""
-  from benchmarks.gpu.main import FULL
+  from benchmarks.gpu.workloads import FULL
   from kernels_pallas.tuning import plan_launches
   from paxengine.batch import bucket_pairs, seq_buckets, token_buckets
   e = FULL["engine"]
