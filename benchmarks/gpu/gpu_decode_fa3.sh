@@ -3,7 +3,7 @@
 # alone, a call as an engine step makes it, a call on its own (benchmarks/kernels/compare.py).
 # Ours (decode_trace.py) runs before and after FA3, so the card's drift shows as a range.
 # On the GPU, vLLM's parts already in /tmp/vparts (gpu_vllm_install.sh):
-#   bash benchmarks/gpu/gpu_decode_fa3.sh [SHAPES]       (comma list of kernels.py decode row names)
+#   bash benchmarks/gpu/gpu_decode_fa3.sh [SHAPES]       (comma list of harness.SHAPES decode names)
 # Writes $OUT/ours{1,2}/decode_trace.json, $OUT/kernels_fa3_h200.json, $OUT/decode_compare.json.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -19,7 +19,7 @@ ours() {
 }
 ours "$OUT/ours1"
 PYTHONPATH=/tmp/vsite:$PWD python3 -m benchmarks.kernels.fa3 --only "$S" --out "$OUT" \
-  > "$OUT/fa3_log.txt" 2>&1 || echo "kernels_fa3.py failed, see $OUT/fa3_log.txt"
+  > "$OUT/fa3_log.txt" 2>&1 || echo "fa3.py failed, see $OUT/fa3_log.txt"
 grep "FA3\|Error\|error" "$OUT/fa3_log.txt" | tail -12
 ours "$OUT/ours2"
 fa3=$(ls "$OUT"/kernels_fa3_*.json 2>/dev/null | head -1)

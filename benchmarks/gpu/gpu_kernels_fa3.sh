@@ -2,7 +2,7 @@
 # Our attention kernel and vLLM's FlashAttention-3 in one device call. Ours is timed before and
 # after FA3, so the card's drift over the call shows as a range (benchmarks/kernels/compare.py).
 # On the GPU (carry .whl; vLLM's parts already in /tmp/vparts, see gpu_run.sh):
-#   bash benchmarks/gpu/gpu_kernels_fa3.sh [SHAPES]      (comma list of kernels.py row names)
+#   bash benchmarks/gpu/gpu_kernels_fa3.sh [SHAPES]      (comma list of attention.py row names)
 # Writes $OUT/{ours1,ours2}/kernels_h200.json, $OUT/kernels_fa3_h200.json, $OUT/compare.json.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -17,11 +17,11 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 mkdir -p "$OUT/ours1" "$OUT/ours2"
 ours() {
   python3 -m benchmarks.kernels.attention --sweep none --timing loop --upstream best --only "$S" \
-    --out "$1" > "$1/log.txt" 2>&1 || echo "kernels.py failed, see $1/log.txt"
+    --out "$1" > "$1/log.txt" 2>&1 || echo "attention.py failed, see $1/log.txt"
 }
 ours "$OUT/ours1"
 PYTHONPATH=/tmp/vsite:$PWD python3 -m benchmarks.kernels.fa3 --only "$S" --out "$OUT" \
-  > "$OUT/fa3_log.txt" 2>&1 || echo "kernels_fa3.py failed, see $OUT/fa3_log.txt"
+  > "$OUT/fa3_log.txt" 2>&1 || echo "fa3.py failed, see $OUT/fa3_log.txt"
 ours "$OUT/ours2"
 python3 -m benchmarks.kernels.compare "$OUT"/ours1/kernels_*.json "$OUT"/ours2/kernels_*.json \
   "$OUT"/kernels_fa3_*.json --out "$OUT/compare.json"

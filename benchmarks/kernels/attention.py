@@ -1,7 +1,7 @@
 """Benchmark of the paxengine Pallas attention kernels (Llama-3.1-8B attention shapes).
 
   python -m benchmarks.kernels.attention [--quick] [--sweep full|small|none] [--out DIR]
-  python -m benchmarks.kernels.attention --tune [--quick] [--budget S] [--out DIR]   (tuning sweep)
+  (the tuning sweep: python -m benchmarks.kernels.tune)
 
 Per shape: median time (20 calls per sync, median of reps), effective KV bandwidth (bytes of KV
 pages the step must read / time), % of the copy bandwidth measured in the same run; the same
@@ -13,70 +13,33 @@ On a CPU it runs a tiny smoke version in interpret mode.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import functools
 import itertools
-import json
 import os
-import platform
-import sys
 import time
 
 import numpy as np
 import jax
 import jax.numpy as jnp
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from kernels_pallas import (AttentionMetadata, ragged_paged_attention,  # noqa: E402
-                            ref_ragged_paged_attention, ref_write_kv, value_cache_dtype,
-                            write_kv)
-from kernels_pallas.tuning import default_tuning, plan_launches  # noqa: E402
-from kernels_pallas.testing import make_batch, rel_err  # noqa: E402
-
-HQ, HKV, D, BS = 32, 8, 128, 16
-DT = jnp.bfloat16
-ON_GPU = jax.default_backend() == "gpu"
-INTERP = not ON_GPU
-LOG = []
-
-
-def log(*a):
-  s = " ".join(str(x) for x in a)
-  print(s, flush=True)
-  LOG.append(s)
-
+from benchmarks.kernels.harness import (BS, DT, HKV, HQ, INTERP, ON_GPU, QUICK_SHAPES, SHAPES, D,
+                                        attn_flops, build, kv_bytes, log, ours_fn, run_record,
+                                        save)
+from benchmarks.measure import chained_calls, copy_rate, time_loop, time_per_call
+from kernels_pallas import (ragged_paged_attention, ref_ragged_paged_attention, ref_write_kv,
+                            value_cache_dtype, write_kv)
+from kernels_pallas.testing import make_batch, rel_err
 
 TIMING = "calls"
 
 
-def time_loop(f, args, reps, iters, per_sync=1):
-  """Seconds per call: median over `reps` synchronisations of `per_sync` dispatches of f, a
-  compiled loop (or unrolled sequence) of `iters` calls."""
-  ts = []
-  for _ in range(reps):
-    t1 = time.perf_counter()
-    for _ in range(per_sync):
-      out = f(*args)
-    jax.block_until_ready(out)
-    ts.append((time.perf_counter() - t1) / (iters * per_sync))
-  return float(np.median(ts))
-
-
 def timeit(fn, *args, iters=20, reps=5):
   """Median seconds per call: `iters` async calls per sync, or (TIMING == "loop") one jitted
-  lax.fori_loop of `iters` calls (q carries a dependency so the calls stay distinct; XLA does
-  not hoist the tile metadata out of the loop either, so every call rebuilds it, which an
-  engine step does once for all layers: decode_trace.py measures both)."""
+  lax.fori_loop of `iters` chained calls (XLA does not hoist the tile metadata out of the loop
+  either, so every call rebuilds it, which an engine step does once for all layers:
+  decode_trace.py measures both)."""
   if TIMING == "loop" and args and getattr(args[0], "ndim", 0) == 3:
-    inner = fn
-
-    @jax.jit
-    def many(q, *rest):
-      def body(i, c):
-        q, acc = c
-        o = inner(q, *rest)
-        return q.at[0, 0, 0].add((o[0, 0, 0] * 0).astype(q.dtype)), acc + o[0, 0, 0].astype(jnp.float32)
-      return jax.lax.fori_loop(0, iters, body, (q, jnp.float32(0)))
+    many = chained_calls(fn, iters, keep_last=False)
     jax.block_until_ready(many(*args))
     return time_loop(many, args, reps, iters)
   jax.block_until_ready(fn(*args))
@@ -84,60 +47,8 @@ def timeit(fn, *args, iters=20, reps=5):
 
 
 def copy_bandwidth():
-  n = (1 << 29) // 2 if ON_GPU else 1 << 20          # 512 MiB of bf16
-  x = jax.random.normal(jax.random.key(0), (n,), DT)
-  f = jax.jit(lambda x: x + 1)
-  t = timeit(f, x, iters=20)
-  return 2 * n * 2 / t                                 # read + write bytes
-
-
-def build(seqs, T, S, key, num_blocks=None, kv_dtype=DT, v_dtype=None):
-  """Device-side random caches (fast for GBs) + host-built metadata with permuted blocks.
-  V pages take the engine's dtype (value_cache_dtype: fp16 under bf16) unless v_dtype says."""
-  rng = np.random.default_rng(int(key))
-  pages = [-(-kv // BS) for _, kv in seqs]
-  P = max(pages)
-  NB = num_blocks or sum(pages) + 1
-  perm = rng.permutation(NB)
-  bt = np.zeros((S, P), np.int32)
-  sl = np.zeros(S, np.int32)
-  qsl = np.zeros(S + 1, np.int32)
-  c = 0
-  for i, (ql, kv) in enumerate(seqs):
-    bt[i, :pages[i]] = perm[c:c + pages[i]]
-    c += pages[i]
-    sl[i] = kv
-    qsl[i + 1] = qsl[i] + ql
-  qsl[len(seqs) + 1:] = qsl[len(seqs)]
-  md = AttentionMetadata(jnp.full((T,), -1, jnp.int32), jnp.asarray(bt), jnp.asarray(sl),
-                         jnp.asarray(qsl), jnp.asarray([len(seqs)], jnp.int32))
-  k1, k2, k3 = jax.random.split(jax.random.key(int(key)), 3)
-  shape = (1, HKV, NB, BS, D)
-  kc = jax.random.normal(k1, shape, jnp.float32).astype(kv_dtype)
-  vc = jax.random.normal(k2, shape, jnp.float32).astype(v_dtype or value_cache_dtype(kv_dtype))
-  q = jax.random.normal(k3, (T, HQ, D), jnp.float32).astype(DT)
-  return q, kc, vc, md
-
-
-def kv_bytes(seqs, itemsize=2):
-  return sum(kv for _, kv in seqs) * HKV * D * itemsize * 2
-
-
-def attn_flops(seqs):
-  f = 0
-  for ql, kv in seqs:
-    f += sum(kv - ql + i + 1 for i in range(ql))
-  return 4 * HQ * D * f
-
-
-# The jnp oracle on a batch from build() (fp32 queries): what every variant is checked against.
-oracle = jax.jit(lambda q, kc, vc, md: ref_ragged_paged_attention(
-    q.astype(jnp.float32), kc, vc, 0, md, sm_scale=D ** -0.5))
-
-
-def ours_fn(**tun):
-  f = functools.partial(ragged_paged_attention, sm_scale=D ** -0.5, interpret=INTERP, **tun)
-  return jax.jit(lambda q, kc, vc, md: f(q, kc, vc, jnp.int32(0), md))
+  """Bytes read + written per second by an elementwise pass over bf16 data (512 MiB on a GPU)."""
+  return copy_rate(512 if ON_GPU else 2, dtype=DT)[0]
 
 
 def upstream_fn(B, P, **tun):
@@ -254,13 +165,12 @@ def bench_write(T, L=4, NB=8192):
       return jax.lax.fori_loop(0, n_iter, body, (kc, vc))
     kc, vc = loop(kc, vc, k, v, slots)
     jax.block_until_ready(kc)
-    ts = []
-    for _ in range(5):
-      t0 = time.perf_counter()
+
+    def run(loop=loop):
+      nonlocal kc, vc          # donated: each run takes the last run's caches
       kc, vc = loop(kc, vc, k, v, slots)
-      jax.block_until_ready(kc)
-      ts.append((time.perf_counter() - t0) / n_iter)
-    res[name] = float(np.median(ts)) * 1e6
+      return kc
+    res[name] = time_per_call(run, n_iter, reps=5) * 1e6
   return res
 
 
@@ -272,30 +182,15 @@ def main():
   ap.add_argument("--only", default="", help="comma list of shape names to run")
   ap.add_argument("--timing", default="calls", choices=["calls", "loop"])
   ap.add_argument("--upstream", default="sweep", choices=["sweep", "best"])
-  ap.add_argument("--tune", action="store_true",
-                  help="default vs candidate tunings per shape (see TUNE_CANDIDATES)")
-  ap.add_argument("--budget", type=float, default=115.0,
-                  help="--tune: wall seconds after which remaining candidates are skipped")
-  ap.add_argument("--rounds", type=int, default=3,
-                  help="--tune: timing rounds over all candidates, interleaved (median kept)")
   args = ap.parse_args()
   global TIMING
   TIMING = args.timing
   t_start = time.time()
-  dev = jax.devices()[0]
-  log(f"device={dev.device_kind} backend={jax.default_backend()} jax={jax.__version__}")
-  result = dict(device=dev.device_kind, backend=jax.default_backend(), jax=jax.__version__,
-                python=platform.python_version(), command=" ".join(sys.argv),
-                timing=args.timing,
-                shapes=dict(num_heads=HQ, num_kv_heads=HKV, head_dim=D, block_size=BS,
-                            dtype="bfloat16"))
-  if args.tune:
-    result["mode"] = "tune"
-    return tune_main(args, result, dev, t_start)
+  result = run_record(args.timing)
   result["correctness"] = correctness_suite()
   bw = copy_bandwidth()
   result["copy_bw_TBps"] = bw / 1e12
-  log(f"copy bandwidth (bf16 x+1, read+write): {bw / 1e12:.2f} TB/s")
+  log(f"copy bandwidth (bf16 elementwise pass, read+write): {bw / 1e12:.2f} TB/s")
 
   if args.quick:
     batches, ctxs = [1, 4], [64]
@@ -374,23 +269,17 @@ def main():
       row["check"] = check(q, kc, vc, md, B, 2e-3, **{k: v for k, v in tun_o.items()
                                                       if k != "default"})
     rows.append(row)
-    save(result, rows, args.out, dev)
+    save(result, rows, args.out)
     log(f"{name:24s} ours {row['ours_us']:8.1f} us {row['ours_TBps']:5.2f} TB/s "
         f"({row['ours_pct_copy']:5.1f}% copy) cfg={tun_o} | upstream "
         f"{row.get('upstream_us', float('nan')):8.1f} us {row.get('upstream_TBps', float('nan')):5.2f}"
         f" TB/s | xla {row.get('xla_us', float('nan')):8.1f} us  [{time.time() - t_start:.0f}s]")
     del q, kc, vc
   # ---- prefill and mixed
-  pf = {
-      "prefill_512": ([(512, 512)], 512, 1),
-      "prefill_2048": ([(2048, 2048)], 2048, 1),
-      "chunk_512_ctx4096": ([(512, 4096)], 512, 1),
-      "prefill_8192": ([(8192, 8192)], 8192, 1),
-      "prefill_4x2048": ([(2048, 2048)] * 4, 8192, 4),
-      "mixed_60dec2048_448pf": ([(1, 2048)] * 60 + [(448, 1024)], 512, 64),
-  }
+  pf = {n: SHAPES[n] for n in ("prefill_512", "prefill_2048", "chunk_512_ctx4096",
+                                "prefill_8192", "prefill_4x2048", "mixed_60dec2048_448pf")}
   if args.quick:
-    pf = {"prefill_64": ([(64, 64)], 64, 1), "mixed_q": ([(1, 100)] * 3 + [(29, 50)], 32, 4)}
+    pf = {n: QUICK_SHAPES[n] for n in ("prefill_64", "mixed_q")}
   for name, (seqs, T, S) in pf.items():
     if args.only and name not in args.only.split(","):
       continue
@@ -431,7 +320,7 @@ def main():
     row["check"] = check(q, kc, vc, md, n, 2e-3 if tun_o.get("pv_split", True) else 4e-3,
                          **tun_o)
     rows.append(row)
-    save(result, rows, args.out, dev)
+    save(result, rows, args.out)
     log(f"{name:24s} ours {row['ours_us']:8.1f} us {row['ours_TFLOPs']:6.1f} TFLOP/s "
         f"{row['ours_TBps']:5.2f} TB/s cfg={tun_o} | xla {row.get('xla_us', float('nan')):8.1f} us"
         f" check={row['check']}  [{time.time() - t_start:.0f}s]")
@@ -454,253 +343,7 @@ def main():
     elif r["kind"] in ("prefill", "mixed"):
       log(f"| {r['name']} | {r['ours_us']:.1f} | {r['ours_TBps']:.2f} | - | - |"
           f" {r.get('xla_us', float('nan')):.1f} | {r['ours_cfg']} ({r['ours_TFLOPs']:.0f} TFLOP/s) |")
-  save(result, rows, args.out, dev)
-
-
-# ---------------------------------------------------------------------------------------------
-# --tune: the current default vs candidate tunings / kernel variants, per shape.
-#
-# Each candidate is a dict of Tuning overrides (kernels_pallas.tuning.Tuning fields) on top of
-# default_tuning(shape); rows report the fully resolved Tuning, so a winner maps 1:1 onto
-# default_tuning. Every candidate is compiled ONCE: a jitted fori_loop of `iters` calls whose
-# last output is checked against the oracle (bf16 rel. error < 2e-3) and whose wall time / iters
-# is the time. Candidates run round-robin over the shapes (the first ones matter most), under a
-# wall-clock budget: what does not fit is skipped and listed.
-
-TUNE_SHAPES = {   # name: (seqs [(q_len, kv_len)], T, S)
-    "decode_b64_ctx2048": ([(1, 2048)] * 64, 64, 64),
-    # the batch-1 ITL step: one live row in the engine's (16, 8) bucket, short context; the
-    # default launches 8 kv heads x 10 tiles x 8 splits for it (~23 us a layer, launch-bound)
-    "engine_b1_ctx256": ([(1, 256)], 16, 8),
-    "prefill_2048": ([(2048, 2048)], 2048, 1),
-    "decode_b8_ctx8192": ([(1, 8192)] * 8, 8, 8),
-    "chunk_512_ctx4096": ([(512, 4096)], 512, 1),
-    "decode_b256_ctx512": ([(1, 512)] * 256, 256, 256),
-    "decode_b64_ctx512": ([(1, 512)] * 64, 64, 64),
-    "mixed_60dec2048_448pf": ([(1, 2048)] * 60 + [(448, 1024)], 512, 64),
-    # a mixed bucket big enough for the 256-row prefill tiles
-    "mixed_60dec2048_1988pf": ([(1, 2048)] * 60 + [(1988, 1988)], 2048, 64),
-    # the engine's long-prefill step: 8,192 tokens of 4 prompts
-    "prefill_4x2048": ([(2048, 2048)] * 4, 8192, 4),
-    "prefill_8192": ([(8192, 8192)], 8192, 1),
-    "prefill_512": ([(512, 512)], 512, 1),
-    "decode_b1_ctx8192": ([(1, 8192)], 1, 1),
-    # 8 prompts in one of the GPU engine's long buckets: 256 sequence slots, mostly empty
-    "engine_8x1000_s256": ([(1000, 1000)] * 8, 8192, 256),
-}
-TUNE_QUICK = {
-    "decode_b4_ctx64": ([(1, 64)] * 4, 4, 4),
-    "prefill_64": ([(64, 64)], 64, 1),
-    "mixed_q": ([(1, 100)] * 3 + [(29, 50)], 32, 4),
-}
-_OLD_LOOP = dict(split_mask=False, reverse_tiles=False)   # the run-3 kernel's loop structure
-_F16 = dict(pv_fp16=True)
-# the Mosaic GPU prefill kernel (attention_mgpu.py): persistent grid (2 x SMs CTAs: the
-# default) or a CTA per (head, tile), N CTAs; KV block and pipeline depth; Triton
-_MOSAIC = [dict(mosaic=True, mosaic_persistent=0), dict(mosaic=True, mosaic_persistent=132),
-           dict(mosaic=True, mosaic_persistent=264, mosaic_block_k=64, mosaic_stages=3),
-           dict(mosaic=True, mosaic_persistent=396), dict(mosaic=False)]
-# the Mosaic prefill kernel's ping-pong schedule: never, always, on items of 4+ / 16+ KV blocks
-_SCHED = [dict(mosaic_schedule=n) for n in (0, 1, 4, 16)]
-# the Mosaic GPU decode kernel (attention_mgpu_decode.py): KV block x pipeline depth, a CTA
-# per item or persistent, two compute warpgroups or one; Triton
-_MDEC = [dict(mosaic_decode=True, mosaic_block_k=128, mosaic_stages=2),
-         dict(mosaic_decode=True, mosaic_block_k=64, mosaic_stages=4),
-         dict(mosaic_decode=True, mosaic_block_k=128, mosaic_stages=2, mosaic_persistent=132),
-         dict(mosaic_decode=True, mosaic_block_k=64, mosaic_stages=4, mosaic_persistent=132),
-         dict(mosaic_decode=True, mosaic_block_k=128, mosaic_stages=2, mosaic_decode_wgs=1,
-              mosaic_persistent=132),
-         dict(mosaic_decode=False)]
-TUNE_CANDIDATES = {   # in priority order; {} = the current default
-    "decode_b1_ctx8192": [{}, *_MDEC, dict(_MDEC[2], k_splits=32), dict(k_splits=8)],
-    "engine_8x1000_s256": [{}, *_SCHED, *_MOSAIC],
-    "decode_b64_ctx2048": [{}, *_MDEC, _F16, dict(num_warps=8, num_stages=3), _OLD_LOOP,
-                           dict(k_splits=2), dict(block_k=64, num_stages=4)],
-    "engine_b1_ctx256": [{}, *_MDEC[:3], dict(k_splits=1), dict(k_splits=2),
-                         dict(k_splits=1, block_k=64)],
-    # the default is 256-row tiles (block_q 64 x 4 heads); 16 warps, 512-row tiles, 128-wide
-    # KV blocks; the 64-row tiles of short prefills
-    "prefill_2048": [{}, *_SCHED, *_MOSAIC, dict(num_warps=16), dict(num_warps=16, block_k=128),
-                     dict(block_q=128, num_warps=16), dict(num_stages=2), dict(num_stages=4),
-                     dict(block_q=16, block_k=64, num_warps=4, num_stages=2, pv_fp16=False),
-                     _OLD_LOOP,
-                     dict(_F16, block_q=32, block_k=64, num_warps=8, num_stages=2),
-                     dict(_F16, block_q=32, block_k=64, num_warps=8, num_stages=3),
-                     dict(_F16, block_q=32, block_k=128, num_warps=8, num_stages=2),
-                     dict(_F16, block_k=128), dict(_F16, block_k=32, num_stages=3),
-                     dict(reverse_tiles=False), dict(block_q=32, block_k=64, num_warps=8)],
-    "decode_b8_ctx8192": [{}, *_MDEC, dict(_MDEC[2], k_splits=16), dict(num_stages=3),
-                          _OLD_LOOP, dict(k_splits=16), dict(block_k=64, num_stages=4)],
-    # a chunk with a long context: 256-row tiles split over the KV range fill the GPU
-    "chunk_512_ctx4096": [{}, *_SCHED, *_MOSAIC, dict(_F16, block_q=64, block_k=64, num_warps=8, num_stages=3,
-                                   k_splits=4),
-                          dict(_F16, block_q=64, block_k=64, num_warps=8, num_stages=3,
-                               k_splits=2),
-                          dict(_F16, block_q=32, block_k=64, num_warps=8, num_stages=3,
-                               k_splits=2),
-                          _F16, dict(pv_split=False),
-                          dict(_F16, block_q=32, block_k=64, num_warps=8, num_stages=2),
-                          dict(_F16, block_q=32, block_k=64, num_warps=8, num_stages=3),
-                          dict(_F16, block_q=32, block_k=128, num_warps=8, num_stages=2),
-                          dict(_F16, block_k=128)],
-    "decode_b256_ctx512": [{}, *_MDEC, _F16, _OLD_LOOP, dict(block_k=64, num_stages=4)],
-    "prefill_4x2048": [{}, *_SCHED, *_MOSAIC],
-    "prefill_8192": [{}, *_SCHED, *_MOSAIC],
-    "prefill_512": [{}, *_SCHED, dict(mosaic=True, mosaic_persistent=264), dict(mosaic=True)],
-    "decode_b64_ctx512": [{}, *_MDEC, _OLD_LOOP, dict(k_splits=2),
-                          dict(block_k=64, num_stages=4)],
-    # the decode launch takes the main launch's split_mask / pv_fp16 (plan_launches); the
-    # second candidate was the decode defaults' values there
-    "mixed_60dec2048_1988pf": [{}, *_SCHED, dict(mosaic=False, mosaic_decode=True), *_MOSAIC, dict(split_mask=False, pv_fp16=False),
-                               dict(mixed_split=False),
-                               dict(block_q=16, num_warps=4, num_stages=2, pv_fp16=False)],
-    "mixed_60dec2048_448pf": [{}, dict(mosaic=True, mosaic_persistent=264),
-                              dict(mosaic=False, mosaic_decode=True), *_MOSAIC, dict(split_mask=False), _OLD_LOOP, _F16,
-                              dict(mixed_split=True, pv_fp16=True)],
-}
-TUNE_QUICK_CANDIDATES = [{}, _OLD_LOOP, dict(_F16, block_k=32), dict(k_splits=2, block_q=4),
-                         dict(mixed_split=True)]
-
-
-def _loop_fn(tun, iters):
-  """ragged_paged_attention with the tuning overrides `tun`, as chained_calls."""
-  f = functools.partial(ragged_paged_attention, sm_scale=D ** -0.5, interpret=INTERP, **tun)
-  return chained_calls(lambda q, kc, vc, md: f(q, kc, vc, jnp.int32(0), md), iters)
-
-
-def timed_variant(row, tun, data, ref, n):
-  """ragged_paged_attention with the tuning overrides `tun` as 20 chained calls on data (q, kc,
-  vc, md), checked against `ref` over the first n tokens: sets row["rel_err"] and the first of
-  row["us_rounds"] (median of 5 runs), or row["error"]. Returns the compiled loop for more
-  interleaved rounds, None if the variant failed."""
-  try:
-    f = _loop_fn(tun, 20)
-    row["rel_err"] = rel_err(jax.block_until_ready(f(*data)), ref, n)
-    row["us_rounds"] = [time_loop(f, data, 5, 20) * 1e6]
-    return f
-  except Exception as e:  # noqa: BLE001 -- a variant that fails is recorded
-    row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-    return None
-
-
-def chained_calls(one, iters):
-  """One jit: `iters` chained calls of one(q, kc, vc, md) (q carries a zero dependency, so
-  nothing is hoisted); returns the last output."""
-  @jax.jit
-  def many(q, kc, vc, md):
-    def body(i, c):
-      q, _ = c
-      o = one(q, kc, vc, md)
-      return q.at[0, 0, 0].add((o[0, 0, 0] * 0).astype(q.dtype)), o
-    return jax.lax.fori_loop(0, iters, body, (q, jnp.zeros_like(q)))[1]
-  return many
-
-
-def tune_main(args, result, dev, t_start):
-  shapes = TUNE_QUICK if args.quick else TUNE_SHAPES
-  if args.only:
-    shapes = {k: v for k, v in shapes.items() if k in args.only.split(",")}
-  iters, reps = (2, 1) if args.quick else (20, 5)
-  data, rows = {}, {}
-  for i, (name, (seqs, T, S)) in enumerate(shapes.items()):
-    q, kc, vc, md = build(seqs, T, S, 100 + i)
-    n = sum(ql for ql, _ in seqs)
-    ref = jax.block_until_ready(oracle(q, kc, vc, md))
-    dflt = dataclasses.asdict(default_tuning(T, S, HQ, HKV, D, BS))
-    data[name] = (q, kc, vc, md, ref, n)
-    rows[name] = dict(name=name, T=T, S=S, kv_bytes=kv_bytes(seqs), flops=attn_flops(seqs),
-                      default_tuning=dflt, candidates=[], skipped=[])
-  log(f"tune: {len(shapes)} shapes, data + oracle ready [{time.time() - t_start:.0f}s]")
-  cands = {k: (TUNE_QUICK_CANDIDATES if args.quick else TUNE_CANDIDATES[k]) for k in shapes}
-  seen = {k: set() for k in shapes}
-  compiled = {}   # id(candidate row) -> its compiled loop, for the re-timing rounds
-  for rnd in range(max(len(c) for c in cands.values())):
-    for name in shapes:
-      if rnd >= len(cands[name]):
-        continue
-      over = cands[name][rnd]
-      row = rows[name]
-      try:
-        main, dec = plan_launches(row["T"], row["S"], HQ, HKV, D, BS, **over)
-        tun = dataclasses.asdict(main)
-      except Exception as e:  # noqa: BLE001
-        log(f"  {name} {over}: bad tuning {e}")
-        continue
-      # both launches' tunings: an override may change only a mixed bucket's decode launch
-      key = (tuple(sorted(tun.items())), dec)
-      if key in seen[name]:
-        continue
-      seen[name].add(key)
-      if time.time() - t_start > args.budget:
-        row["skipped"].append(over)
-        continue
-      q, kc, vc, md, ref, n = data[name]
-      c = dict(overrides=over, tuning=tun)
-      t0 = time.time()
-      try:
-        f = _loop_fn(tun, iters)
-        out = jax.block_until_ready(f(q, kc, vc, md))
-        c["compile_s"] = time.time() - t0
-        err = rel_err(out, ref, n)
-        fin = bool(jnp.all(jnp.isfinite(out.astype(jnp.float32))))
-        pad0 = bool(jnp.all(out[n:] == 0))
-        c.update(rel_err=err, finite=fin, padding_zero=pad0, ok=fin and pad0 and err < 2e-3)
-        t = time_loop(f, data[name][:4], reps, iters)
-        c.update(us=t * 1e6, us_rounds=[t * 1e6], TBps=row["kv_bytes"] / t / 1e12,
-                 TFLOPs=row["flops"] / t / 1e12)
-        compiled[id(c)] = f
-      except Exception as e:  # noqa: BLE001 -- a config that does not compile is logged
-        c.update(ok=False, error=f"{type(e).__name__}: {str(e)[:300]}")
-      row["candidates"].append(c)
-      log(f"  {name:22s} {str(over):70s} "
-          + (f"{c['us']:8.1f} us {c['TBps']:5.2f} TB/s {c['TFLOPs']:6.1f} TFLOP/s "
-             f"err={c['rel_err']:.2e} {'ok' if c['ok'] else 'FAIL'}" if "us" in c
-             else c.get("error", "")[:120])
-          + f"  [{time.time() - t_start:.0f}s]")
-      result["tune"] = list(rows.values())
-      save(result, [], args.out, dev, fname="kernels_tune")
-  # More rounds over every timed candidate, interleaved (round r times all of them before
-  # round r + 1): the card's speed drifts by 5-10% over a call, and the time a candidate keeps
-  # is its median over the rounds, so neighbours in the ranking saw the same conditions.
-  for _ in range(args.rounds - 1):
-    for name, row in rows.items():
-      for c in row["candidates"]:
-        if id(c) in compiled:
-          c["us_rounds"].append(time_loop(compiled[id(c)], data[name][:4], reps, iters) * 1e6)
-          t = float(np.median(c["us_rounds"])) / 1e6
-          c.update(us=t * 1e6, TBps=row["kv_bytes"] / t / 1e12, TFLOPs=row["flops"] / t / 1e12)
-  if args.rounds > 1:
-    log(f"re-timed every candidate {args.rounds - 1} more times, interleaved; median of "
-        f"{args.rounds} rounds [{time.time() - t_start:.0f}s]")
-  # summary: best correct candidate per shape vs the default
-  log("\n| shape | default us | best us | speedup | TB/s | TFLOP/s | best overrides |")
-  log("|---|---|---|---|---|---|---|")
-  for name, row in rows.items():
-    good = [c for c in row["candidates"] if c.get("ok")]
-    d = next((c for c in row["candidates"] if c["overrides"] == {} and "us" in c), None)
-    if not good:
-      log(f"| {name} | {d['us'] if d else float('nan'):.1f} | - | - | - | - | none ok |")
-      continue
-    b = min(good, key=lambda c: c["us"])
-    row["best"] = b
-    du = d["us"] if d else float("nan")
-    log(f"| {name} | {du:.1f} | {b['us']:.1f} | {du / b['us']:.2f}x | {b['TBps']:.2f} |"
-        f" {b['TFLOPs']:.0f} | {b['overrides']} |")
-    if row["skipped"]:
-      log(f"|   (skipped for time: {row['skipped']}) |")
-  result["tune"] = list(rows.values())
-  result["wall_s"] = time.time() - t_start
-  save(result, [], args.out, dev, fname="kernels_tune")
-
-
-def save(result, rows, out, dev, fname="kernels"):
-  result["rows"] = rows
-  result["log"] = LOG
-  os.makedirs(out, exist_ok=True)
-  fname = (f"{fname}_h200.json" if "H200" in dev.device_kind
-           else f"{fname}_{jax.default_backend()}.json")
-  with open(os.path.join(out, fname), "w") as f:
-    json.dump(result, f, indent=1, default=str)
+  save(result, rows, args.out)
 
 
 if __name__ == "__main__":

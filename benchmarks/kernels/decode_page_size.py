@@ -18,7 +18,8 @@ import sys
 import jax
 import numpy as np
 
-import benchmarks.kernels.attention as K
+import benchmarks.kernels.harness as K
+from benchmarks.measure import time_loop
 
 SHAPES = {"decode_b64_ctx2048": ([(1, 2048)] * 64, 64, 64),
           "decode_b256_ctx512": ([(1, 512)] * 256, 256, 256)}
@@ -56,7 +57,7 @@ def main():
         rows.append(row)
         print(row, flush=True)
   for i, (f, a) in fns.items():                 # a second round, interleaved
-    rows[i]["us_rounds"].append(K.time_loop(f, a, 5, 20) * 1e6)
+    rows[i]["us_rounds"].append(time_loop(f, a, 5, 20) * 1e6)
   print("\n| page | shape | variant | us | TB/s | rel err |\n|---|---|---|---|---|---|")
   for r in rows:
     if "us_rounds" in r:

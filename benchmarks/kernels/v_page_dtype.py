@@ -15,32 +15,17 @@ import argparse
 import json
 import os
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-import benchmarks.kernels.attention as K
+import benchmarks.kernels.harness as K
+from benchmarks.measure import matmul_rate, time_loop
 
 SHAPES = ("prefill_8192", "prefill_4x2048", "prefill_2048", "prefill_512", "chunk_512_ctx4096",
           "mixed_60dec2048_1988pf", "engine_8x1000_s256", "decode_b64_ctx2048",
           "decode_b8_ctx8192", "decode_b256_ctx512", "decode_b1_ctx8192")
-
-
-def matmul_rate(n=8192, iters=20):
-  """bf16 FLOP/s of an n x n x n matmul, chained calls between syncs (best of 3)."""
-  a = jax.random.normal(jax.random.key(1), (n, n), jnp.bfloat16)
-  b = jax.random.normal(jax.random.key(2), (n, n), jnp.bfloat16)
-  g = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.bfloat16))
-  g(a, b).block_until_ready()
-  best = []
-  for _ in range(3):
-    t = time.perf_counter()
-    ys = [g(a, b) for _ in range(iters)]
-    ys[-1].block_until_ready()
-    best.append((time.perf_counter() - t) / iters)
-  return 2 * n ** 3 / min(best)
 
 
 def variants(name):
@@ -56,11 +41,13 @@ def main():
   ap.add_argument("--rounds", type=int, default=3)
   ap.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
   args = ap.parse_args()
-  rate = matmul_rate() if K.ON_GPU else float("nan")
+  # bf16 8192^3 matmul rate, measured as the roofline stage does, in this call: what the
+  # "% matmul" column divides by
+  rate = matmul_rate(8192, dtype=jnp.bfloat16) if K.ON_GPU else float("nan")
   print(f"bf16 matmul rate {rate / 1e12:.0f} TFLOP/s", flush=True)
   rows, fns = [], {}
   for name in args.only.split(","):
-    seqs, T, S = K.TUNE_SHAPES[name]
+    seqs, T, S = K.SHAPES[name]
     n = sum(ql for ql, _ in seqs)
     refs = {}
     for var, (v_dtype, tun) in variants(name).items():
@@ -77,7 +64,7 @@ def main():
       print(row, flush=True)
   for _ in range(args.rounds - 1):                # more rounds, interleaved
     for i, (f, a) in fns.items():
-      rows[i]["us_rounds"].append(K.time_loop(f, a, 5, 20) * 1e6)
+      rows[i]["us_rounds"].append(time_loop(f, a, 5, 20) * 1e6)
   print("\n| shape | V pages | variant | us | TFLOP/s | % matmul | KV TB/s | rel err |\n"
         "|---|---|---|---|---|---|---|---|")
   for r in rows:

@@ -16,7 +16,7 @@ from collections import Counter
 
 import jax
 
-from benchmarks.profile.decode import report
+from benchmarks.record import write_to_out
 
 
 def fusion_kinds(hlo: str) -> Counter:
@@ -66,7 +66,7 @@ def main() -> int:
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], f"b1_forward_{tag}.hlo.txt"), "w") as f:
             f.write(hlo)
-    report(res, f"profile_b1_{tag}", quiet=True)
+    write_to_out(res, f"profile_b1_{tag}", quiet=True)
     return 0
 
 

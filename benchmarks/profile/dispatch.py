@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 import jax
 import numpy as np
 
-from benchmarks.profile.decode import report
+from benchmarks.record import write_to_out
 
 
 def main() -> int:
@@ -86,12 +86,13 @@ def main() -> int:
                    "fetch_wait_ms": 1e3 * float(np.median(spent["fetch"]))}
             res[f"b{batch}_{mode}"] = row
             print(batch, mode, row, flush=True)
-            report(res, "profile_dispatch", quiet=True)   # a run cut short keeps what it measured
+            # a run cut short keeps what it measured
+            write_to_out(res, "profile_dispatch", quiet=True)
         for r in list(eng.groups):
             eng.abort(r)
         while eng.inflight is not None or eng.scheduler.has_work():
             eng.step()
-    report(res, "profile_dispatch")
+    write_to_out(res, "profile_dispatch")
     return 0
 
 

@@ -97,9 +97,10 @@ def test_hf_stage_runs_on_cpu_and_reports(tmp_path):
 
 
 def test_fa3_rows_match_our_kernel_rows():
-    """kernels_fa3.py must time the shapes kernels.py times and count the same KV bytes, or the
-    rate comparison in kernels_pallas/README.md means nothing."""
-    from benchmarks.kernels import attention as kernels, fa3 as kernels_fa3
+    """kernels/fa3.py must time the shapes kernels/attention.py times and count the same KV
+    bytes, or the rate comparison in kernels_pallas/README.md means nothing."""
+    from benchmarks.kernels import fa3 as kernels_fa3
+    from benchmarks.kernels import harness as kernels
     assert (kernels_fa3.HQ, kernels_fa3.HKV, kernels_fa3.D, kernels_fa3.BS) == (
         kernels.HQ, kernels.HKV, kernels.D, kernels.BS)
     for b, ctx in kernels_fa3.DECODE_SHAPES:
@@ -114,6 +115,7 @@ def test_profile_trace_sums_device_kernels(tmp_path):
     """The trace reader keeps the device's kernels (not host events), sums them per name, and
     sorts our kernels, matmuls and fusions into their kinds."""
     import gzip
+    from benchmarks import device_trace as dt
     from benchmarks.profile import trace as pt
     events = [
         {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/host:CPU"}},
@@ -129,7 +131,7 @@ def test_profile_trace_sums_device_kernels(tmp_path):
     d.mkdir(parents=True)
     with gzip.open(d / "perfetto_trace.json.gz", "wt") as f:
         json.dump({"traceEvents": events}, f)
-    times, counts = pt.device_kernel_times(str(tmp_path))
+    times, counts = dt.device_kernel_times(str(tmp_path))
     assert times == {"ragged_paged_attention_q16_k128_s1": 100.0, "nvjet_hsh_256x128_gemm": 300.0,
                      "loop_multiply_fusion": 5.0, "write_kv": 2.0}
     assert counts == {"ragged_paged_attention_q16_k128_s1": 2, "nvjet_hsh_256x128_gemm": 1,
@@ -137,16 +139,16 @@ def test_profile_trace_sums_device_kernels(tmp_path):
     assert [pt.kind_of(n) for n in times] == ["attention", "matmul", "fusion", "kv_write"]
     # the Mosaic GPU kernels and the split-K merge count as attention too
     assert pt.kind_of("entry_mosaic_gpu_kernel") == pt.kind_of("merge_splits") == "attention"
-    span, idle = pt.span_of(pt.device_events(str(tmp_path)))
+    span, idle = dt.span_of(dt.device_events(str(tmp_path)))
     assert span > 0 and 0 <= idle <= span
 
 
 def test_kernel_tune_rounds(tmp_path):
-    """`kernels.py --tune` (CPU smoke shape): every candidate is checked against the oracle and
+    """`kernels/tune.py` (CPU smoke shape): every candidate is checked against the oracle and
     timed in each round; the time it keeps is the median of its rounds; the best is the fastest
     correct one."""
     import statistics
-    r = subprocess.run([sys.executable, "-m", "benchmarks.kernels.attention", "--tune", "--quick", "--only",
+    r = subprocess.run([sys.executable, "-m", "benchmarks.kernels.tune", "--quick", "--only",
                         "decode_b4_ctx64", "--rounds", "2", "--budget", "120", "--out",
                         str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
@@ -163,7 +165,7 @@ def test_kernels_compare_brackets_fa3(tmp_path):
     """kernels_compare: our median over the runs against FA3, the range from our fastest and
     slowest run; shapes FA3 did not time are left out; the CLI prints the table."""
     from benchmarks.kernels import compare as kc
-    shapes = {"num_heads": 32, "num_kv_heads": 8}     # kernels.py writes the model's shapes
+    shapes = {"num_heads": 32, "num_kv_heads": 8}     # attention.py writes the model's shapes
     ours = [{"shapes": shapes, "rows": [{"name": "a", "ours_us": 100.0},
                                         {"name": "b", "ours_us": 40.0},
                                         {"name": "write_kv_T64", "pallas_us": 3.0}]},

@@ -1,7 +1,8 @@
-"""The kernel benchmarks' shared timing helper, on the CPU (interpret mode, a tiny batch)."""
+"""The kernel benchmarks' shared harness, on the CPU (interpret mode, a tiny batch)."""
 import jax.numpy as jnp
 
-from benchmarks.kernels import attention as K
+from benchmarks.device_trace import span_of
+from benchmarks.kernels import harness as K
 from kernels_pallas import ref_ragged_paged_attention
 
 
@@ -27,10 +28,10 @@ def test_decode_trace_helpers():
     tables (same attention output as the permuted ones) and its unrolled form (one output per
     query buffer, each the attention of that buffer)."""
     from benchmarks.kernels import decode_trace as DT
-    span, idle = DT.span_of([("a", 0.0, 10.0), ("b", 12.0, 3.0), ("c", 13.0, 5.0),
+    span, idle = span_of([("a", 0.0, 10.0), ("b", 12.0, 3.0), ("c", 13.0, 5.0),
                              ("d", 30.0, 1.0)])
     assert span == 31.0 and idle == 2.0 + 12.0
-    assert DT.span_of([]) == (0.0, 0.0)
+    assert span_of([]) == (0.0, 0.0)
     seqs = [(1, 40), (1, 17), (1, 33)]
     q, kc, vc, md = K.build(seqs, 3, 4, 5)
     md2 = DT.in_order(md, K.BS)
