@@ -16,10 +16,8 @@ import os
 import sys
 
 import jax
-import numpy as np
 
 import benchmarks.kernels.harness as K
-from benchmarks.measure import time_loop
 
 SHAPES = {"decode_b64_ctx2048": ([(1, 2048)] * 64, 64, 64),
           "decode_b256_ctx512": ([(1, 512)] * 256, 256, 256)}
@@ -56,12 +54,10 @@ def main():
           fns[len(rows)] = (f, (q, kc, vc, md))
         rows.append(row)
         print(row, flush=True)
-  for i, (f, a) in fns.items():                 # a second round, interleaved
-    rows[i]["us_rounds"].append(time_loop(f, a, 5, 20) * 1e6)
+  K.more_rounds(rows, fns, 1)
   print("\n| page | shape | variant | us | TB/s | rel err |\n|---|---|---|---|---|---|")
   for r in rows:
-    if "us_rounds" in r:
-      r["us"] = float(np.median(r["us_rounds"]))
+    if "us" in r:
       r["TBps"] = r["kv_bytes"] / r["us"] / 1e6
       print(f"| {r['page_size']} | {r['shape']} | {r['variant']} | {r['us']:.1f} | "
             f"{r['TBps']:.2f} | {r['rel_err']:.1e} |")

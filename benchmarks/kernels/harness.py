@@ -141,6 +141,18 @@ def timed_variant(row, tun, data, ref, n):
         return None
 
 
+def more_rounds(rows, loops, rounds):
+    """`rounds` more timings of each compiled loop of timed_variant(), interleaved (round r
+    times every loop before round r + 1: the card drifts over a call, so rows side by side in a
+    table saw the same conditions); then each of those rows' "us" is the median of its rounds.
+    loops: row index -> (loop, data)."""
+    for _ in range(rounds):
+        for i, (f, data) in loops.items():
+            rows[i]["us_rounds"].append(time_loop(f, data, 5, 20) * 1e6)
+    for i in loops:
+        rows[i]["us"] = float(np.median(rows[i]["us_rounds"]))
+
+
 def run_record(timing: str) -> dict:
     """The head of a results file: device, versions, command, timing method, shapes."""
     dev = jax.devices()[0]

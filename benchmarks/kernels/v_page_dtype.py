@@ -18,10 +18,9 @@ import sys
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 import benchmarks.kernels.harness as K
-from benchmarks.measure import matmul_rate, time_loop
+from benchmarks.measure import matmul_rate
 
 SHAPES = ("prefill_8192", "prefill_4x2048", "prefill_2048", "prefill_512", "chunk_512_ctx4096",
           "mixed_60dec2048_1988pf", "engine_8x1000_s256", "decode_b64_ctx2048",
@@ -62,14 +61,11 @@ def main():
         fns[len(rows)] = (f, (q, kc, vc, md))
       rows.append(row)
       print(row, flush=True)
-  for _ in range(args.rounds - 1):                # more rounds, interleaved
-    for i, (f, a) in fns.items():
-      rows[i]["us_rounds"].append(time_loop(f, a, 5, 20) * 1e6)
+  K.more_rounds(rows, fns, args.rounds - 1)
   print("\n| shape | V pages | variant | us | TFLOP/s | % matmul | KV TB/s | rel err |\n"
         "|---|---|---|---|---|---|---|---|")
   for r in rows:
-    if "us_rounds" in r:
-      r["us"] = float(np.median(r["us_rounds"]))
+    if "us" in r:
       r["TFLOPs"] = r["flops"] / r["us"] / 1e6
       r["pct_matmul"] = 100 * r["TFLOPs"] * 1e12 / rate
       r["TBps"] = r["kv_bytes"] / r["us"] / 1e6

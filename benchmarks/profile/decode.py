@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks.measure import time_calls
+from benchmarks.profile.engine_steps import step_until_decoding
 from benchmarks.profile.no_attention import forward_without_attention
 from benchmarks.record import write_to_out
 
@@ -40,9 +41,7 @@ def main() -> int:
         for i in range(batch):
             eng.add_request(f"b{batch}-{i}", {"prompt_token_ids": list(range(1, prompt_len + 1))},
                             SamplingParams(max_tokens=400, ignore_eos=True))
-        while any(r.num_computed_tokens < r.num_prompt_tokens for r in eng.scheduler.running) \
-                or eng.scheduler.waiting:
-            eng.step()
+        step_until_decoding(eng)
         for _ in range(5):
             eng.step()
         t = time.perf_counter()

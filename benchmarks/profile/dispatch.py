@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 import jax
 import numpy as np
 
+from benchmarks.profile.engine_steps import step_until_decoding
 from benchmarks.record import write_to_out
 
 
@@ -58,9 +59,7 @@ def main() -> int:
         for i in range(batch):
             eng.add_request(f"b{batch}-{i}", {"prompt_token_ids": list(range(1, prompt_len + 1))},
                             SamplingParams(max_tokens=300, ignore_eos=True))
-        while eng.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens
-                                           for r in eng.scheduler.running):
-            eng.step()
+        step_until_decoding(eng)
         for mode in ("caller", "thread"):
             eng._dispatcher = ThreadPoolExecutor(1) if mode == "thread" else None
             for _ in range(5):

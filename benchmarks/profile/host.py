@@ -14,6 +14,8 @@ import time
 
 import numpy as np
 
+from benchmarks.profile.engine_steps import step_until_decoding
+
 
 def main() -> int:
     from paxengine import SamplingParams
@@ -33,9 +35,7 @@ def main() -> int:
     for i in range(rows):
         eng.add_request(f"r{i}", {"prompt_token_ids": prompt},
                         SamplingParams(max_tokens=400, ignore_eos=True))
-    while eng.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens
-                                       for r in eng.scheduler.running):
-        eng.step()
+    step_until_decoding(eng)
     for _ in range(5):
         eng.step()
     n = 100

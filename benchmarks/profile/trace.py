@@ -19,6 +19,7 @@ from collections import defaultdict
 import jax
 
 from benchmarks.device_trace import kernel_times, span_of, trace_device
+from benchmarks.profile.engine_steps import step_until_decoding
 from benchmarks.record import write_to_out
 
 KINDS = [   # first match wins
@@ -95,9 +96,7 @@ def main() -> int:
     for i in range(rows):
         eng.add_request(f"d{i}", {"prompt_token_ids": prompt(10_000 + i)},
                         SamplingParams(max_tokens=prompt_len, ignore_eos=True))
-    while eng.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens
-                                       for r in eng.scheduler.running):
-        eng.step()
+    step_until_decoding(eng)
     res["decode"] = trace_steps(eng.step, 10)
     for r in list(eng.groups):
         eng.abort(r)

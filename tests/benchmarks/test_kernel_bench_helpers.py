@@ -23,6 +23,21 @@ def test_timed_variant_checks_times_and_records_failures():
     assert "no_such_field" in bad["error"] and "us_rounds" not in bad
 
 
+def test_more_rounds_keeps_the_median_of_interleaved_rounds():
+    seqs = [(1, 40), (1, 17)]
+    data = K.build(seqs, 2, 2, 3)
+    ref = K.oracle(*data)
+    rows, loops = [{}, {}], {}
+    for i, tun in enumerate([{}, dict(no_such_field=1)]):
+        f = K.timed_variant(rows[i], tun, data, ref, 2)
+        if f is not None:
+            loops[i] = (f, data)
+    K.more_rounds(rows, loops, 2)
+    ok, failed = rows
+    assert len(ok["us_rounds"]) == 3 and ok["us"] == sorted(ok["us_rounds"])[1]
+    assert "us" not in failed and "error" in failed
+
+
 def test_decode_trace_helpers():
     """decode_trace's device span (gaps counted once, overlaps not twice), its in-order page
     tables (same attention output as the permuted ones) and its unrolled form (one output per
