@@ -2,6 +2,7 @@
 # Kernel benchmark on the lent H200 (jax 0.11.2 there): correctness vs the oracle, sweep, timings.
 #   run: bash benchmarks/gpu/gpu_kernels.sh [extra args for benchmarks.kernels.attention]
 set -o pipefail
+cd "$(dirname "$0")/../.."
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/kernels_out}
 mkdir -p "$OUT"
