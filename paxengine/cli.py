@@ -53,10 +53,10 @@ def main(argv: list[str] | None = None) -> int:
     if cmd == "generate":
         return _generate(rest)
     if cmd == "bench" and rest and rest[0] == "serve":
-        from benchmarks.serve import main as bench_serve
+        from benchmarks.bench.serve import main as bench_serve
         return bench_serve(rest[1:])
     if cmd == "bench" and rest and rest[0] == "throughput":
-        from benchmarks.throughput import main as bench_throughput
+        from benchmarks.bench.throughput import main as bench_throughput
         return bench_throughput(rest[1:])
     print(USAGE, file=sys.stderr)
     return 2

@@ -1,4 +1,5 @@
-"""The GPU benchmark's pieces that need no GPU: roofline arithmetic, the dummy model dir, the report."""
+"""The GPU run's pieces that need no GPU: roofline arithmetic, the dummy model dir, the report,
+the shell scripts, the HF stage on CPU; and the kernel benchmarks' CPU-runnable parts."""
 from __future__ import annotations
 
 import json
@@ -8,28 +9,30 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import gpu_bench as gb
+from benchmarks.gpu import hf, report, roofline
+from benchmarks.gpu.dummy_model import write_dummy_model_dir
+from benchmarks.gpu.workloads import FULL, QUICK
 from paxengine.models.config import PRESETS, from_hf_config
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_roofline_arithmetic_llama8b():
-    c = gb.model_costs(PRESETS["llama-3.1-8b"], 2)
+    c = roofline.model_costs(PRESETS["llama-3.1-8b"], 2)
     assert c["weight_bytes_per_step"] == pytest.approx(15.0e9, rel=0.01)   # 7.5 B params read per step
     assert c["kv_bytes_per_token"] == 2 * 32 * 8 * 128 * 2
     bw, rate = 4.0e12, 7.0e14
-    one = gb.decode_step_floor(c, 1, 1024, bw, rate)
+    one = roofline.decode_step_floor(c, 1, 1024, bw, rate)
     assert one == pytest.approx(c["weight_bytes_per_step"] / bw, rel=0.02)  # batch 1: weight-bound
-    assert gb.decode_step_floor(c, 64, 1024, bw, rate) > one
+    assert roofline.decode_step_floor(c, 64, 1024, bw, rate) > one
     # prefill of 1024 tokens is compute-bound: ~2 * 7 GFLOP per token
-    assert gb.prefill_floor(c, 1, 1024, bw, rate) == pytest.approx(2 * 1024 * 6.98e9 / rate, rel=0.05)
-    t = gb.workload_floor(c, 300, 1000, 1000, 256, bw, rate)
+    assert roofline.prefill_floor(c, 1, 1024, bw, rate) == pytest.approx(2 * 1024 * 6.98e9 / rate, rel=0.05)
+    t = roofline.workload_floor(c, 300, 1000, 1000, 256, bw, rate)
     assert 5_000 < 300 * 1000 / t < 20_000
 
 
 def test_dummy_model_dir(tmp_path):
-    d = gb.write_dummy_model_dir("tiny", tmp_path / "m")
+    d = write_dummy_model_dir("tiny", tmp_path / "m")
     cfg = from_hf_config(json.loads((d / "config.json").read_text()))
     tiny = PRESETS["tiny"]
     for k in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -41,13 +44,13 @@ def test_dummy_model_dir(tmp_path):
     ids = [5, 17, 511, 0]
     text = tok.decode(ids)
     assert text == "t5 t17 t511 t0" and tok.encode(text).ids == ids
-    llama = from_hf_config(json.loads(gb.write_dummy_model_dir("llama-3.1-8b", tmp_path / "l")
+    llama = from_hf_config(json.loads(write_dummy_model_dir("llama-3.1-8b", tmp_path / "l")
                                       .joinpath("config.json").read_text()))
     assert llama.rope_scaling == PRESETS["llama-3.1-8b"].rope_scaling
 
 
 def test_report_table():
-    merged = {"spec": gb.FULL, "date": "d", "environment": {"device": "NVIDIA H200", "jax_version": "0.11.2",
+    merged = {"spec": FULL, "date": "d", "environment": {"device": "NVIDIA H200", "jax_version": "0.11.2",
                                                             "commit": "abcdef1234567"},
               "stages": {
                   "roofline": {"ok": True, "copy_bandwidth_Bps": 4.2e12, "matmul_flops_per_s": 7.5e14,
@@ -59,23 +62,24 @@ def test_report_table():
                   "pax-serve": {"ok": False, "error": "boom", "runs": {}},
                   "vllm-offline": {"ok": True, "itl_batch1_ms": 4.74},
               }}
-    md = gb.markdown_table(merged)
+    md = report.markdown_table(merged)
     assert "| batch-1 ITL (ms) | 5.00 | 4.74 | 4.74 | 3.80 |" in md
     assert "| offline 256x(1024,128) output tok/s | 3,000 | - | 3,962 | - |" in md
     assert "JAX compiles during timed runs (must be 0) | 0 offline |" in md
     assert "Failed stages: pax-serve: boom" in md and "4.2 TB/s" in md
 
 
-@pytest.mark.parametrize("script", ["gpu_run.sh", "gpu_kernels_fa3.sh", "gpu_vllm_install.sh"])
+@pytest.mark.parametrize("script", ["gpu_run.sh", "gpu_kernels.sh", "gpu_kernels_fa3.sh",
+                                    "gpu_decode_fa3.sh", "gpu_vllm_install.sh"])
 def test_gpu_scripts_parse(script):
-    subprocess.run(["bash", "-n", str(ROOT / "benchmarks" / script)], check=True)
+    subprocess.run(["bash", "-n", str(ROOT / "benchmarks" / "gpu" / script)], check=True)
 
 
 def test_vllm_install_without_parts_is_a_no_op(tmp_path):
     """No /tmp/vparts: the installer says nothing, changes nothing, and does not fail the caller."""
     if Path("/tmp/vparts").exists() or Path("/tmp/vsite").exists():
         pytest.skip("this machine has vLLM parts")
-    r = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_vllm_install.sh")],
+    r = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu" / "gpu_vllm_install.sh")],
                        capture_output=True, text=True, timeout=30)
     assert r.returncode == 0 and r.stdout == "" and not Path("/tmp/vsite").exists()
 
@@ -83,19 +87,20 @@ def test_vllm_install_without_parts_is_a_no_op(tmp_path):
 def test_hf_stage_runs_on_cpu_and_reports(tmp_path):
     """The HF baseline stage (tiny model, eager only) measures ITL and batched generate; the
     report prints its line."""
-    res = gb.stage_hf(gb.QUICK, tmp_path / "stage_hf.json")
+    res = hf.stage_hf(QUICK, tmp_path / "stage_hf.json")
     assert res["device"] == "cpu" and res["itl_batch1_eager_ms"] == res["itl_batch1_eager_ms"]
-    w = gb.QUICK["hf"]["batched"]
+    w = QUICK["hf"]["batched"]
     b = res["batched"]
     assert b["output_tok_s"] == pytest.approx(w["num_prompts"] * w["output_len"] / b["elapsed_s"])
-    merged = {"spec": gb.QUICK, "environment": {}, "stages": {"hf": {"ok": True, **res}}}
-    assert f"batched generate {w['name']}" in gb.markdown_table(merged)
+    merged = {"spec": QUICK, "environment": {}, "stages": {"hf": {"ok": True, **res}}}
+    assert f"batched generate {w['name']}" in report.markdown_table(merged)
 
 
 def test_fa3_rows_match_our_kernel_rows():
-    """kernels_fa3.py must time the shapes kernels.py times and count the same KV bytes, or the
-    rate comparison in kernels_pallas/README.md means nothing."""
-    from benchmarks import kernels, kernels_fa3
+    """kernels/fa3.py must time the shapes kernels/attention.py times and count the same KV
+    bytes, or the rate comparison in kernels_pallas/README.md means nothing."""
+    from benchmarks.kernels import fa3 as kernels_fa3
+    from benchmarks.kernels import harness as kernels
     assert (kernels_fa3.HQ, kernels_fa3.HKV, kernels_fa3.D, kernels_fa3.BS) == (
         kernels.HQ, kernels.HKV, kernels.D, kernels.BS)
     for b, ctx in kernels_fa3.DECODE_SHAPES:
@@ -110,7 +115,8 @@ def test_profile_trace_sums_device_kernels(tmp_path):
     """The trace reader keeps the device's kernels (not host events), sums them per name, and
     sorts our kernels, matmuls and fusions into their kinds."""
     import gzip
-    from benchmarks import profile_trace as pt
+    from benchmarks import device_trace as dt
+    from benchmarks.profile import trace as pt
     events = [
         {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/host:CPU"}},
         {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/device:GPU:0"}},
@@ -125,7 +131,7 @@ def test_profile_trace_sums_device_kernels(tmp_path):
     d.mkdir(parents=True)
     with gzip.open(d / "perfetto_trace.json.gz", "wt") as f:
         json.dump({"traceEvents": events}, f)
-    times, counts = pt.device_kernel_times(str(tmp_path))
+    times, counts = dt.device_kernel_times(str(tmp_path))
     assert times == {"ragged_paged_attention_q16_k128_s1": 100.0, "nvjet_hsh_256x128_gemm": 300.0,
                      "loop_multiply_fusion": 5.0, "write_kv": 2.0}
     assert counts == {"ragged_paged_attention_q16_k128_s1": 2, "nvjet_hsh_256x128_gemm": 1,
@@ -133,16 +139,16 @@ def test_profile_trace_sums_device_kernels(tmp_path):
     assert [pt.kind_of(n) for n in times] == ["attention", "matmul", "fusion", "kv_write"]
     # the Mosaic GPU kernels and the split-K merge count as attention too
     assert pt.kind_of("entry_mosaic_gpu_kernel") == pt.kind_of("merge_splits") == "attention"
-    span, idle = pt.span_of(pt.device_events(str(tmp_path)))
+    span, idle = dt.span_of(dt.device_events(str(tmp_path)))
     assert span > 0 and 0 <= idle <= span
 
 
 def test_kernel_tune_rounds(tmp_path):
-    """`kernels.py --tune` (CPU smoke shape): every candidate is checked against the oracle and
+    """`kernels/tune.py` (CPU smoke shape): every candidate is checked against the oracle and
     timed in each round; the time it keeps is the median of its rounds; the best is the fastest
     correct one."""
     import statistics
-    r = subprocess.run([sys.executable, "-m", "benchmarks.kernels", "--tune", "--quick", "--only",
+    r = subprocess.run([sys.executable, "-m", "benchmarks.kernels.tune", "--quick", "--only",
                         "decode_b4_ctx64", "--rounds", "2", "--budget", "120", "--out",
                         str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
@@ -158,8 +164,8 @@ def test_kernel_tune_rounds(tmp_path):
 def test_kernels_compare_brackets_fa3(tmp_path):
     """kernels_compare: our median over the runs against FA3, the range from our fastest and
     slowest run; shapes FA3 did not time are left out; the CLI prints the table."""
-    from benchmarks import kernels_compare as kc
-    shapes = {"num_heads": 32, "num_kv_heads": 8}     # kernels.py writes the model's shapes
+    from benchmarks.kernels import compare as kc
+    shapes = {"num_heads": 32, "num_kv_heads": 8}     # attention.py writes the model's shapes
     ours = [{"shapes": shapes, "rows": [{"name": "a", "ours_us": 100.0},
                                         {"name": "b", "ours_us": 40.0},
                                         {"name": "write_kv_T64", "pallas_us": 3.0}]},
@@ -174,7 +180,7 @@ def test_kernels_compare_brackets_fa3(tmp_path):
     for i, d in enumerate(ours + [fa3]):
         paths.append(tmp_path / f"{i}.json")
         paths[-1].write_text(json.dumps(d))
-    r = subprocess.run([sys.executable, "-m", "benchmarks.kernels_compare", *map(str, paths),
+    r = subprocess.run([sys.executable, "-m", "benchmarks.kernels.compare", *map(str, paths),
                         "--out", str(tmp_path / "cmp.json")], cwd=ROOT, capture_output=True,
                        text=True, timeout=60)
     assert r.returncode == 0, r.stderr

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import serve
+from benchmarks.bench import serve
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from benchmarks import datasets as ds
-from benchmarks import serve
+from benchmarks.bench import datasets as ds
+from benchmarks.bench import serve
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_fake_openai import ServerThread, make_app  # noqa: E402
 

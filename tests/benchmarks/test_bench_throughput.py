@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 
-from benchmarks import throughput
+from benchmarks.bench import throughput
 
 SMALL = ["--max-num-seqs", "8", "--max-num-batched-tokens", "64", "--max-model-len", "128"]
 

@@ -1,7 +1,8 @@
-"""The kernel benchmarks' shared timing helper, on the CPU (interpret mode, a tiny batch)."""
+"""The kernel benchmarks' shared harness, on the CPU (interpret mode, a tiny batch)."""
 import jax.numpy as jnp
 
-from benchmarks import kernels as K
+from benchmarks.device_trace import span_of
+from benchmarks.kernels import harness as K
 from kernels_pallas import ref_ragged_paged_attention
 
 
@@ -22,15 +23,30 @@ def test_timed_variant_checks_times_and_records_failures():
     assert "no_such_field" in bad["error"] and "us_rounds" not in bad
 
 
+def test_more_rounds_keeps_the_median_of_interleaved_rounds():
+    seqs = [(1, 40), (1, 17)]
+    data = K.build(seqs, 2, 2, 3)
+    ref = K.oracle(*data)
+    rows, loops = [{}, {}], {}
+    for i, tun in enumerate([{}, dict(no_such_field=1)]):
+        f = K.timed_variant(rows[i], tun, data, ref, 2)
+        if f is not None:
+            loops[i] = (f, data)
+    K.more_rounds(rows, loops, 2)
+    ok, failed = rows
+    assert len(ok["us_rounds"]) == 3 and ok["us"] == sorted(ok["us_rounds"])[1]
+    assert "us" not in failed and "error" in failed
+
+
 def test_decode_trace_helpers():
     """decode_trace's device span (gaps counted once, overlaps not twice), its in-order page
     tables (same attention output as the permuted ones) and its unrolled form (one output per
     query buffer, each the attention of that buffer)."""
-    from benchmarks import decode_trace as DT
-    span, idle = DT.span_of([("a", 0.0, 10.0), ("b", 12.0, 3.0), ("c", 13.0, 5.0),
+    from benchmarks.kernels import decode_trace as DT
+    span, idle = span_of([("a", 0.0, 10.0), ("b", 12.0, 3.0), ("c", 13.0, 5.0),
                              ("d", 30.0, 1.0)])
     assert span == 31.0 and idle == 2.0 + 12.0
-    assert DT.span_of([]) == (0.0, 0.0)
+    assert span_of([]) == (0.0, 0.0)
     seqs = [(1, 40), (1, 17), (1, 33)]
     q, kc, vc, md = K.build(seqs, 3, 4, 5)
     md2 = DT.in_order(md, K.BS)
@@ -54,7 +70,7 @@ def test_decode_trace_helpers():
 
 def test_compare_decode_levels():
     """kernels_compare's decode table: our median over the runs against FA3, per level."""
-    from benchmarks.kernels_compare import compare_decode, markdown_decode
+    from benchmarks.kernels.compare import compare_decode, markdown_decode
 
     def run(kernel, span, loop):
         v = {"overrides": {}, "pages": "permuted", "us": loop, "kernel_us": kernel + 3,

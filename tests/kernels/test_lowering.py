@@ -28,7 +28,7 @@ CONFIGS = {
     "big_tiles_mha": dict(T=2048, S=8, P=128, num_heads=32, num_kv_heads=32, head_dim=128),
     "tuned": dict(T=64, S=64, P=128, block_k=128, k_splits=2, num_warps=8, num_stages=4,
                   **LLAMA8B),
-    # tuning variants swept on the H200 (benchmarks/kernels.py --tune)
+    # tuning variants swept on the H200 (benchmarks/kernels/attention.py --tune)
     "prefill_m128_fp16pv": dict(T=512, S=1, P=128, block_q=32, block_k=64, num_warps=8,
                                 num_stages=3, pv_fp16=True, **LLAMA8B),
     "prefill_nosplit_bk128": dict(T=512, S=1, P=128, block_q=32, block_k=128, num_warps=8,
@@ -64,7 +64,7 @@ def test_broken_rule_is_caught():
 def _engine_kernel_configs():
   """One (T, S) bucket per distinct set of kernel launches the engine compiles at Llama-3.1-8B
   shapes: for the GPU benchmark's buckets and for the buckets derived by default."""
-  from benchmarks.gpu_bench import FULL
+  from benchmarks.gpu.workloads import FULL
   from kernels_pallas.tuning import plan_launches
   from paxengine.batch import bucket_pairs, seq_buckets, token_buckets
   e = FULL["engine"]

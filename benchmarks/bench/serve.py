@@ -22,10 +22,7 @@ import gc
 import json
 import math
 import os
-import platform
 import shlex
-import socket
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -34,7 +31,8 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks import datasets as ds
+from benchmarks.bench import datasets as ds
+from benchmarks.record import environment, finite
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
@@ -355,56 +353,6 @@ def request_records(results: list[RequestResult]) -> list[dict]:
     return recs
 
 
-# ----------------------------------------------------------------------------- environment
-
-def environment(extra: dict | None = None) -> dict:
-    """What ran where: host, device name, versions, commit. Never initialises an accelerator
-    (importing jax's backend here would take GPU memory from the server)."""
-    from importlib import metadata
-
-    def version(pkg):
-        try:
-            return metadata.version(pkg)
-        except metadata.PackageNotFoundError:
-            return None
-
-    def sh(cmd):
-        try:
-            return subprocess.run(cmd, capture_output=True, text=True, timeout=10,
-                                  cwd=Path(__file__).resolve().parent).stdout.strip() or None
-        except (OSError, subprocess.SubprocessError):
-            return None
-
-    gpu = sh(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"])
-    cpu = None
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    # PAXENGINE_COMMIT wins: the GPU's copy of the tree may carry a stale .git (the session's
-    # starting state), so git there names the wrong commit.
-    commit, dirty = os.environ.get("PAXENGINE_COMMIT"), None
-    if not commit:
-        commit = sh(["git", "rev-parse", "HEAD"])
-        if commit:
-            dirty = bool(sh(["git", "status", "--porcelain", "--untracked-files=no"]))
-    env = {
-        "hostname": socket.gethostname(),
-        "device": gpu.splitlines()[0] if gpu else f"CPU: {cpu or platform.processor()} x{os.cpu_count()}",
-        "gpus": gpu.splitlines() if gpu else [],
-        "cpu": cpu, "cpu_count": os.cpu_count(),
-        "python": platform.python_version(),
-        "jax_version": version("jax"), "jaxlib_version": version("jaxlib"),
-        "torch_version": version("torch"), "transformers_version": version("transformers"),
-        "commit": commit, "commit_dirty": dirty,
-    }
-    env.update(extra or {})
-    return env
-
-
 # ----------------------------------------------------------------------------- output
 
 def format_table(m: dict, title: str, percentiles: list[float]) -> str:
@@ -673,7 +621,7 @@ def main(argv=None) -> int:
     if plot_dir is None and args.result_file:
         plot_dir = str(Path(args.result_file).parent)
     if plot_dir and plot_dir != "none":
-        from benchmarks import plots as pl
+        from benchmarks.bench import plots as pl
         stem = Path(args.result_file).stem if args.result_file else "serve"
         plots = pl.serve_plots(result, plot_dir, stem)
         result["plots"] = plots
@@ -689,19 +637,6 @@ def main(argv=None) -> int:
         print(f"bench serve: {failed} request(s) failed", file=sys.stderr)
         return 1
     return 0
-
-
-def finite(o):
-    """A copy that strict JSON can hold: inf -> "inf", NaN -> None, numpy scalars -> Python."""
-    if isinstance(o, dict):
-        return {k: finite(v) for k, v in o.items()}
-    if isinstance(o, (list, tuple)):
-        return [finite(v) for v in o]
-    if isinstance(o, (np.floating, np.integer)):
-        o = o.item()
-    if isinstance(o, float) and not math.isfinite(o):
-        return None if math.isnan(o) else ("inf" if o > 0 else "-inf")
-    return o
 
 
 if __name__ == "__main__":

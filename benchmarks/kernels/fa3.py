@@ -1,28 +1,27 @@
-"""vLLM's FlashAttention-3 paged attention on the decode and prefill shapes of
-`benchmarks/kernels.py`, so our kernel and the one vLLM serves with are timed on the same card in
-the same device call.
+"""vLLM's FlashAttention-3 paged attention on the decode and prefill shapes of `attention.py`, so
+our kernel and the one vLLM serves with are timed on the same card in the same device call.
 
-  PYTHONPATH=/tmp/vsite python -m benchmarks.kernels_fa3 [--out DIR] [--only NAMES]
+  PYTHONPATH=/tmp/vsite python -m benchmarks.kernels.fa3 [--out DIR] [--only NAMES]
 
 Same shapes (Llama-3.1-8B attention: 32 q / 8 kv heads, d=128, page 16, bf16), same row names,
 same byte and FLOP counts (the KV pages each call must read; causal QK and PV). Timed as 20
 eager calls per synchronization (median of the repetitions), as 20 calls replayed from a CUDA
 graph with the schedule planned once (how vLLM decodes), and both under torch.profiler for the
 attention kernel's own device time and the device span of a call (`decode_trace.py` measures
-ours the same ways; `kernels_compare.py` puts them side by side). Needs torch with CUDA and vLLM 0.26
+ours the same ways; `compare.py` puts them side by side). Needs torch with CUDA and vLLM 0.26
 (`../shared/gpu/VLLM-PEER.md`); writes kernels_fa3_<device>.json under --out (default $OUT).
-A separate process from kernels.py: JAX and torch would each claim the GPU's memory.
+A separate process from attention.py: JAX and torch would each claim the GPU's memory.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import statistics
 import sys
 import tempfile
-import time
 from collections import defaultdict
+
+from benchmarks.measure import time_per_call   # imports no JAX: this process holds torch
 
 HQ, HKV, D, BS = 32, 8, 128, 16
 DECODE_SHAPES = [(b, ctx) for b in (1, 8, 64, 256) for ctx in (512, 2048, 8192)]
@@ -72,13 +71,7 @@ def kernel_us(run, torch) -> dict:
 
 def median_us(run, torch) -> float:
     """Median microseconds per call over REPS syncs of run() (CALLS calls)."""
-    times = []
-    for _ in range(REPS):
-        t = time.perf_counter()
-        run()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - t) / CALLS * 1e6)
-    return statistics.median(times)
+    return 1e6 * time_per_call(run, CALLS, REPS, sync=lambda _: torch.cuda.synchronize())
 
 
 def time_fa3(batch: int, ctx: int, fa, torch, q_len: int = 1) -> dict:
@@ -180,7 +173,7 @@ def main(argv=None) -> int:
     res = {"device": dev_name, "torch": torch.__version__, "vllm": vllm.__version__,
            "timing": f"{CALLS} calls per sync, median of {REPS}; eager and CUDA-graph replay; "
                      "kernel times from torch.profiler",
-           "command": "python -m benchmarks.kernels_fa3 " + " ".join(argv or sys.argv[1:]),
+           "command": "python -m benchmarks.kernels.fa3 " + " ".join(argv or sys.argv[1:]),
            "rows": rows}
     tag = "h200" if "H200" in dev_name else dev_name.lower().replace(" ", "_")
     with open(os.path.join(args.out, f"kernels_fa3_{tag}.json"), "w") as f:

@@ -1,5 +1,5 @@
 """Where a decode call's time goes. Each variant is timed two ways and traced:
-* loop: a jitted fori_loop of chained calls (kernels.py's `--timing loop`): every call also
+* loop: a jitted fori_loop of chained calls (as `tune.py` times): every call also
   rebuilds its tile metadata (XLA does not hoist it) and the loop updates q;
 * unrolled: calls on separate query buffers unrolled in one jit, as the engine unrolls its
   layers: the tile metadata is built once and shared (XLA's CSE), as in an engine step, so
@@ -10,7 +10,7 @@ host's dispatch and synchronisation (`outside_kernels_us` = wall - device busy).
 rate of the same bytes through an XLA reduction, and each shape with its pages in order as well
 as permuted.
 
-  python -m benchmarks.decode_trace [--only SHAPES] [--variants JSON] [--out DIR]    (GPU)
+  python -m benchmarks.kernels.decode_trace [--only SHAPES] [--variants JSON] [--out DIR]    (GPU)
 
 Writes decode_trace.json to --out (default $OUT or .).
 """
@@ -21,19 +21,20 @@ import dataclasses
 import json
 import os
 import sys
-import tempfile
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.kernels import (TUNE_QUICK, TUNE_SHAPES, BS, D, INTERP, _loop_fn, build,
-                                kv_bytes, oracle, ragged_paged_attention, time_loop)
-from benchmarks.profile_trace import device_events, device_kernel_times, span_of
+from benchmarks.device_trace import kernel_times, span_of, trace_device
+from benchmarks.kernels.harness import (BS, INTERP, QUICK_SHAPES, SHAPES, D, build, kv_bytes,
+                                        oracle, ours_loop)
+from benchmarks.measure import time_loop
+from kernels_pallas import ragged_paged_attention
 from kernels_pallas.testing import rel_err
 
-SHAPES = "decode_b64_ctx2048,decode_b8_ctx8192,decode_b256_ctx512,decode_b1_ctx8192"
+DECODE_SHAPES = "decode_b64_ctx2048,decode_b8_ctx8192,decode_b256_ctx512,decode_b1_ctx8192"
 VARIANTS = [{}, {"num_warps": 8}, {"num_stages": 2}, {"pv_split": False},
             {"mosaic_decode": True, "mosaic_block_k": 64, "mosaic_stages": 4,
              "mosaic_persistent": 132}]
@@ -50,11 +51,8 @@ def traced(f, data) -> dict:
   """Per call, over one run of f (ITERS calls): device microseconds of the attention kernel,
   of every other kernel, the device span (first kernel start to last kernel end) and the idle
   time inside it, and the top kernel names."""
-  with tempfile.TemporaryDirectory() as d:
-    with jax.profiler.trace(d, create_perfetto_trace=True):
-      jax.block_until_ready(f(*data))
-    events = device_events(d)
-    times, counts = device_kernel_times(d)
+  events = trace_device(lambda: jax.block_until_ready(f(*data)))
+  times, counts = kernel_times(events)
   attn = sum(us for n, us in times.items() if attention_kernel(n))
   other = sum(us for n, us in times.items() if not attention_kernel(n))
   span, idle = span_of(events)
@@ -99,17 +97,17 @@ def in_order(md, block_size):
 
 def main() -> int:
   ap = argparse.ArgumentParser()
-  ap.add_argument("--only", default=SHAPES)
+  ap.add_argument("--only", default=DECODE_SHAPES)
   ap.add_argument("--variants", default=None, help="JSON list of Tuning overrides")
   ap.add_argument("--rounds", type=int, default=3)
   ap.add_argument("--out", default=os.environ.get("OUT", "."))
   args = ap.parse_args()
   variants = json.loads(args.variants) if args.variants else VARIANTS
   res = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
-         "command": "python -m benchmarks.decode_trace " + " ".join(sys.argv[1:]), "shapes": []}
+         "command": "python -m benchmarks.kernels.decode_trace " + " ".join(sys.argv[1:]), "shapes": []}
   t0 = time.time()
   for i, name in enumerate(args.only.split(",")):
-    seqs, T, S = {**TUNE_SHAPES, **TUNE_QUICK}[name]
+    seqs, T, S = {**SHAPES, **QUICK_SHAPES}[name]
     q, kc, vc, md = build(seqs, T, S, 200 + i)
     n = sum(ql for ql, _ in seqs)
     ref = oracle(q, kc, vc, md)
@@ -125,7 +123,7 @@ def main() -> int:
       data = (q, kc, vc, md if pages == "permuted" else in_order(md, BS))
       for over in (variants if pages == "permuted" else variants[:1]):
         v = {"overrides": over, "pages": pages, "us_rounds": []}
-        f = _loop_fn(over, ITERS)
+        f = ours_loop(over, ITERS)
         try:
           out = jax.block_until_ready(f(*data))
           v["rel_err"] = rel_err(out, ref if pages == "permuted" else oracle(*data), n)

@@ -2,7 +2,7 @@
 reads the Perfetto trace it writes, and sums the device's kernel time per step by kind (matmul,
 our attention, KV write, other fusions, sampling sorts) and by kernel name.
 
-  python -m benchmarks.profile_trace [PRESET]      (GPU: llama-3.1-8b; CPU: tiny, host ops only)
+  python -m benchmarks.profile.trace [PRESET]      (GPU: llama-3.1-8b; CPU: tiny, host ops only)
 
 Three steps are traced: an 8,192-token prefill (8 prompts of 1,024), a 256-row decode at ~1k
 context (where the offline and serving benchmarks spend their time) and a batch-1 decode at ~140
@@ -11,17 +11,16 @@ and writes profile_trace.json to $OUT when set.
 """
 from __future__ import annotations
 
-import glob
-import gzip
-import json
-import os
 import re
 import sys
-import tempfile
 import time
 from collections import defaultdict
 
 import jax
+
+from benchmarks.device_trace import kernel_times, span_of, trace_device
+from benchmarks.profile.engine_steps import step_until_decoding
+from benchmarks.record import write_to_out
 
 KINDS = [   # first match wins
     ("attention", re.compile(r"ragged_paged_attention|mosaic_gpu|merge_splits")),
@@ -37,56 +36,21 @@ def kind_of(name: str) -> str:
     return next((k for k, rx in KINDS if rx.search(name)), "other")
 
 
-def device_events(trace_dir: str) -> list[tuple[str, float, float]]:
-    """(kernel name, start us, duration us) of every kernel on the device tracks of the newest
-    trace in the dir (on a CPU, where there is no device track, of every complete event: host
-    ops)."""
-    path = sorted(glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"),
-                            recursive=True))[-1]
-    with gzip.open(path) as f:
-        data = json.load(f)
-    events = data["traceEvents"] if isinstance(data, dict) else data
-    procs = {e.get("pid"): str(e.get("args", {}).get("name", "")) for e in events
-             if e.get("ph") == "M" and e.get("name") == "process_name"}
-    device = {pid for pid, name in procs.items() if "gpu" in name.lower() or "device" in name.lower()}
-    return [(e["name"], float(e.get("ts", 0.0)), float(e.get("dur", 0.0))) for e in events
-            if e.get("ph") == "X" and not str(e.get("name", "")).startswith("$")   # $: Python
-            and (not device or e.get("pid") in device)]
-
-
-def device_kernel_times(trace_dir: str) -> tuple[dict[str, float], dict[str, int]]:
-    """Kernel name -> total microseconds, and kernel name -> launches (see device_events)."""
-    totals: dict[str, float] = defaultdict(float)
-    counts: dict[str, int] = defaultdict(int)
-    for name, _, dur in device_events(trace_dir):
-        totals[name] += dur
-        counts[name] += 1
-    return dict(totals), dict(counts)
-
-
-def span_of(events) -> tuple[float, float]:
-    """(first kernel start to last kernel end, the device's idle time inside that span), us,
-    of device_events() rows."""
-    if not events:
-        return 0.0, 0.0
-    ev = sorted((ts, ts + dur) for _, ts, dur in events)
-    idle, end = 0.0, ev[0][1]
-    for ts, te in ev[1:]:
-        idle += max(0.0, ts - end)
-        end = max(end, te)
-    return end - ev[0][0], idle
-
-
 def trace_steps(step, n: int) -> dict:
+    """n calls of step() under the tracer: device time per step by kind and by kernel, the
+    launches, and the wall clock, device span and idle time per step."""
     step()                                     # outside the trace: nothing compiles in it
-    with tempfile.TemporaryDirectory() as d:
-        with jax.profiler.trace(d, create_perfetto_trace=True):
-            t = time.perf_counter()
-            for _ in range(n):
-                step()
-            wall = time.perf_counter() - t
-        times, counts = device_kernel_times(d)
-        span, idle = span_of(device_events(d))
+    wall = 0.0
+
+    def run():
+        nonlocal wall
+        t = time.perf_counter()
+        for _ in range(n):
+            step()
+        wall = time.perf_counter() - t
+    events = trace_device(run)
+    times, counts = kernel_times(events)
+    span, idle = span_of(events)
     by_kind: dict[str, float] = defaultdict(float)
     launches: dict[str, float] = defaultdict(float)
     for name, us in times.items():
@@ -132,9 +96,7 @@ def main() -> int:
     for i in range(rows):
         eng.add_request(f"d{i}", {"prompt_token_ids": prompt(10_000 + i)},
                         SamplingParams(max_tokens=prompt_len, ignore_eos=True))
-    while eng.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens
-                                       for r in eng.scheduler.running):
-        eng.step()
+    step_until_decoding(eng)
     res["decode"] = trace_steps(eng.step, 10)
     for r in list(eng.groups):
         eng.abort(r)
@@ -154,9 +116,7 @@ def main() -> int:
             print(f"  {kind:12s} {ms:8.2f} ms  {r['launches_per_step'][kind]:6.0f} launches")
         for kname, ms, kind, cnt in r["top_kernels_ms_per_step"][:20]:
             print(f"    {ms:8.3f} ms  x{cnt:<5.0f} {kind:10s} {kname[:80]}")
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "profile_trace.json"), "w") as f:
-            json.dump(res, f, indent=1)
+    write_to_out(res, "profile_trace", quiet=True)
     return 0
 
 

@@ -1,11 +1,10 @@
 """Where does a decode step's time go? Engine ITL vs the bare compiled step vs a forward without
 attention vs sampling alone, on dummy weights of a real model (GPU).
 
-  python -m benchmarks.profile_decode [PRESET] [LAYER_LOOP]     (defaults: llama-3.1-8b auto)
+  python -m benchmarks.profile.decode [PRESET] [LAYER_LOOP]     (defaults: llama-3.1-8b auto)
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -13,29 +12,15 @@ import time
 import jax
 import jax.numpy as jnp
 
-
-def timed(fn, n=20):
-    fn()
-    t = time.perf_counter()
-    for _ in range(n):
-        r = fn()
-    jax.block_until_ready(r)
-    return (time.perf_counter() - t) / n * 1e3
-
-
-def report(res: dict, name: str, quiet: bool = False) -> None:
-    """Print the profile and write it to $OUT/<name>.json when $OUT is set (the device tool)."""
-    if not quiet:
-        print(json.dumps(res, indent=1))
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], f"{name}.json"), "w") as f:
-            json.dump(res, f, indent=1)
+from benchmarks.measure import time_calls
+from benchmarks.profile.engine_steps import step_until_decoding
+from benchmarks.profile.no_attention import forward_without_attention
+from benchmarks.record import write_to_out
 
 
 def main() -> int:
     from paxengine import LLM, SamplingParams
     from paxengine.batch import build_step
-    from paxengine.models.llama import compute_logits, forward_hidden
     from paxengine.sampling import build_sampling_tensors
     from paxengine.sampling import sample
     preset = sys.argv[1] if len(sys.argv) > 1 else "llama-3.1-8b"
@@ -56,9 +41,7 @@ def main() -> int:
         for i in range(batch):
             eng.add_request(f"b{batch}-{i}", {"prompt_token_ids": list(range(1, prompt_len + 1))},
                             SamplingParams(max_tokens=400, ignore_eos=True))
-        while any(r.num_computed_tokens < r.num_prompt_tokens for r in eng.scheduler.running) \
-                or eng.scheduler.waiting:
-            eng.step()
+        step_until_decoding(eng)
         for _ in range(5):
             eng.step()
         t = time.perf_counter()
@@ -72,7 +55,7 @@ def main() -> int:
         arr = build_step(out, eng.kv.block_size, T, S, eng.runner.max_blocks_per_seq,
                          {r.request_id: i for i, r in enumerate(out.requests)})
         st = build_sampling_tensors(out.requests, S, eng.runner.history_len, eng.eos_token_ids)
-        res[f"device_step_ms_b{batch}"] = timed(lambda: eng.runner.execute(arr, st))
+        res[f"device_step_ms_b{batch}"] = 1e3 * time_calls(lambda: eng.runner.execute(arr, st))
         for r in list(eng.groups):
             eng.abort(r)
         eng.inflight = None
@@ -85,19 +68,17 @@ def main() -> int:
         st = build_sampling_tensors(reqs, S, 16, [])
         st = jax.tree_util.tree_map(jnp.asarray, st)
         f = jax.jit(sample)
-        res[f"sample_greedy_ms_S{S}"] = timed(lambda: f(logits, st))
+        res[f"sample_greedy_ms_S{S}"] = 1e3 * time_calls(lambda: f(logits, st))
 
-    def noattn(q, k, v, c, l):
-        return q, c
-    fwd = jax.jit(lambda p, t: compute_logits(p, cfg, forward_hidden(p, cfg, t, t, None, noattn)[0][:1]))
+    fwd = forward_without_attention(cfg, rows=1)
     tok = jnp.zeros(16, jnp.int32)
-    res["forward_no_attention_ms_T16"] = timed(lambda: fwd(params, tok))
+    res["forward_no_attention_ms_T16"] = 1e3 * time_calls(lambda: fwd(params, tok))
     tok = jnp.zeros(256, jnp.int32)
-    res["forward_no_attention_ms_T256"] = timed(lambda: fwd(params, tok))
+    res["forward_no_attention_ms_T256"] = 1e3 * time_calls(lambda: fwd(params, tok))
     nbytes = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(params))
     res["weight_bytes_GB"] = nbytes / 1e9
     tag = res["layer_loop"] + ("_dsfusion" if "dynamic_slice" in res["xla_flags"] else "")
-    report(res, f"profile_decode_{tag}")
+    write_to_out(res, f"profile_decode_{tag}")
     return 0
 
 

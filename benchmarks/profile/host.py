@@ -3,7 +3,7 @@
 arrays and sampling tensors, and processing outputs (streamed, as a server asks for them). Runs on
 a CPU with the tiny dummy model; the GPU step must stay longer than this for the host to hide.
 
-  python -m benchmarks.profile_host [ROWS] [--profile]
+  python -m benchmarks.profile.host [ROWS] [--profile]
 """
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ import sys
 import time
 
 import numpy as np
+
+from benchmarks.profile.engine_steps import step_until_decoding
 
 
 def main() -> int:
@@ -33,9 +35,7 @@ def main() -> int:
     for i in range(rows):
         eng.add_request(f"r{i}", {"prompt_token_ids": prompt},
                         SamplingParams(max_tokens=400, ignore_eos=True))
-    while eng.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens
-                                       for r in eng.scheduler.running):
-        eng.step()
+    step_until_decoding(eng)
     for _ in range(5):
         eng.step()
     n = 100

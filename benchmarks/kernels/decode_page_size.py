@@ -1,7 +1,7 @@
 """Decode KV read rate against the page size: the Triton kernel and the Mosaic GPU decode kernel
 (attention_mgpu_decode.py, one TMA copy per page) side by side, on the GPU.
 
-    python -m benchmarks.decode_page_size [--page-sizes 16,64,128] [--out DIR]
+    python -m benchmarks.kernels.decode_page_size [--page-sizes 16,64,128] [--out DIR]
 
 At page 16 a TMA copy moves 4 KB (two 2 KB boxes under the 128-byte swizzle); the question is
 whether small copies are what holds the Mosaic kernel below the Triton one. Each variant is a
@@ -16,9 +16,8 @@ import os
 import sys
 
 import jax
-import numpy as np
 
-import benchmarks.kernels as K
+import benchmarks.kernels.harness as K
 
 SHAPES = {"decode_b64_ctx2048": ([(1, 2048)] * 64, 64, 64),
           "decode_b256_ctx512": ([(1, 512)] * 256, 256, 256)}
@@ -55,12 +54,10 @@ def main():
           fns[len(rows)] = (f, (q, kc, vc, md))
         rows.append(row)
         print(row, flush=True)
-  for i, (f, a) in fns.items():                 # a second round, interleaved
-    rows[i]["us_rounds"].append(K.time_loop(f, a, 5, 20) * 1e6)
+  K.more_rounds(rows, fns, 1)
   print("\n| page | shape | variant | us | TB/s | rel err |\n|---|---|---|---|---|---|")
   for r in rows:
-    if "us_rounds" in r:
-      r["us"] = float(np.median(r["us_rounds"]))
+    if "us" in r:
       r["TBps"] = r["kv_bytes"] / r["us"] / 1e6
       print(f"| {r['page_size']} | {r['shape']} | {r['variant']} | {r['us']:.1f} | "
             f"{r['TBps']:.2f} | {r['rel_err']:.1e} |")
@@ -68,7 +65,7 @@ def main():
   os.makedirs(args.out, exist_ok=True)
   with open(os.path.join(args.out, "decode_page_size.json"), "w") as fh:
     json.dump(dict(device=dev.device_kind, jax=jax.__version__,
-                   command=" ".join(["python -m benchmarks.decode_page_size"] + sys.argv[1:]),
+                   command=" ".join(["python -m benchmarks.kernels.decode_page_size"] + sys.argv[1:]),
                    rows=rows), fh, indent=1)
 
 

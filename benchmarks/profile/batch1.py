@@ -2,7 +2,7 @@
 8 rows) and what XLA made of that step (the forward's optimized HLO, and its kernels per
 layer by kind). Run it once per variant (XLA_FLAGS, code) in separate processes and compare.
 
-  [PROFILE_TAG=name] python -m benchmarks.profile_b1 [PRESET]      (GPU: llama-3.1-8b)
+  [PROFILE_TAG=name] python -m benchmarks.profile.batch1 [PRESET]      (GPU: llama-3.1-8b)
 
 Writes $OUT/profile_b1_<tag>.json and $OUT/b1_forward_<tag>.hlo.txt when $OUT is set.
 """
@@ -16,7 +16,7 @@ from collections import Counter
 
 import jax
 
-from benchmarks.profile_decode import report
+from benchmarks.record import write_to_out
 
 
 def fusion_kinds(hlo: str) -> Counter:
@@ -66,7 +66,7 @@ def main() -> int:
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], f"b1_forward_{tag}.hlo.txt"), "w") as f:
             f.write(hlo)
-    report(res, f"profile_b1_{tag}", quiet=True)
+    write_to_out(res, f"profile_b1_{tag}", quiet=True)
     return 0
 
 

@@ -2,7 +2,7 @@
 layout now, kernels_pallas.value_cache_dtype), our kernels at their default tuning, side by side
 in one run on the GPU, with the bf16 matmul rate measured in the same run.
 
-    python -m benchmarks.v_page_dtype [--only a,b] [--rounds 3] [--out DIR]
+    python -m benchmarks.kernels.v_page_dtype [--only a,b] [--rounds 3] [--out DIR]
 
 The Mosaic prefill kernel converts bf16 V blocks to fp16 in shared memory (its PV product takes
 P in fp16); fp16 pages skip that. Each variant is a jitted loop of 20 chained calls (median of 5
@@ -15,32 +15,16 @@ import argparse
 import json
 import os
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-import benchmarks.kernels as K
+import benchmarks.kernels.harness as K
+from benchmarks.measure import matmul_rate
 
 SHAPES = ("prefill_8192", "prefill_4x2048", "prefill_2048", "prefill_512", "chunk_512_ctx4096",
           "mixed_60dec2048_1988pf", "engine_8x1000_s256", "decode_b64_ctx2048",
           "decode_b8_ctx8192", "decode_b256_ctx512", "decode_b1_ctx8192")
-
-
-def matmul_rate(n=8192, iters=20):
-  """bf16 FLOP/s of an n x n x n matmul, chained calls between syncs (best of 3)."""
-  a = jax.random.normal(jax.random.key(1), (n, n), jnp.bfloat16)
-  b = jax.random.normal(jax.random.key(2), (n, n), jnp.bfloat16)
-  g = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.bfloat16))
-  g(a, b).block_until_ready()
-  best = []
-  for _ in range(3):
-    t = time.perf_counter()
-    ys = [g(a, b) for _ in range(iters)]
-    ys[-1].block_until_ready()
-    best.append((time.perf_counter() - t) / iters)
-  return 2 * n ** 3 / min(best)
 
 
 def variants(name):
@@ -56,11 +40,13 @@ def main():
   ap.add_argument("--rounds", type=int, default=3)
   ap.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
   args = ap.parse_args()
-  rate = matmul_rate() if K.ON_GPU else float("nan")
+  # bf16 8192^3 matmul rate, measured as the roofline stage does, in this call: what the
+  # "% matmul" column divides by
+  rate = matmul_rate(8192, dtype=jnp.bfloat16) if K.ON_GPU else float("nan")
   print(f"bf16 matmul rate {rate / 1e12:.0f} TFLOP/s", flush=True)
   rows, fns = [], {}
   for name in args.only.split(","):
-    seqs, T, S = K.TUNE_SHAPES[name]
+    seqs, T, S = K.SHAPES[name]
     n = sum(ql for ql, _ in seqs)
     refs = {}
     for var, (v_dtype, tun) in variants(name).items():
@@ -75,14 +61,11 @@ def main():
         fns[len(rows)] = (f, (q, kc, vc, md))
       rows.append(row)
       print(row, flush=True)
-  for _ in range(args.rounds - 1):                # more rounds, interleaved
-    for i, (f, a) in fns.items():
-      rows[i]["us_rounds"].append(K.time_loop(f, a, 5, 20) * 1e6)
+  K.more_rounds(rows, fns, args.rounds - 1)
   print("\n| shape | V pages | variant | us | TFLOP/s | % matmul | KV TB/s | rel err |\n"
         "|---|---|---|---|---|---|---|---|")
   for r in rows:
-    if "us_rounds" in r:
-      r["us"] = float(np.median(r["us_rounds"]))
+    if "us" in r:
       r["TFLOPs"] = r["flops"] / r["us"] / 1e6
       r["pct_matmul"] = 100 * r["TFLOPs"] * 1e12 / rate
       r["TBps"] = r["kv_bytes"] / r["us"] / 1e6
@@ -92,7 +75,7 @@ def main():
   os.makedirs(args.out, exist_ok=True)
   with open(os.path.join(args.out, "v_page_dtype.json"), "w") as fh:
     json.dump(dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
-                   command=" ".join(["python -m benchmarks.v_page_dtype"] + sys.argv[1:]),
+                   command=" ".join(["python -m benchmarks.kernels.v_page_dtype"] + sys.argv[1:]),
                    matmul_flops_per_s=rate, rows=rows), fh, indent=1, default=str)
 
 

@@ -1,11 +1,11 @@
 """The Mosaic GPU prefill kernel's own knobs (attention_mgpu.mosaic_prefill_attention: KV block,
 pipeline depth, schedule barrier, register split) against the Triton kernel, on the GPU.
 
-    python -m benchmarks.mosaic_knobs '[{"block_kv": 128, "stages": 2}, {"schedule": 8}]'
+    python -m benchmarks.kernels.mosaic_knobs '[{"block_kv": 128, "stages": 2}, {"schedule": 8}]'
 
 Each variant runs as a jitted loop of 20 calls (median of 3 x 5 runs), checked against the
 oracle first; writes $OUT/mosaic_knobs.json. The Tuning-level choices (Triton vs Mosaic, which
-buckets) are `benchmarks.kernels --tune`'s job; this is for what sits below them.
+buckets) are `benchmarks.kernels.tune`'s job; this is for what sits below them.
 """
 from __future__ import annotations
 
@@ -18,18 +18,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.kernels import BS, D, attn_flops, build, chained_calls, oracle, time_loop
+from benchmarks.kernels import harness
+from benchmarks.kernels.harness import BS, D, attn_flops, build, oracle
+from benchmarks.measure import chained_calls, time_loop
 from kernels_pallas import attention_mgpu, ragged_paged_attention
 from kernels_pallas.testing import rel_err
 
-SHAPES = {   # name: (seqs [(q_len, kv_len)], T, S)
-    "prefill_512": ([(512, 512)], 512, 1),
-    "prefill_2048": ([(2048, 2048)], 2048, 1),
-    "chunk_512_ctx4096": ([(512, 4096)], 512, 1),
-    "prefill_8192": ([(8192, 8192)], 8192, 1),
-    "prefill_4x2048": ([(2048, 2048)] * 4, 8192, 4),
+SHAPES = {   # name: (seqs [(q_len, kv_len)], T, S): harness's prefill shapes, 16 short prompts
+    **{n: harness.SHAPES[n] for n in ("prefill_512", "prefill_2048", "chunk_512_ctx4096",
+                                      "prefill_8192", "prefill_4x2048")},
     "prefill_16x512": ([(512, 512)] * 16, 8192, 16),
-    "engine_8x1000_s256": ([(1000, 1000)] * 8, 8192, 256),   # 8 prompts in an engine bucket
+    "engine_8x1000_s256": harness.SHAPES["engine_8x1000_s256"],   # 8 prompts, engine bucket
 }
 
 
@@ -56,7 +55,7 @@ def main(argv=None):
   args = ap.parse_args(argv)
   variants = [{"triton": True}] + json.loads(args.variants)
   res = dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
-             command="python -m benchmarks.mosaic_knobs " + " ".join(argv or sys.argv[1:]),
+             command="python -m benchmarks.kernels.mosaic_knobs " + " ".join(argv or sys.argv[1:]),
              rows=[])
   for name, (seqs, T, S) in SHAPES.items():
     if args.only and name not in args.only.split(","):

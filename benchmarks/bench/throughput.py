@@ -23,7 +23,9 @@ import typing
 from datetime import datetime, timezone
 from pathlib import Path
 
-from benchmarks import datasets as ds
+from benchmarks.bench import datasets as ds
+from benchmarks.measure import CompileCounter
+from benchmarks.record import environment, finite
 
 _ENGINE_FLAG_PREFIX = "engine_"
 
@@ -93,30 +95,15 @@ def parse_args(argv=None):
 
 # ----------------------------------------------------------------------------- paxengine
 
-def _prompts(reqs):
+def token_prompts(reqs):
+    """The requests' token-id prompts as LLM.generate takes them."""
     return [{"prompt_token_ids": list(r.prompt)} for r in reqs]
 
 
-def _params(reqs):
+def greedy_params(reqs):
+    """Greedy sampling of exactly each request's output length (ignore_eos)."""
     from paxengine import SamplingParams
     return [SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True) for r in reqs]
-
-
-def compile_count(llm) -> int | None:
-    """XLA compilations the engine reports so far (None when it does not say)."""
-    try:
-        from paxengine.runner import compile_count as _cc
-        return int(_cc())
-    except (ImportError, AttributeError):
-        pass
-    for obj in (llm, getattr(llm, "engine", None), getattr(getattr(llm, "engine", None), "runner", None)):
-        if obj is None:
-            continue
-        for name in ("num_compiles", "compile_count", "num_recompiles"):
-            v = getattr(obj, name, None)
-            if v is not None:
-                return int(v() if callable(v) else v)
-    return None
 
 
 class System:
@@ -144,7 +131,7 @@ class PaxSystem(System):
         self.show = not args.disable_tqdm
 
     def generate(self, reqs):
-        outs = self.llm.generate(_prompts(reqs), _params(reqs), use_tqdm=self.show)
+        outs = self.llm.generate(token_prompts(reqs), greedy_params(reqs), use_tqdm=self.show)
         if len(outs) != len(reqs):
             raise RuntimeError(f"engine returned {len(outs)} outputs for {len(reqs)} prompts")
         bad = [i for i, (o, r) in enumerate(zip(outs, reqs)) if len(o.prompt_token_ids) != r.prompt_len]
@@ -243,7 +230,7 @@ def run_systems(systems: list[System], sets, warm) -> tuple[dict, dict]:
     for s in systems:
         if warm:
             s.generate(warm)
-    before = compile_count(None)
+    compiles = CompileCounter()
     iters: dict[str, list] = {s.name: [] for s in systems}
     outs: dict[str, list] = {}
     for reqs in sets:
@@ -251,13 +238,11 @@ def run_systems(systems: list[System], sets, warm) -> tuple[dict, dict]:
             t = time.perf_counter()
             outs[s.name] = s.generate(reqs)
             iters[s.name].append(_measure(reqs, outs[s.name], time.perf_counter() - t))
-    after = compile_count(None)
     res = {}
     for s in systems:
         res[s.name] = {**_summary(iters[s.name]), **s.info}
         if s.name == "paxengine":
-            res[s.name]["compiles_during_timed_runs"] = (None if before is None or after is None
-                                                         else after - before)
+            res[s.name]["compiles_during_timed_runs"] = compiles.n
             res[s.name]["first_tokens"] = [o[:16] for o in outs[s.name][:8]]
     return res, outs
 
@@ -306,7 +291,6 @@ def _print(res: dict) -> None:
 
 
 def main(argv=None) -> int:
-    from benchmarks.serve import environment, finite
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     if args.baseline == "hf" and args.range_ratio:
@@ -349,7 +333,7 @@ def main(argv=None) -> int:
         result["greedy_agreement"] = agreement(outs["paxengine"], outs["hf_transformers"])
     _print(result)
     if args.plot and len(res) > 1:
-        from benchmarks.plots import bar_plot
+        from benchmarks.bench.plots import bar_plot
         w = result["workload"]
         result["plots"] = [bar_plot(args.plot, list(res), [s["output_tokens_per_s"] for s in res.values()],
                                     "output tokens / s",

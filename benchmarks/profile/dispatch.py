@@ -3,7 +3,7 @@
 (`runner.fetch`), and in all, with steps launched from the caller and from the dispatch thread.
 Run it under different XLA_FLAGS (e.g. command buffers) to compare launch costs (GPU).
 
-  python -m benchmarks.profile_dispatch [PRESET] [BATCHES, e.g. 64,256]
+  python -m benchmarks.profile.dispatch [PRESET] [BATCHES, e.g. 64,256]
 
 The largest batch's caller-mode steps also run under cProfile: the top host functions are printed
 and saved (where the host time goes on that machine, not on ours).
@@ -21,7 +21,8 @@ from concurrent.futures import ThreadPoolExecutor
 import jax
 import numpy as np
 
-from benchmarks.profile_decode import report
+from benchmarks.profile.engine_steps import step_until_decoding
+from benchmarks.record import write_to_out
 
 
 def main() -> int:
@@ -58,9 +59,7 @@ def main() -> int:
         for i in range(batch):
             eng.add_request(f"b{batch}-{i}", {"prompt_token_ids": list(range(1, prompt_len + 1))},
                             SamplingParams(max_tokens=300, ignore_eos=True))
-        while eng.scheduler.waiting or any(r.num_computed_tokens < r.num_prompt_tokens
-                                           for r in eng.scheduler.running):
-            eng.step()
+        step_until_decoding(eng)
         for mode in ("caller", "thread"):
             eng._dispatcher = ThreadPoolExecutor(1) if mode == "thread" else None
             for _ in range(5):
@@ -86,12 +85,13 @@ def main() -> int:
                    "fetch_wait_ms": 1e3 * float(np.median(spent["fetch"]))}
             res[f"b{batch}_{mode}"] = row
             print(batch, mode, row, flush=True)
-            report(res, "profile_dispatch", quiet=True)   # a run cut short keeps what it measured
+            # a run cut short keeps what it measured
+            write_to_out(res, "profile_dispatch", quiet=True)
         for r in list(eng.groups):
             eng.abort(r)
         while eng.inflight is not None or eng.scheduler.has_work():
             eng.step()
-    report(res, "profile_dispatch")
+    write_to_out(res, "profile_dispatch")
     return 0
 
 

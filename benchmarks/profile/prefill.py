@@ -1,7 +1,7 @@
 """Where does a prefill step's time go? The compiled 8192-token step (8 prompts of 1024) vs the
 same forward without attention vs the matmul FLOPs at the measured rate (GPU).
 
-  python -m benchmarks.profile_prefill [PRESET]
+  python -m benchmarks.profile.prefill [PRESET]
 """
 from __future__ import annotations
 
@@ -11,13 +11,14 @@ import time
 import jax
 import jax.numpy as jnp
 
-from benchmarks.profile_decode import report, timed
+from benchmarks.measure import matmul_rate, time_calls
+from benchmarks.profile.no_attention import forward_without_attention
+from benchmarks.record import write_to_out
 
 
 def main() -> int:
     from paxengine import LLM, SamplingParams
     from paxengine.batch import build_step
-    from paxengine.models.llama import compute_logits, forward_hidden
     from paxengine.sampling import build_sampling_tensors
     preset = sys.argv[1] if len(sys.argv) > 1 else "llama-3.1-8b"
     T, n = (8192, 8) if jax.default_backend() == "gpu" else (64, 2)
@@ -33,24 +34,20 @@ def main() -> int:
     out = eng.scheduler.schedule()
     arr = build_step(out, eng.kv.block_size, T, n, eng.runner.max_blocks_per_seq, None)
     st = build_sampling_tensors(out.requests, n, eng.runner.history_len, eng.eos_token_ids)
-    res["prefill_step_ms"] = timed(lambda: eng.runner.execute(arr, st), n=10)
+    res["prefill_step_ms"] = 1e3 * time_calls(lambda: eng.runner.execute(arr, st), n=10)
     cfg, params = eng.model_config, eng.runner.params
 
-    def noattn(q, k, v, c, l):
-        return q, c
-    fwd = jax.jit(lambda p, t: compute_logits(p, cfg, forward_hidden(p, cfg, t, t, None, noattn)[0][:n]))
+    fwd = forward_without_attention(cfg, rows=n)
     tok = jnp.zeros(T, jnp.int32)
-    res["forward_no_attention_ms"] = timed(lambda: fwd(params, tok), n=10)
-    a = jnp.ones((T, cfg.hidden_size), jnp.bfloat16)
-    b = jnp.ones((cfg.hidden_size, cfg.intermediate_size), jnp.bfloat16)
-    mm = jax.jit(lambda a, b: a @ b)
-    ms = timed(lambda: mm(a, b), n=20)
-    res["matmul_TFLOPs"] = 2 * T * cfg.hidden_size * cfg.intermediate_size / ms / 1e9
+    res["forward_no_attention_ms"] = 1e3 * time_calls(lambda: fwd(params, tok), n=10)
+    # the rate of the step's largest matmul shape (tokens x hidden x MLP width), bf16
+    rate = matmul_rate(T, cfg.hidden_size, cfg.intermediate_size, dtype=jnp.bfloat16)
+    res["matmul_TFLOPs"] = rate / 1e12
     layer_params = (cfg.hidden_size * (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
                     + cfg.num_heads * cfg.head_dim * cfg.hidden_size
                     + 3 * cfg.hidden_size * cfg.intermediate_size)
     res["matmul_floor_ms"] = 2 * T * layer_params * cfg.num_layers / (res["matmul_TFLOPs"] * 1e9)
-    report(res, "profile_prefill")
+    write_to_out(res, "profile_prefill")
     return 0
 
 

@@ -1,9 +1,10 @@
 """Our kernel against vLLM's FlashAttention-3, from the JSON files of one device call: one or
-more `kernels.py` runs, or `decode_trace.py` runs (run before and after `kernels_fa3.py`, they
-bracket the card's drift over the call) and one `kernels_fa3.py` run. Prints a markdown table: per shape, our time (the
-spread over our runs), FA3's, and our rate as a fraction of FA3's (1.0 = as fast).
+more `attention.py` runs, or `decode_trace.py` runs (run before and after `fa3.py`, they
+bracket the card's drift over the call) and one `fa3.py` run. Prints a markdown table: per
+shape, our time (the spread over our runs), FA3's, and our rate as a fraction of FA3's (1.0 =
+as fast).
 
-  python -m benchmarks.kernels_compare OURS.json [OURS.json ...] FA3.json [--out FILE]
+  python -m benchmarks.kernels.compare OURS.json [OURS.json ...] FA3.json [--out FILE]
 
 Reads JSON only (no JAX, no torch), so it runs anywhere.
 """
@@ -36,7 +37,7 @@ def compare(ours_runs: list[dict], fa3: dict) -> list[dict]:
 
 def compare_decode(traces: list[dict], fa3: dict) -> list[dict]:
     """Decode rows from decode_trace.py runs (their default variant, pages permuted) and a
-    kernels_fa3.py run, on three levels:
+    fa3.py run, on three levels:
     * kernel: the attention kernel alone (device time), both sides back to back as in a step
       (ours in the unrolled form, FA3 in the graph replay);
     * step: a call inside an engine step, on the device (first kernel start to last kernel end,
@@ -107,11 +108,12 @@ def markdown(rows: list[dict]) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("files", nargs="+", help="kernels.py JSON files, then the kernels_fa3.py one")
+    ap.add_argument("files", nargs="+",
+                    help="attention.py (or decode_trace.py) JSON files, then the fa3.py one")
     ap.add_argument("--out", help="also write the rows as JSON here")
     args = ap.parse_args(argv)
     if len(args.files) < 2:
-        ap.error("need at least one kernels.py JSON and the kernels_fa3.py JSON")
+        ap.error("need at least one attention.py JSON and the fa3.py JSON")
     loaded = []
     for path in args.files:
         with open(path) as f:

@@ -1,0 +1,140 @@
+"""The offline stages: paxengine's `LLM` and vLLM's on the same workloads. Both engines are
+measured through one function each, `gen(requests) -> output lengths`, so the inter-token
+latency and throughput are the same arithmetic for both:
+
+  ITL: (time of a generate of n2 output tokens - one of n1) / (n2 - n1), all decode steps and
+  their scheduling included, median of the spec's reps, per batch size;
+  throughput: output tokens / wall time of one generate call per workload.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+
+from benchmarks.bench.datasets import random_dataset
+from benchmarks.gpu.dummy_model import write_dummy_model_dir
+from benchmarks.gpu.stage import log, save_partial, seconds_left
+
+
+def itl(gen, spec, vocab: int) -> dict:
+    """ITL for each batch size: (t(n2) - t(n1)) / (n2 - n1), median of reps, fresh prompts."""
+    w = spec["itl"]
+    res = {}
+    seed = 100
+    for b in w["batches"]:
+        vals = []
+        for _ in range(w["reps"]):
+            times = {}
+            for n in (w["n1"], w["n2"]):
+                seed += 1
+                reqs = random_dataset(b, w["input_len"], n, vocab_size=vocab, seed=seed)
+                t = time.perf_counter()
+                outs = gen(reqs)
+                times[n] = time.perf_counter() - t
+                assert sum(outs) == b * n, f"asked {b * n} tokens, got {sum(outs)}"
+            vals.append((times[w["n2"]] - times[w["n1"]]) / (w["n2"] - w["n1"]))
+        res[f"itl_batch{b}_ms"] = 1e3 * statistics.median(vals)
+        res[f"itl_batch{b}_all_ms"] = [1e3 * v for v in vals]
+        log(f"batch-{b} ITL {res[f'itl_batch{b}_ms']:.2f} ms")
+        save_partial(**res)
+    return res
+
+
+def offline(gen, spec, vocab: int, stats=None) -> dict:
+    """Output tok/s of each offline workload, n x (input, output) in one generate call; a
+    workload projected to overrun the stage's deadline is skipped. stats: a callable giving
+    engine counters (steps, preemptions), recorded per workload."""
+    res = {}
+    rate = None   # output tok/s of the last workload, to project the next one's duration
+    for k, w in enumerate(spec["offline"]):
+        left = seconds_left()
+        if rate and left is not None:
+            projected = 1.2 * w["num_prompts"] * w["output_len"] / rate + 5
+            left -= 15
+            if projected > left:
+                res[w["name"]] = {"skipped": f"projected {projected:.0f} s at {rate:,.0f} tok/s; "
+                                             f"{left:.0f} s left in this stage"}
+                log(f"offline {w['name']}: skipped, {res[w['name']]['skipped']}")
+                save_partial(offline=dict(res))
+                continue
+        reqs = random_dataset(w["num_prompts"], w["input_len"], w["output_len"], vocab_size=vocab,
+                              seed=1000 + k)
+        log(f"offline {w['name']} ...")
+        before = stats() if stats else None
+        t = time.perf_counter()
+        outs = gen(reqs)
+        el = time.perf_counter() - t
+        n_out = sum(outs)
+        n_in = sum(r.prompt_len for r in reqs)
+        assert n_out == w["num_prompts"] * w["output_len"], f"output tokens {n_out}"
+        res[w["name"]] = {"elapsed_s": el, "requests_per_s": len(reqs) / el,
+                          "output_tok_s": n_out / el, "total_tok_s": (n_in + n_out) / el}
+        if stats:
+            after = stats()
+            steps = after["steps"] - before["steps"]
+            res[w["name"]].update(steps=steps, mean_step_ms=1e3 * el / max(steps, 1),
+                                  preemptions=after["num_preemptions"] - before["num_preemptions"])
+        log(f"offline {w['name']}: {n_out / el:,.0f} output tok/s ({el:.1f} s)")
+        save_partial(offline=dict(res))
+        rate = n_out / el
+    return res
+
+
+def stage_pax_offline(spec: dict, out: Path) -> dict:
+    from benchmarks.bench.throughput import greedy_params, token_prompts
+    from benchmarks.measure import CompileCounter
+    from paxengine import LLM
+    from paxengine.config import EngineConfig
+    from paxengine.models.config import PRESETS
+    cfg = EngineConfig(model=f"dummy:{spec['preset']}", dtype=spec["dtype"], **spec["engine"])
+    t = time.perf_counter()
+    llm = LLM(config=cfg)
+    startup = time.perf_counter() - t
+    log(f"paxengine started in {startup:.1f} s")
+    save_partial(startup_s=startup, engine_stats=llm.engine.stats())
+    vocab = PRESETS[spec["preset"]].vocab_size
+
+    def gen(reqs):
+        outs = llm.generate(token_prompts(reqs), greedy_params(reqs), use_tqdm=False)
+        return [len(o.outputs[0].token_ids) for o in outs]
+
+    gen(random_dataset(4, 64, 8, vocab_size=vocab, seed=7))      # warm-up (untimed)
+    compiles = CompileCounter()
+    res = {"startup_s": startup}
+    res.update(itl(gen, spec, vocab))
+    save_partial(jax_compiles_during_timed_runs=compiles.n)
+    res["offline"] = offline(gen, spec, vocab, llm.engine.stats)
+    res["jax_compiles_during_timed_runs"] = compiles.n
+    return res
+
+
+def stage_vllm_offline(spec: dict, out: Path) -> dict:
+    import vllm
+    from vllm import LLM, SamplingParams
+
+    from paxengine.models.config import PRESETS
+    d = write_dummy_model_dir(spec["preset"], out.parent / "dummy_model")
+    e = spec["engine"]
+    t = time.perf_counter()
+    llm = LLM(model=str(d), load_format="dummy", skip_tokenizer_init=True, dtype=spec["dtype"],
+              max_num_seqs=e["max_num_seqs"], max_num_batched_tokens=e["max_num_batched_tokens"],
+              max_model_len=e["max_model_len"],
+              gpu_memory_utilization=e.get("gpu_memory_utilization", 0.9), seed=0)
+    startup = time.perf_counter() - t
+    log(f"vLLM {vllm.__version__} started in {startup:.1f} s")
+    save_partial(startup_s=startup, vllm_version=vllm.__version__)
+    vocab = PRESETS[spec["preset"]].vocab_size
+
+    def gen(reqs):
+        params = [SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True,
+                                 detokenize=False) for r in reqs]
+        outs = llm.generate([{"prompt_token_ids": list(r.prompt)} for r in reqs], params,
+                            use_tqdm=False)
+        return [len(o.outputs[0].token_ids) for o in outs]
+
+    gen(random_dataset(4, 64, 8, vocab_size=vocab, seed=7))
+    res = {"startup_s": startup, "vllm_version": vllm.__version__}
+    res.update(itl(gen, spec, vocab))
+    res["offline"] = offline(gen, spec, vocab)
+    return res

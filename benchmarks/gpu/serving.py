@@ -1,0 +1,166 @@
+"""The serving stages: a server (paxengine's or vLLM's) started on the dummy model, then
+`paxengine bench serve` against it at each concurrency of the spec, one run per concurrency so a
+stage cut off by its time limit keeps the runs it finished. The server's /metrics compile
+counters before and after tell whether serving compiled anything."""
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from benchmarks.bench import plots, serve
+from benchmarks.gpu import REPO_ROOT
+from benchmarks.gpu.dummy_model import write_dummy_model_dir
+from benchmarks.gpu.stage import log, save_partial, seconds_left
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve_stage(spec: dict, out: Path, server_cmd: list[str], label: str, env: dict) -> dict:
+    """Start a server, wait for it, run `bench serve` against it once per concurrency, stop it."""
+    import urllib.request
+    port = int(server_cmd[server_cmd.index("--port") + 1])
+    base = f"http://127.0.0.1:{port}"
+    logf = open(out.parent / f"{label}_server.log", "w")
+    log("starting:", shlex.join(server_cmd))
+    t = time.perf_counter()
+    proc = subprocess.Popen(server_cmd, stdout=logf, stderr=subprocess.STDOUT, env=env,
+                            cwd=REPO_ROOT, start_new_session=False)
+    try:
+        wait = spec.get("server_start_timeout", 480)
+        if seconds_left() is not None:
+            wait = min(wait, seconds_left() - 60)
+        deadline = time.monotonic() + wait
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited with {proc.returncode}; see {logf.name}: "
+                                   + Path(logf.name).read_text()[-2000:])
+            try:
+                with urllib.request.urlopen(base + "/v1/models", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError("server did not become ready in time")
+            time.sleep(1)
+        startup = time.perf_counter() - t
+        log(f"{label} server ready in {startup:.1f} s")
+        sv = spec["serve"]
+        from paxengine.models.config import PRESETS
+        vocab = PRESETS[spec["preset"]].vocab_size
+        combined_file = out.parent / f"{label}_serve.json"
+        compiles_before = _scrape_compiles(base)
+        combined, runs, rcs = None, {}, []
+        # one `bench serve` per concurrency: a stage cut off by its time limit keeps the runs done
+        for k, conc in enumerate(sv["concurrency"]):
+            n = max(sv["num_prompts"], sv.get("per_concurrency", 0) * conc)
+            part = out.parent / f"{label}_serve_c{conc}.json"
+            argv = ["--base-url", base, "--dataset-name", "random",
+                    "--random-input-len", str(sv["input_len"]),
+                    "--random-output-len", str(sv["output_len"]), "--num-prompts", str(n),
+                    "--max-concurrency", str(conc), "--seed", str(1000 * k),
+                    "--vocab-size", str(vocab), "--result-file", str(part), "--plot-dir", "none",
+                    "--label", label, "--disable-tqdm", "--num-warmups", "2"]
+            log(f"{label} serve: concurrency {conc}, {n} requests")
+            rc = serve.main(argv)
+            rcs.append(rc)
+            if not part.is_file():
+                raise RuntimeError(f"bench serve exited with {rc} and wrote no results (its "
+                                   f"error is in the log above)")
+            res = json.loads(part.read_text())
+            part.unlink()
+            if combined is None:
+                combined = res
+                combined["command"] = f"{len(sv['concurrency'])} runs of " + res["command"]
+            else:
+                combined["runs"] += res["runs"]
+            combined_file.write_text(json.dumps(combined))
+            r = res["runs"][0]
+            runs[f"c{conc}"] = {key: r.get(key) for key in (
+                "completed", "failed", "num_prompts", "duration_s", "request_throughput",
+                "output_throughput", "total_token_throughput", "mean_ttft_ms", "median_ttft_ms",
+                "p99_ttft_ms", "mean_tpot_ms", "median_tpot_ms", "p99_tpot_ms", "median_itl_ms",
+                "p99_itl_ms", "median_e2el_ms", "tokens_per_chunk")}
+            save_partial(startup_s=startup, runs=dict(runs))
+        compiles_after = _scrape_compiles(base)
+        server_compiles = {k: compiles_after[k] - compiles_before.get(k, 0.0)
+                           for k in compiles_after}
+        combined["plots"] = plots.serve_plots(combined, out.parent, f"{label}_serve")
+        combined_file.write_text(json.dumps(combined, indent=1))
+        return {"startup_s": startup, "bench_rc": max(rcs), "runs": runs,
+                "server_compile_metrics_delta": server_compiles or None,
+                "result_file": combined_file.name, "server_cmd": shlex.join(server_cmd)}
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        logf.close()
+        save_partial(server_log_tail=Path(logf.name).read_text(errors="replace")[-3000:])
+
+
+def _scrape_compiles(base: str) -> dict:
+    """Prometheus samples on the server's /metrics whose name mentions compil(e/ation), when it
+    exports any (the serving runs' recompile count is their change)."""
+    import urllib.request
+    try:
+        with urllib.request.urlopen(base + "/metrics", timeout=5) as r:
+            text = r.read().decode(errors="replace")
+    except OSError:
+        return {}
+    found = {}
+    for line in text.splitlines():
+        if line.startswith("#") or "compil" not in line.split("{")[0].split(" ")[0]:
+            continue
+        name, _, value = line.rpartition(" ")
+        try:
+            found[name] = float(value)
+        except ValueError:
+            pass
+    return found
+
+
+def stage_pax_serve(spec: dict, out: Path) -> dict:
+    """`paxengine serve` (serving.cli) with the spec's engine settings."""
+    d = write_dummy_model_dir(spec["preset"], out.parent / "dummy_model")
+    e = spec["engine"]
+    cmd = [sys.executable, "-m", "serving.cli", "--model", f"dummy:{spec['preset']}",
+           "--tokenizer", str(d), "--dtype", spec["dtype"], "--served-model-name", "dummy",
+           "--max-num-seqs", str(e["max_num_seqs"]),
+           "--max-num-batched-tokens", str(e["max_num_batched_tokens"]),
+           "--max-model-len", str(e["max_model_len"]), "--port", str(_free_port()),
+           "--host", "127.0.0.1", "--log-level", "warning"]
+    if "num_kv_blocks" in e:
+        cmd += ["--num-kv-blocks", str(e["num_kv_blocks"])]
+    for key in ("token_buckets", "seq_buckets"):
+        if key in e:
+            cmd += [f"--{key.replace('_', '-')}", ",".join(map(str, e[key]))]
+    if "gpu_memory_utilization" in e:
+        cmd += ["--gpu-memory-utilization", str(e["gpu_memory_utilization"])]
+    return serve_stage(spec, out, cmd, "pax", dict(os.environ))
+
+
+def stage_vllm_serve(spec: dict, out: Path) -> dict:
+    """`vllm serve` on the dummy model directory with the same engine settings."""
+    d = write_dummy_model_dir(spec["preset"], out.parent / "dummy_model")
+    e = spec["engine"]
+    exe = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(d)]
+    cmd = exe + ["--load-format", "dummy", "--dtype", spec["dtype"], "--served-model-name", "dummy",
+                 "--max-num-seqs", str(e["max_num_seqs"]),
+                 "--max-num-batched-tokens", str(e["max_num_batched_tokens"]),
+                 "--max-model-len", str(e["max_model_len"]), "--port", str(_free_port()),
+                 "--host", "127.0.0.1", "--gpu-memory-utilization",
+                 str(e.get("gpu_memory_utilization", 0.9))]
+    return serve_stage(spec, out, cmd, "vllm", dict(os.environ))
