@@ -63,7 +63,7 @@ def main() -> int:
     for S in (8, 64, 256) if on_gpu else (8,):
         logits = jax.random.normal(jax.random.PRNGKey(0), (S, cfg.vocab_size), jnp.float32)
         reqs = [type("R", (), {"params": SamplingParams(temperature=0), "seed": 0,
-                               "output_token_ids": [], "all_token_ids": [1],
+                               "num_output_tokens": 1, "all_token_ids": [1],
                                "num_prompt_tokens": 1})() for _ in range(S)]
         st = build_sampling_tensors(reqs, S, 16, [])
         st = jax.tree_util.tree_map(jnp.asarray, st)
