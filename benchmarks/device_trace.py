@@ -2,6 +2,7 @@
 totals per name, and the device's busy span and idle time. `profile/trace.py` reads engine steps
 this way, `kernels/decode_trace.py` single attention calls.
 """
+
 from __future__ import annotations
 
 import glob
@@ -16,18 +17,27 @@ def device_events(trace_dir: str) -> list[tuple[str, float, float]]:
     """(kernel name, start us, duration us) of every kernel on the device tracks of the newest
     trace in the dir (on a CPU, where there is no device track, of every complete event: host
     ops)."""
-    path = sorted(glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"),
-                            recursive=True))[-1]
+    path = sorted(
+        glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True)
+    )[-1]
     with gzip.open(path) as f:
         data = json.load(f)
     events = data["traceEvents"] if isinstance(data, dict) else data
-    procs = {e.get("pid"): str(e.get("args", {}).get("name", "")) for e in events
-             if e.get("ph") == "M" and e.get("name") == "process_name"}
-    device = {pid for pid, name in procs.items()
-              if "gpu" in name.lower() or "device" in name.lower()}
-    return [(e["name"], float(e.get("ts", 0.0)), float(e.get("dur", 0.0))) for e in events
-            if e.get("ph") == "X" and not str(e.get("name", "")).startswith("$")   # $: Python
-            and (not device or e.get("pid") in device)]
+    procs = {
+        e.get("pid"): str(e.get("args", {}).get("name", ""))
+        for e in events
+        if e.get("ph") == "M" and e.get("name") == "process_name"
+    }
+    device = {
+        pid for pid, name in procs.items() if "gpu" in name.lower() or "device" in name.lower()
+    }
+    return [
+        (e["name"], float(e.get("ts", 0.0)), float(e.get("dur", 0.0)))
+        for e in events
+        if e.get("ph") == "X"
+        and not str(e.get("name", "")).startswith("$")  # $: Python
+        and (not device or e.get("pid") in device)
+    ]
 
 
 def kernel_times(events) -> tuple[dict[str, float], dict[str, int]]:
@@ -61,6 +71,7 @@ def span_of(events) -> tuple[float, float]:
 def trace_device(run) -> list[tuple[str, float, float]]:
     """device_events() of one run() under jax.profiler (run must wait for its own results)."""
     import jax
+
     with tempfile.TemporaryDirectory() as d:
         with jax.profiler.trace(d, create_perfetto_trace=True):
             run()

@@ -5,6 +5,7 @@ numbers called the same are measured the same way.
 jax (and paxengine) are imported inside the functions: `kernels/fa3.py` times torch calls with
 `time_per_call` in a process that must not load JAX next to vLLM.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -13,6 +14,7 @@ import time
 
 def _block(out):
     import jax
+
     return jax.block_until_ready(out)
 
 
@@ -31,10 +33,12 @@ def time_per_call(run, calls: int, reps: int = 5, sync=_block, reduce=statistics
 def time_loop(f, args, reps: int, iters: int, per_sync: int = 1) -> float:
     """Seconds per call of f(*args), a compiled loop (or unrolled sequence) of `iters` calls:
     median over `reps` synchronisations of `per_sync` dispatches of f."""
+
     def run():
         for _ in range(per_sync):
             out = f(*args)
         return out
+
     return time_per_call(run, iters * per_sync, reps)
 
 
@@ -46,6 +50,7 @@ def time_calls(fn, n: int = 20, reps: int = 1) -> float:
         for _ in range(n):
             out = fn()
         return out
+
     return time_per_call(run, n, reps)
 
 
@@ -64,8 +69,10 @@ def chained_calls(one, iters: int, keep_last: bool = True):
             o = one(q, *rest)
             q = q.at[0, 0, 0].add((o[0, 0, 0] * 0).astype(q.dtype))
             return q, (o if keep_last else acc + o[0, 0, 0].astype(jnp.float32))
+
         init = jnp.zeros_like(q) if keep_last else jnp.float32(0)
         return jax.lax.fori_loop(0, iters, body, (q, init))[1]
+
     return many
 
 
@@ -73,6 +80,7 @@ def device_dtype():
     """bf16 on a GPU (the engine's dtype there), f32 elsewhere (CPUs are slow at bf16)."""
     import jax
     import jax.numpy as jnp
+
     return jnp.bfloat16 if jax.devices()[0].platform == "gpu" else jnp.float32
 
 
@@ -82,6 +90,7 @@ def copy_rate(mib: float, iters: int = 20, reps: int = 3, dtype=None) -> tuple[f
     best of `reps`. dtype: device_dtype() unless given."""
     import jax
     import jax.numpy as jnp
+
     dt = dtype or device_dtype()
     n = int(mib * 2**20) // jnp.dtype(dt).itemsize
     key = jax.random.PRNGKey(0)
@@ -92,20 +101,23 @@ def copy_rate(mib: float, iters: int = 20, reps: int = 3, dtype=None) -> tuple[f
     rep = iter(range(reps))
 
     def run():
-        y = xs[next(rep) % 2]      # a fresh input each rep, not the last rep's output
+        y = xs[next(rep) % 2]  # a fresh input each rep, not the last rep's output
         for _ in range(iters):
             y = f(y)
         return y
+
     nbytes = 2 * n * jnp.dtype(dt).itemsize
     return nbytes / time_per_call(run, iters, reps, reduce=min), nbytes
 
 
-def matmul_rate(m: int, k: int | None = None, n: int | None = None, iters: int = 20,
-                reps: int = 3, dtype=None) -> float:
+def matmul_rate(
+    m: int, k: int | None = None, n: int | None = None, iters: int = 20, reps: int = 3, dtype=None
+) -> float:
     """FLOP/s of an (m, k) x (k, n) matmul (square m^3 by default) on random data, `iters` calls
     between syncs, best of `reps`. dtype: device_dtype() unless given; the product is kept in it."""
     import jax
     import jax.numpy as jnp
+
     k, n = k or m, n or m
     dt = dtype or device_dtype()
     key = jax.random.PRNGKey(0)
@@ -117,6 +129,7 @@ def matmul_rate(m: int, k: int | None = None, n: int | None = None, iters: int =
 
     def run():
         return [g(a[j % 2], b) for j in range(iters)][-1]
+
     return 2 * m * k * n / time_per_call(run, iters, reps, reduce=min)
 
 
@@ -128,6 +141,7 @@ class CompileCounter:
 
     def __init__(self):
         from paxengine.runner import compile_count
+
         self._count = compile_count
         self._start = compile_count()
 

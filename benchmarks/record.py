@@ -1,5 +1,6 @@
 """What a result file carries: the environment it was measured in, values strict JSON can hold,
 and where profiles go on the device machine ($OUT)."""
+
 from __future__ import annotations
 
 import json
@@ -26,13 +27,22 @@ def environment(extra: dict | None = None) -> dict:
 
     def sh(cmd):
         try:
-            return subprocess.run(cmd, capture_output=True, text=True, timeout=10,
-                                  cwd=Path(__file__).resolve().parent).stdout.strip() or None
+            return (
+                subprocess.run(
+                    cmd,
+                    capture_output=True,
+                    text=True,
+                    timeout=10,
+                    cwd=Path(__file__).resolve().parent,
+                ).stdout.strip()
+                or None
+            )
         except (OSError, subprocess.SubprocessError):
             return None
 
-    gpu = sh(["nvidia-smi", "--query-gpu=name,memory.total,driver_version",
-              "--format=csv,noheader"])
+    gpu = sh(
+        ["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"]
+    )
     cpu = None
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -50,14 +60,19 @@ def environment(extra: dict | None = None) -> dict:
             dirty = bool(sh(["git", "status", "--porcelain", "--untracked-files=no"]))
     env = {
         "hostname": socket.gethostname(),
-        "device": (gpu.splitlines()[0] if gpu
-                   else f"CPU: {cpu or platform.processor()} x{os.cpu_count()}"),
+        "device": (
+            gpu.splitlines()[0] if gpu else f"CPU: {cpu or platform.processor()} x{os.cpu_count()}"
+        ),
         "gpus": gpu.splitlines() if gpu else [],
-        "cpu": cpu, "cpu_count": os.cpu_count(),
+        "cpu": cpu,
+        "cpu_count": os.cpu_count(),
         "python": platform.python_version(),
-        "jax_version": version("jax"), "jaxlib_version": version("jaxlib"),
-        "torch_version": version("torch"), "transformers_version": version("transformers"),
-        "commit": commit, "commit_dirty": dirty,
+        "jax_version": version("jax"),
+        "jaxlib_version": version("jaxlib"),
+        "torch_version": version("torch"),
+        "transformers_version": version("transformers"),
+        "commit": commit,
+        "commit_dirty": dirty,
     }
     env.update(extra or {})
     return env

@@ -2,15 +2,23 @@
 
 Contract: ARCHITECTURE.md ("KV cache and attention"). See README.md here for the design.
 """
-from kernels_pallas.metadata import AttentionMetadata, token_to_seq
-from kernels_pallas.layout import quantize_kv, value_cache_dtype
-from kernels_pallas.reference import ref_ragged_paged_attention, ref_write_kv
+
 from kernels_pallas.dispatch import ragged_paged_attention
-from kernels_pallas.tuning import default_tuning, Tuning
 from kernels_pallas.kv_write import write_kv
+from kernels_pallas.layout import quantize_kv, value_cache_dtype
+from kernels_pallas.metadata import AttentionMetadata, token_to_seq
+from kernels_pallas.reference import ref_ragged_paged_attention, ref_write_kv
+from kernels_pallas.tuning import Tuning, default_tuning
 
 __all__ = [
-    "AttentionMetadata", "token_to_seq", "ref_ragged_paged_attention", "ref_write_kv",
-    "quantize_kv", "value_cache_dtype", "ragged_paged_attention", "default_tuning", "Tuning",
+    "AttentionMetadata",
+    "token_to_seq",
+    "ref_ragged_paged_attention",
+    "ref_write_kv",
+    "quantize_kv",
+    "value_cache_dtype",
+    "ragged_paged_attention",
+    "default_tuning",
+    "Tuning",
     "write_kv",
 ]

@@ -35,6 +35,7 @@ stays here: within 2% of FlashAttention-3 or faster on the H200 (kernels_pallas/
 9). Where the Mosaic GPU kernels take over (prefill and mixed buckets of 512+ tokens on jax
 0.11): `dispatch.py`.
 """
+
 from __future__ import annotations
 
 import functools
@@ -53,242 +54,316 @@ from kernels_pallas.softmax import LOG2E, MASK_VALUE, P_LOG2_GAIN
 from kernels_pallas.tuning import next_pow2
 
 
-def _rpa_kernel(meta_ref, bt_ref, scal_ref, fscal_ref, q_ref, k_ref, v_ref, *out_refs,
-                T, Hq, Hkv, G, G_pad, NB, bs, P, block_q, block_k, k_splits, sm_scale,
-                sliding_window, soft_cap, compute_dtype, pv_split, split_mask, reverse_tiles,
-                pv_fp16, num_tiles, has_out_in):
-  if has_out_in:       # the output buffer passed in (aliased): rows this launch does not own
-    out_refs = out_refs[1:]
-  h = pl.program_id(0)
-  j = pl.program_id(1)
-  if reverse_tiles:
-    j = num_tiles - 1 - j
-  sp = pl.program_id(2)
-  M = block_q * G_pad
+def _rpa_kernel(
+    meta_ref,
+    bt_ref,
+    scal_ref,
+    fscal_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    *out_refs,
+    T,
+    Hq,
+    Hkv,
+    G,
+    G_pad,
+    NB,
+    bs,
+    P,
+    block_q,
+    block_k,
+    k_splits,
+    sm_scale,
+    sliding_window,
+    soft_cap,
+    compute_dtype,
+    pv_split,
+    split_mask,
+    reverse_tiles,
+    pv_fp16,
+    num_tiles,
+    has_out_in,
+):
+    if has_out_in:  # the output buffer passed in (aliased): rows this launch does not own
+        out_refs = out_refs[1:]
+    h = pl.program_id(0)
+    j = pl.program_id(1)
+    if reverse_tiles:
+        j = num_tiles - 1 - j
+    sp = pl.program_id(2)
+    M = block_q * G_pad
 
-  seq = meta_ref[j, 0]
-  q_start = meta_ref[j, 1]
-  q_len = meta_ref[j, 2]
-  pos0 = meta_ref[j, 3]
-  kv_len = meta_ref[j, 4]
-  head_base = (scal_ref[0] + h) * NB            # first page of (layer, head) in the flat cache
-  k_scale = fscal_ref[0]
-  v_scale = fscal_ref[1]
+    seq = meta_ref[j, 0]
+    q_start = meta_ref[j, 1]
+    q_len = meta_ref[j, 2]
+    pos0 = meta_ref[j, 3]
+    kv_len = meta_ref[j, 4]
+    head_base = (scal_ref[0] + h) * NB  # first page of (layer, head) in the flat cache
+    k_scale = fscal_ref[0]
+    v_scale = fscal_ref[1]
 
-  D = q_ref.shape[1]
-  r = jnp.arange(M, dtype=jnp.int32)
-  tok = r // G_pad
-  g = r % G_pad
-  row_ok = (tok < q_len) & (g < G)
-  q_rows = jnp.where(row_ok, (q_start + tok) * Hq + h * G + jnp.minimum(g, G - 1), 0)
-  q = q_ref[q_rows]                                              # [M, D]
-  q = jnp.where(row_ok[:, None], q, 0).astype(compute_dtype)
-  q_pos = pos0 + tok                                             # [M]
+    D = q_ref.shape[1]
+    r = jnp.arange(M, dtype=jnp.int32)
+    tok = r // G_pad
+    g = r % G_pad
+    row_ok = (tok < q_len) & (g < G)
+    q_rows = jnp.where(row_ok, (q_start + tok) * Hq + h * G + jnp.minimum(g, G - 1), 0)
+    q = q_ref[q_rows]  # [M, D]
+    q = jnp.where(row_ok[:, None], q, 0).astype(compute_dtype)
+    q_pos = pos0 + tok  # [M]
 
-  # KV range of the tile: causal end at its last query, sliding-window start at its first.
-  kv_hi = jnp.where(q_len > 0, jnp.minimum(kv_len, pos0 + q_len), 0)
-  if sliding_window is not None:
-    kv_lo = jnp.maximum(pos0 - (sliding_window - 1), 0)
-  else:
-    kv_lo = 0
-  blk_lo = kv_lo // block_k
-  blk_hi = (kv_hi + block_k - 1) // block_k
-  n_blk = jnp.maximum(blk_hi - blk_lo, 0)
-  if k_splits > 1:
-    per = (n_blk + k_splits - 1) // k_splits
-    b0 = blk_lo + sp * per
-    b1 = jnp.minimum(b0 + per, blk_hi)
-  else:
-    b0, b1 = blk_lo, blk_hi
-
-  scale = sm_scale * k_scale
-  precision = lax.Precision.HIGHEST if compute_dtype == jnp.float32 else None
-  # The PV product's operand dtype: fp16 when asked for (pv_fp16) or when the V pages are fp16
-  # already (bf16 models' caches, layout.value_cache_dtype): P then keeps 11 significant
-  # bits in one dot, with no conversion of V.
-  if compute_dtype == jnp.float32:
-    pv_dtype = jnp.float32
-  elif pv_fp16 or v_ref.dtype == jnp.float16:
-    pv_dtype = jnp.float16
-  else:
-    pv_dtype = compute_dtype
-  pv_two_parts = pv_split and not pv_fp16 and pv_dtype != jnp.float32
-  k_is_compute = k_ref.dtype == compute_dtype
-  v_is_fp8 = v_ref.dtype.itemsize == 1
-
-  def body(b, carry, masked):
-    acc, m_prev, l_prev = carry
-    kv = b * block_k + jnp.arange(block_k, dtype=jnp.int32)      # absolute KV positions
-    page = bt_ref[seq * P + jnp.minimum(kv // bs, P - 1)]
-    rows = (head_base + page) * bs + kv % bs
-    k = k_ref[rows]                                               # [block_k, D]
-    if not k_is_compute:
-      k = k.astype(compute_dtype)
-    if masked:
-      # V rows past kv_len may hold anything (NaN bit patterns too): load zeros there, since
-      # p == 0 would still give 0 * NaN = NaN in the PV product.
-      # (fp8: the Triton lowering cannot make an fp8 `other`, so zero after the upcast.)
-      kv_ok = kv < kv_len
-      if v_is_fp8:
-        v = jnp.where(kv_ok[:, None], v_ref[rows].astype(compute_dtype), 0)
-      else:
-        v = plt.load(v_ref.at[row_index(rows, D)],
-                     mask=jnp.broadcast_to(kv_ok[:, None], (block_k, D)), other=0.0)
-    else:
-      v = v_ref[rows]
-    s = jnp.dot(q, k.T, preferred_element_type=jnp.float32, precision=precision)
-    if soft_cap is not None:
-      s = jnp.tanh(s * (scale / soft_cap)) * (soft_cap * LOG2E)
-    else:
-      s = s * (scale * LOG2E)
-    if masked:
-      mask = (kv[None, :] <= q_pos[:, None]) & kv_ok[None, :]
-      if sliding_window is not None:
-        mask &= kv[None, :] > (q_pos[:, None] - sliding_window)
-      s = jnp.where(mask, s, MASK_VALUE)
-    m_new = jnp.maximum(m_prev, jnp.max(s, axis=1))
-    alpha = jnp.exp2(m_prev - m_new)
-    p = jnp.exp2(s - (m_new - P_LOG2_GAIN)[:, None])          # (softmax.P_LOG2_GAIN)
-    l_new = l_prev * alpha + jnp.sum(p, axis=1)
-    if v.dtype != pv_dtype:
-      # (fp16 has 11 significant bits, bf16 8: P's rounding error drops 8x in one dot. A bf16
-      # V is clamped first, so an outlier cannot become inf.)
-      v = quantize_kv(v, pv_dtype)
-    p_hi = p.astype(pv_dtype)
-    pv = jnp.dot(p_hi, v, preferred_element_type=jnp.float32, precision=precision)
-    if pv_two_parts:
-      # P = hi + lo in two 16-bit parts: the PV product keeps ~16 (bf16) or ~22 (fp16)
-      # mantissa bits of P (a bf16 P alone costs ~1e-3 relative error on averaged, cancelling
-      # V rows).
-      p_lo = (p - p_hi.astype(jnp.float32)).astype(pv_dtype)
-      pv += jnp.dot(p_lo, v, preferred_element_type=jnp.float32)
-    acc = acc * alpha[:, None] + pv
-    return acc, m_new, l_new
-
-  masked_body = functools.partial(body, masked=True)
-  carry = (jnp.zeros((M, D), jnp.float32), jnp.full((M,), MASK_VALUE, jnp.float32),
-           jnp.zeros((M,), jnp.float32))
-  if split_mask:
-    # Blocks [i0, i1) need no mask: every kv < pos0 + 1 <= kv_len is causal-visible to all
-    # rows (full_hi), and (window) every kv > last query position - window (full_lo).
-    # Padding rows of the tile (q = 0) see finite K/V there and are never stored.
-    full_hi = (pos0 + 1) // block_k
+    # KV range of the tile: causal end at its last query, sliding-window start at its first.
+    kv_hi = jnp.where(q_len > 0, jnp.minimum(kv_len, pos0 + q_len), 0)
     if sliding_window is not None:
-      x = pos0 + q_len - 1 - sliding_window
-      full_lo = jnp.where(x >= 0, jnp.maximum(x, 0) // block_k + 1, 0)
-      i0 = jnp.minimum(jnp.maximum(full_lo, b0), b1)
-      carry = lax.fori_loop(b0, i0, masked_body, carry)
+        kv_lo = jnp.maximum(pos0 - (sliding_window - 1), 0)
     else:
-      i0 = b0
-    i1 = jnp.minimum(jnp.maximum(full_hi, i0), b1)
-    carry = lax.fori_loop(i0, i1, functools.partial(body, masked=False), carry)
-    carry = lax.fori_loop(i1, b1, masked_body, carry)
-  else:
-    carry = lax.fori_loop(b0, b1, masked_body, carry)
-  acc, m_i, l_i = carry
+        kv_lo = 0
+    blk_lo = kv_lo // block_k
+    blk_hi = (kv_hi + block_k - 1) // block_k
+    n_blk = jnp.maximum(blk_hi - blk_lo, 0)
+    if k_splits > 1:
+        per = (n_blk + k_splits - 1) // k_splits
+        b0 = blk_lo + sp * per
+        b1 = jnp.minimum(b0 + per, blk_hi)
+    else:
+        b0, b1 = blk_lo, blk_hi
 
-  # Masked-out rows point past the end: never touched on the GPU, dropped in interpret mode
-  # (where a masked lane aliasing a live row could otherwise write back a stale value).
-  store_mask = jnp.broadcast_to(row_ok[:, None], (M, D))
-  if k_splits == 1:
-    (o_ref,) = out_refs
-    o = acc * (v_scale / jnp.where(l_i > 0, l_i, 1.0))[:, None]
-    out_rows = jnp.where(row_ok, q_rows, o_ref.shape[0])
-    plt.store(o_ref.at[row_index(out_rows, D)], o.astype(o_ref.dtype), mask=store_mask)
-  else:
-    o_ref, m_ref, l_ref = out_refs
-    part_rows = jnp.where(row_ok, sp * (T * Hq) + q_rows, o_ref.shape[0])
-    plt.store(o_ref.at[row_index(part_rows, D)], acc * v_scale, mask=store_mask)
-    plt.store(m_ref.at[part_rows], m_i, mask=row_ok)
-    plt.store(l_ref.at[part_rows], l_i, mask=row_ok)
+    scale = sm_scale * k_scale
+    precision = lax.Precision.HIGHEST if compute_dtype == jnp.float32 else None
+    # The PV product's operand dtype: fp16 when asked for (pv_fp16) or when the V pages are fp16
+    # already (bf16 models' caches, layout.value_cache_dtype): P then keeps 11 significant
+    # bits in one dot, with no conversion of V.
+    if compute_dtype == jnp.float32:
+        pv_dtype = jnp.float32
+    elif pv_fp16 or v_ref.dtype == jnp.float16:
+        pv_dtype = jnp.float16
+    else:
+        pv_dtype = compute_dtype
+    pv_two_parts = pv_split and not pv_fp16 and pv_dtype != jnp.float32
+    k_is_compute = k_ref.dtype == compute_dtype
+    v_is_fp8 = v_ref.dtype.itemsize == 1
+
+    def body(b, carry, masked):
+        acc, m_prev, l_prev = carry
+        kv = b * block_k + jnp.arange(block_k, dtype=jnp.int32)  # absolute KV positions
+        page = bt_ref[seq * P + jnp.minimum(kv // bs, P - 1)]
+        rows = (head_base + page) * bs + kv % bs
+        k = k_ref[rows]  # [block_k, D]
+        if not k_is_compute:
+            k = k.astype(compute_dtype)
+        if masked:
+            # V rows past kv_len may hold anything (NaN bit patterns too): load zeros there, since
+            # p == 0 would still give 0 * NaN = NaN in the PV product.
+            # (fp8: the Triton lowering cannot make an fp8 `other`, so zero after the upcast.)
+            kv_ok = kv < kv_len
+            if v_is_fp8:
+                v = jnp.where(kv_ok[:, None], v_ref[rows].astype(compute_dtype), 0)
+            else:
+                v = plt.load(
+                    v_ref.at[row_index(rows, D)],
+                    mask=jnp.broadcast_to(kv_ok[:, None], (block_k, D)),
+                    other=0.0,
+                )
+        else:
+            v = v_ref[rows]
+        s = jnp.dot(q, k.T, preferred_element_type=jnp.float32, precision=precision)
+        if soft_cap is not None:
+            s = jnp.tanh(s * (scale / soft_cap)) * (soft_cap * LOG2E)
+        else:
+            s = s * (scale * LOG2E)
+        if masked:
+            mask = (kv[None, :] <= q_pos[:, None]) & kv_ok[None, :]
+            if sliding_window is not None:
+                mask &= kv[None, :] > (q_pos[:, None] - sliding_window)
+            s = jnp.where(mask, s, MASK_VALUE)
+        m_new = jnp.maximum(m_prev, jnp.max(s, axis=1))
+        alpha = jnp.exp2(m_prev - m_new)
+        p = jnp.exp2(s - (m_new - P_LOG2_GAIN)[:, None])  # (softmax.P_LOG2_GAIN)
+        l_new = l_prev * alpha + jnp.sum(p, axis=1)
+        if v.dtype != pv_dtype:
+            # (fp16 has 11 significant bits, bf16 8: P's rounding error drops 8x in one dot. A bf16
+            # V is clamped first, so an outlier cannot become inf.)
+            v = quantize_kv(v, pv_dtype)
+        p_hi = p.astype(pv_dtype)
+        pv = jnp.dot(p_hi, v, preferred_element_type=jnp.float32, precision=precision)
+        if pv_two_parts:
+            # P = hi + lo in two 16-bit parts: the PV product keeps ~16 (bf16) or ~22 (fp16)
+            # mantissa bits of P (a bf16 P alone costs ~1e-3 relative error on averaged, cancelling
+            # V rows).
+            p_lo = (p - p_hi.astype(jnp.float32)).astype(pv_dtype)
+            pv += jnp.dot(p_lo, v, preferred_element_type=jnp.float32)
+        acc = acc * alpha[:, None] + pv
+        return acc, m_new, l_new
+
+    masked_body = functools.partial(body, masked=True)
+    carry = (
+        jnp.zeros((M, D), jnp.float32),
+        jnp.full((M,), MASK_VALUE, jnp.float32),
+        jnp.zeros((M,), jnp.float32),
+    )
+    if split_mask:
+        # Blocks [i0, i1) need no mask: every kv < pos0 + 1 <= kv_len is causal-visible to all
+        # rows (full_hi), and (window) every kv > last query position - window (full_lo).
+        # Padding rows of the tile (q = 0) see finite K/V there and are never stored.
+        full_hi = (pos0 + 1) // block_k
+        if sliding_window is not None:
+            x = pos0 + q_len - 1 - sliding_window
+            full_lo = jnp.where(x >= 0, jnp.maximum(x, 0) // block_k + 1, 0)
+            i0 = jnp.minimum(jnp.maximum(full_lo, b0), b1)
+            carry = lax.fori_loop(b0, i0, masked_body, carry)
+        else:
+            i0 = b0
+        i1 = jnp.minimum(jnp.maximum(full_hi, i0), b1)
+        carry = lax.fori_loop(i0, i1, functools.partial(body, masked=False), carry)
+        carry = lax.fori_loop(i1, b1, masked_body, carry)
+    else:
+        carry = lax.fori_loop(b0, b1, masked_body, carry)
+    acc, m_i, l_i = carry
+
+    # Masked-out rows point past the end: never touched on the GPU, dropped in interpret mode
+    # (where a masked lane aliasing a live row could otherwise write back a stale value).
+    store_mask = jnp.broadcast_to(row_ok[:, None], (M, D))
+    if k_splits == 1:
+        (o_ref,) = out_refs
+        o = acc * (v_scale / jnp.where(l_i > 0, l_i, 1.0))[:, None]
+        out_rows = jnp.where(row_ok, q_rows, o_ref.shape[0])
+        plt.store(o_ref.at[row_index(out_rows, D)], o.astype(o_ref.dtype), mask=store_mask)
+    else:
+        o_ref, m_ref, l_ref = out_refs
+        part_rows = jnp.where(row_ok, sp * (T * Hq) + q_rows, o_ref.shape[0])
+        plt.store(o_ref.at[row_index(part_rows, D)], acc * v_scale, mask=store_mask)
+        plt.store(m_ref.at[part_rows], m_i, mask=row_ok)
+        plt.store(l_ref.at[part_rows], l_i, mask=row_ok)
 
 
-def triton_attention(q, k_cache, v_cache, md: AttentionMetadata, bt_flat, kv_base, tun, meta,
-                     num_tiles: int, *, sm_scale, sliding_window=None, soft_cap=None,
-                     k_scale=None, v_scale=None, interpret=False, out_in=None):
-  """One launch of the kernel over the tiles of `meta` ([num_tiles, 8], `tiles.py`) with the
-  static choices of `tun` (a `Tuning`). q [T, Hq, D]; caches [L, Hkv, NB, bs, D]; bt_flat
-  [S * P] int32 block tables; kv_base [1] (`flat_cache.layer_base`).
+def triton_attention(
+    q,
+    k_cache,
+    v_cache,
+    md: AttentionMetadata,
+    bt_flat,
+    kv_base,
+    tun,
+    meta,
+    num_tiles: int,
+    *,
+    sm_scale,
+    sliding_window=None,
+    soft_cap=None,
+    k_scale=None,
+    v_scale=None,
+    interpret=False,
+    out_in=None,
+):
+    """One launch of the kernel over the tiles of `meta` ([num_tiles, 8], `tiles.py`) with the
+    static choices of `tun` (a `Tuning`). q [T, Hq, D]; caches [L, Hkv, NB, bs, D]; bt_flat
+    [S * P] int32 block tables; kv_base [1] (`flat_cache.layer_base`).
 
-  Returns a list: k_splits == 1, [out [T * Hq, D]] (rows of no tile unwritten, or, with
-  `out_in` [T * Hq, D], kept from it: the launch writes into that buffer in place); else the
-  partials [acc [k * T * Hq, D], m, l [k * T * Hq]] (fp32) for `merge_splits`.
-  """
-  T, Hq, D = q.shape
-  L, Hkv, NB, bs, _ = k_cache.shape
-  P = md.block_tables.shape[1]
-  G = Hq // Hkv
-  kernel = functools.partial(
-      _rpa_kernel, T=T, Hq=Hq, Hkv=Hkv, G=G, G_pad=next_pow2(G), NB=NB, bs=bs, P=P,
-      block_q=tun.block_q, block_k=tun.block_k, k_splits=tun.k_splits,
-      sm_scale=float(sm_scale),
-      sliding_window=None if sliding_window is None else int(sliding_window),
-      soft_cap=None if soft_cap is None else float(soft_cap),
-      compute_dtype=jnp.float32 if q.dtype == jnp.float32 else q.dtype,
-      pv_split=bool(tun.pv_split), split_mask=bool(tun.split_mask),
-      reverse_tiles=bool(tun.reverse_tiles), pv_fp16=bool(tun.pv_fp16), num_tiles=num_tiles,
-      has_out_in=out_in is not None)
-  if tun.k_splits == 1:
-    out_shape = [jax.ShapeDtypeStruct((T * Hq, D), q.dtype)]
-  else:
-    n = tun.k_splits * T * Hq
-    out_shape = [jax.ShapeDtypeStruct((n, D), jnp.float32),
-                 jax.ShapeDtypeStruct((n,), jnp.float32),
-                 jax.ShapeDtypeStruct((n,), jnp.float32)]
-  rows = L * Hkv * NB * bs
-  args = (meta, bt_flat, kv_base, kv_scales(k_scale, v_scale), q.reshape(T * Hq, D),
-          k_cache.reshape(rows, D), v_cache.reshape(rows, D))
-  if out_in is not None:
-    args += (out_in,)
-  return pl.pallas_call(
-      kernel,
-      grid=(Hkv, num_tiles, tun.k_splits),
-      out_shape=out_shape,
-      input_output_aliases={7: 0} if out_in is not None else {},
-      compiler_params=plt.CompilerParams(num_warps=tun.num_warps, num_stages=tun.num_stages),
-      interpret=interpret,
-      name=f"ragged_paged_attention_q{tun.block_q}_k{tun.block_k}_s{tun.k_splits}",
-  )(*args)
+    Returns a list: k_splits == 1, [out [T * Hq, D]] (rows of no tile unwritten, or, with
+    `out_in` [T * Hq, D], kept from it: the launch writes into that buffer in place); else the
+    partials [acc [k * T * Hq, D], m, l [k * T * Hq]] (fp32) for `merge_splits`.
+    """
+    T, Hq, D = q.shape
+    L, Hkv, NB, bs, _ = k_cache.shape
+    P = md.block_tables.shape[1]
+    G = Hq // Hkv
+    kernel = functools.partial(
+        _rpa_kernel,
+        T=T,
+        Hq=Hq,
+        Hkv=Hkv,
+        G=G,
+        G_pad=next_pow2(G),
+        NB=NB,
+        bs=bs,
+        P=P,
+        block_q=tun.block_q,
+        block_k=tun.block_k,
+        k_splits=tun.k_splits,
+        sm_scale=float(sm_scale),
+        sliding_window=None if sliding_window is None else int(sliding_window),
+        soft_cap=None if soft_cap is None else float(soft_cap),
+        compute_dtype=jnp.float32 if q.dtype == jnp.float32 else q.dtype,
+        pv_split=bool(tun.pv_split),
+        split_mask=bool(tun.split_mask),
+        reverse_tiles=bool(tun.reverse_tiles),
+        pv_fp16=bool(tun.pv_fp16),
+        num_tiles=num_tiles,
+        has_out_in=out_in is not None,
+    )
+    if tun.k_splits == 1:
+        out_shape = [jax.ShapeDtypeStruct((T * Hq, D), q.dtype)]
+    else:
+        n = tun.k_splits * T * Hq
+        out_shape = [
+            jax.ShapeDtypeStruct((n, D), jnp.float32),
+            jax.ShapeDtypeStruct((n,), jnp.float32),
+            jax.ShapeDtypeStruct((n,), jnp.float32),
+        ]
+    rows = L * Hkv * NB * bs
+    args = (
+        meta,
+        bt_flat,
+        kv_base,
+        kv_scales(k_scale, v_scale),
+        q.reshape(T * Hq, D),
+        k_cache.reshape(rows, D),
+        v_cache.reshape(rows, D),
+    )
+    if out_in is not None:
+        args += (out_in,)
+    return pl.pallas_call(
+        kernel,
+        grid=(Hkv, num_tiles, tun.k_splits),
+        out_shape=out_shape,
+        input_output_aliases={7: 0} if out_in is not None else {},
+        compiler_params=plt.CompilerParams(num_warps=tun.num_warps, num_stages=tun.num_stages),
+        interpret=interpret,
+        name=f"ragged_paged_attention_q{tun.block_q}_k{tun.block_k}_s{tun.k_splits}",
+    )(*args)
 
 
 def merge_splits(acc, m, l, dtype, interpret=False, rows=None):
-  """Split-K partials -> output rows: acc [k, R, D] (un-normalised), m and l [k, R] (running
-  max and sum, exp2 domain; an empty split has m = MASK_VALUE, l = 0) -> [R, D] in dtype.
+    """Split-K partials -> output rows: acc [k, R, D] (un-normalised), m and l [k, R] (running
+    max and sum, exp2 domain; an empty split has m = MASK_VALUE, l = 0) -> [R, D] in dtype.
 
-  One small Pallas kernel: as jnp, XLA took 2-4 kernels a call for it (H200, decode B=1 ctx
-  8192: 4.6 us a layer beside an 11.5 us attention kernel, as a max-then-weighted-sum or as
-  one variadic reduction). `rows` per program: by default 1 on the GPU, where a program per
-  (row, 32 columns) in one warp has each thread load its k values at once (the merge is
-  latency-bound: a program per 32 rows took 13.6 us at B=1, this 1.65 us); in interpret mode
-  the largest power of two dividing R up to 256, with whole rows (interpret mode runs the
-  programs one by one, each copying the buffers, so many small ones cost seconds)."""
-  k, R, D = acc.shape
-  if rows is None:
-    rows = math.gcd(R, 256) if interpret else 1
-  cols = 32 if rows == 1 and D % 32 == 0 else D
-  return pl.pallas_call(
-      functools.partial(_merge_kernel, k=k),
-      grid=(R // rows, D // cols),
-      in_specs=[pl.BlockSpec((k, rows, cols), lambda i, j: (0, i, j)),
-                pl.BlockSpec((k, rows), lambda i, j: (0, i)),
-                pl.BlockSpec((k, rows), lambda i, j: (0, i))],
-      out_specs=pl.BlockSpec((rows, cols), lambda i, j: (i, j)),
-      out_shape=jax.ShapeDtypeStruct((R, D), dtype),
-      compiler_params=plt.CompilerParams(num_warps=1 if rows == 1 else 4, num_stages=1),
-      interpret=interpret,
-      name="merge_splits",
-  )(acc, m, l)
+    One small Pallas kernel: as jnp, XLA took 2-4 kernels a call for it (H200, decode B=1 ctx
+    8192: 4.6 us a layer beside an 11.5 us attention kernel, as a max-then-weighted-sum or as
+    one variadic reduction). `rows` per program: by default 1 on the GPU, where a program per
+    (row, 32 columns) in one warp has each thread load its k values at once (the merge is
+    latency-bound: a program per 32 rows took 13.6 us at B=1, this 1.65 us); in interpret mode
+    the largest power of two dividing R up to 256, with whole rows (interpret mode runs the
+    programs one by one, each copying the buffers, so many small ones cost seconds)."""
+    k, R, D = acc.shape
+    if rows is None:
+        rows = math.gcd(R, 256) if interpret else 1
+    cols = 32 if rows == 1 and D % 32 == 0 else D
+    return pl.pallas_call(
+        functools.partial(_merge_kernel, k=k),
+        grid=(R // rows, D // cols),
+        in_specs=[
+            pl.BlockSpec((k, rows, cols), lambda i, j: (0, i, j)),
+            pl.BlockSpec((k, rows), lambda i, j: (0, i)),
+            pl.BlockSpec((k, rows), lambda i, j: (0, i)),
+        ],
+        out_specs=pl.BlockSpec((rows, cols), lambda i, j: (i, j)),
+        out_shape=jax.ShapeDtypeStruct((R, D), dtype),
+        compiler_params=plt.CompilerParams(num_warps=1 if rows == 1 else 4, num_stages=1),
+        interpret=interpret,
+        name="merge_splits",
+    )(acc, m, l)
 
 
 def _merge_kernel(acc_ref, m_ref, l_ref, o_ref, *, k):
-  m = m_ref[0, :]
-  l = l_ref[0, :]
-  acc = acc_ref[0, :, :]
-  for s in range(1, k):       # the online-softmax merge, split by split (k is small)
-    m_s = m_ref[s, :]
-    m_new = jnp.maximum(m, m_s)
-    a, b = jnp.exp2(m - m_new), jnp.exp2(m_s - m_new)
-    l = l * a + l_ref[s, :] * b
-    acc = acc * a[:, None] + acc_ref[s, :, :] * b[:, None]
-    m = m_new
-  o_ref[...] = (acc / jnp.where(l > 0, l, 1.0)[:, None]).astype(o_ref.dtype)
+    m = m_ref[0, :]
+    l = l_ref[0, :]
+    acc = acc_ref[0, :, :]
+    for s in range(1, k):  # the online-softmax merge, split by split (k is small)
+        m_s = m_ref[s, :]
+        m_new = jnp.maximum(m, m_s)
+        a, b = jnp.exp2(m - m_new), jnp.exp2(m_s - m_new)
+        l = l * a + l_ref[s, :] * b
+        acc = acc * a[:, None] + acc_ref[s, :, :] * b[:, None]
+        m = m_new
+    o_ref[...] = (acc / jnp.where(l > 0, l, 1.0)[:, None]).astype(o_ref.dtype)

@@ -8,24 +8,31 @@ program must not touch are pointed past the end of the ref: a masked lane is nev
 the GPU, and its write is dropped in interpret mode (where a masked lane aliasing a live row
 could otherwise write back a stale value).
 """
+
 from __future__ import annotations
 
 import jax.numpy as jnp
 
 
 def layer_base(layer, num_kv_heads: int):
-  """[1] int32 = layer * Hkv: the first (layer, head) page group of `layer` (may be traced)."""
-  return (jnp.asarray(layer, jnp.int32) * num_kv_heads).reshape(1)
+    """[1] int32 = layer * Hkv: the first (layer, head) page group of `layer` (may be traced)."""
+    return (jnp.asarray(layer, jnp.int32) * num_kv_heads).reshape(1)
 
 
 def kv_scales(k_scale, v_scale):
-  """[2] fp32 = (k_scale, v_scale), the per-tensor scales of fp8 caches; 1.0 where None."""
-  return jnp.stack([jnp.asarray(1.0 if k_scale is None else k_scale, jnp.float32).reshape(()),
-                    jnp.asarray(1.0 if v_scale is None else v_scale, jnp.float32).reshape(())])
+    """[2] fp32 = (k_scale, v_scale), the per-tensor scales of fp8 caches; 1.0 where None."""
+    return jnp.stack(
+        [
+            jnp.asarray(1.0 if k_scale is None else k_scale, jnp.float32).reshape(()),
+            jnp.asarray(1.0 if v_scale is None else v_scale, jnp.float32).reshape(()),
+        ]
+    )
 
 
 def row_index(rows, D):
-  """(row, col) index arrays [n, D] selecting whole rows of a 2-D ref (gather / scatter)."""
-  n = rows.shape[0]
-  return (jnp.broadcast_to(rows[:, None], (n, D)),
-          jnp.broadcast_to(jnp.arange(D, dtype=jnp.int32)[None, :], (n, D)))
+    """(row, col) index arrays [n, D] selecting whole rows of a 2-D ref (gather / scatter)."""
+    n = rows.shape[0]
+    return (
+        jnp.broadcast_to(rows[:, None], (n, D)),
+        jnp.broadcast_to(jnp.arange(D, dtype=jnp.int32)[None, :], (n, D)),
+    )

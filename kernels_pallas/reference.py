@@ -6,6 +6,7 @@ block-table row and attends over them with a position mask. Tokens are processed
 (`lax.map(..., batch_size=...)`) so a long prefill chunk does not materialise T copies of the
 context at once. What a cache stores (page dtypes, clamping, fp8 scales) is `layout.py`'s.
 """
+
 from __future__ import annotations
 
 import jax.numpy as jnp
@@ -17,58 +18,76 @@ from kernels_pallas.metadata import AttentionMetadata, token_to_seq
 _HI = lax.Precision.HIGHEST
 
 
-def ref_write_kv(k_cache, v_cache, layer, k, v, slot_mapping, *, k_scale=None, v_scale=None,
-                 **unused):
-  """cache[layer, h, slot // bs, slot % bs] = k[t, h] for every token t with slot >= 0."""
-  _, _, num_blocks, bs, _ = k_cache.shape
-  valid = slot_mapping >= 0
-  blk = jnp.where(valid, slot_mapping // bs, num_blocks)  # out of range -> dropped
-  off = jnp.where(valid, slot_mapping % bs, 0)
-  # advanced indices (layer, blk, off) split by a slice: the indexed shape is [T, Hkv, D]
-  k_cache = k_cache.at[layer, :, blk, off].set(quantize_kv(k, k_cache.dtype, k_scale), mode="drop")
-  v_cache = v_cache.at[layer, :, blk, off].set(quantize_kv(v, v_cache.dtype, v_scale), mode="drop")
-  return k_cache, v_cache
+def ref_write_kv(
+    k_cache, v_cache, layer, k, v, slot_mapping, *, k_scale=None, v_scale=None, **unused
+):
+    """cache[layer, h, slot // bs, slot % bs] = k[t, h] for every token t with slot >= 0."""
+    _, _, num_blocks, bs, _ = k_cache.shape
+    valid = slot_mapping >= 0
+    blk = jnp.where(valid, slot_mapping // bs, num_blocks)  # out of range -> dropped
+    off = jnp.where(valid, slot_mapping % bs, 0)
+    # advanced indices (layer, blk, off) split by a slice: the indexed shape is [T, Hkv, D]
+    k_cache = k_cache.at[layer, :, blk, off].set(
+        quantize_kv(k, k_cache.dtype, k_scale), mode="drop"
+    )
+    v_cache = v_cache.at[layer, :, blk, off].set(
+        quantize_kv(v, v_cache.dtype, v_scale), mode="drop"
+    )
+    return k_cache, v_cache
 
 
-def ref_ragged_paged_attention(q, k_cache, v_cache, layer, md: AttentionMetadata, *, sm_scale,
-                               sliding_window=None, soft_cap=None, k_scale=None, v_scale=None,
-                               interpret=False, max_batch_elems=1 << 24, **unused):
-  """Causal GQA attention of every query token over its sequence's paged KV. -> [T, Hq, D]."""
-  del interpret
-  T, Hq, D = q.shape
-  _, Hkv, _, bs, _ = k_cache.shape
-  G = Hq // Hkv
-  S, P = md.block_tables.shape
-  seq, pos, valid = token_to_seq(md, T)
-  kv_pos = jnp.arange(P * bs, dtype=jnp.int32)
-  ks = 1.0 if k_scale is None else jnp.asarray(k_scale, jnp.float32)
-  vs = 1.0 if v_scale is None else jnp.asarray(v_scale, jnp.float32)
+def ref_ragged_paged_attention(
+    q,
+    k_cache,
+    v_cache,
+    layer,
+    md: AttentionMetadata,
+    *,
+    sm_scale,
+    sliding_window=None,
+    soft_cap=None,
+    k_scale=None,
+    v_scale=None,
+    interpret=False,
+    max_batch_elems=1 << 24,
+    **unused,
+):
+    """Causal GQA attention of every query token over its sequence's paged KV. -> [T, Hq, D]."""
+    del interpret
+    T, Hq, D = q.shape
+    _, Hkv, _, bs, _ = k_cache.shape
+    G = Hq // Hkv
+    S, P = md.block_tables.shape
+    seq, pos, valid = token_to_seq(md, T)
+    kv_pos = jnp.arange(P * bs, dtype=jnp.int32)
+    ks = 1.0 if k_scale is None else jnp.asarray(k_scale, jnp.float32)
+    vs = 1.0 if v_scale is None else jnp.asarray(v_scale, jnp.float32)
 
-  def attend(args):
-    q_t, s, p, ok = args                                  # [Hq, D], (), (), ()
-    pages = md.block_tables[s]                            # [P]
-    # One gather straight from the whole cache: slicing out the layer first would copy it.
-    k = k_cache[layer, :, pages].swapaxes(0, 1).reshape(Hkv, P * bs, D).astype(jnp.float32) * ks
-    v = v_cache[layer, :, pages].swapaxes(0, 1).reshape(Hkv, P * bs, D).astype(jnp.float32) * vs
-    qg = q_t.reshape(Hkv, G, D).astype(jnp.float32)
-    logits = jnp.einsum("hgd,hkd->hgk", qg, k, precision=_HI) * sm_scale
-    if soft_cap is not None:
-      logits = soft_cap * jnp.tanh(logits / soft_cap)
-    in_seq = kv_pos < md.seq_lens[s]
-    v = jnp.where(in_seq[None, :, None], v, 0.0)  # slots past the length may hold garbage
-    mask = (kv_pos <= p) & in_seq
-    if sliding_window is not None:
-      mask &= kv_pos > p - sliding_window
-    mask &= ok
-    logits = jnp.where(mask, logits, -jnp.inf)
-    m = jnp.max(logits, axis=-1, keepdims=True)
-    e = jnp.where(mask, jnp.exp(logits - jnp.where(jnp.isfinite(m), m, 0.0)), 0.0)
-    denom = jnp.sum(e, axis=-1, keepdims=True)
-    o = jnp.einsum("hgk,hkd->hgd", e, v, precision=_HI) / jnp.where(denom > 0, denom, 1.0)
-    return o.reshape(Hq, D)
+    def attend(args):
+        q_t, s, p, ok = args  # [Hq, D], (), (), ()
+        pages = md.block_tables[s]  # [P]
+        # One gather straight from the whole cache: slicing out the layer first would copy it.
+        k = k_cache[layer, :, pages].swapaxes(0, 1).reshape(Hkv, P * bs, D).astype(jnp.float32) * ks
+        v = v_cache[layer, :, pages].swapaxes(0, 1).reshape(Hkv, P * bs, D).astype(jnp.float32) * vs
+        qg = q_t.reshape(Hkv, G, D).astype(jnp.float32)
+        logits = jnp.einsum("hgd,hkd->hgk", qg, k, precision=_HI) * sm_scale
+        if soft_cap is not None:
+            logits = soft_cap * jnp.tanh(logits / soft_cap)
+        in_seq = kv_pos < md.seq_lens[s]
+        v = jnp.where(in_seq[None, :, None], v, 0.0)  # slots past the length may hold garbage
+        mask = (kv_pos <= p) & in_seq
+        if sliding_window is not None:
+            mask &= kv_pos > p - sliding_window
+        mask &= ok
+        logits = jnp.where(mask, logits, -jnp.inf)
+        m = jnp.max(logits, axis=-1, keepdims=True)
+        e = jnp.where(mask, jnp.exp(logits - jnp.where(jnp.isfinite(m), m, 0.0)), 0.0)
+        denom = jnp.sum(e, axis=-1, keepdims=True)
+        o = jnp.einsum("hgk,hkd->hgd", e, v, precision=_HI) / jnp.where(denom > 0, denom, 1.0)
+        return o.reshape(Hq, D)
 
-  per_token = Hkv * P * bs * D
-  batch = int(max(1, min(T, max_batch_elems // max(per_token, 1))))
-  out = lax.map(attend, (q, seq, pos, valid), batch_size=batch)
-  out = jnp.where(valid[:, None, None], out, 0.0)
-  return out.astype(q.dtype)
+    per_token = Hkv * P * bs * D
+    batch = int(max(1, min(T, max_batch_elems // max(per_token, 1))))
+    out = lax.map(attend, (q, seq, pos, valid), batch_size=batch)
+    out = jnp.where(valid[:, None, None], out, 0.0)
+    return out.astype(q.dtype)

@@ -3,6 +3,7 @@ Mosaic decode), and so do their split-K merges (`attention.merge_splits`,
 `attention_mgpu_decode.combine_splits`): one definition, so a partial written by one piece of
 code means the same to the code that merges it.
 """
+
 from __future__ import annotations
 
 # Logits are scaled by log2(e) once and the softmax runs in exp2 (one instruction on a GPU).

@@ -4,6 +4,7 @@ The event loop side (generate, abort, reset_prefix_cache) only validates and pos
 engine thread alone touches the core: it takes the messages between steps, runs steps while
 there is work, and hands each output to the event loop of the request it belongs to.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -38,7 +39,7 @@ class AsyncEngine:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
-        self._posted = 0            # adds posted to the inbox and not yet taken by the loop
+        self._posted = 0  # adds posted to the inbox and not yet taken by the loop
         self._posted_lock = threading.Lock()
         self.error: BaseException | None = None
 
@@ -51,7 +52,7 @@ class AsyncEngine:
         return self.core.info
 
     def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
-        self.core.validate(prompt_token_ids, params)     # static limits only: safe off-thread
+        self.core.validate(prompt_token_ids, params)  # static limits only: safe off-thread
 
     def stats(self) -> dict:
         # No lock: plain reads of counters between steps; a scrape must not wait for a step.
@@ -71,14 +72,15 @@ class AsyncEngine:
         if self._thread is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 30)
 
-    def generate(self, request_id: str, prompt: str | Sequence[int],
-                 params: SamplingParams) -> AsyncIterator[RequestOutput]:
+    def generate(
+        self, request_id: str, prompt: str | Sequence[int], params: SamplingParams
+    ) -> AsyncIterator[RequestOutput]:
         """Checks and admits at once (raising InvalidRequest, EngineOverloaded or EngineDead
         here, before any output), then returns the outputs' iterator. Call it from the event
         loop that will consume the outputs."""
         self._check_alive()
         text, ids = self.core.tokenize_prompt(prompt)
-        self.validate(ids, params)                    # bad input fails here, alone
+        self.validate(ids, params)  # bad input fails here, alone
         if request_id in self._streams:
             raise InvalidRequest(f"request id {request_id!r} is already in use")
         self._admit(params.n)
@@ -100,7 +102,7 @@ class AsyncEngine:
                     return
         finally:
             self._streams.pop(request_id, None)
-            if not finished:   # the consumer went away (disconnect, cancel): free its blocks
+            if not finished:  # the consumer went away (disconnect, cancel): free its blocks
                 self._inbox.put(("abort", request_id, None))
 
     async def abort(self, request_id: str) -> None:
@@ -125,8 +127,9 @@ class AsyncEngine:
         with self._posted_lock:
             waiting = len(self.core.scheduler.waiting) + self._posted
             if waiting >= bound:
-                raise EngineOverloaded(f"{waiting} requests are waiting (bound {bound}); "
-                                       "retry later")
+                raise EngineOverloaded(
+                    f"{waiting} requests are waiting (bound {bound}); retry later"
+                )
             self._posted += num_seqs
 
     # -- the engine thread ----------------------------------------------------------------------
@@ -149,7 +152,7 @@ class AsyncEngine:
             prompt, params = payload
             try:
                 self.core.add_request(rid, prompt, params)
-            except Exception as e:   # refused after all (an id reused while its abort is queued)
+            except Exception as e:  # refused after all (an id reused while its abort is queued)
                 self._deliver(rid, e)
             finally:
                 with self._posted_lock:

@@ -1,4 +1,5 @@
 """Scheduled requests -> one flat, bucket-padded ragged batch (host-side numpy)."""
+
 from __future__ import annotations
 
 import bisect
@@ -25,7 +26,7 @@ def seq_buckets(max_num_seqs: int, smallest: int = 4) -> list[int]:
     return _ladder(max_num_seqs, smallest, 4)
 
 
-MAX_TOKENS_PER_ROW = 128   # a bucket (T, S) with T > 128 S is left out unless S is the largest
+MAX_TOKENS_PER_ROW = 128  # a bucket (T, S) with T > 128 S is left out unless S is the largest
 
 
 def bucket_pairs(tb: list[int], sb: list[int]) -> list[tuple[int, int]]:
@@ -49,19 +50,25 @@ def pick(buckets: list[int], n: int) -> int:
 
 @dataclass
 class StepArrays:
-    tokens: np.ndarray           # [T]
-    positions: np.ndarray        # [T]
-    slot_mapping: np.ndarray     # [T]
-    block_tables: np.ndarray     # [S, P]
-    seq_lens: np.ndarray         # [S]
+    tokens: np.ndarray  # [T]
+    positions: np.ndarray  # [T]
+    slot_mapping: np.ndarray  # [T]
+    block_tables: np.ndarray  # [S, P]
+    seq_lens: np.ndarray  # [S]
     query_start_loc: np.ndarray  # [S+1]
-    num_seqs: np.ndarray         # [1]
-    logits_indices: np.ndarray   # [S]: the last token of each row
-    prev_index: np.ndarray       # [T]: row of the previous step whose sampled token goes here, or -1
+    num_seqs: np.ndarray  # [1]
+    logits_indices: np.ndarray  # [S]: the last token of each row
+    prev_index: np.ndarray  # [T]: row of the previous step whose sampled token goes here, or -1
 
 
-def build_step(out: SchedulerOutput, block_size: int, T: int, S: int, P: int,
-               prev_rows: dict[str, int] | None = None) -> StepArrays:
+def build_step(
+    out: SchedulerOutput,
+    block_size: int,
+    T: int,
+    S: int,
+    P: int,
+    prev_rows: dict[str, int] | None = None,
+) -> StepArrays:
     """Call right after `out` was scheduled. prev_rows: request id -> its row in the step still on
     the device, for requests whose last scheduled token is the sample of that step (not yet on
     the host: its id is taken on the device)."""
@@ -76,21 +83,21 @@ def build_step(out: SchedulerOutput, block_size: int, T: int, S: int, P: int,
     t = 0
     for row, req in enumerate(out.requests):
         n = out.num_scheduled_tokens[req.request_id]
-        end = req.num_computed_tokens             # schedule() already counted the n as computed
+        end = req.num_computed_tokens  # schedule() already counted the n as computed
         start = end - n
-        known = min(end, req.num_known_tokens)    # past it: the previous step's sample
+        known = min(end, req.num_known_tokens)  # past it: the previous step's sample
         blocks = req.block_array()
-        if n == 1:      # a decode row: no per-row numpy temporaries (most rows of a big batch)
+        if n == 1:  # a decode row: no per-row numpy temporaries (most rows of a big batch)
             if known > start:
                 tokens[t] = req.token_slice(start, known)[0]
             positions[t] = start
             slots[t] = blocks[start // block_size] * block_size + start % block_size
         else:
             pos = np.arange(start, end, dtype=np.int32)
-            tokens[t:t + known - start] = req.token_slice(start, known)
-            positions[t:t + n] = pos
-            slots[t:t + n] = blocks[pos // block_size] * block_size + pos % block_size
-        tables[row, :len(blocks)] = blocks
+            tokens[t : t + known - start] = req.token_slice(start, known)
+            positions[t : t + n] = pos
+            slots[t : t + n] = blocks[pos // block_size] * block_size + pos % block_size
+        tables[row, : len(blocks)] = blocks
         if known < end:
             assert known == end - 1, (req.request_id, known, end)
             prev_index[t + n - 1] = prev_rows[req.request_id]
@@ -98,6 +105,15 @@ def build_step(out: SchedulerOutput, block_size: int, T: int, S: int, P: int,
         t += n
         qsl[row + 1] = t
         logits_idx[row] = t - 1
-    qsl[len(out.requests) + 1:] = t
-    return StepArrays(tokens, positions, slots, tables, seq_lens, qsl,
-                      np.asarray([len(out.requests)], np.int32), logits_idx, prev_index)
+    qsl[len(out.requests) + 1 :] = t
+    return StepArrays(
+        tokens,
+        positions,
+        slots,
+        tables,
+        seq_lens,
+        qsl,
+        np.asarray([len(out.requests)], np.int32),
+        logits_idx,
+        prev_index,
+    )

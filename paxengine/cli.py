@@ -1,4 +1,5 @@
 """`paxengine` console script: serve | generate | bench serve | bench throughput."""
+
 from __future__ import annotations
 
 import argparse
@@ -17,6 +18,7 @@ commands:
 def _generate(argv: list[str]) -> int:
     from paxengine import LLM, SamplingParams
     from paxengine.config import EngineConfig, load_yaml
+
     ap = argparse.ArgumentParser(prog="paxengine generate")
     ap.add_argument("--prompt", action="append", required=True)
     ap.add_argument("--config")
@@ -49,14 +51,17 @@ def main(argv: list[str] | None = None) -> int:
     cmd, rest = argv[0], argv[1:]
     if cmd == "serve":
         from serving.cli import main as serve_main
+
         return serve_main(rest)
     if cmd == "generate":
         return _generate(rest)
     if cmd == "bench" and rest and rest[0] == "serve":
         from benchmarks.bench.serve import main as bench_serve
+
         return bench_serve(rest[1:])
     if cmd == "bench" and rest and rest[0] == "throughput":
         from benchmarks.bench.throughput import main as bench_throughput
+
         return bench_throughput(rest[1:])
     print(USAGE, file=sys.stderr)
     return 2

@@ -4,6 +4,7 @@
 a fake for tests) is interchangeable behind `serving/`. Errors are the types in
 `paxengine.errors`: `InvalidRequest` (400), `EngineOverloaded` (503, retry), `EngineDead` (503).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -14,20 +15,21 @@ from paxengine.outputs import RequestOutput
 from paxengine.sampling_params import SamplingParams
 from paxengine.validation import Limits
 
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"   # the embedded model's served name
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"  # the embedded model's served name
 
 
 @dataclass(frozen=True)
 class ModelInfo:
     """What an engine serves, fixed once it has started."""
-    name: str                            # the served model name (the `model` field of the API)
-    aliases: tuple[str, ...]             # other names a request may use for it (the model path)
+
+    name: str  # the served model name (the `model` field of the API)
+    aliases: tuple[str, ...]  # other names a request may use for it (the model path)
     max_model_len: int
     vocab_size: int
-    dtype: str                           # weights and activations
+    dtype: str  # weights and activations
     kv_cache_dtype: str
     kv_capacity_tokens: int
-    buckets: tuple[tuple[int, int], ...]   # compiled (tokens, sequences) step shapes
+    buckets: tuple[tuple[int, int], ...]  # compiled (tokens, sequences) step shapes
 
     @property
     def limits(self) -> Limits:
@@ -53,8 +55,9 @@ class EngineClient(Protocol):
     def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         """Raise InvalidRequest unless `generate` would accept this request."""
 
-    def generate(self, request_id: str, prompt: str | Sequence[int],
-                 params: SamplingParams) -> AsyncIterator[RequestOutput]:
+    def generate(
+        self, request_id: str, prompt: str | Sequence[int], params: SamplingParams
+    ) -> AsyncIterator[RequestOutput]:
         """Validate and admit the request at once (raising InvalidRequest, EngineOverloaded or
         EngineDead from this call), then return an iterator of cumulative outputs, the last
         with `finished`. `prompt` is token ids, or text for the engine's tokenizer. Closing the

@@ -1,4 +1,5 @@
 """Engine configuration: one dataclass, set from YAML and/or keyword overrides."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -10,30 +11,32 @@ import yaml
 
 @dataclass
 class EngineConfig:
-    model: str | None = None            # None: the embedded SmolLM2-135M-Instruct GGUF
-    tokenizer: str | None = None        # defaults to the model's own
-    dtype: str = "auto"                 # auto | float32 | bfloat16 (auto: bf16 on GPU, fp32 on CPU)
-    max_model_len: int | None = None    # None: min(model's max positions, 8192)
+    model: str | None = None  # None: the embedded SmolLM2-135M-Instruct GGUF
+    tokenizer: str | None = None  # defaults to the model's own
+    dtype: str = "auto"  # auto | float32 | bfloat16 (auto: bf16 on GPU, fp32 on CPU)
+    max_model_len: int | None = None  # None: min(model's max positions, 8192)
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     block_size: int = 16
-    num_kv_blocks: int | None = None    # explicit pool size; else from the memory budget
+    num_kv_blocks: int | None = None  # explicit pool size; else from the memory budget
     gpu_memory_utilization: float = 0.9
     kv_cache_memory_bytes: int | None = None  # byte budget for the KV pool (CPU default: 512 MiB)
     enable_prefix_caching: bool = True
     # auto (= model dtype) | float32 | bfloat16 | fp8; a bf16 cache keeps V pages in fp16
     kv_cache_dtype: str = "auto"
-    quantization: str | None = None     # None | fp8
-    attention_backend: str = "auto"     # auto (pallas on GPU, xla elsewhere) | xla | pallas | reference
-    layer_loop: str = "auto"            # auto (unroll on GPU, scan elsewhere) | unroll | scan
-    dispatch_thread: bool = False       # launch steps from a worker thread (see EngineCore.step)
+    quantization: str | None = None  # None | fp8
+    attention_backend: str = (
+        "auto"  # auto (pallas on GPU, xla elsewhere) | xla | pallas | reference
+    )
+    layer_loop: str = "auto"  # auto (unroll on GPU, scan elsewhere) | unroll | scan
+    dispatch_thread: bool = False  # launch steps from a worker thread (see EngineCore.step)
     seed: int = 0
     served_model_name: str | None = None
     compilation_cache_dir: str | None = None  # default ~/.cache/paxengine/jax
-    weights_cache_dir: str | None = None      # default ~/.cache/paxengine/weights
-    token_buckets: list[int] | None = None    # derived from max_num_batched_tokens when None
-    seq_buckets: list[int] | None = None      # derived from max_num_seqs when None
-    max_waiting_requests: int = 1024    # AsyncEngine refuses requests (503) while this many wait
+    weights_cache_dir: str | None = None  # default ~/.cache/paxengine/weights
+    token_buckets: list[int] | None = None  # derived from max_num_batched_tokens when None
+    seq_buckets: list[int] | None = None  # derived from max_num_seqs when None
+    max_waiting_requests: int = 1024  # AsyncEngine refuses requests (503) while this many wait
     show_progress: bool = True
 
     @classmethod

@@ -1,4 +1,5 @@
 """EngineCore: the synchronous engine (add_request, step, abort), used by LLM and AsyncEngine."""
+
 from __future__ import annotations
 
 import logging
@@ -20,8 +21,13 @@ from paxengine.models.weights import unstack_layers
 from paxengine.output import RequestGroup, SequenceOutput
 from paxengine.outputs import RequestOutput
 from paxengine.request import Request
-from paxengine.runner import (Runner, compile_count, enable_persistent_cache, plan_num_blocks,
-                              resolve_layer_loop)
+from paxengine.runner import (
+    Runner,
+    compile_count,
+    enable_persistent_cache,
+    plan_num_blocks,
+    resolve_layer_loop,
+)
 from paxengine.sampling import build_sampling_tensors
 from paxengine.sampling_params import SamplingParams
 from paxengine.scheduler import Scheduler, SchedulerOutput
@@ -29,21 +35,30 @@ from paxengine.validation import validate_request
 
 log = logging.getLogger("paxengine")
 
-_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16,
-           "fp8": jnp.float8_e4m3fn}
+_DTYPES = {
+    "float32": jnp.float32,
+    "bfloat16": jnp.bfloat16,
+    "float16": jnp.float16,
+    "fp8": jnp.float8_e4m3fn,
+}
 
 
 @dataclass
 class _InFlight:
     """A dispatched step whose samples the host has not read yet."""
-    result: object                  # the runner's device result (or a Future of it)
+
+    result: object  # the runner's device result (or a Future of it)
     out: SchedulerOutput
-    rows: dict[str, int]            # request id -> its sample's row, for the requests that sample
+    rows: dict[str, int]  # request id -> its sample's row, for the requests that sample
 
 
 class EngineCore:
     def __init__(self, config: EngineConfig | None = None, **overrides):
-        cfg = (config or EngineConfig()).replace(**overrides) if overrides else (config or EngineConfig())
+        cfg = (
+            (config or EngineConfig()).replace(**overrides)
+            if overrides
+            else (config or EngineConfig())
+        )
         self.config = cfg
         on_gpu = jax.default_backend() == "gpu"
         dtype = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if on_gpu else "float32")
@@ -54,75 +69,108 @@ class EngineCore:
         self.dtype = dtype
         enable_persistent_cache(cfg.compilation_cache_dir)
         t0 = time.perf_counter()
-        loaded = load_model(cfg.model, dtype, cache_dir=cfg.weights_cache_dir,
-                            progress=cfg.show_progress, seed=cfg.seed)
+        loaded = load_model(
+            cfg.model,
+            dtype,
+            cache_dir=cfg.weights_cache_dir,
+            progress=cfg.show_progress,
+            seed=cfg.seed,
+        )
         self.load_seconds = time.perf_counter() - t0
         self.model_config, self.tokenizer = loaded.config, loaded.tokenizer
         self.eos_token_ids = loaded.eos_token_ids
-        if cfg.tokenizer:   # an explicit tokenizer (e.g. for dummy weights) wins over the model's
+        if cfg.tokenizer:  # an explicit tokenizer (e.g. for dummy weights) wins over the model's
             from paxengine.tokenizer import Tokenizer
+
             self.tokenizer = Tokenizer.from_hf_dir(cfg.tokenizer, eos_token_ids=self.eos_token_ids)
             self.eos_token_ids = self.eos_token_ids or list(self.tokenizer.eos_token_ids)
         self.model_name = served_name(cfg)
-        self.max_model_len = min(cfg.max_model_len or min(loaded.config.max_position_embeddings, 8192),
-                                 loaded.config.max_position_embeddings)
+        self.max_model_len = min(
+            cfg.max_model_len or min(loaded.config.max_position_embeddings, 8192),
+            loaded.config.max_position_embeddings,
+        )
         kv_dtype_name = dtype if cfg.kv_cache_dtype == "auto" else cfg.kv_cache_dtype
         if kv_dtype_name not in _DTYPES:
-            raise ValueError(f"kv_cache_dtype must be auto, float32, bfloat16 or fp8, got "
-                             f"{cfg.kv_cache_dtype!r}")
+            raise ValueError(
+                f"kv_cache_dtype must be auto, float32, bfloat16 or fp8, got {cfg.kv_cache_dtype!r}"
+            )
         kv_dtype = _DTYPES[kv_dtype_name]
         max_tokens = cfg.max_num_batched_tokens
         if max_tokens < cfg.max_num_seqs:
-            raise ValueError(f"max_num_batched_tokens ({max_tokens}) must be >= max_num_seqs "
-                             f"({cfg.max_num_seqs})")
+            raise ValueError(
+                f"max_num_batched_tokens ({max_tokens}) must be >= max_num_seqs "
+                f"({cfg.max_num_seqs})"
+            )
         # Before sizing the KV pool: the per-layer split must not leave a stacked copy behind.
         params = loaded.params
         if resolve_layer_loop(cfg.layer_loop) == "unroll":
             params = unstack_layers(params)
-        num_blocks = plan_num_blocks(loaded.config, cfg.block_size, kv_dtype,
-                                     num_kv_blocks=cfg.num_kv_blocks,
-                                     kv_cache_memory_bytes=cfg.kv_cache_memory_bytes,
-                                     gpu_memory_utilization=cfg.gpu_memory_utilization)
+        num_blocks = plan_num_blocks(
+            loaded.config,
+            cfg.block_size,
+            kv_dtype,
+            num_kv_blocks=cfg.num_kv_blocks,
+            kv_cache_memory_bytes=cfg.kv_cache_memory_bytes,
+            gpu_memory_utilization=cfg.gpu_memory_utilization,
+        )
         self.kv = KVCacheManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         tb = cfg.token_buckets or token_buckets(max_tokens)
         sb = cfg.seq_buckets or seq_buckets(cfg.max_num_seqs)
-        self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, max_tokens, self.max_model_len, tb,
-                                   self.eos_token_ids)
-        self.runner = Runner(loaded.config, params, num_blocks=num_blocks,
-                             block_size=cfg.block_size, max_model_len=self.max_model_len,
-                             token_buckets=tb, seq_buckets=sb, kv_dtype=kv_dtype,
-                             attention_backend=cfg.attention_backend,
-                             show_progress=cfg.show_progress)
+        self.scheduler = Scheduler(
+            self.kv, cfg.max_num_seqs, max_tokens, self.max_model_len, tb, self.eos_token_ids
+        )
+        self.runner = Runner(
+            loaded.config,
+            params,
+            num_blocks=num_blocks,
+            block_size=cfg.block_size,
+            max_model_len=self.max_model_len,
+            token_buckets=tb,
+            seq_buckets=sb,
+            kv_dtype=kv_dtype,
+            attention_backend=cfg.attention_backend,
+            show_progress=cfg.show_progress,
+        )
         self.groups: dict[str, RequestGroup] = {}
         self.seq_of: dict[str, tuple[RequestGroup, SequenceOutput]] = {}
         self.rng = np.random.default_rng(cfg.seed)
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.steps = 0
-        self.overlapped_steps = 0       # steps dispatched before the previous one was read
+        self.overlapped_steps = 0  # steps dispatched before the previous one was read
         self.inflight: _InFlight | None = None
         # XLA:GPU launches a step's kernels on the calling thread (with the GIL released): from a
         # worker, that launch overlaps the host's reading and processing of the previous step.
-        self._dispatcher = (ThreadPoolExecutor(1, thread_name_prefix="paxengine-dispatch")
-                            if cfg.dispatch_thread else None)
+        self._dispatcher = (
+            ThreadPoolExecutor(1, thread_name_prefix="paxengine-dispatch")
+            if cfg.dispatch_thread
+            else None
+        )
         self.info = ModelInfo(
-            name=self.model_name, aliases=(str(cfg.model),) if cfg.model else (),
-            max_model_len=self.max_model_len, vocab_size=loaded.config.vocab_size, dtype=dtype,
-            kv_cache_dtype=kv_dtype_name, kv_capacity_tokens=num_blocks * cfg.block_size,
-            buckets=tuple(sorted(self.runner.compiled)))
+            name=self.model_name,
+            aliases=(str(cfg.model),) if cfg.model else (),
+            max_model_len=self.max_model_len,
+            vocab_size=loaded.config.vocab_size,
+            dtype=dtype,
+            kv_cache_dtype=kv_dtype_name,
+            kv_capacity_tokens=num_blocks * cfg.block_size,
+            buckets=tuple(sorted(self.runner.compiled)),
+        )
 
     # -- figures --------------------------------------------------------------------------------
     def stats(self) -> dict:
-        return {"num_requests_running": len(self.scheduler.running),
-                "num_requests_waiting": len(self.scheduler.waiting),
-                "kv_cache_usage_perc": self.kv.usage,
-                "prefix_cache_queries": self.kv.prefix_queries,
-                "prefix_cache_hits": self.kv.prefix_hits,
-                "num_preemptions": self.scheduler.num_preemptions,
-                "prompt_tokens": self.prompt_tokens_total,
-                "generation_tokens": self.generation_tokens_total,
-                "steps": self.steps,
-                "xla_compiles_after_warmup": compile_count() - self.runner.compiles_after_warmup}
+        return {
+            "num_requests_running": len(self.scheduler.running),
+            "num_requests_waiting": len(self.scheduler.waiting),
+            "kv_cache_usage_perc": self.kv.usage,
+            "prefix_cache_queries": self.kv.prefix_queries,
+            "prefix_cache_hits": self.kv.prefix_hits,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "prompt_tokens": self.prompt_tokens_total,
+            "generation_tokens": self.generation_tokens_total,
+            "steps": self.steps,
+            "xla_compiles_after_warmup": compile_count() - self.runner.compiles_after_warmup,
+        }
 
     # -- requests -------------------------------------------------------------------------------
     def tokenize_prompt(self, prompt) -> tuple[str | None, list[int]]:
@@ -132,20 +180,28 @@ class EngineCore:
             prompt = prompt.get("prompt")
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise InvalidRequest("this model has no tokenizer: pass prompt_token_ids",
-                                     param="prompt")
+                raise InvalidRequest(
+                    "this model has no tokenizer: pass prompt_token_ids", param="prompt"
+                )
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, (list, tuple)):
             return None, list(prompt)
-        raise InvalidRequest(f"a prompt is a string, a list of token ids or "
-                             f"{{'prompt_token_ids': [...]}}, got {type(prompt).__name__}",
-                             param="prompt")
+        raise InvalidRequest(
+            f"a prompt is a string, a list of token ids or "
+            f"{{'prompt_token_ids': [...]}}, got {type(prompt).__name__}",
+            param="prompt",
+        )
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         validate_request(prompt_token_ids, params, self.info.limits)
 
-    def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
-                    final_only: bool = False) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt,
+        params: SamplingParams | None = None,
+        final_only: bool = False,
+    ) -> None:
         """final_only: `step` returns this request's output once, when it finishes, instead of a
         cumulative snapshot every step (which costs O(tokens so far) each time)."""
         params = params or SamplingParams()
@@ -204,16 +260,19 @@ class EngineCore:
         if out:
             prev_rows = self.inflight.rows if self.inflight is not None else None
             T, S = self.runner.bucket_for(out.total_tokens, len(out.requests))
-            arrays = build_step(out, self.kv.block_size, T, S, self.runner.max_blocks_per_seq,
-                                prev_rows)
-            st = build_sampling_tensors(out.requests, S, self.runner.history_len,
-                                        self.eos_token_ids)
+            arrays = build_step(
+                out, self.kv.block_size, T, S, self.runner.max_blocks_per_seq, prev_rows
+            )
+            st = build_sampling_tensors(
+                out.requests, S, self.runner.history_len, self.eos_token_ids
+            )
             if self._dispatcher is not None:
                 result = self._dispatcher.submit(self.runner.execute, arrays, st)
             else:
                 result = self.runner.execute(arrays, st)
-            rows = {r.request_id: i for i, r in enumerate(out.requests)
-                    if r.request_id in out.sampling}
+            rows = {
+                r.request_id: i for i, r in enumerate(out.requests) if r.request_id in out.sampling
+            }
             dispatched = _InFlight(result, out, rows)
             self.steps += 1
         if self.inflight is not None:
@@ -223,13 +282,17 @@ class EngineCore:
         return outputs
 
     def _needs_sync(self) -> bool:
-        return any(r.params.presence_penalty or r.params.frequency_penalty
-                   or r.params.repetition_penalty != 1.0 for r in self.scheduler.running)
+        return any(
+            r.params.presence_penalty
+            or r.params.frequency_penalty
+            or r.params.repetition_penalty != 1.0
+            for r in self.scheduler.running
+        )
 
     def _finish_inflight(self) -> list[RequestOutput]:
         step, self.inflight = self.inflight, None
         result = step.result.result() if isinstance(step.result, Future) else step.result
-        tokens, lps, ranks, top_ids, top_lps = self.runner.fetch(result)   # the one sync
+        tokens, lps, ranks, top_ids, top_lps = self.runner.fetch(result)  # the one sync
         sampled = {rid: [int(tokens[i])] for rid, i in step.rows.items()}
         touched: dict[str, RequestGroup] = {}
         for req in self.scheduler.update_from_output(step.out, sampled):

@@ -1,4 +1,5 @@
 """The errors an engine client can raise: what a server maps to HTTP statuses, by type."""
+
 from __future__ import annotations
 
 

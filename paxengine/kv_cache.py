@@ -10,6 +10,7 @@ token ids and extra keys equal the request's, and it was computed right after th
 request matched one level up (the parent entry, by identity). So a collision of the key, found or
 crafted, costs a miss, never a wrong block, whatever the hash function.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -27,7 +28,7 @@ ROOT_HASH = hashlib.sha256(b"paxengine-prefix-cache-v1").digest()
 
 
 def token_bytes(tokens) -> bytes:
-    return np.asarray(tokens, "<i4").tobytes()    # fixed width and byte order: stable everywhere
+    return np.asarray(tokens, "<i4").tobytes()  # fixed width and byte order: stable everywhere
 
 
 def hash_block(parent: bytes, tokens: bytes, extra_keys: tuple = ()) -> bytes:
@@ -35,15 +36,19 @@ def hash_block(parent: bytes, tokens: bytes, extra_keys: tuple = ()) -> bytes:
     keys. Full blocks only: the token bytes have a fixed length, so the parts cannot run into
     each other. Extra keys are ints, strings or bytes (adapter ids, multimodal content hashes),
     whose repr, unlike hash(), is the same in every process."""
-    return hashlib.sha256(parent + tokens + (repr(extra_keys).encode() if extra_keys else b"")).digest()
+    return hashlib.sha256(
+        parent + tokens + (repr(extra_keys).encode() if extra_keys else b"")
+    ).digest()
 
 
 class _Entry:
     """A cached block: where it is, what it holds, and which cached block it was computed after."""
+
     __slots__ = ("block", "extra_keys", "hash", "parent", "tokens")
 
-    def __init__(self, block: int, block_hash: bytes, tokens: bytes, extra_keys: tuple,
-                 parent: _Entry | None):
+    def __init__(
+        self, block: int, block_hash: bytes, tokens: bytes, extra_keys: tuple, parent: _Entry | None
+    ):
         self.block, self.hash, self.tokens = block, block_hash, tokens
         self.extra_keys, self.parent = extra_keys, parent
 
@@ -53,7 +58,7 @@ class _Entry:
         return self.parent is parent and self.tokens == tokens and self.extra_keys == extra_keys
 
 
-_BROKEN = object()   # a request's chain can no longer be published (see cache_computed_blocks)
+_BROKEN = object()  # a request's chain can no longer be published (see cache_computed_blocks)
 
 
 class KVCacheManager:
@@ -64,14 +69,14 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_counts = [0] * num_blocks
-        self.entry_of: list[_Entry | None] = [None] * num_blocks   # block id -> its index entry
-        self.cached: dict[bytes, _Entry] = {}                      # block hash -> entry
+        self.entry_of: list[_Entry | None] = [None] * num_blocks  # block id -> its index entry
+        self.cached: dict[bytes, _Entry] = {}  # block hash -> entry
         # The last entry of each running request's published chain: the parent of its next block.
         self._tail: dict[str, _Entry | object | None] = {}
         # Free blocks in eviction order (oldest first); cached-but-free blocks are in here too.
         self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
-        self.prefix_queries = 0      # prompt tokens looked up
-        self.prefix_hits = 0         # prompt tokens found cached
+        self.prefix_queries = 0  # prompt tokens looked up
+        self.prefix_hits = 0  # prompt tokens found cached
 
     # -- figures --------------------------------------------------------------------------------
     @property
@@ -105,7 +110,7 @@ class KVCacheManager:
             parent = hashes[-1] if hashes else ROOT_HASH
             for i in range(start, num_full_blocks):
                 j = (i - start) * w
-                parent = hash_block(parent, buf[j:j + w], self._extra_keys(req, i))
+                parent = hash_block(parent, buf[j : j + w], self._extra_keys(req, i))
                 hashes.append(parent)
         return hashes
 
@@ -115,12 +120,12 @@ class KVCacheManager:
     def _unindex(self, e: _Entry) -> None:
         del self.cached[e.hash]
         self.entry_of[e.block] = None
-        e.parent = None                  # a dead entry keeps no chain alive
+        e.parent = None  # a dead entry keeps no chain alive
 
     def _lookup(self, h: bytes) -> _Entry | None:
         e = self.cached.get(h)
         if e is not None and e.parent is not None and not self._live(e.parent):
-            self._unindex(e)             # its parent was evicted: no lookup can reach it again
+            self._unindex(e)  # its parent was evicted: no lookup can reach it again
             return None
         return e
 
@@ -138,10 +143,10 @@ class KVCacheManager:
                 break
             candidates.append(e)
         found, parent = [], None
-        if candidates:                   # the token copy only when there is something to check
+        if candidates:  # the token copy only when there is something to check
             buf, w = self._token_bytes(req, 0, len(candidates)), 4 * self.block_size
             for i, e in enumerate(candidates):
-                if not e.holds(parent, buf[i * w:(i + 1) * w], self._extra_keys(req, i)):
+                if not e.holds(parent, buf[i * w : (i + 1) * w], self._extra_keys(req, i)):
                     break
                 found.append(e.block)
                 parent = e
@@ -160,20 +165,20 @@ class KVCacheManager:
         computed = min(req.num_computed_tokens, req.num_known_tokens)
         n_full = min(computed // self.block_size, len(req.block_ids))
         start = req.num_published_blocks
-        if n_full <= start:              # nothing new: O(1) for most decode steps
+        if n_full <= start:  # nothing new: O(1) for most decode steps
             return
         hashes = self._hashes(req, n_full)
         parent = self._tail.get(req.request_id) if start else None
         if parent is not None and parent is not _BROKEN and not self._live(parent):
-            parent = _BROKEN             # it followed another request's block, since evicted
+            parent = _BROKEN  # it followed another request's block, since evicted
         if parent is not _BROKEN:
             buf, w = self._token_bytes(req, start, n_full), 4 * self.block_size
             for i in range(start, n_full):
-                tokens, extra = buf[(i - start) * w:(i - start + 1) * w], self._extra_keys(req, i)
+                tokens, extra = buf[(i - start) * w : (i - start + 1) * w], self._extra_keys(req, i)
                 e = self._lookup(hashes[i])
                 if e is None:
                     b = req.block_ids[i]
-                    if self.entry_of[b] is not None:   # cannot happen: a hit is found by this key
+                    if self.entry_of[b] is not None:  # cannot happen: a hit is found by this key
                         parent = _BROKEN
                         break
                     e = _Entry(b, hashes[i], tokens, extra, parent)
@@ -208,7 +213,7 @@ class KVCacheManager:
     def _pop_free(self) -> int:
         b, _ = self.free.popitem(last=False)
         e = self.entry_of[b]
-        if e is not None:                      # evict: its contents are about to be overwritten
+        if e is not None:  # evict: its contents are about to be overwritten
             self._unindex(e)
         self.ref_counts[b] = 1
         return b
@@ -219,12 +224,12 @@ class KVCacheManager:
         total = req.num_computed_tokens + len(cached_blocks) * self.block_size + num_new_tokens
         need = self.blocks_needed(total) - len(req.block_ids) - len(cached_blocks)
         if need <= 0 and not cached_blocks:
-            return True                        # most decode steps: the last block has room
+            return True  # most decode steps: the last block has room
         # Cached blocks taken from the free list do not count as free for the new ones.
         revived = sum(1 for b in cached_blocks if self.ref_counts[b] == 0)
         if need > len(self.free) - revived:
             return False
-        if self.enable_prefix_caching and not req.block_ids:   # admitted now: count its lookup
+        if self.enable_prefix_caching and not req.block_ids:  # admitted now: count its lookup
             self.prefix_queries += req.num_prompt_tokens
             self.prefix_hits += min(len(cached_blocks) * self.block_size, req.num_prompt_tokens)
         for b in cached_blocks:

@@ -1,4 +1,5 @@
 """The offline API, in the style of vLLM: `LLM(...).generate(prompts, params)` and `.chat(...)`."""
+
 from __future__ import annotations
 
 import itertools
@@ -17,8 +18,12 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 
-    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts,
+        params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
         """prompts: a string, a list of strings, or dicts {"prompt_token_ids": [...]}."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
@@ -45,9 +50,12 @@ class LLM:
                         bar.update()
         return [done[rid] for rid in ids]
 
-    def chat(self, messages, params: SamplingParams | None = None,
-             use_tqdm: bool = True) -> list[RequestOutput]:
+    def chat(
+        self, messages, params: SamplingParams | None = None, use_tqdm: bool = True
+    ) -> list[RequestOutput]:
         """messages: one conversation (a list of {role, content}) or a list of them."""
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [{"prompt": None, "prompt_token_ids": self.tokenizer.encode_chat(c)} for c in convs]
+        prompts = [
+            {"prompt": None, "prompt_token_ids": self.tokenizer.encode_chat(c)} for c in convs
+        ]
         return self.generate(prompts, params, use_tqdm)

@@ -4,6 +4,7 @@ It reads a request's tokens and never changes them: the scheduler owns those (ap
 token-level stops, max_tokens). A stop string is text, so it is found here; the engine then
 asks the scheduler to finish the request.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -22,11 +23,16 @@ class SequenceOutput:
     def __init__(self, req: Request, index: int, tokenizer: Tokenizer | None):
         self.req, self.index = req, index
         self.tok = tokenizer
-        self.detok = (IncrementalDetokenizer(tokenizer, req.prompt_token_ids,
-                                             req.params.skip_special_tokens) if tokenizer else None)
+        self.detok = (
+            IncrementalDetokenizer(tokenizer, req.prompt_token_ids, req.params.skip_special_tokens)
+            if tokenizer
+            else None
+        )
         self.text = ""
-        self.num_seen = 0                          # output tokens already detokenized
-        self.logprobs: list[dict[int, Logprob]] | None = [] if req.params.logprobs is not None else None
+        self.num_seen = 0  # output tokens already detokenized
+        self.logprobs: list[dict[int, Logprob]] | None = (
+            [] if req.params.logprobs is not None else None
+        )
         self.cumulative_logprob = 0.0
         self.stop_string: str | None = None
         self.hold = max((len(s) for s in req.params.stop), default=1) - 1
@@ -38,7 +44,7 @@ class SequenceOutput:
         """Take the tokens the scheduler appended since the last call (`logprobs`: one entry per
         new token); return the stop string they complete, if any."""
         req, p = self.req, self.req.params
-        new = req.output_token_ids[self.num_seen:]
+        new = req.output_token_ids[self.num_seen :]
         for token, lp in zip(new, logprobs):
             self.num_seen += 1
             self._add_logprobs(token, lp)
@@ -72,7 +78,7 @@ class SequenceOutput:
         if best is None:
             return False
         i, s = best
-        self.text = self.text[:i + len(s)] if p.include_stop_str_in_output else self.text[:i]
+        self.text = self.text[: i + len(s)] if p.include_stop_str_in_output else self.text[:i]
         self.stop_string = s
         return True
 
@@ -84,48 +90,66 @@ class SequenceOutput:
         req = self.req
         text = self.text
         if not req.is_finished and self.hold and req.params.stop:
-            text = text[:max(0, len(text) - self.hold)]   # a stop string may be forming
+            text = text[: max(0, len(text) - self.hold)]  # a stop string may be forming
         # a stop string ends the text even when the same token also reached max_tokens
         stopped = self.stop_string is not None
         return CompletionOutput(
-            index=self.index, text=text, token_ids=req.output_token_ids[:self.num_seen],
+            index=self.index,
+            text=text,
+            token_ids=req.output_token_ids[: self.num_seen],
             cumulative_logprob=self.cumulative_logprob if self.logprobs is not None else None,
             logprobs=list(self.logprobs) if self.logprobs is not None else None,
             finish_reason="stop" if stopped else req.finish_reason,
-            stop_reason=self.stop_string if stopped else req.stop_reason)
+            stop_reason=self.stop_string if stopped else req.stop_reason,
+        )
 
 
 @dataclass
 class RequestGroup:
     """One user request: n sequences over one prompt."""
+
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     seqs: list[SequenceOutput]
     arrival_time: float
-    final_only: bool = False     # no per-step outputs, only the finished one (LLM.generate)
+    final_only: bool = False  # no per-step outputs, only the finished one (LLM.generate)
 
     @property
     def finished(self) -> bool:
-        if len(self.seqs) == 1:    # asked twice per request per step: skip the generator
+        if len(self.seqs) == 1:  # asked twice per request per step: skip the generator
             return self.seqs[0].req.is_finished
         return all(s.req.is_finished for s in self.seqs)
 
     def output(self) -> RequestOutput:
         reqs = [s.req for s in self.seqs]
         finished = self.finished
-        if len(reqs) == 1:     # n=1, every streamed step of most requests: no aggregation
+        if len(reqs) == 1:  # n=1, every streamed step of most requests: no aggregation
             r = reqs[0]
             sched, first, done = r.first_scheduled_time, r.first_token_time, r.finished_time
         else:
-            sched = min((r.first_scheduled_time for r in reqs
-                         if r.first_scheduled_time is not None), default=None)
-            first = min((r.first_token_time for r in reqs if r.first_token_time is not None),
-                        default=None)
-            done = max((r.finished_time for r in reqs if r.finished_time is not None),
-                       default=None)
-        m = RequestMetrics(self.arrival_time, sched, first, done if finished else None,
-                           len(self.prompt_token_ids), reqs[0].num_cached_tokens)
-        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids,
-                             [s.snapshot() for s in self.seqs], finished, m,
-                             num_cached_tokens=reqs[0].num_cached_tokens)
+            sched = min(
+                (r.first_scheduled_time for r in reqs if r.first_scheduled_time is not None),
+                default=None,
+            )
+            first = min(
+                (r.first_token_time for r in reqs if r.first_token_time is not None), default=None
+            )
+            done = max((r.finished_time for r in reqs if r.finished_time is not None), default=None)
+        m = RequestMetrics(
+            self.arrival_time,
+            sched,
+            first,
+            done if finished else None,
+            len(self.prompt_token_ids),
+            reqs[0].num_cached_tokens,
+        )
+        return RequestOutput(
+            self.request_id,
+            self.prompt,
+            self.prompt_token_ids,
+            [s.snapshot() for s in self.seqs],
+            finished,
+            m,
+            num_cached_tokens=reqs[0].num_cached_tokens,
+        )

@@ -1,4 +1,5 @@
 """What callers get back: vLLM-shaped RequestOutput / CompletionOutput."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

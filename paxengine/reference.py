@@ -1,6 +1,7 @@
 """The oracle: a plain, unbatched, unpaged greedy generate. One sequence, one contiguous KV
 buffer indexed by position; obviously right. The engine's tests compare against it token for
 token."""
+
 from __future__ import annotations
 
 import math
@@ -19,6 +20,7 @@ def contiguous_attend(positions: jax.Array, sliding_window: int | None):
     """Attention over a contiguous per-layer KV buffer [L, max_len, Hkv, D]: write this step's
     K/V at their positions (padding tokens carry position max_len and are dropped), then attend
     causally by position."""
+
     def attend(q, k, v, cache, layer):
         kc, vc = cache
         kc = kc.at[layer, positions].set(k.astype(kc.dtype), mode="drop")
@@ -34,13 +36,15 @@ def contiguous_attend(positions: jax.Array, sliding_window: int | None):
         s = jnp.where(mask[None], s, -jnp.inf)
         o = jnp.einsum("hqk,khd->qhd", jax.nn.softmax(s, axis=-1), vals)
         return o.astype(q.dtype), (kc, vc)
+
     return attend
 
 
 @partial(jax.jit, static_argnames=("cfg",), donate_argnums=(2,))
 def _cached_step(params, cfg: ModelConfig, cache, tokens, positions, last):
-    hidden, cache = forward_hidden(params, cfg, tokens, positions, cache,
-                                   contiguous_attend(positions, cfg.sliding_window))
+    hidden, cache = forward_hidden(
+        params, cfg, tokens, positions, cache, contiguous_attend(positions, cfg.sliding_window)
+    )
     return compute_logits(params, cfg, hidden[last][None])[0], cache
 
 
@@ -58,8 +62,9 @@ def _empty_cache(params, cfg: ModelConfig, max_len: int):
 def _all_logits(params, cfg: ModelConfig, tokens):
     positions = jnp.arange(tokens.shape[0], dtype=jnp.int32)
     cache = _empty_cache(params, cfg, tokens.shape[0])
-    hidden, _ = forward_hidden(params, cfg, tokens, positions, cache,
-                               contiguous_attend(positions, cfg.sliding_window))
+    hidden, _ = forward_hidden(
+        params, cfg, tokens, positions, cache, contiguous_attend(positions, cfg.sliding_window)
+    )
     return compute_logits(params, cfg, hidden)
 
 
@@ -72,8 +77,14 @@ def _bucket(n: int) -> int:
     return max(16, 1 << (n - 1).bit_length())
 
 
-def reference_generate(params, cfg: ModelConfig, prompt_ids: list[int], max_new_tokens: int,
-                       eos_token_ids: list[int] | None = None, return_logits: bool = False):
+def reference_generate(
+    params,
+    cfg: ModelConfig,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    eos_token_ids: list[int] | None = None,
+    return_logits: bool = False,
+):
     """Greedy continuation of one prompt; stops at an EOS id (included) or after max_new_tokens.
     With return_logits, also the float32 logits each generated token was chosen from."""
     max_len = _bucket(len(prompt_ids) + max_new_tokens)
@@ -81,9 +92,11 @@ def reference_generate(params, cfg: ModelConfig, prompt_ids: list[int], max_new_
     n = len(prompt_ids)
     tokens = np.zeros(_bucket(n), np.int32)
     tokens[:n] = prompt_ids
-    positions = np.full(_bucket(n), max_len, np.int32)   # padding: dropped, attends to nothing real
+    positions = np.full(_bucket(n), max_len, np.int32)  # padding: dropped, attends to nothing real
     positions[:n] = np.arange(n)
-    logits, cache = _cached_step(params, cfg, cache, jnp.asarray(tokens), jnp.asarray(positions), n - 1)
+    logits, cache = _cached_step(
+        params, cfg, cache, jnp.asarray(tokens), jnp.asarray(positions), n - 1
+    )
     out, all_logits = [], []
     for i in range(max_new_tokens):
         all_logits.append(np.asarray(logits))
@@ -91,6 +104,7 @@ def reference_generate(params, cfg: ModelConfig, prompt_ids: list[int], max_new_
         out.append(nxt)
         if (eos_token_ids and nxt in eos_token_ids) or i == max_new_tokens - 1:
             break
-        logits, cache = _cached_step(params, cfg, cache, jnp.asarray([nxt], jnp.int32),
-                                     jnp.asarray([n + i], jnp.int32), 0)
+        logits, cache = _cached_step(
+            params, cfg, cache, jnp.asarray([nxt], jnp.int32), jnp.asarray([n + i], jnp.int32), 0
+        )
     return (out, np.stack(all_logits)) if return_logits else out

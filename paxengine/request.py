@@ -1,4 +1,5 @@
 """A request as the scheduler sees it: token ids, progress, blocks. No JAX, no text."""
+
 from __future__ import annotations
 
 import enum
@@ -22,20 +23,22 @@ class Request:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    seed: int                                   # sampling seed (the request's own or drawn for it)
+    seed: int  # sampling seed (the request's own or drawn for it)
     arrival_time: float = field(default_factory=time.monotonic)
-    output_token_ids: list[int] = field(default_factory=list)   # known on the host
+    output_token_ids: list[int] = field(default_factory=list)  # known on the host
     # Samples of steps still on the device: counted in num_tokens, their ids not known here yet
     # (the next step reads them on the device, see batch.build_step's prev_index). Only
     # Scheduler changes this and output_token_ids (schedule and update_from_output).
     num_pending_tokens: int = 0
     status: Status = Status.WAITING
-    num_computed_tokens: int = 0                # tokens whose KV is in the cache
-    num_cached_tokens: int = 0                  # of the prompt, served by the prefix cache
+    num_computed_tokens: int = 0  # tokens whose KV is in the cache
+    num_cached_tokens: int = 0  # of the prompt, served by the prefix cache
     block_ids: list[int] = field(default_factory=list)
-    block_hashes: list[bytes] = field(default_factory=list)  # full blocks' keys (kv_cache.hash_block)
-    num_published_blocks: int = 0               # full blocks already offered to the prefix cache
-    _block_array: object = field(default=None, repr=False)   # block_ids as int32 (block_array)
+    block_hashes: list[bytes] = field(
+        default_factory=list
+    )  # full blocks' keys (kv_cache.hash_block)
+    num_published_blocks: int = 0  # full blocks already offered to the prefix cache
+    _block_array: object = field(default=None, repr=False)  # block_ids as int32 (block_array)
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
@@ -66,10 +69,10 @@ class Request:
         """all_token_ids[start:stop] without building the whole list (a decode step needs one)."""
         p = len(self.prompt_token_ids)
         if start >= p:
-            return self.output_token_ids[start - p:stop - p]
+            return self.output_token_ids[start - p : stop - p]
         if stop <= p:
             return self.prompt_token_ids[start:stop]
-        return self.prompt_token_ids[start:] + self.output_token_ids[:stop - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: stop - p]
 
     @property
     def num_tokens(self) -> int:

@@ -4,6 +4,7 @@ The runner knows nothing of requests: it takes a StepArrays + SamplingTensors an
 sampled tokens and logprobs. Every bucket is compiled at start-up; calling a compiled
 executable can never trace again, so nothing compiles while serving.
 """
+
 from __future__ import annotations
 
 import math
@@ -27,7 +28,7 @@ from paxengine.models.weights import is_per_layer
 from paxengine.sampling import ALL_FLAGS, SamplingTensors, abstract_sampling_tensors, sample
 
 _compile_count = 0
-_SAMPLERS: dict[tuple, object] = {}   # (S, V, history, rows, flags) -> compiled, per process
+_SAMPLERS: dict[tuple, object] = {}  # (S, V, history, rows, flags) -> compiled, per process
 
 
 def _count_compiles(event: str, duration: float, **kw) -> None:
@@ -74,7 +75,9 @@ def resolve_layer_loop(name: str) -> str:
     return name
 
 
-def allocate_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int, kv_dtype, layer_loop: str):
+def allocate_kv_cache(
+    cfg: ModelConfig, num_blocks: int, block_size: int, kv_dtype, layer_loop: str
+):
     """scan: one (k, v) pair of [L, Hkv, NB, bs, D]; unroll: a list of L pairs of [1, ...] (each
     layer writes its own donated buffer in place). V pages of a bf16 cache are fp16 (same size,
     no conversion in the attention kernels: kernels_pallas.value_cache_dtype)."""
@@ -101,13 +104,25 @@ def make_attend(md: kernels_pallas.AttentionMetadata, backend: str, cfg: ModelCo
         kc, vc = write(kv_cache[0], kv_cache[1], layer, k, v, md.slot_mapping)
         o = attn(q, kc, vc, layer, md, sm_scale=scale, sliding_window=cfg.sliding_window)
         return o, (kc, vc)
+
     return attend
 
 
 class Runner:
-    def __init__(self, cfg: ModelConfig, params: dict, *, num_blocks: int, block_size: int,
-                 max_model_len: int, token_buckets: list[int], seq_buckets: list[int],
-                 kv_dtype, attention_backend: str = "auto", show_progress: bool = True):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        params: dict,
+        *,
+        num_blocks: int,
+        block_size: int,
+        max_model_len: int,
+        token_buckets: list[int],
+        seq_buckets: list[int],
+        kv_dtype,
+        attention_backend: str = "auto",
+        show_progress: bool = True,
+    ):
         """params: stacked layers (scanned) or a list of per-layer dicts (unrolled), see
         `weights.unstack_layers`; the KV cache takes the same layout."""
         self.cfg, self.params = cfg, params
@@ -116,20 +131,21 @@ class Runner:
         self.history_len = max_model_len
         self.token_buckets, self.seq_buckets = token_buckets, seq_buckets
         self.max_rows = max(seq_buckets)
-        self.prev_tokens = jnp.zeros(self.max_rows, jnp.int32)   # the last step's samples, on device
+        self.prev_tokens = jnp.zeros(self.max_rows, jnp.int32)  # the last step's samples, on device
         self.backend = resolve_backend(attention_backend)
         self.layer_loop = "unroll" if is_per_layer(params) else "scan"
         self.kv_cache = allocate_kv_cache(cfg, num_blocks, block_size, kv_dtype, self.layer_loop)
         self._forward = jax.jit(self._forward_fn, donate_argnums=(1,))
-        self.compiled: dict[tuple[int, int], object] = {}       # (T, S) -> forward
-        self.samplers: dict[tuple, object] = {}                 # (S, flags) -> sampler
+        self.compiled: dict[tuple[int, int], object] = {}  # (T, S) -> forward
+        self.samplers: dict[tuple, object] = {}  # (S, flags) -> sampler
         self.compile_seconds = 0.0
         self._compile_all(show_progress)
         self.compiles_after_warmup = compile_count()
 
     # -- the jitted step: a forward per (T, S) bucket, then a sampler per (S, flags) ------------
-    def _forward_fn(self, params, kv_cache, tokens, positions, md, logits_indices, prev_index,
-                    prev_tokens):
+    def _forward_fn(
+        self, params, kv_cache, tokens, positions, md, logits_indices, prev_index, prev_tokens
+    ):
         # Tokens sampled by the previous step never visit the host before they are used here.
         tokens = jnp.where(prev_index >= 0, prev_tokens[jnp.maximum(prev_index, 0)], tokens)
         attend = make_attend(md, self.backend, self.cfg)
@@ -138,8 +154,9 @@ class Runner:
 
     def _abstract_inputs(self, T: int, S: int):
         i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)
-        md = kernels_pallas.AttentionMetadata(i32(T), i32(S, self.max_blocks_per_seq), i32(S),
-                                              i32(S + 1), i32(1))
+        md = kernels_pallas.AttentionMetadata(
+            i32(T), i32(S, self.max_blocks_per_seq), i32(S), i32(S + 1), i32(1)
+        )
         return i32(T), i32(T), md, i32(S), i32(T), i32(self.max_rows)
 
     def _sampler_key(self, S: int, flags) -> tuple:
@@ -152,8 +169,11 @@ class Runner:
             result = sample(logits, st)
             padded = jnp.zeros(max_rows, jnp.int32).at[:S].set(result[0])
             return result, padded
+
         logits = jax.ShapeDtypeStruct((S, self.cfg.vocab_size), jnp.float32)
-        return jax.jit(sample_step).lower(logits, abstract_sampling_tensors(S, self.history_len, flags))
+        return jax.jit(sample_step).lower(
+            logits, abstract_sampling_tensors(S, self.history_len, flags)
+        )
 
     def _compile_all(self, show_progress: bool) -> None:
         """Traces each bucket in turn (tracing holds the GIL) and compiles them on a thread pool
@@ -163,12 +183,17 @@ class Runner:
         pairs = bucket_pairs(self.token_buckets, self.seq_buckets)
         sampler_keys = [(S, f) for S in self.seq_buckets for f in ALL_FLAGS]
         workers = max(1, min(len(pairs), (os.cpu_count() or 1) // 2, 8))
-        bar = tqdm(total=len(pairs) + len(sampler_keys), desc="compiling step buckets",
-                   disable=not show_progress)
+        bar = tqdm(
+            total=len(pairs) + len(sampler_keys),
+            desc="compiling step buckets",
+            disable=not show_progress,
+        )
         with ThreadPoolExecutor(workers) as pool:
             futures = {}
             for T, S in pairs:
-                lowered = self._forward.lower(self.params, self.kv_cache, *self._abstract_inputs(T, S))
+                lowered = self._forward.lower(
+                    self.params, self.kv_cache, *self._abstract_inputs(T, S)
+                )
                 futures[("fwd", T, S)] = pool.submit(lowered.compile)
             for S, flags in sampler_keys:
                 key = self._sampler_key(S, flags)
@@ -197,12 +222,23 @@ class Runner:
 
     def execute(self, arrays: StepArrays, st: SamplingTensors):
         T, S = arrays.tokens.shape[0], arrays.seq_lens.shape[0]
-        md = kernels_pallas.AttentionMetadata(arrays.slot_mapping, arrays.block_tables,
-                                              arrays.seq_lens, arrays.query_start_loc,
-                                              arrays.num_seqs)
+        md = kernels_pallas.AttentionMetadata(
+            arrays.slot_mapping,
+            arrays.block_tables,
+            arrays.seq_lens,
+            arrays.query_start_loc,
+            arrays.num_seqs,
+        )
         self.kv_cache, logits = self.compiled[(T, S)](
-            self.params, self.kv_cache, arrays.tokens, arrays.positions, md, arrays.logits_indices,
-            arrays.prev_index, self.prev_tokens)
+            self.params,
+            self.kv_cache,
+            arrays.tokens,
+            arrays.positions,
+            md,
+            arrays.logits_indices,
+            arrays.prev_index,
+            self.prev_tokens,
+        )
         result, self.prev_tokens = self.samplers[(S, st.flags)](logits, st)
         return result
 
@@ -218,8 +254,15 @@ def kv_bytes_per_block(cfg: ModelConfig, block_size: int, kv_dtype) -> int:
     return cfg.num_layers * cfg.num_kv_heads * block_size * cfg.head_dim * itemsize
 
 
-def plan_num_blocks(cfg: ModelConfig, block_size: int, kv_dtype, *, num_kv_blocks: int | None,
-                    kv_cache_memory_bytes: int | None, gpu_memory_utilization: float) -> int:
+def plan_num_blocks(
+    cfg: ModelConfig,
+    block_size: int,
+    kv_dtype,
+    *,
+    num_kv_blocks: int | None,
+    kv_cache_memory_bytes: int | None,
+    gpu_memory_utilization: float,
+) -> int:
     """The pool size: explicit, from a byte budget, or from free device memory."""
     if num_kv_blocks:
         return int(num_kv_blocks)
@@ -232,7 +275,9 @@ def plan_num_blocks(cfg: ModelConfig, block_size: int, kv_dtype, *, num_kv_block
         reserve = int(os.environ.get("PAXENGINE_ACTIVATION_RESERVE", 4 << 30))
         free = gpu_memory_utilization * stats["bytes_limit"] - stats["bytes_in_use"] - reserve
         if free < per_block:
-            raise ValueError(f"no device memory left for the KV cache (gpu_memory_utilization="
-                             f"{gpu_memory_utilization}): lower max_num_batched_tokens or raise it")
+            raise ValueError(
+                f"no device memory left for the KV cache (gpu_memory_utilization="
+                f"{gpu_memory_utilization}): lower max_num_batched_tokens or raise it"
+            )
         return int(free // per_block)
-    return max(1, (512 << 20) // per_block)   # CPU default: 512 MiB of KV
+    return max(1, (512 << 20) // per_block)  # CPU default: 512 MiB of KV

@@ -5,6 +5,7 @@ logit_bias -> temperature -> top-k / top-p / min-p -> sample with the row's own 
 (seed + number of generated tokens, so the same seed gives the same text whatever its batch
 mates). Logprobs are those of the raw model output (as vLLM reports them).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -15,8 +16,8 @@ import numpy as np
 
 from paxengine.sampling_params import MAX_LOGIT_BIAS  # OpenAI allows 300 entries
 
-NUM_TOP_LOGPROBS = 20     # the API's maximum; computed for every row when any row asks
-MAX_STOP_IDS = 16         # stop ids banned while min_tokens is not reached (EOS + stop_token_ids)
+NUM_TOP_LOGPROBS = 20  # the API's maximum; computed for every row when any row asks
+MAX_STOP_IDS = 16  # stop ids banned while min_tokens is not reached (EOS + stop_token_ids)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,49 +29,68 @@ class SamplingTensors:
     would do the same on the device, but XLA:GPU reads a conditional's predicate back to the host
     and blocks until everything queued before it has run, which stalls the next step's launch.
     """
-    temperature: jax.Array      # f32; 0 = greedy
-    top_k: jax.Array            # i32; 0 = off
-    top_p: jax.Array            # f32; 1 = off
-    min_p: jax.Array            # f32; 0 = off
-    presence: jax.Array         # f32
-    frequency: jax.Array        # f32
-    repetition: jax.Array       # f32; 1 = off
-    seeds: jax.Array            # u32
-    steps: jax.Array            # i32: tokens generated so far (folded into the key)
-    ban_stop: jax.Array         # bool: min_tokens not reached yet
-    stop_ids: jax.Array         # [S, MAX_STOP_IDS] i32, -1 padded
-    bias_ids: jax.Array         # [S, MAX_LOGIT_BIAS] i32, -1 padded
-    bias_vals: jax.Array        # [S, MAX_LOGIT_BIAS] f32
-    history: jax.Array | None   # [S, H] i32: prompt + output token ids, -1 padded; None unless
-                                # `penalties`
-    num_prompt: jax.Array       # [S] i32: how many of history are prompt tokens
-    penalties: bool = False     # static: some row has a penalty (the [S, V] scatters)
-    top: bool = False           # static: some row uses top-k / top-p (the [S, V] sort)
-    logprobs: bool = False      # static: some row asks for logprobs (the top-20 search)
+
+    temperature: jax.Array  # f32; 0 = greedy
+    top_k: jax.Array  # i32; 0 = off
+    top_p: jax.Array  # f32; 1 = off
+    min_p: jax.Array  # f32; 0 = off
+    presence: jax.Array  # f32
+    frequency: jax.Array  # f32
+    repetition: jax.Array  # f32; 1 = off
+    seeds: jax.Array  # u32
+    steps: jax.Array  # i32: tokens generated so far (folded into the key)
+    ban_stop: jax.Array  # bool: min_tokens not reached yet
+    stop_ids: jax.Array  # [S, MAX_STOP_IDS] i32, -1 padded
+    bias_ids: jax.Array  # [S, MAX_LOGIT_BIAS] i32, -1 padded
+    bias_vals: jax.Array  # [S, MAX_LOGIT_BIAS] f32
+    history: jax.Array | None  # [S, H] i32: prompt + output token ids, -1 padded; None unless
+    # `penalties`
+    num_prompt: jax.Array  # [S] i32: how many of history are prompt tokens
+    penalties: bool = False  # static: some row has a penalty (the [S, V] scatters)
+    top: bool = False  # static: some row uses top-k / top-p (the [S, V] sort)
+    logprobs: bool = False  # static: some row asks for logprobs (the top-20 search)
 
     @property
     def flags(self) -> tuple[bool, bool, bool]:
         return (self.penalties, self.top, self.logprobs)
 
 
-_DATA_FIELDS = [f.name for f in dataclasses.fields(SamplingTensors)
-                if f.name not in ("penalties", "top", "logprobs")]
-jax.tree_util.register_dataclass(SamplingTensors, data_fields=_DATA_FIELDS,
-                                 meta_fields=["penalties", "top", "logprobs"])
+_DATA_FIELDS = [
+    f.name
+    for f in dataclasses.fields(SamplingTensors)
+    if f.name not in ("penalties", "top", "logprobs")
+]
+jax.tree_util.register_dataclass(
+    SamplingTensors, data_fields=_DATA_FIELDS, meta_fields=["penalties", "top", "logprobs"]
+)
 ALL_FLAGS = [(p, t, l) for p in (False, True) for t in (False, True) for l in (False, True)]
 
 
-def abstract_sampling_tensors(num_rows: int, history_len: int,
-                              flags: tuple[bool, bool, bool]) -> SamplingTensors:
+def abstract_sampling_tensors(
+    num_rows: int, history_len: int, flags: tuple[bool, bool, bool]
+) -> SamplingTensors:
     """Shapes and dtypes of `build_sampling_tensors`' output, for ahead-of-time compiles."""
     s = num_rows
     spec = lambda dt, *shape: jax.ShapeDtypeStruct(shape, dt)
     f32, i32 = jnp.float32, jnp.int32
     return SamplingTensors(
-        spec(f32, s), spec(i32, s), spec(f32, s), spec(f32, s), spec(f32, s), spec(f32, s),
-        spec(f32, s), spec(jnp.uint32, s), spec(i32, s), spec(jnp.bool_, s),
-        spec(i32, s, MAX_STOP_IDS), spec(i32, s, MAX_LOGIT_BIAS), spec(f32, s, MAX_LOGIT_BIAS),
-        spec(i32, s, history_len) if flags[0] else None, spec(i32, s), *flags)
+        spec(f32, s),
+        spec(i32, s),
+        spec(f32, s),
+        spec(f32, s),
+        spec(f32, s),
+        spec(f32, s),
+        spec(f32, s),
+        spec(jnp.uint32, s),
+        spec(i32, s),
+        spec(jnp.bool_, s),
+        spec(i32, s, MAX_STOP_IDS),
+        spec(i32, s, MAX_LOGIT_BIAS),
+        spec(f32, s, MAX_LOGIT_BIAS),
+        spec(i32, s, history_len) if flags[0] else None,
+        spec(i32, s),
+        *flags,
+    )
 
 
 def _apply_penalties(logits, st: SamplingTensors):
@@ -78,11 +98,12 @@ def _apply_penalties(logits, st: SamplingTensors):
     h = st.history
     valid = h >= 0
     is_out = jnp.arange(h.shape[1])[None, :] >= st.num_prompt[:, None]
-    ids = jnp.where(valid, h, v)                  # out of range -> dropped
+    ids = jnp.where(valid, h, v)  # out of range -> dropped
     rows = jnp.arange(s)[:, None]
     seen = jnp.zeros((s, v), bool).at[rows, ids].set(True, mode="drop")
-    out_counts = jnp.zeros((s, v), jnp.float32).at[rows, jnp.where(is_out, ids, v)].add(
-        1.0, mode="drop")
+    out_counts = (
+        jnp.zeros((s, v), jnp.float32).at[rows, jnp.where(is_out, ids, v)].add(1.0, mode="drop")
+    )
     rep = st.repetition[:, None]
     logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
     logits = logits - st.frequency[:, None] * out_counts
@@ -117,7 +138,8 @@ def process_logits(logits: jax.Array, st: SamplingTensors) -> jax.Array:
     ban = jnp.where(st.ban_stop[:, None] & (st.stop_ids >= 0), st.stop_ids, v)
     logits = logits.at[rows, ban].set(-jnp.inf, mode="drop")
     logits = logits.at[rows, jnp.where(st.bias_ids >= 0, st.bias_ids, v)].add(
-        st.bias_vals, mode="drop")
+        st.bias_vals, mode="drop"
+    )
     return logits
 
 
@@ -139,13 +161,14 @@ def inverse_cdf(probs: jax.Array, u: jax.Array) -> jax.Array:
     b = min(_CDF_BLOCK, v)
     nb = -(-v // b)
     blocks = jnp.pad(probs, ((0, 0), (0, nb * b - v))).reshape(s, nb, b)
-    block_mass = blocks.sum(-1)                                            # [S, nb]
+    block_mass = blocks.sum(-1)  # [S, nb]
     block_cdf = jnp.cumsum(block_mass, axis=-1)
     target = u * block_cdf[:, -1]
     j = jnp.minimum(jnp.sum(block_cdf <= target[:, None], axis=-1), _last_positive(block_mass))
-    before = jnp.where(j > 0, jnp.take_along_axis(block_cdf, jnp.maximum(j - 1, 0)[:, None],
-                                                  axis=-1)[:, 0], 0.0)
-    inner = jnp.take_along_axis(blocks, j[:, None, None], axis=1)[:, 0]    # [S, b]
+    before = jnp.where(
+        j > 0, jnp.take_along_axis(block_cdf, jnp.maximum(j - 1, 0)[:, None], axis=-1)[:, 0], 0.0
+    )
+    inner = jnp.take_along_axis(blocks, j[:, None, None], axis=1)[:, 0]  # [S, b]
     k = jnp.sum(before[:, None] + jnp.cumsum(inner, axis=-1) <= target[:, None], axis=-1)
     k = jnp.minimum(k, _last_positive(inner))
     return (j * b + k).astype(jnp.int32)
@@ -162,8 +185,9 @@ def sample(logits: jax.Array, st: SamplingTensors):
     if st.top:
         scaled = _apply_top_k_top_p(scaled, st)
     probs = jax.nn.softmax(scaled, axis=-1)
-    probs = jnp.where(probs < st.min_p[:, None] * jnp.max(probs, axis=-1, keepdims=True),
-                      0.0, probs)
+    probs = jnp.where(
+        probs < st.min_p[:, None] * jnp.max(probs, axis=-1, keepdims=True), 0.0, probs
+    )
     # Inverse-CDF sampling: one uniform per row, drawn from the row's own seed and step (so batch
     # mates never change it), instead of V Gumbel draws: ~10x cheaper on a CPU.
     keys = jax.vmap(lambda s, n: jax.random.fold_in(jax.random.PRNGKey(s), n))(st.seeds, st.steps)
@@ -172,8 +196,13 @@ def sample(logits: jax.Array, st: SamplingTensors):
     s = logits.shape[0]
     n_top = min(NUM_TOP_LOGPROBS, logits.shape[-1])
     if not st.logprobs:
-        return (tokens, jnp.zeros(s, jnp.float32), jnp.zeros(s, jnp.int32),
-                jnp.zeros((s, n_top), jnp.int32), jnp.zeros((s, n_top), jnp.float32))
+        return (
+            tokens,
+            jnp.zeros(s, jnp.float32),
+            jnp.zeros(s, jnp.int32),
+            jnp.zeros((s, n_top), jnp.int32),
+            jnp.zeros((s, n_top), jnp.float32),
+        )
     raw = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     tok_lp = jnp.take_along_axis(raw, tokens[:, None], axis=-1)[:, 0]
     rank = jnp.sum(raw > tok_lp[:, None], axis=-1).astype(jnp.int32) + 1
@@ -181,8 +210,9 @@ def sample(logits: jax.Array, st: SamplingTensors):
     return tokens, tok_lp, rank, top_ids.astype(jnp.int32), top_lp
 
 
-def build_sampling_tensors(rows: list, num_rows: int, history_len: int,
-                           eos_ids: list[int]) -> SamplingTensors:
+def build_sampling_tensors(
+    rows: list, num_rows: int, history_len: int, eos_ids: list[int]
+) -> SamplingTensors:
     """rows: (Request) objects for the live rows, right after they were scheduled; the rest is
     padding. Host-side numpy."""
     s = num_rows
@@ -206,10 +236,14 @@ def build_sampling_tensors(rows: list, num_rows: int, history_len: int,
         temperature[i] = p.temperature
         top_k[i] = min(max(p.top_k, 0), 1 << 30)
         top_p[i], min_p[i] = p.top_p, p.min_p
-        presence[i], frequency[i], repetition[i] = (p.presence_penalty, p.frequency_penalty,
-                                                    p.repetition_penalty)
-        penalties |= (p.presence_penalty != 0 or p.frequency_penalty != 0
-                      or p.repetition_penalty != 1)
+        presence[i], frequency[i], repetition[i] = (
+            p.presence_penalty,
+            p.frequency_penalty,
+            p.repetition_penalty,
+        )
+        penalties |= (
+            p.presence_penalty != 0 or p.frequency_penalty != 0 or p.repetition_penalty != 1
+        )
         top |= p.top_k > 0 or p.top_p < 1
         logprobs |= p.logprobs is not None
         seeds[i] = req.seed & 0xFFFFFFFF
@@ -219,19 +253,36 @@ def build_sampling_tensors(rows: list, num_rows: int, history_len: int,
             ban[i] = True
             ids = ([] if p.ignore_eos else list(eos_ids)) + list(p.stop_token_ids)
             ids = ids[:MAX_STOP_IDS]
-            stop_ids[i, :len(ids)] = ids
+            stop_ids[i, : len(ids)] = ids
         if p.logit_bias:
             items = list(p.logit_bias.items())[:MAX_LOGIT_BIAS]
-            bias_ids[i, :len(items)] = [k for k, _ in items]
-            bias_vals[i, :len(items)] = [v for _, v in items]
+            bias_ids[i, : len(items)] = [k for k, _ in items]
+            bias_vals[i, : len(items)] = [v for _, v in items]
     # [S, H] only when a row uses a penalty (no S x max_model_len upload every step otherwise).
     history = None
     if penalties:
         history = np.full((s, history_len), -1, np.int32)
         for i, req in enumerate(rows):
             toks = req.all_token_ids[:history_len]
-            history[i, :len(toks)] = toks
+            history[i, : len(toks)] = toks
             num_prompt[i] = req.num_prompt_tokens
-    return SamplingTensors(temperature, top_k, top_p, min_p, presence, frequency, repetition,
-                           seeds, steps, ban, stop_ids, bias_ids, bias_vals, history, num_prompt,
-                           bool(penalties), bool(top), bool(logprobs))
+    return SamplingTensors(
+        temperature,
+        top_k,
+        top_p,
+        min_p,
+        presence,
+        frequency,
+        repetition,
+        seeds,
+        steps,
+        ban,
+        stop_ids,
+        bias_ids,
+        bias_vals,
+        history,
+        num_prompt,
+        bool(penalties),
+        bool(top),
+        bool(logprobs),
+    )

@@ -1,4 +1,5 @@
 """Per-request sampling parameters, validated before a request enters the engine."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -15,7 +16,7 @@ class SamplingParams:
     n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = -1              # -1 or 0: disabled
+    top_k: int = -1  # -1 or 0: disabled
     min_p: float = 0.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -24,10 +25,12 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     include_stop_str_in_output: bool = False
-    max_tokens: int | None = 16   # None: up to max_model_len
+    max_tokens: int | None = 16  # None: up to max_model_len
     min_tokens: int = 0
     ignore_eos: bool = False
-    logprobs: int | None = None   # number of top logprobs per generated token (0: only the sampled one)
+    logprobs: int | None = (
+        None  # number of top logprobs per generated token (0: only the sampled one)
+    )
     logit_bias: dict[int, float] = field(default_factory=dict)
     skip_special_tokens: bool = True
 
@@ -44,6 +47,7 @@ class SamplingParams:
 
     def validate(self, vocab_size: int) -> None:
         """Raise InvalidRequest (a ValueError) naming the first bad field."""
+
         def bad(name, why):
             raise InvalidRequest(f"{name}: {why}", param=name)
 
@@ -51,8 +55,14 @@ class SamplingParams:
             if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v:
                 bad(name, f"must be a number, got {v!r}")
 
-        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
-                     "repetition_penalty"):
+        for name in (
+            "temperature",
+            "top_p",
+            "min_p",
+            "presence_penalty",
+            "frequency_penalty",
+            "repetition_penalty",
+        ):
             num(name, getattr(self, name))
         if not isinstance(self.n, int) or not 1 <= self.n <= MAX_N:
             bad("n", f"must be an integer in [1, {MAX_N}], got {self.n!r}")
@@ -69,14 +79,17 @@ class SamplingParams:
                 bad(name, f"must be in [-2, 2], got {getattr(self, name)}")
         if not 0 < self.repetition_penalty <= 10:
             bad("repetition_penalty", f"must be in (0, 10], got {self.repetition_penalty}")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+        if self.max_tokens is not None and (
+            not isinstance(self.max_tokens, int) or self.max_tokens < 1
+        ):
             bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
         if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
             bad("min_tokens", f"must be an integer >= 0, got {self.min_tokens!r}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             bad("min_tokens", f"({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int)
-                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+        if self.logprobs is not None and (
+            not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_LOGPROBS
+        ):
             bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
         if self.seed is not None and not isinstance(self.seed, int):
             bad("seed", f"must be an integer, got {self.seed!r}")

@@ -10,6 +10,7 @@ scheduled tokens as computed and a sample as pending, `update_from_output` turns
 `finish` frees the blocks. Stop strings are text: the output processor finds them and calls
 `finish`.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -24,9 +25,9 @@ from paxengine.request import Request, Status
 @dataclass
 class SchedulerOutput:
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
-    requests: list[Request] = field(default_factory=list)   # in batch order
+    requests: list[Request] = field(default_factory=list)  # in batch order
     preempted: list[Request] = field(default_factory=list)
-    sampling: set[str] = field(default_factory=set)   # ids of the requests this step samples for
+    sampling: set[str] = field(default_factory=set)  # ids of the requests this step samples for
 
     @property
     def total_tokens(self) -> int:
@@ -37,12 +38,18 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, token_buckets: list[int] | None = None,
-                 eos_token_ids: list[int] = ()):
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        token_buckets: list[int] | None = None,
+        eos_token_ids: list[int] = (),
+    ):
         self.kv = kv
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.token_buckets = sorted(token_buckets or [])   # the runner's compiled step sizes
+        self.token_buckets = sorted(token_buckets or [])  # the runner's compiled step sizes
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -70,20 +77,25 @@ class Scheduler:
                 i += 1
                 continue
             while not self.kv.allocate(req, n):
-                victim = self.running[-1]          # newest first
+                victim = self.running[-1]  # newest first
                 self._preempt(victim, out)
                 if victim is req:
                     break
-            if req.status != Status.RUNNING:       # it preempted itself: nothing more fits
+            if req.status != Status.RUNNING:  # it preempted itself: nothing more fits
                 break
             out.num_scheduled_tokens[req.request_id] = n
             out.requests.append(req)
             budget -= n
             i += 1
 
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
+        while (
+            self.waiting
+            and budget > 0
+            and len(self.running) < self.max_num_seqs
+            and not out.preempted
+        ):
             req = self.waiting[0]
-            if req.num_pending_tokens:            # preempted with a sample still on the device
+            if req.num_pending_tokens:  # preempted with a sample still on the device
                 break
             cached = self.kv.find_cached_prefix(req) if req.num_computed_tokens == 0 else []
             already = req.num_computed_tokens + len(cached) * self.kv.block_size
@@ -111,7 +123,8 @@ class Scheduler:
         p = req.params
         return req.num_pending_tokens > 0 and (
             (p.max_tokens is not None and req.num_output_tokens >= p.max_tokens)
-            or req.num_tokens >= self.max_model_len)
+            or req.num_tokens >= self.max_model_len
+        )
 
     def _count_scheduled(self, out: SchedulerOutput) -> None:
         """The step will compute the scheduled tokens; a request whose every token is then in
@@ -152,14 +165,15 @@ class Scheduler:
             out.requests.remove(req)
 
     # -- after the step -------------------------------------------------------------------------
-    def update_from_output(self, out: SchedulerOutput,
-                           sampled: dict[str, list[int]]) -> list[Request]:
+    def update_from_output(
+        self, out: SchedulerOutput, sampled: dict[str, list[int]]
+    ) -> list[Request]:
         """Take a finished step's samples (request id -> its new token ids, 1..k+1 of them):
         append them, stop at EOS, a stop token, max_tokens or the context, publish the full
         blocks. Returns the requests that got tokens, finished ones included."""
         updated = []
         for req in out.requests:
-            if req.status == Status.FINISHED:      # aborted or stopped since it was scheduled
+            if req.status == Status.FINISHED:  # aborted or stopped since it was scheduled
                 continue
             tokens = sampled.get(req.request_id)
             if tokens is not None:
@@ -176,7 +190,7 @@ class Scheduler:
         for t in tokens:
             req.output_token_ids.append(t)
             reason, stop_reason = self._stop_reason(req, t)
-            if reason is not None:               # tokens after a stop are dropped
+            if reason is not None:  # tokens after a stop are dropped
                 self.finish(req, reason, stop_reason)
                 return
 

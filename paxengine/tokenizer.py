@@ -1,5 +1,6 @@
 """Tokenizer: HF `tokenizers` underneath, chat templates rendered as transformers renders them,
 and incremental detokenization that is right for multi-byte UTF-8 and BPE merges across steps."""
+
 from __future__ import annotations
 
 import json
@@ -18,38 +19,56 @@ def _raise(message):
 
 def _compile_template(source: str) -> jinja2.Template:
     # Same environment options as transformers' chat template renderer.
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                       extensions=[jinja2.ext.loopcontrols])
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
     env.filters["tojson"] = lambda x, indent=None, ensure_ascii=False, **kw: json.dumps(
-        x, indent=indent, ensure_ascii=ensure_ascii)
+        x, indent=indent, ensure_ascii=ensure_ascii
+    )
     env.globals["raise_exception"] = _raise
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     return env.from_string(source)
 
 
 class Tokenizer:
-    def __init__(self, tok: HFTokenizer, *, bos_token: str | None, eos_token: str | None,
-                 chat_template: str | None, add_bos_token: bool = False,
-                 eos_token_ids: list[int] | None = None):
+    def __init__(
+        self,
+        tok: HFTokenizer,
+        *,
+        bos_token: str | None,
+        eos_token: str | None,
+        chat_template: str | None,
+        add_bos_token: bool = False,
+        eos_token_ids: list[int] | None = None,
+    ):
         self.tok = tok
         self.bos_token, self.eos_token = bos_token, eos_token
         self.bos_token_id = tok.token_to_id(bos_token) if bos_token else None
         ids = list(eos_token_ids or [])
-        if eos_token and tok.token_to_id(eos_token) is not None and tok.token_to_id(eos_token) not in ids:
+        if (
+            eos_token
+            and tok.token_to_id(eos_token) is not None
+            and tok.token_to_id(eos_token) not in ids
+        ):
             ids.insert(0, tok.token_to_id(eos_token))
         self.eos_token_ids = ids
         self.add_bos_token = add_bos_token
         self.chat_template = chat_template
         self._template = _compile_template(chat_template) if chat_template else None
         self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
-        self.special_ids = {tok.token_to_id(t.content) for t in tok.get_added_tokens_decoder().values()
-                            if t.special}
+        self.special_ids = {
+            tok.token_to_id(t.content) for t in tok.get_added_tokens_decoder().values() if t.special
+        }
 
     # -- encoding -------------------------------------------------------------------------------
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = self.tok.encode(text, add_special_tokens=add_special_tokens).ids
-        if (add_special_tokens and self.add_bos_token and self.bos_token_id is not None
-                and (not ids or ids[0] != self.bos_token_id)):
+        if (
+            add_special_tokens
+            and self.add_bos_token
+            and self.bos_token_id is not None
+            and (not ids or ids[0] != self.bos_token_id)
+        ):
             ids = [self.bos_token_id] + ids
         return ids
 
@@ -59,13 +78,18 @@ class Tokenizer:
     def id_to_token(self, i: int) -> str:
         return self.tok.id_to_token(i)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            **kwargs) -> str:
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = True, **kwargs
+    ) -> str:
         if self._template is None:
             raise ValueError("this model has no chat template; use a completion prompt instead")
-        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                     bos_token=self.bos_token or "", eos_token=self.eos_token or "",
-                                     **kwargs)
+        return self._template.render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
+            **kwargs,
+        )
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         text = self.apply_chat_template(messages, add_generation_prompt)
@@ -86,43 +110,60 @@ class Tokenizer:
 
         def name(t):
             return t.get("content") if isinstance(t, dict) else t
+
         template = cfg.get("chat_template")
         if (path / "chat_template.jinja").is_file():
             template = (path / "chat_template.jinja").read_text()
         if isinstance(template, list):  # named templates: take the default one
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
-        return cls(tok, bos_token=name(cfg.get("bos_token")), eos_token=name(cfg.get("eos_token")),
-                   chat_template=template, add_bos_token=bool(cfg.get("add_bos_token", False)),
-                   eos_token_ids=eos_token_ids)
+        return cls(
+            tok,
+            bos_token=name(cfg.get("bos_token")),
+            eos_token=name(cfg.get("eos_token")),
+            chat_template=template,
+            add_bos_token=bool(cfg.get("add_bos_token", False)),
+            eos_token_ids=eos_token_ids,
+        )
 
     @classmethod
     def from_gguf_fields(cls, fields: dict) -> "Tokenizer":
         """Build a byte-level BPE tokenizer from GGUF `tokenizer.ggml.*` metadata."""
         from tokenizers import AddedToken, decoders, models, pre_tokenizers
+
         kind = fields.get("tokenizer.ggml.model")
         if kind != "gpt2":
-            raise ValueError(f"unsupported GGUF tokenizer model {kind!r}: only byte-level BPE "
-                             f"('gpt2') is implemented")
+            raise ValueError(
+                f"unsupported GGUF tokenizer model {kind!r}: only byte-level BPE "
+                f"('gpt2') is implemented"
+            )
         tokens = fields["tokenizer.ggml.tokens"]
         types = fields.get("tokenizer.ggml.token_type") or [1] * len(tokens)
         merges = [tuple(m.split(" ", 1)) for m in fields["tokenizer.ggml.merges"]]
         vocab = {t: i for i, t in enumerate(tokens)}
-        tok = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False,
-                                     byte_fallback=False))
+        tok = HFTokenizer(
+            models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False)
+        )
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
         tok.decoder = decoders.ByteLevel()
         # Control (3) and user-defined (4) tokens are matched whole, before BPE.
-        specials = [AddedToken(tokens[i], special=types[i] == 3, normalized=False)
-                    for i in range(len(tokens)) if types[i] in (3, 4)]
+        specials = [
+            AddedToken(tokens[i], special=types[i] == 3, normalized=False)
+            for i in range(len(tokens))
+            if types[i] in (3, 4)
+        ]
         tok.add_tokens(specials)
 
         def tid(key):
             v = fields.get(key)
             return tokens[v] if v is not None and 0 <= v < len(tokens) else None
-        return cls(tok, bos_token=tid("tokenizer.ggml.bos_token_id"),
-                   eos_token=tid("tokenizer.ggml.eos_token_id"),
-                   chat_template=fields.get("tokenizer.chat_template"),
-                   add_bos_token=bool(fields.get("tokenizer.ggml.add_bos_token", False)))
+
+        return cls(
+            tok,
+            bos_token=tid("tokenizer.ggml.bos_token_id"),
+            eos_token=tid("tokenizer.ggml.eos_token_id"),
+            chat_template=fields.get("tokenizer.chat_template"),
+            add_bos_token=bool(fields.get("tokenizer.ggml.add_bos_token", False)),
+        )
 
 
 class IncrementalDetokenizer:
@@ -133,21 +174,25 @@ class IncrementalDetokenizer:
     merges that change earlier characters are handled by decoding from `prefix` on each step.
     """
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int] | None = None,
-                 skip_special_tokens: bool = True):
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_ids: list[int] | None = None,
+        skip_special_tokens: bool = True,
+    ):
         self.tokenizer = tokenizer
         self.skip = skip_special_tokens
         self.ids: list[int] = list(prompt_ids or [])[-6:]
-        self.prefix = 0                       # window start
-        self.read = len(self.ids)             # tokens whose text was emitted
+        self.prefix = 0  # window start
+        self.read = len(self.ids)  # tokens whose text was emitted
         self.text = ""
 
     def add(self, token_id: int) -> str:
         self.ids.append(token_id)
-        prefix_text = self.tokenizer.decode(self.ids[self.prefix:self.read], self.skip)
-        full_text = self.tokenizer.decode(self.ids[self.prefix:], self.skip)
+        prefix_text = self.tokenizer.decode(self.ids[self.prefix : self.read], self.skip)
+        full_text = self.tokenizer.decode(self.ids[self.prefix :], self.skip)
         if len(full_text) > len(prefix_text) and not full_text.endswith("\ufffd"):
-            delta = full_text[len(prefix_text):]
+            delta = full_text[len(prefix_text) :]
             self.prefix, self.read = self.read, len(self.ids)
             self.text += delta
             return delta
@@ -155,9 +200,9 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """At the end of a sequence, emit whatever is left (even a lone replacement character)."""
-        prefix_text = self.tokenizer.decode(self.ids[self.prefix:self.read], self.skip)
-        full_text = self.tokenizer.decode(self.ids[self.prefix:], self.skip)
-        delta = full_text[len(prefix_text):]
+        prefix_text = self.tokenizer.decode(self.ids[self.prefix : self.read], self.skip)
+        full_text = self.tokenizer.decode(self.ids[self.prefix :], self.skip)
+        delta = full_text[len(prefix_text) :]
         self.prefix = self.read = len(self.ids)
         self.text += delta
         return delta

@@ -1,6 +1,7 @@
 """Request validation, in one place: the engine runs it before a request enters, a server runs
 the same function (through `EngineClient.validate`) before it answers 200, and a test fake runs
 it too. Every failure is an `InvalidRequest` naming the field."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -16,18 +17,20 @@ from paxengine.sampling_params import SamplingParams
 class Limits:
     vocab_size: int
     max_model_len: int
-    max_kv_tokens: int          # tokens the whole KV pool holds: one request can never need more
+    max_kv_tokens: int  # tokens the whole KV pool holds: one request can never need more
 
 
 def check_token_ids(ids: Sequence[int], vocab_size: int, param: str = "prompt") -> None:
     for t in ids:
         if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or not 0 <= t < vocab_size:
-            raise InvalidRequest(f"{param}: token id {t!r} is outside the vocabulary "
-                                 f"[0, {vocab_size})", param=param)
+            raise InvalidRequest(
+                f"{param}: token id {t!r} is outside the vocabulary [0, {vocab_size})", param=param
+            )
 
 
-def validate_request(prompt_token_ids: Sequence[int], params: SamplingParams,
-                     limits: Limits) -> None:
+def validate_request(
+    prompt_token_ids: Sequence[int], params: SamplingParams, limits: Limits
+) -> None:
     """Refuse, with a clear message, a request that is malformed or could never be scheduled."""
     if not isinstance(params, SamplingParams):
         raise InvalidRequest("params must be a SamplingParams")
@@ -37,15 +40,24 @@ def validate_request(prompt_token_ids: Sequence[int], params: SamplingParams,
         raise InvalidRequest("prompt: the prompt is empty", param="prompt")
     check_token_ids(prompt_token_ids, limits.vocab_size)
     if n >= context:
-        raise InvalidRequest(f"prompt: the prompt has {n} tokens but max_model_len is {context} "
-                             f"(at most {context - 1} prompt tokens leave room for one generated "
-                             "token)", param="prompt", code="context_length_exceeded")
+        raise InvalidRequest(
+            f"prompt: the prompt has {n} tokens but max_model_len is {context} "
+            f"(at most {context - 1} prompt tokens leave room for one generated "
+            "token)",
+            param="prompt",
+            code="context_length_exceeded",
+        )
     total = n + (params.max_tokens or context - n)
     if total > context:
-        raise InvalidRequest(f"max_tokens: the prompt ({n} tokens) + max_tokens "
-                             f"({params.max_tokens}) = {total} exceeds max_model_len ({context})",
-                             param="max_tokens", code="context_length_exceeded")
+        raise InvalidRequest(
+            f"max_tokens: the prompt ({n} tokens) + max_tokens "
+            f"({params.max_tokens}) = {total} exceeds max_model_len ({context})",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
     if total > limits.max_kv_tokens:
-        raise InvalidRequest(f"max_tokens: the prompt + max_tokens = {total} tokens needs more KV "
-                             f"blocks than the pool holds ({limits.max_kv_tokens} tokens)",
-                             param="max_tokens")
+        raise InvalidRequest(
+            f"max_tokens: the prompt + max_tokens = {total} tokens needs more KV "
+            f"blocks than the pool holds ({limits.max_kv_tokens} tokens)",
+            param="max_tokens",
+        )

@@ -2,6 +2,7 @@
 
 The app's lifespan starts the engine (`await engine.start()`) and shuts it down on exit.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -20,19 +21,35 @@ from serving.errors import ApiError, bad_request, install_error_handlers, parse_
 from serving.generation import ServerState
 from serving.metrics import CONTENT_TYPE
 from serving.openai_api import chat_prompt, respond
-from serving.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                              DetokenizeResponse, HealthResponse, ModelCard, ModelList,
-                              TokenizeRequest, TokenizeResponse, VersionResponse, schema_of)
+from serving.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    HealthResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+    VersionResponse,
+    schema_of,
+)
 
 log = logging.getLogger("serving")
 
 
 def _version() -> str:
     import paxengine
+
     return paxengine.__version__
 
 
-def build_app(engine: EngineClient, server_config: Optional[ServerConfig] = None, *, manage_engine: bool = True) -> FastAPI:
+def build_app(
+    engine: EngineClient,
+    server_config: Optional[ServerConfig] = None,
+    *,
+    manage_engine: bool = True,
+) -> FastAPI:
     """An OpenAI-compatible app around `engine`. With `manage_engine` the app's lifespan calls
     `engine.start()` and `engine.shutdown()`."""
     cfg = server_config or ServerConfig()
@@ -56,10 +73,18 @@ def build_app(engine: EngineClient, server_config: Optional[ServerConfig] = None
         if cfg.api_key is None:
             return
         auth = request.headers.get("authorization", "")
-        token = auth[7:].strip() if auth[:7].lower() == "bearer " else request.headers.get("x-api-key", "")
+        token = (
+            auth[7:].strip()
+            if auth[:7].lower() == "bearer "
+            else request.headers.get("x-api-key", "")
+        )
         if not token or not secrets.compare_digest(token.encode(), cfg.api_key.encode()):
-            raise ApiError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
-                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+            raise ApiError(
+                401,
+                "invalid or missing API key (send 'Authorization: Bearer <key>')",
+                code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
 
     auth = [Depends(require_key)]
 
@@ -69,15 +94,20 @@ def build_app(engine: EngineClient, server_config: Optional[ServerConfig] = None
         req = await parse_body(request, CompletionRequest)
         return await respond(state, "completion", request, req)
 
-    @app.post("/v1/chat/completions", dependencies=auth, openapi_extra=schema_of(ChatCompletionRequest))
+    @app.post(
+        "/v1/chat/completions", dependencies=auth, openapi_extra=schema_of(ChatCompletionRequest)
+    )
     async def chat_completions(request: Request):
         req = await parse_body(request, ChatCompletionRequest)
         return await respond(state, "chat", request, req)
 
     def model_card() -> ModelCard:
         info = state.info
-        return ModelCard(id=info.name, root=info.aliases[0] if info.aliases else info.name,
-                         max_model_len=info.max_model_len)
+        return ModelCard(
+            id=info.name,
+            root=info.aliases[0] if info.aliases else info.name,
+            max_model_len=info.max_model_len,
+        )
 
     @app.get("/v1/models", dependencies=auth, response_model=ModelList)
     async def models():
@@ -89,22 +119,35 @@ def build_app(engine: EngineClient, server_config: Optional[ServerConfig] = None
         return model_card()
 
     # ------------------------------------------------------------------ tokenizer
-    @app.post("/tokenize", dependencies=auth, response_model=TokenizeResponse,
-              openapi_extra=schema_of(TokenizeRequest))
+    @app.post(
+        "/tokenize",
+        dependencies=auth,
+        response_model=TokenizeResponse,
+        openapi_extra=schema_of(TokenizeRequest),
+    )
     async def tokenize(request: Request):
         req = await parse_body(request, TokenizeRequest)
         state.check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("give exactly one of `prompt` or `messages`", "prompt")
         if req.messages is not None:
-            _, ids = await asyncio.to_thread(chat_prompt, state, req.messages, req.add_generation_prompt)
+            _, ids = await asyncio.to_thread(
+                chat_prompt, state, req.messages, req.add_generation_prompt
+            )
         else:
-            ids = list(await asyncio.to_thread(state.tokenizer.encode, req.prompt,
-                                               add_special_tokens=req.add_special_tokens))
+            ids = list(
+                await asyncio.to_thread(
+                    state.tokenizer.encode, req.prompt, add_special_tokens=req.add_special_tokens
+                )
+            )
         return TokenizeResponse(count=len(ids), max_model_len=state.max_model_len, tokens=ids)
 
-    @app.post("/detokenize", dependencies=auth, response_model=DetokenizeResponse,
-              openapi_extra=schema_of(DetokenizeRequest))
+    @app.post(
+        "/detokenize",
+        dependencies=auth,
+        response_model=DetokenizeResponse,
+        openapi_extra=schema_of(DetokenizeRequest),
+    )
     async def detokenize(request: Request):
         req = await parse_body(request, DetokenizeRequest)
         state.check_model(req.model)
@@ -127,8 +170,12 @@ def build_app(engine: EngineClient, server_config: Optional[ServerConfig] = None
         except EngineError as e:
             raise state.api_error(e) from None
         if not done:
-            raise ApiError(503, "the prefix cache could not be reset now (blocks are in use by "
-                           "running requests); retry when idle", code="prefix_cache_busy")
+            raise ApiError(
+                503,
+                "the prefix cache could not be reset now (blocks are in use by "
+                "running requests); retry when idle",
+                code="prefix_cache_busy",
+            )
         return Response(status_code=200)
 
     @app.get("/version", response_model=VersionResponse)

@@ -3,6 +3,7 @@
 Flags are named as `vllm serve` names them. Precedence: defaults < --performance-mode preset <
 YAML keys < explicit flags (see serving.config.resolve_configs).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,12 +24,15 @@ def _bool_pair(p: argparse.ArgumentParser, name: str, help: str) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="paxengine serve", description=__doc__.split("\n")[0],
-                                argument_default=None)
+    p = argparse.ArgumentParser(
+        prog="paxengine serve", description=__doc__.split("\n")[0], argument_default=None
+    )
     p.add_argument("model_tag", nargs="?", help="model (same as --model)")
     p.add_argument("--config", help="YAML file of engine and server keys (flags override it)")
     e = p.add_argument_group("engine")
-    e.add_argument("--model", help="HF directory / GGUF file; default: the embedded SmolLM2-135M-Instruct")
+    e.add_argument(
+        "--model", help="HF directory / GGUF file; default: the embedded SmolLM2-135M-Instruct"
+    )
     e.add_argument("--tokenizer")
     e.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
     e.add_argument("--max-model-len", type=int)
@@ -42,22 +46,41 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--kv-cache-dtype", choices=["auto", "float32", "bfloat16", "fp8"])
     e.add_argument("--quantization", choices=["fp8"])
     e.add_argument("--attention-backend", choices=["auto", "xla", "pallas", "reference"])
-    e.add_argument("--layer-loop", choices=["auto", "scan", "unroll"],
-                   help="unrolled per-layer weights (auto on GPU) or a scan over stacked ones")
-    e.add_argument("--token-buckets", type=_int_list, metavar="N,N,...",
-                   help="step token counts to compile (default: derived from --max-num-batched-tokens)")
-    e.add_argument("--seq-buckets", type=_int_list, metavar="N,N,...",
-                   help="step sequence counts to compile (default: derived from --max-num-seqs)")
+    e.add_argument(
+        "--layer-loop",
+        choices=["auto", "scan", "unroll"],
+        help="unrolled per-layer weights (auto on GPU) or a scan over stacked ones",
+    )
+    e.add_argument(
+        "--token-buckets",
+        type=_int_list,
+        metavar="N,N,...",
+        help="step token counts to compile (default: derived from --max-num-batched-tokens)",
+    )
+    e.add_argument(
+        "--seq-buckets",
+        type=_int_list,
+        metavar="N,N,...",
+        help="step sequence counts to compile (default: derived from --max-num-seqs)",
+    )
     e.add_argument("--served-model-name")
     e.add_argument("--seed", type=int)
-    e.add_argument("--max-waiting-requests", type=int,
-                   help="bound of the waiting queue; beyond it requests get 503 + Retry-After")
-    e.add_argument("--performance-mode", choices=sorted(PERFORMANCE_MODES),
-                   help="presets of max-num-seqs / max-num-batched-tokens (flags and YAML win)")
+    e.add_argument(
+        "--max-waiting-requests",
+        type=int,
+        help="bound of the waiting queue; beyond it requests get 503 + Retry-After",
+    )
+    e.add_argument(
+        "--performance-mode",
+        choices=sorted(PERFORMANCE_MODES),
+        help="presets of max-num-seqs / max-num-batched-tokens (flags and YAML win)",
+    )
     s = p.add_argument_group("server")
     s.add_argument("--host")
     s.add_argument("--port", type=int)
-    s.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 (or $PAXENGINE_API_KEY)")
+    s.add_argument(
+        "--api-key", help="require 'Authorization: Bearer KEY' on /v1 (or $PAXENGINE_API_KEY)"
+    )
     s.add_argument("--metrics-prefix", help="metric name prefix: paxengine (default) or vllm")
     s.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"])
     return p
@@ -68,7 +91,8 @@ def _int_list(text: str) -> list[int]:
         return [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(
-            f"expected comma-separated integers, got {text!r}") from None
+            f"expected comma-separated integers, got {text!r}"
+        ) from None
 
 
 def parse(argv: list[str]):
@@ -84,6 +108,7 @@ def parse(argv: list[str]):
         yaml_keys = {}
         if config_path:
             from paxengine.config import load_yaml
+
             yaml_keys = load_yaml(config_path)
         return resolve_configs(yaml_keys, args)
     except (ValueError, TypeError, FileNotFoundError) as e:
@@ -94,10 +119,12 @@ def describe(engine: EngineClient, scfg: ServerConfig) -> str:
     """One start-up line from what the engine serves."""
     info = engine.model_info()
     shapes = ", ".join(f"{t}x{s}" for t, s in info.buckets)
-    return (f"model={info.name} dtype={info.dtype} kv_cache_dtype={info.kv_cache_dtype} "
-            f"max_model_len={info.max_model_len} kv_capacity_tokens={info.kv_capacity_tokens} "
-            f"buckets={len(info.buckets)} [tokens x seqs: {shapes}] "
-            f"url=http://{scfg.host}:{scfg.port}/v1")
+    return (
+        f"model={info.name} dtype={info.dtype} kv_cache_dtype={info.kv_cache_dtype} "
+        f"max_model_len={info.max_model_len} kv_capacity_tokens={info.kv_capacity_tokens} "
+        f"buckets={len(info.buckets)} [tokens x seqs: {shapes}] "
+        f"url=http://{scfg.host}:{scfg.port}/v1"
+    )
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -108,9 +135,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         ecfg, scfg = parse(argv)
     except SystemExit as e:
         return int(e.code or 0)
-    logging.basicConfig(level=scfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=scfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
 
     import uvicorn
+
     from paxengine.async_engine import AsyncEngine
     from serving.app import build_app
 
@@ -123,8 +153,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     app = build_app(engine, scfg)
     log.info("serving %s", describe(engine, scfg))
     try:
-        uvicorn.run(app, host=scfg.host, port=scfg.port, log_level=scfg.log_level,
-                    timeout_graceful_shutdown=5)
+        uvicorn.run(
+            app,
+            host=scfg.host,
+            port=scfg.port,
+            log_level=scfg.log_level,
+            timeout_graceful_shutdown=5,
+        )
     except KeyboardInterrupt:
         pass
     except SystemExit as e:  # uvicorn's start-up failure (e.g. the port is taken)

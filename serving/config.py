@@ -3,6 +3,7 @@
 Precedence, lowest first: EngineConfig defaults < `performance_mode` preset < YAML keys <
 explicit command-line flags. YAML keys that are not EngineConfig fields must be server keys.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -27,20 +28,28 @@ PERFORMANCE_MODES: dict[str, dict[str, Any]] = {
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
-    api_key: Optional[str] = None          # also read from $PAXENGINE_API_KEY by the CLI
-    metrics_prefix: str = "paxengine"      # "vllm" makes vLLM dashboards/alerts work unchanged
+    api_key: Optional[str] = None  # also read from $PAXENGINE_API_KEY by the CLI
+    metrics_prefix: str = "paxengine"  # "vllm" makes vLLM dashboards/alerts work unchanged
     performance_mode: str = "balanced"
     log_level: str = "info"
-    retry_after_s: int = 1                 # Retry-After when the waiting queue is full
+    retry_after_s: int = 1  # Retry-After when the waiting queue is full
 
     def __post_init__(self):
         self.metrics_prefix = (self.metrics_prefix or "paxengine").rstrip(":")
         if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", self.metrics_prefix):
-            raise ValueError(f"metrics_prefix: {self.metrics_prefix!r} is not a valid metric name prefix")
+            raise ValueError(
+                f"metrics_prefix: {self.metrics_prefix!r} is not a valid metric name prefix"
+            )
         if self.performance_mode not in PERFORMANCE_MODES:
-            raise ValueError(f"performance_mode: must be one of {sorted(PERFORMANCE_MODES)}, "
-                             f"got {self.performance_mode!r}")
-        if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port < 65536:
+            raise ValueError(
+                f"performance_mode: must be one of {sorted(PERFORMANCE_MODES)}, "
+                f"got {self.performance_mode!r}"
+            )
+        if (
+            isinstance(self.port, bool)
+            or not isinstance(self.port, int)
+            or not 0 <= self.port < 65536
+        ):
             raise ValueError(f"port: must be an integer in [0, 65535], got {self.port!r}")
         if not isinstance(self.host, str) or not self.host:
             raise ValueError(f"host: must be a non-empty string, got {self.host!r}")
@@ -52,25 +61,32 @@ class ServerConfig:
         return {f.name for f in dataclasses.fields(cls)}
 
 
-def resolve_configs(yaml_keys: Optional[dict] = None,
-                    flags: Optional[dict] = None) -> tuple[EngineConfig, ServerConfig]:
+def resolve_configs(
+    yaml_keys: Optional[dict] = None, flags: Optional[dict] = None
+) -> tuple[EngineConfig, ServerConfig]:
     """Combine YAML keys and explicit flags (both flat dicts, `None` values = not given)."""
     yaml_keys = {k.replace("-", "_"): v for k, v in (yaml_keys or {}).items()}
     flags = {k: v for k, v in (flags or {}).items() if v is not None}
     engine_fields, server_fields = EngineConfig.fields(), ServerConfig.fields()
     unknown = set(yaml_keys) - engine_fields - server_fields
     if unknown:
-        raise ValueError(f"unknown config keys: {sorted(unknown)} (engine keys: "
-                         f"{sorted(engine_fields)}; server keys: {sorted(server_fields)})")
+        raise ValueError(
+            f"unknown config keys: {sorted(unknown)} (engine keys: "
+            f"{sorted(engine_fields)}; server keys: {sorted(server_fields)})"
+        )
     unknown = set(flags) - engine_fields - server_fields
     if unknown:  # a programming error in the CLI, not user input
         raise ValueError(f"unknown flags: {sorted(unknown)}")
     merged = {**yaml_keys, **flags}
     mode = merged.get("performance_mode", "balanced")
     if mode not in PERFORMANCE_MODES:
-        raise ValueError(f"performance_mode: must be one of {sorted(PERFORMANCE_MODES)}, got {mode!r}")
-    engine_kw = {**PERFORMANCE_MODES[mode],
-                 **{k: v for k, v in merged.items() if k in engine_fields}}
+        raise ValueError(
+            f"performance_mode: must be one of {sorted(PERFORMANCE_MODES)}, got {mode!r}"
+        )
+    engine_kw = {
+        **PERFORMANCE_MODES[mode],
+        **{k: v for k, v in merged.items() if k in engine_fields},
+    }
     server_kw = {k: v for k, v in merged.items() if k in server_fields}
     if server_kw.get("api_key") is None and os.environ.get("PAXENGINE_API_KEY"):
         server_kw["api_key"] = os.environ["PAXENGINE_API_KEY"]

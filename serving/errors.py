@@ -4,6 +4,7 @@ Every failure path of the app ends here: our own `ApiError`, FastAPI's validatio
 becomes 400), Starlette's HTTP errors (404/405 for unknown routes) and anything unexpected (500,
 logged; the engine keeps running).
 """
+
 from __future__ import annotations
 
 import json
@@ -20,17 +21,32 @@ from serving.protocol import UNIMPLEMENTED_FIELDS, ErrorInfo, ErrorResponse
 
 log = logging.getLogger("serving")
 
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-          404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
-          429: "rate_limit_error", 500: "server_error", 503: "service_unavailable"}
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "service_unavailable",
+}
 
 M = TypeVar("M", bound=BaseModel)
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, *, param: Optional[str] = None,
-                 code: Optional[str] = None, type: Optional[str] = None,
-                 headers: Optional[dict] = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: Optional[str] = None,
+        code: Optional[str] = None,
+        type: Optional[str] = None,
+        headers: Optional[dict] = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.param = status, message, param
         self.code = code if code is not None else status
@@ -38,8 +54,9 @@ class ApiError(Exception):
         self.headers = headers
 
     def body(self) -> dict:
-        return ErrorResponse(error=ErrorInfo(message=self.message, type=self.type,
-                                             param=self.param, code=self.code)).model_dump()
+        return ErrorResponse(
+            error=ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code)
+        ).model_dump()
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
@@ -51,8 +68,18 @@ def bad_request(message: str, param: Optional[str] = None) -> ApiError:
 
 def _loc(loc) -> Optional[str]:
     # drop pydantic's union-branch names ("str", "list[int]") and FastAPI's "body" prefix
-    parts = [str(p) for p in loc if p != "body" and not (isinstance(p, str) and ("[" in p or p in (
-        "str", "int", "float", "bool", "list", "dict", "function-after", "[key]")))]
+    parts = [
+        str(p)
+        for p in loc
+        if p != "body"
+        and not (
+            isinstance(p, str)
+            and (
+                "[" in p
+                or p in ("str", "int", "float", "bool", "list", "dict", "function-after", "[key]")
+            )
+        )
+    ]
     return ".".join(parts) or None
 
 
@@ -73,12 +100,14 @@ def validation_error(errors: list[dict]) -> ApiError:
     if first.get("type") == "json_invalid":
         return bad_request(f"request body is not valid JSON: {first.get('msg')}")
     if top == "prompt":
-        msg = ("prompt must be a string, a list of strings, a list of token ids or a list of "
-               "token-id lists")
+        msg = (
+            "prompt must be a string, a list of strings, a list of token ids or a list of "
+            "token-id lists"
+        )
     elif top == "stop":
         msg = "stop must be a string or a list of strings"
     elif param and param.endswith(".content"):
-        msg = f"{param} must be a string or a list of {{\"type\": \"text\", \"text\": ...}} parts"
+        msg = f'{param} must be a string or a list of {{"type": "text", "text": ...}} parts'
     else:
         msg = f"{param or 'body'}: {first.get('msg', 'invalid value')}"
     return bad_request(msg, param)
@@ -116,7 +145,9 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException):
-        return ApiError(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None)).response()
+        return ApiError(
+            exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None)
+        ).response()
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):

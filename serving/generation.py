@@ -6,6 +6,7 @@ A call's requests start in `start_jobs`, before the response does, so a refusal 
 full queue, a dead engine) is an HTTP status and not an error inside a 200 stream. Whatever ends
 the response (done, client gone, cancelled, error), `abort_unfinished` aborts what is left.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -60,8 +61,12 @@ class ServerState:
 
     def check_model(self, name: Optional[str]) -> None:
         if name is not None and name != self.info.name and name not in self.info.aliases:
-            raise ApiError(404, f"The model `{name}` does not exist. Available: {self.model_name!r}.",
-                           param="model", code="model_not_found")
+            raise ApiError(
+                404,
+                f"The model `{name}` does not exist. Available: {self.model_name!r}.",
+                param="model",
+                code="model_not_found",
+            )
 
     def check_tokens(self, ids: Sequence[int], param: str = "prompt") -> None:
         try:
@@ -75,8 +80,12 @@ class ServerState:
             return ApiError(400, str(e), param=e.param, code=e.code)
         if isinstance(e, EngineOverloaded):
             self.metrics.rejected("overloaded")
-            return ApiError(503, f"server overloaded: {e}", code="server_overloaded",
-                            headers={"Retry-After": str(self.config.retry_after_s)})
+            return ApiError(
+                503,
+                f"server overloaded: {e}",
+                code="server_overloaded",
+                headers={"Retry-After": str(self.config.retry_after_s)},
+            )
         if isinstance(e, EngineDead):
             self.metrics.rejected("unhealthy")
             return ApiError(503, f"the engine is not running: {e}", code="engine_unhealthy")
@@ -84,11 +93,13 @@ class ServerState:
 
     def spawn_abort(self, request_id: str) -> None:
         """engine.abort on a task of its own, so it runs even from a cancelled scope."""
+
         async def _abort():
             try:
                 await self.engine.abort(request_id)
             except Exception:  # already finished / unknown id: nothing to free
                 log.debug("abort(%s) failed", request_id, exc_info=True)
+
         try:
             task = asyncio.get_running_loop().create_task(_abort())
         except RuntimeError:
@@ -102,7 +113,7 @@ class Job:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
-    stream: Optional[AsyncIterator] = None     # engine.generate's outputs, once started
+    stream: Optional[AsyncIterator] = None  # engine.generate's outputs, once started
     finished: bool = False
 
 
@@ -137,8 +148,11 @@ async def _tracked(state: ServerState, job: Job) -> AsyncIterator:
             if ntok > last_n:
                 if first:
                     em = out.metrics
-                    m.ttft.observe(em.first_token_time - em.arrival_time
-                                   if em.first_token_time is not None else now - t0)
+                    m.ttft.observe(
+                        em.first_token_time - em.arrival_time
+                        if em.first_token_time is not None
+                        else now - t0
+                    )
                     first = False
                 else:
                     k = ntok - last_n
@@ -147,8 +161,9 @@ async def _tracked(state: ServerState, job: Job) -> AsyncIterator:
                 last_t, last_n = now, ntok
             if out.finished:
                 job.finished = True
-                m.observe_request(out.metrics, len(job.prompt_ids),
-                                  sum(len(o.token_ids) for o in out.outputs))
+                m.observe_request(
+                    out.metrics, len(job.prompt_ids), sum(len(o.token_ids) for o in out.outputs)
+                )
                 for o in out.outputs:
                     m.finished(o.finish_reason)
             yield out

@@ -4,12 +4,18 @@ One private CollectorRegistry per app. Gauges and counters the engine already ke
 (`engine.stats()`) are read at scrape time by a custom collector; per-request histograms and the
 finished-reason counter are observed by the server as requests run.
 """
+
 from __future__ import annotations
 
 from typing import Callable, Optional
 
-from prometheus_client import (CollectorRegistry, Counter, Histogram, disable_created_metrics,
-                               generate_latest)
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 disable_created_metrics()  # no `_created` series (as vLLM): they double every counter's output
@@ -18,27 +24,104 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 # name (without prefix), engine.stats() key, help
 _GAUGES = [
-    ("num_requests_running", "num_requests_running", "Number of requests in model execution batches."),
+    (
+        "num_requests_running",
+        "num_requests_running",
+        "Number of requests in model execution batches.",
+    ),
     ("num_requests_waiting", "num_requests_waiting", "Number of requests waiting to be processed."),
     ("kv_cache_usage_perc", "kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage."),
 ]
 _COUNTERS = [
-    ("prefix_cache_queries", "prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens."),
-    ("prefix_cache_hits", "prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."),
+    (
+        "prefix_cache_queries",
+        "prefix_cache_queries",
+        "Prefix cache queries, in terms of number of queried tokens.",
+    ),
+    (
+        "prefix_cache_hits",
+        "prefix_cache_hits",
+        "Prefix cache hits, in terms of number of cached tokens.",
+    ),
     ("num_preemptions", "num_preemptions", "Cumulative number of preemptions from the engine."),
     ("prompt_tokens", "prompt_tokens", "Number of prefill tokens processed."),
     ("generation_tokens", "generation_tokens", "Number of generation tokens processed."),
-    ("xla_compiles_after_warmup", "xla_compiles_after_warmup",
-     "XLA compiles since the step buckets were compiled at start-up (must stay 0)."),
+    (
+        "xla_compiles_after_warmup",
+        "xla_compiles_after_warmup",
+        "XLA compiles since the step buckets were compiled at start-up (must stay 0).",
+    ),
 ]
 
 # vLLM's buckets
-_TTFT = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
-         10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
-_ITL = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-        20.0, 40.0, 80.0]
-_LATENCY = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
-            120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
+_TTFT = [
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+]
+_ITL = [
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+]
+_LATENCY = [
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+]
 
 
 def _token_buckets(max_len: int) -> list[float]:
@@ -73,30 +156,56 @@ class _EngineStatsCollector:
 
 
 class ServerMetrics:
-    def __init__(self, prefix: str, model_name: str, stats_fn: Callable[[], dict],
-                 max_model_len: int = 8192):
+    def __init__(
+        self, prefix: str, model_name: str, stats_fn: Callable[[], dict], max_model_len: int = 8192
+    ):
         self.registry = CollectorRegistry(auto_describe=False)
         p, lab = prefix, {"model_name": model_name}
         self.registry.register(_EngineStatsCollector(p, lab, stats_fn))
         ln = ["model_name"]
 
         def hist(name, doc, buckets):
-            return Histogram(f"{p}:{name}", doc, ln, buckets=buckets, registry=self.registry).labels(**lab)
+            return Histogram(
+                f"{p}:{name}", doc, ln, buckets=buckets, registry=self.registry
+            ).labels(**lab)
 
-        self.ttft = hist("time_to_first_token_seconds", "Histogram of time to first token in seconds.", _TTFT)
-        self.itl = hist("inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", _ITL)
-        self.e2e = hist("e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", _LATENCY)
-        self.queue = hist("request_queue_time_seconds", "Histogram of time spent in WAITING phase.", _LATENCY)
-        self.prefill = hist("request_prefill_time_seconds", "Histogram of time spent in PREFILL phase.", _LATENCY)
-        self.decode = hist("request_decode_time_seconds", "Histogram of time spent in DECODE phase.", _LATENCY)
+        self.ttft = hist(
+            "time_to_first_token_seconds", "Histogram of time to first token in seconds.", _TTFT
+        )
+        self.itl = hist(
+            "inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", _ITL
+        )
+        self.e2e = hist(
+            "e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", _LATENCY
+        )
+        self.queue = hist(
+            "request_queue_time_seconds", "Histogram of time spent in WAITING phase.", _LATENCY
+        )
+        self.prefill = hist(
+            "request_prefill_time_seconds", "Histogram of time spent in PREFILL phase.", _LATENCY
+        )
+        self.decode = hist(
+            "request_decode_time_seconds", "Histogram of time spent in DECODE phase.", _LATENCY
+        )
         tokens = _token_buckets(max_model_len)
-        self.prompt_len = hist("request_prompt_tokens", "Number of prefill tokens processed.", tokens)
-        self.gen_len = hist("request_generation_tokens", "Number of generation tokens processed.", tokens)
-        self._success = Counter(f"{p}:request_success", "Count of successfully processed requests.",
-                                ln + ["finished_reason"], registry=self.registry)
-        self._rejected = Counter(f"{p}:request_rejected", "Requests refused by the server (4xx/5xx "
-                                 "before reaching the engine), by reason.", ln + ["reason"],
-                                 registry=self.registry)
+        self.prompt_len = hist(
+            "request_prompt_tokens", "Number of prefill tokens processed.", tokens
+        )
+        self.gen_len = hist(
+            "request_generation_tokens", "Number of generation tokens processed.", tokens
+        )
+        self._success = Counter(
+            f"{p}:request_success",
+            "Count of successfully processed requests.",
+            ln + ["finished_reason"],
+            registry=self.registry,
+        )
+        self._rejected = Counter(
+            f"{p}:request_rejected",
+            "Requests refused by the server (4xx/5xx before reaching the engine), by reason.",
+            ln + ["reason"],
+            registry=self.registry,
+        )
         self._model = model_name
 
     def finished(self, reason: Optional[str]) -> None:
@@ -107,14 +216,17 @@ class ServerMetrics:
 
     def observe_request(self, m, num_prompt_tokens: int, num_generated: int) -> None:
         """Histograms of one finished request from its RequestOutput.metrics."""
+
         def span(a, b):
             a, b = getattr(m, a, None), getattr(m, b, None)
             return b - a if a is not None and b is not None and b >= a else None
 
-        for h, (a, b) in ((self.e2e, ("arrival_time", "finished_time")),
-                          (self.queue, ("arrival_time", "first_scheduled_time")),
-                          (self.prefill, ("first_scheduled_time", "first_token_time")),
-                          (self.decode, ("first_token_time", "finished_time"))):
+        for h, (a, b) in (
+            (self.e2e, ("arrival_time", "finished_time")),
+            (self.queue, ("arrival_time", "first_scheduled_time")),
+            (self.prefill, ("first_scheduled_time", "first_token_time")),
+            (self.decode, ("first_token_time", "finished_time")),
+        ):
             v = span(a, b) if m is not None else None
             if v is not None:
                 h.observe(v)

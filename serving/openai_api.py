@@ -1,4 +1,5 @@
 """/v1/completions and /v1/chat/completions: request -> engine jobs -> response or SSE stream."""
+
 from __future__ import annotations
 
 import asyncio
@@ -14,13 +15,31 @@ from starlette.responses import StreamingResponse
 
 from paxengine.sampling_params import MAX_LOGPROBS, SamplingParams
 from serving.errors import ApiError, bad_request
-from serving.generation import (ClientDisconnected, Job, ServerState, abort_unfinished,
-                                run_requests, start_jobs, until_disconnect)
-from serving.protocol import (ChatChoice, ChatCompletionChunk,
-                              ChatCompletionResponse, ChatLogprobs, ChatResponseMessage,
-                              ChatStreamChoice, ChatTokenLogprob, CompletionChoice,
-                              CompletionLogprobs, CompletionRequest, CompletionResponse,
-                              DeltaMessage, TopLogprob, Usage)
+from serving.generation import (
+    ClientDisconnected,
+    Job,
+    ServerState,
+    abort_unfinished,
+    run_requests,
+    start_jobs,
+    until_disconnect,
+)
+from serving.protocol import (
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatResponseMessage,
+    ChatStreamChoice,
+    ChatTokenLogprob,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    DeltaMessage,
+    TopLogprob,
+    Usage,
+)
 
 
 class SSEResponse(StreamingResponse):
@@ -29,19 +48,25 @@ class SSEResponse(StreamingResponse):
     however the response ends, also when the generator never started."""
 
     def __init__(self, content, on_close, **kw):
-        super().__init__(content, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}, **kw)
+        super().__init__(
+            content,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            **kw,
+        )
         self.on_close = on_close
 
     async def __call__(self, scope, receive, send):
         try:
             async with anyio.create_task_group() as tg:
+
                 async def stream():
                     try:
                         await self.stream_response(send)
                     except OSError:
                         pass
                     tg.cancel_scope.cancel()
+
                 tg.start_soon(stream)
                 await self.listen_for_disconnect(receive)
                 tg.cancel_scope.cancel()
@@ -55,7 +80,9 @@ def sse(obj) -> str:
 
 
 # ----------------------------------------------------------------------------- request -> params
-def sampling_params(state: ServerState, req, max_tokens: Optional[int], logprobs: Optional[int]) -> SamplingParams:
+def sampling_params(
+    state: ServerState, req, max_tokens: Optional[int], logprobs: Optional[int]
+) -> SamplingParams:
     """The request's fields as SamplingParams; their values are checked by the engine."""
     bias = {}
     for k, v in (req.logit_bias or {}).items():
@@ -65,17 +92,26 @@ def sampling_params(state: ServerState, req, max_tokens: Optional[int], logprobs
             raise bad_request(f"logit_bias: key {k!r} is not a token id", "logit_bias") from None
     opt = lambda v, d: d if v is None else v  # noqa: E731
     return SamplingParams(
-        n=req.n, temperature=opt(req.temperature, 1.0), top_p=opt(req.top_p, 1.0),
+        n=req.n,
+        temperature=opt(req.temperature, 1.0),
+        top_p=opt(req.top_p, 1.0),
         # top_k beyond the vocabulary means "all tokens": clamp (the engine packs it into int32)
-        top_k=min(opt(req.top_k, -1), state.vocab_size), min_p=opt(req.min_p, 0.0),
+        top_k=min(opt(req.top_k, -1), state.vocab_size),
+        min_p=opt(req.min_p, 0.0),
         presence_penalty=opt(req.presence_penalty, 0.0),
         frequency_penalty=opt(req.frequency_penalty, 0.0),
-        repetition_penalty=opt(req.repetition_penalty, 1.0), seed=req.seed,
+        repetition_penalty=opt(req.repetition_penalty, 1.0),
+        seed=req.seed,
         stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []),
         stop_token_ids=list(req.stop_token_ids or []),
-        include_stop_str_in_output=req.include_stop_str_in_output, max_tokens=max_tokens,
-        min_tokens=req.min_tokens, ignore_eos=req.ignore_eos, logprobs=logprobs, logit_bias=bias,
-        skip_special_tokens=req.skip_special_tokens)
+        include_stop_str_in_output=req.include_stop_str_in_output,
+        max_tokens=max_tokens,
+        min_tokens=req.min_tokens,
+        ignore_eos=req.ignore_eos,
+        logprobs=logprobs,
+        logit_bias=bias,
+        skip_special_tokens=req.skip_special_tokens,
+    )
 
 
 def _prompts(state: ServerState, req: CompletionRequest) -> list[tuple[str, list[int]]]:
@@ -100,10 +136,18 @@ def _prompts(state: ServerState, req: CompletionRequest) -> list[tuple[str, list
 
 def chat_prompt(state: ServerState, messages, add_generation_prompt: bool) -> tuple[str, list[int]]:
     # `name` goes to the template as vLLM passes it (templates that know it use it)
-    msgs = [{"role": "system" if m.role == "developer" else m.role, "content": m.text(),
-             **({"name": m.name} if m.name is not None else {})} for m in messages]
+    msgs = [
+        {
+            "role": "system" if m.role == "developer" else m.role,
+            "content": m.text(),
+            **({"name": m.name} if m.name is not None else {}),
+        }
+        for m in messages
+    ]
     try:
-        text = state.tokenizer.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt)
+        text = state.tokenizer.apply_chat_template(
+            msgs, add_generation_prompt=add_generation_prompt
+        )
     except Exception as e:  # template errors (role order, ...) are the client's
         raise bad_request(f"messages: the chat template rejected them: {e}", "messages") from None
     return text, list(state.tokenizer.encode(text, add_special_tokens=False))
@@ -127,8 +171,9 @@ def _token_entries(state, o, start: int, k: int):
     for j in range(start, min(len(o.token_ids), len(lps))):
         tid, d = o.token_ids[j], lps[j] or {}
         entries = [(t, *_lp(v)) for t, v in d.items()]
-        ranked = sorted((e for e in entries if e[2] >= 1), key=lambda e: e[2]) or \
-            sorted(entries, key=lambda e: -e[1])
+        ranked = sorted((e for e in entries if e[2] >= 1), key=lambda e: e[2]) or sorted(
+            entries, key=lambda e: -e[1]
+        )
         s = next((e for e in entries if e[0] == tid), None)
         lp = s[1] if s else float("-inf")
         tstr = _tok_str(state, tid, s[3] if s else None)
@@ -136,7 +181,9 @@ def _token_entries(state, o, start: int, k: int):
     return out
 
 
-def completion_logprobs(state, o, start: int, k: int, offset: int, prompt=None) -> CompletionLogprobs:
+def completion_logprobs(
+    state, o, start: int, k: int, offset: int, prompt=None
+) -> CompletionLogprobs:
     res = CompletionLogprobs()
     if prompt is not None:  # echo: prompt tokens carry no logprobs
         for tid in prompt:
@@ -156,10 +203,17 @@ def completion_logprobs(state, o, start: int, k: int, offset: int, prompt=None) 
 def chat_logprobs(state, o, start: int, k: int) -> ChatLogprobs:
     content = []
     for tstr, lp, tops in _token_entries(state, o, start, k):
-        content.append(ChatTokenLogprob(
-            token=tstr, logprob=lp, bytes=list(tstr.encode("utf-8", "replace")),
-            top_logprobs=[TopLogprob(token=t, logprob=l, bytes=list(t.encode("utf-8", "replace")))
-                          for t, l in tops[:k]]))
+        content.append(
+            ChatTokenLogprob(
+                token=tstr,
+                logprob=lp,
+                bytes=list(tstr.encode("utf-8", "replace")),
+                top_logprobs=[
+                    TopLogprob(token=t, logprob=l, bytes=list(t.encode("utf-8", "replace")))
+                    for t, l in tops[:k]
+                ],
+            )
+        )
     return ChatLogprobs(content=content)
 
 
@@ -167,8 +221,17 @@ def chat_logprobs(state, o, start: int, k: int) -> ChatLogprobs:
 class _Call:
     """One API call: its prompts, engine jobs, and what has been sent so far (for deltas)."""
 
-    def __init__(self, state: ServerState, kind: str, req, prompts, params: SamplingParams, k: Optional[int]):
-        self.state, self.kind, self.req, self.prompts, self.params, self.k = state, kind, req, prompts, params, k
+    def __init__(
+        self, state: ServerState, kind: str, req, prompts, params: SamplingParams, k: Optional[int]
+    ):
+        self.state, self.kind, self.req, self.prompts, self.params, self.k = (
+            state,
+            kind,
+            req,
+            prompts,
+            params,
+            k,
+        )
         self.id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         self.jobs = [Job(f"{self.id}-{i}", ids, params) for i, (_, ids) in enumerate(prompts)]
         self.n = params.n
@@ -196,12 +259,19 @@ async def prepare(state: ServerState, kind: str, req) -> _Call:
             if not req.logprobs:
                 raise bad_request("top_logprobs: requires logprobs to be true", "top_logprobs")
             if not 0 <= req.top_logprobs <= MAX_LOGPROBS:
-                raise bad_request(f"top_logprobs: must be an integer in [0, {MAX_LOGPROBS}], "
-                                  f"got {req.top_logprobs}", "top_logprobs")
+                raise bad_request(
+                    f"top_logprobs: must be an integer in [0, {MAX_LOGPROBS}], "
+                    f"got {req.top_logprobs}",
+                    "top_logprobs",
+                )
         size = sum(len(m.text()) for m in req.messages)
-        prompts = [await _off_loop(size, chat_prompt, state, req.messages, req.add_generation_prompt)]
+        prompts = [
+            await _off_loop(size, chat_prompt, state, req.messages, req.add_generation_prompt)
+        ]
         k = (req.top_logprobs or 0) if req.logprobs else None
-        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        max_tokens = (
+            req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        )
         if max_tokens is None:
             max_tokens = max(1, state.max_model_len - len(prompts[0][1]))
     else:
@@ -213,7 +283,7 @@ async def prepare(state: ServerState, kind: str, req) -> _Call:
             max_tokens = max(1, state.max_model_len - max(len(ids) for _, ids in prompts))
     params = sampling_params(state, req, max_tokens, k)
     call = _Call(state, kind, req, prompts, params, k)
-    start_jobs(state, call.jobs)      # the engine validates and admits: refusals are 4xx/503 here
+    start_jobs(state, call.jobs)  # the engine validates and admits: refusals are 4xx/503 here
     return call
 
 
@@ -246,15 +316,31 @@ def _final_response(call: _Call, finals: dict):
             idx = call.index(pi, o.index)
             if call.kind == "chat":
                 lp = chat_logprobs(state, o, 0, call.k) if call.k is not None else None
-                choices.append(ChatChoice(index=idx, message=ChatResponseMessage(content=o.text),
-                                          logprobs=lp, finish_reason=o.finish_reason,
-                                          stop_reason=o.stop_reason))
+                choices.append(
+                    ChatChoice(
+                        index=idx,
+                        message=ChatResponseMessage(content=o.text),
+                        logprobs=lp,
+                        finish_reason=o.finish_reason,
+                        stop_reason=o.stop_reason,
+                    )
+                )
             else:
                 echo = ptext if call.req.echo else ""
-                lp = (completion_logprobs(state, o, 0, call.k, 0, pids if call.req.echo else None)
-                      if call.k is not None else None)
-                choices.append(CompletionChoice(index=idx, text=echo + o.text, logprobs=lp,
-                                                finish_reason=o.finish_reason, stop_reason=o.stop_reason))
+                lp = (
+                    completion_logprobs(state, o, 0, call.k, 0, pids if call.req.echo else None)
+                    if call.k is not None
+                    else None
+                )
+                choices.append(
+                    CompletionChoice(
+                        index=idx,
+                        text=echo + o.text,
+                        logprobs=lp,
+                        finish_reason=o.finish_reason,
+                        stop_reason=o.stop_reason,
+                    )
+                )
     choices.sort(key=lambda c: c.index)
     cls = ChatCompletionResponse if call.kind == "chat" else CompletionResponse
     return cls(id=call.id, model=state.model_name, choices=choices, usage=call.usage(finals))
@@ -270,13 +356,21 @@ async def _stream(call: _Call) -> AsyncIterator[str]:
 
     def chunk(choices, usage=None):
         if chat:
-            return sse(ChatCompletionChunk(id=call.id, model=state.model_name, choices=choices, usage=usage))
-        return sse(CompletionResponse(id=call.id, model=state.model_name, choices=choices, usage=usage))
+            return sse(
+                ChatCompletionChunk(
+                    id=call.id, model=state.model_name, choices=choices, usage=usage
+                )
+            )
+        return sse(
+            CompletionResponse(id=call.id, model=state.model_name, choices=choices, usage=usage)
+        )
 
     try:
         if chat:  # the role comes first, once per choice
             for idx in range(len(call.prompts) * call.n):
-                yield chunk([ChatStreamChoice(index=idx, delta=DeltaMessage(role="assistant", content=""))])
+                yield chunk(
+                    [ChatStreamChoice(index=idx, delta=DeltaMessage(role="assistant", content=""))]
+                )
         async with aclosing(run_requests(state, call.jobs)) as it:
             async for pi, out in it:
                 finals[pi] = out
@@ -288,22 +382,47 @@ async def _stream(call: _Call) -> AsyncIterator[str]:
                     delta, finish = o.text[t0:], o.finish_reason
                     new_tokens = len(o.token_ids) > n0
                     first = idx not in sent_text
-                    if not (delta or finish or (call.k is not None and new_tokens) or (first and not chat and req.echo)):
+                    if not (
+                        delta
+                        or finish
+                        or (call.k is not None and new_tokens)
+                        or (first and not chat and req.echo)
+                    ):
                         continue
                     sent_text[idx], sent_tok[idx] = len(o.text), len(o.token_ids)
                     if finish is not None:
                         done.add(idx)
                     if chat:
                         lp = chat_logprobs(state, o, n0, call.k) if call.k is not None else None
-                        c = ChatStreamChoice(index=idx, delta=DeltaMessage(content=delta), logprobs=lp,
-                                             finish_reason=finish, stop_reason=o.stop_reason)
+                        c = ChatStreamChoice(
+                            index=idx,
+                            delta=DeltaMessage(content=delta),
+                            logprobs=lp,
+                            finish_reason=finish,
+                            stop_reason=o.stop_reason,
+                        )
                     else:
                         ptext, pids = call.prompts[pi]
                         echo = first and req.echo
-                        lp = (completion_logprobs(state, o, n0, call.k, t0 + (len(ptext) if req.echo and not first else 0),
-                                                  pids if echo else None) if call.k is not None else None)
-                        c = CompletionChoice(index=idx, text=(ptext if echo else "") + delta, logprobs=lp,
-                                             finish_reason=finish, stop_reason=o.stop_reason)
+                        lp = (
+                            completion_logprobs(
+                                state,
+                                o,
+                                n0,
+                                call.k,
+                                t0 + (len(ptext) if req.echo and not first else 0),
+                                pids if echo else None,
+                            )
+                            if call.k is not None
+                            else None
+                        )
+                        c = CompletionChoice(
+                            index=idx,
+                            text=(ptext if echo else "") + delta,
+                            logprobs=lp,
+                            finish_reason=finish,
+                            stop_reason=o.stop_reason,
+                        )
                     yield chunk([c])
         if usage_on:
             yield chunk([], usage=call.usage(finals))

@@ -6,6 +6,7 @@ forbidden, and the fields OpenAI or vLLM define that we lack are listed (`_NoOp`
 values that ask for nothing, which are accepted since common clients send them. Value ranges are
 checked by `SamplingParams.validate` and the engine, so there is one source of truth for them.
 """
+
 from __future__ import annotations
 
 import time
@@ -45,18 +46,21 @@ class _NoOp:
         if self.test is not None:
             return self.test(value, body)
         # == alone would take true for 1 and 1 for true
-        return any(value == v and isinstance(value, bool) == isinstance(v, bool) for v in self.values)
+        return any(
+            value == v and isinstance(value, bool) == isinstance(v, bool) for v in self.values
+        )
 
 
 def _best_of_is_n(value, body) -> bool:
     n = body.get("n", 1)
-    return type(value) is int and type(n) is int and value == n    # one candidate per output
+    return type(value) is int and type(n) is int and value == n  # one candidate per output
 
 
 class _Request(BaseModel):
     """A request body: unknown fields are refused, and the listed unimplemented ones too unless
     their value is a no-op, which is dropped before validation. What stays is refused by
     extra="forbid" with the field's path, which errors.py turns into a 400 naming it."""
+
     model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
     unimplemented: ClassVar[dict[str, _NoOp]] = {}
 
@@ -65,8 +69,11 @@ class _Request(BaseModel):
     def _drop_noops(cls, data):
         if not isinstance(data, dict) or not cls.unimplemented:
             return data
-        return {k: v for k, v in data.items()
-                if not (k in cls.unimplemented and cls.unimplemented[k](v, data))}
+        return {
+            k: v
+            for k, v in data.items()
+            if not (k in cls.unimplemented and cls.unimplemented[k](v, data))
+        }
 
 
 # Both endpoints. OpenAI's and vLLM's names; vLLM-only ones would otherwise be "unknown".
@@ -74,14 +81,17 @@ _SHARED_UNIMPLEMENTED = {
     # structured output
     "response_format": _NoOp({"type": "text"}),
     "structured_outputs": _NoOp(),
-    "guided_json": _NoOp(), "guided_regex": _NoOp(), "guided_choice": _NoOp(),
-    "guided_grammar": _NoOp(), "guided_whitespace_pattern": _NoOp(),
+    "guided_json": _NoOp(),
+    "guided_regex": _NoOp(),
+    "guided_choice": _NoOp(),
+    "guided_grammar": _NoOp(),
+    "guided_whitespace_pattern": _NoOp(),
     "guided_decoding_backend": _NoOp(),
     # sampling and decoding
     "best_of": _NoOp(test=_best_of_is_n),
     "use_beam_search": _NoOp(False),
-    "length_penalty": _NoOp(1.0),               # beam search only
-    "prompt_logprobs": _NoOp(),                 # even 0 asks for the prompt tokens' logprobs
+    "length_penalty": _NoOp(1.0),  # beam search only
+    "prompt_logprobs": _NoOp(),  # even 0 asks for the prompt tokens' logprobs
     "allowed_token_ids": _NoOp(),
     "bad_words": _NoOp([]),
     "logits_processors": _NoOp(),
@@ -90,13 +100,13 @@ _SHARED_UNIMPLEMENTED = {
     "return_tokens_as_token_ids": _NoOp(False),
     "return_token_ids": _NoOp(False),
     # serving
-    "cache_salt": _NoOp(),          # per-tenant prefix-cache isolation: ignoring it would share KV
+    "cache_salt": _NoOp(),  # per-tenant prefix-cache isolation: ignoring it would share KV
     "priority": _NoOp(0),
     "request_id": _NoOp(),
     "kv_transfer_params": _NoOp(),
     "vllm_xargs": _NoOp(),
-    "store": _NoOp(False),                      # keeping the completion for later retrieval
-    "service_tier": _NoOp("auto", "default"),   # flex / priority processing
+    "store": _NoOp(False),  # keeping the completion for later retrieval
+    "service_tier": _NoOp("auto", "default"),  # flex / priority processing
 }
 
 _CHAT_UNIMPLEMENTED = {
@@ -109,14 +119,19 @@ _CHAT_UNIMPLEMENTED = {
     "function_call": _NoOp("none", "auto"),
     # other outputs and models' options
     "modalities": _NoOp(["text"]),
-    "audio": _NoOp(), "prediction": _NoOp(), "reasoning_effort": _NoOp(), "verbosity": _NoOp(),
+    "audio": _NoOp(),
+    "prediction": _NoOp(),
+    "reasoning_effort": _NoOp(),
+    "verbosity": _NoOp(),
     "web_search_options": _NoOp(),
     # vLLM's chat extras
-    "echo": _NoOp(False),                       # echo the last message
-    "add_special_tokens": _NoOp(False),         # the template already has them
+    "echo": _NoOp(False),  # echo the last message
+    "add_special_tokens": _NoOp(False),  # the template already has them
     "continue_final_message": _NoOp(False),
-    "chat_template": _NoOp(), "chat_template_kwargs": _NoOp({}),
-    "documents": _NoOp(), "mm_processor_kwargs": _NoOp(),
+    "chat_template": _NoOp(),
+    "chat_template_kwargs": _NoOp({}),
+    "documents": _NoOp(),
+    "mm_processor_kwargs": _NoOp(),
 }
 
 _COMPLETION_UNIMPLEMENTED = {
@@ -127,22 +142,31 @@ _COMPLETION_UNIMPLEMENTED = {
 
 # Fields of a message that a client replaying an earlier answer sends as null or empty.
 _MESSAGE_UNIMPLEMENTED = {
-    "tool_calls": _NoOp([]), "tool_call_id": _NoOp(), "function_call": _NoOp(),
-    "refusal": _NoOp(), "annotations": _NoOp([]), "audio": _NoOp(), "reasoning_content": _NoOp(),
+    "tool_calls": _NoOp([]),
+    "tool_call_id": _NoOp(),
+    "function_call": _NoOp(),
+    "refusal": _NoOp(),
+    "annotations": _NoOp([]),
+    "audio": _NoOp(),
+    "reasoning_content": _NoOp(),
 }
 
 # Content parts other than text (their `type` is refused too; this names the part).
 _CONTENT_PART_UNIMPLEMENTED = {"image_url": _NoOp(), "input_audio": _NoOp(), "file": _NoOp()}
 
 _STREAM_OPTIONS_UNIMPLEMENTED = {
-    "continuous_usage_stats": _NoOp(False),     # vLLM: usage in every chunk
-    "include_obfuscation": _NoOp(False),        # OpenAI: random padding against size side channels
+    "continuous_usage_stats": _NoOp(False),  # vLLM: usage in every chunk
+    "include_obfuscation": _NoOp(False),  # OpenAI: random padding against size side channels
 }
 
 # Every listed name: errors.py says "not supported yet" for these, "unknown field" for others.
-UNIMPLEMENTED_FIELDS = frozenset().union(_CHAT_UNIMPLEMENTED, _COMPLETION_UNIMPLEMENTED,
-                                         _MESSAGE_UNIMPLEMENTED, _CONTENT_PART_UNIMPLEMENTED,
-                                         _STREAM_OPTIONS_UNIMPLEMENTED)
+UNIMPLEMENTED_FIELDS = frozenset().union(
+    _CHAT_UNIMPLEMENTED,
+    _COMPLETION_UNIMPLEMENTED,
+    _MESSAGE_UNIMPLEMENTED,
+    _CONTENT_PART_UNIMPLEMENTED,
+    _STREAM_OPTIONS_UNIMPLEMENTED,
+)
 
 
 # ----------------------------------------------------------------------------- shared
@@ -159,6 +183,7 @@ class Usage(BaseModel):
 
 class _SamplingFields(_Request):
     """Fields common to /v1/completions and /v1/chat/completions."""
+
     model: Optional[str] = None
     n: int = 1
     temperature: Optional[float] = None
@@ -180,9 +205,9 @@ class _SamplingFields(_Request):
     stream_options: Optional[StreamOptions] = None
     # Accepted and unused: metadata about the caller, or a routing hint, that changes no output.
     user: Optional[str] = None
-    safety_identifier: Optional[str] = None     # OpenAI's successor of `user`
+    safety_identifier: Optional[str] = None  # OpenAI's successor of `user`
     metadata: Optional[dict[str, Any]] = None
-    prompt_cache_key: Optional[str] = None      # our prefix cache needs no hint
+    prompt_cache_key: Optional[str] = None  # our prefix cache needs no hint
 
 
 # ----------------------------------------------------------------------------- completions
@@ -329,6 +354,7 @@ class ModelList(BaseModel):
 
 class TokenizeRequest(_Request):
     """Either `prompt` (text) or `messages` (rendered with the chat template)."""
+
     model: Optional[str] = None
     prompt: Optional[str] = None
     messages: Optional[list[ChatMessage]] = Field(default=None, min_length=1)
@@ -361,5 +387,9 @@ class VersionResponse(BaseModel):
 
 def schema_of(model: type[BaseModel]) -> dict[str, Any]:
     """OpenAPI `requestBody` for routes that parse their body themselves."""
-    return {"requestBody": {"required": True, "content": {
-        "application/json": {"schema": model.model_json_schema()}}}}
+    return {
+        "requestBody": {
+            "required": True,
+            "content": {"application/json": {"schema": model.model_json_schema()}},
+        }
+    }

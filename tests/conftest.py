@@ -1,4 +1,5 @@
 """Shared fixtures: the repository root on sys.path, the real SmolLM2 model, and its HF twin."""
+
 import os
 import sys
 
@@ -13,6 +14,7 @@ import pytest
 def smollm():
     """Our load of the embedded SmolLM2-135M-Instruct (float32)."""
     from paxengine.models.loader import load_model
+
     return load_model(None, "float32", progress=False)
 
 
@@ -21,10 +23,13 @@ def hf_smollm():
     """transformers' load of the same GGUF file (dequantized, float32): the ground truth."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
     from paxengine.models.loader import default_model_path
+
     path = default_model_path()
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
-                                                 dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32
+    )
     tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     model.eval()
     return model, tok

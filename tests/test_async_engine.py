@@ -1,16 +1,22 @@
 """AsyncEngine: streaming outputs, abort by the consumer, and a dead loop that is visible."""
+
 import asyncio
 
 import pytest
 
-from paxengine import SamplingParams
-from paxengine import AsyncEngine, EngineDead
+from paxengine import AsyncEngine, EngineDead, SamplingParams
 
 
 @pytest.fixture(scope="module")
 def engine():
-    return AsyncEngine(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32,
-                       show_progress=False, token_buckets=[16, 32], seq_buckets=[4])
+    return AsyncEngine(
+        max_model_len=128,
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
+        show_progress=False,
+        token_buckets=[16, 32],
+        seq_buckets=[4],
+    )
 
 
 def test_stream_abort_and_dead_loop(engine):
@@ -18,8 +24,9 @@ def test_stream_abort_and_dead_loop(engine):
         await engine.start()
         assert engine.is_healthy()
         texts = []
-        async for out in engine.generate("a", "Count: 1, 2, 3,", SamplingParams(temperature=0,
-                                                                                 max_tokens=8)):
+        async for out in engine.generate(
+            "a", "Count: 1, 2, 3,", SamplingParams(temperature=0, max_tokens=8)
+        ):
             texts.append(out.outputs[0].text)
         assert out.finished and out.outputs[0].finish_reason == "length"
         assert all(texts[i + 1].startswith(texts[i]) for i in range(len(texts) - 1))
@@ -36,13 +43,16 @@ def test_stream_abort_and_dead_loop(engine):
         with pytest.raises(ValueError, match="top_p"):
             async for _ in engine.generate("c", "hi", SamplingParams(top_p=0)):
                 pass
+
         # a loop that dies says so: health goes false and waiting callers get an error
         def boom():
             raise RuntimeError("device lost")
+
         engine.core.step = boom
         with pytest.raises(EngineDead):
             async for _ in engine.generate("d", "hi", SamplingParams(max_tokens=4)):
                 pass
         assert not engine.is_healthy()
         await engine.shutdown()
+
     asyncio.run(main())

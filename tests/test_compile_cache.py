@@ -2,6 +2,7 @@
 the persistent compilation cache: the second process misses the cache nowhere, model loading's
 small eager computations included. (`runner.compile_count` counts cache loads too: jax times
 them as compiles.)"""
+
 import json
 import subprocess
 import sys
@@ -24,15 +25,20 @@ print(json.dumps({"executables": len(r.compiled) + len(r.samplers),
 
 
 def _start(cache: Path) -> dict:
-    out = subprocess.run([sys.executable, "-c", CHILD, str(cache)], capture_output=True, text=True,
-                         timeout=600, cwd=Path(__file__).resolve().parents[1])
+    out = subprocess.run(
+        [sys.executable, "-c", CHILD, str(cache)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=Path(__file__).resolve().parents[1],
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def test_second_start_compiles_nothing(tmp_path):
     first = _start(tmp_path / "cache")
-    assert first["executables"] == 9                           # 1 forward + 8 samplers
+    assert first["executables"] == 9  # 1 forward + 8 samplers
     assert first["misses"] >= first["executables"] and first["hits"] == 0
     second = _start(tmp_path / "cache")
     assert second["misses"] == 0

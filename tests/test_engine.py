@@ -1,22 +1,37 @@
 """The engine against the oracle on the real SmolLM2: batching, chunked prefill, preemption,
 prefix caching, compile guard, and that every ending gives its blocks back."""
+
 import numpy as np
 import pytest
-
 from prompts import PROMPTS
+
 from paxengine import LLM, SamplingParams
 from paxengine.reference import reference_generate
 from paxengine.runner import compile_count
 
 MAX_TOKENS = 16
 # 16 prompts of mixed lengths (4 to ~70 tokens), some sharing prefixes.
-MIXED = PROMPTS + [p + " " + q for p, q in zip(PROMPTS[::2], PROMPTS[1::2])] + [
-    "word " * 30, "Describe a cat.", "x", "The capital of France is Paris. The capital of Italy is"]
+MIXED = (
+    PROMPTS
+    + [p + " " + q for p, q in zip(PROMPTS[::2], PROMPTS[1::2])]
+    + [
+        "word " * 30,
+        "Describe a cat.",
+        "x",
+        "The capital of France is Paris. The capital of Italy is",
+    ]
+)
 
 
 def small_llm(smollm, **kw):
-    base = dict(max_model_len=256, max_num_seqs=16, max_num_batched_tokens=64, block_size=16,
-                show_progress=False, attention_backend="reference")
+    base = dict(
+        max_model_len=256,
+        max_num_seqs=16,
+        max_num_batched_tokens=64,
+        block_size=16,
+        show_progress=False,
+        attention_backend="reference",
+    )
     base.update(kw)
     return LLM(**base)
 
@@ -26,8 +41,9 @@ def oracle(smollm):
     out = {}
     for p in MIXED:
         ids = smollm.tokenizer.encode(p)
-        out[p] = reference_generate(smollm.params, smollm.config, ids, MAX_TOKENS,
-                                    smollm.eos_token_ids)
+        out[p] = reference_generate(
+            smollm.params, smollm.config, ids, MAX_TOKENS, smollm.eos_token_ids
+        )
     return out
 
 
@@ -52,8 +68,9 @@ def check_against_oracle(llm, oracle):
 def llm_chunked(smollm):
     """Prefix caching on, a 32-token budget: prompts longer than that are prefilled in chunks.
     The default CPU attention (tiled XLA); the other engine uses the oracle's attention."""
-    return small_llm(smollm, max_num_batched_tokens=32, enable_prefix_caching=True,
-                     attention_backend="auto")
+    return small_llm(
+        smollm, max_num_batched_tokens=32, enable_prefix_caching=True, attention_backend="auto"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -83,10 +100,14 @@ def test_batch_matches_oracle_with_preemption_prefix_off(llm_tight, oracle):
 def test_no_compiles_after_warmup_50_requests(llm_chunked):
     rng = np.random.default_rng(0)
     before = compile_count()
-    prompts = [{"prompt_token_ids": rng.integers(0, 49152, size=int(n)).tolist()}
-               for n in rng.integers(1, 120, size=50)]
-    params = [SamplingParams(temperature=float(t), max_tokens=int(m), seed=i)
-              for i, (t, m) in enumerate(zip(rng.uniform(0, 1.5, 50), rng.integers(1, 24, 50)))]
+    prompts = [
+        {"prompt_token_ids": rng.integers(0, 49152, size=int(n)).tolist()}
+        for n in rng.integers(1, 120, size=50)
+    ]
+    params = [
+        SamplingParams(temperature=float(t), max_tokens=int(m), seed=i)
+        for i, (t, m) in enumerate(zip(rng.uniform(0, 1.5, 50), rng.integers(1, 24, 50)))
+    ]
     outs = llm_chunked.generate(prompts, params, use_tqdm=False)
     assert all(o.finished for o in outs)
     assert compile_count() == before
@@ -96,15 +117,22 @@ def test_no_compiles_after_warmup_50_requests(llm_chunked):
 def test_prefix_cache_computes_only_new_tokens(llm_chunked):
     tok = llm_chunked.tokenizer
     shared = "You are a careful assistant. " * 12
-    a = llm_chunked.generate(shared + "Question one?", SamplingParams(temperature=0, max_tokens=8),
-                             use_tqdm=False)[0]
-    b = llm_chunked.generate(shared + "Question two?", SamplingParams(temperature=0, max_tokens=8),
-                             use_tqdm=False)[0]
+    a = llm_chunked.generate(
+        shared + "Question one?", SamplingParams(temperature=0, max_tokens=8), use_tqdm=False
+    )[0]
+    b = llm_chunked.generate(
+        shared + "Question two?", SamplingParams(temperature=0, max_tokens=8), use_tqdm=False
+    )[0]
     n_shared = len(tok.encode(shared))
     assert a.num_cached_tokens == 0 or a.num_cached_tokens < n_shared
     assert b.num_cached_tokens >= (n_shared // 16 - 1) * 16 and b.num_cached_tokens > 0
-    ref = reference_generate(llm_chunked.engine.runner.params, llm_chunked.engine.model_config,
-                             tok.encode(shared + "Question two?"), 8, llm_chunked.engine.eos_token_ids)
+    ref = reference_generate(
+        llm_chunked.engine.runner.params,
+        llm_chunked.engine.model_config,
+        tok.encode(shared + "Question two?"),
+        8,
+        llm_chunked.engine.eos_token_ids,
+    )
     assert b.outputs[0].token_ids == ref
     assert_pool_empty(llm_chunked)
 
@@ -114,15 +142,21 @@ def test_every_ending_frees_blocks(llm_chunked):
     # stop string, finish by length, EOS via logit bias, abort mid-way, and a refused request
     outs = llm_chunked.generate(
         ["1, 2, 3, 4, 5,", "Once upon a time", "Hello"],
-        [SamplingParams(temperature=0, max_tokens=30, stop=[" 8"]),
-         SamplingParams(temperature=0, max_tokens=5),
-         SamplingParams(temperature=0, max_tokens=20, logit_bias={eng.eos_token_ids[0]: 100})],
-        use_tqdm=False)
+        [
+            SamplingParams(temperature=0, max_tokens=30, stop=[" 8"]),
+            SamplingParams(temperature=0, max_tokens=5),
+            SamplingParams(temperature=0, max_tokens=20, logit_bias={eng.eos_token_ids[0]: 100}),
+        ],
+        use_tqdm=False,
+    )
     assert outs[0].outputs[0].finish_reason == "stop" and outs[0].outputs[0].stop_reason == " 8"
     assert outs[0].outputs[0].text == " 6, 7,"
     # a stop string spread over several tokens (", 8" is "," + " " + "8" or similar)
-    o = llm_chunked.generate("1, 2, 3, 4, 5,", SamplingParams(temperature=0, max_tokens=30,
-                                                              stop=[", 8,"]), use_tqdm=False)[0]
+    o = llm_chunked.generate(
+        "1, 2, 3, 4, 5,",
+        SamplingParams(temperature=0, max_tokens=30, stop=[", 8,"]),
+        use_tqdm=False,
+    )[0]
     assert o.outputs[0].text == " 6, 7" and o.outputs[0].finish_reason == "stop"
     assert outs[1].outputs[0].finish_reason == "length"
     assert outs[2].outputs[0].finish_reason == "stop" and len(outs[2].outputs[0].token_ids) == 1
@@ -143,8 +177,9 @@ def test_every_ending_frees_blocks(llm_chunked):
 
 def test_request_that_can_never_fit_is_refused(llm_tight):
     with pytest.raises(ValueError, match="KV blocks"):
-        llm_tight.generate({"prompt_token_ids": [5] * 200}, SamplingParams(max_tokens=40),
-                           use_tqdm=False)
+        llm_tight.generate(
+            {"prompt_token_ids": [5] * 200}, SamplingParams(max_tokens=40), use_tqdm=False
+        )
     assert_pool_empty(llm_tight)
 
 
@@ -154,10 +189,14 @@ def test_seeded_sampling_independent_of_batch_mates(llm_chunked):
     mates = llm_chunked.generate(
         ["Some other prompt", "The weather today", "def f(x):"],
         [SamplingParams(temperature=0.8, max_tokens=7, seed=5), p, SamplingParams(temperature=0)],
-        use_tqdm=False)
+        use_tqdm=False,
+    )
     assert mates[1].outputs[0].token_ids == alone
-    other = llm_chunked.generate("The weather today", SamplingParams(
-        temperature=1.0, top_p=0.9, max_tokens=12, seed=99), use_tqdm=False)[0]
+    other = llm_chunked.generate(
+        "The weather today",
+        SamplingParams(temperature=1.0, top_p=0.9, max_tokens=12, seed=99),
+        use_tqdm=False,
+    )[0]
     assert other.outputs[0].token_ids != alone
 
 
@@ -169,17 +208,22 @@ def test_batch_mates_flags_leave_other_rows_alone(llm_chunked):
     alone = llm_chunked.generate("The weather today", p, use_tqdm=False)[0].outputs[0].token_ids
     mates = llm_chunked.generate(
         ["Some other prompt", "The weather today", "def f(x):"],
-        [SamplingParams(temperature=0.7, top_k=5, max_tokens=9, seed=3, logprobs=2), p,
-         SamplingParams(temperature=0, repetition_penalty=1.3, presence_penalty=0.5)],
-        use_tqdm=False)
+        [
+            SamplingParams(temperature=0.7, top_k=5, max_tokens=9, seed=3, logprobs=2),
+            p,
+            SamplingParams(temperature=0, repetition_penalty=1.3, presence_penalty=0.5),
+        ],
+        use_tqdm=False,
+    )
     assert mates[1].outputs[0].token_ids == alone
     assert mates[0].outputs[0].logprobs is not None and mates[1].outputs[0].logprobs is None
 
 
 def test_logprobs_match_oracle_log_softmax(llm_chunked, smollm):
     prompt = "The three primary colors are"
-    out = llm_chunked.generate(prompt, SamplingParams(temperature=0, max_tokens=6, logprobs=5),
-                               use_tqdm=False)[0].outputs[0]
+    out = llm_chunked.generate(
+        prompt, SamplingParams(temperature=0, max_tokens=6, logprobs=5), use_tqdm=False
+    )[0].outputs[0]
     ids = smollm.tokenizer.encode(prompt)
     toks, logits = reference_generate(smollm.params, smollm.config, ids, 6, return_logits=True)
     assert out.token_ids == toks
@@ -192,14 +236,17 @@ def test_logprobs_match_oracle_log_softmax(llm_chunked, smollm):
         assert set(top5.tolist()) <= set(entry)
         for t in top5:
             np.testing.assert_allclose(entry[int(t)].logprob, lsm[t], atol=1e-4)
-    assert out.cumulative_logprob == pytest.approx(sum(out.logprobs[i][t].logprob
-                                                       for i, t in enumerate(toks)), abs=1e-4)
+    assert out.cumulative_logprob == pytest.approx(
+        sum(out.logprobs[i][t].logprob for i, t in enumerate(toks)), abs=1e-4
+    )
 
 
 def test_n_children_share_the_prompt(llm_chunked):
-    outs = llm_chunked.generate("Write a haiku about", SamplingParams(n=3, temperature=1.0,
-                                                                      max_tokens=8, seed=7),
-                                use_tqdm=False)[0]
+    outs = llm_chunked.generate(
+        "Write a haiku about",
+        SamplingParams(n=3, temperature=1.0, max_tokens=8, seed=7),
+        use_tqdm=False,
+    )[0]
     assert [o.index for o in outs.outputs] == [0, 1, 2]
     assert len({tuple(o.token_ids) for o in outs.outputs}) > 1
     assert_pool_empty(llm_chunked)
@@ -208,18 +255,27 @@ def test_n_children_share_the_prompt(llm_chunked):
 def test_min_tokens_and_ignore_eos(llm_chunked):
     eng = llm_chunked.engine
     eos = eng.eos_token_ids[0]
-    o = llm_chunked.generate("Hi", SamplingParams(temperature=0, max_tokens=6, min_tokens=4,
-                                                  logit_bias={eos: 100}), use_tqdm=False)[0]
+    o = llm_chunked.generate(
+        "Hi",
+        SamplingParams(temperature=0, max_tokens=6, min_tokens=4, logit_bias={eos: 100}),
+        use_tqdm=False,
+    )[0]
     ids = o.outputs[0].token_ids
     assert len(ids) == 5 and eos not in ids[:4] and ids[4] == eos
-    o = llm_chunked.generate("Hi", SamplingParams(temperature=0, max_tokens=5, ignore_eos=True,
-                                                  logit_bias={eos: 100}), use_tqdm=False)[0]
+    o = llm_chunked.generate(
+        "Hi",
+        SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logit_bias={eos: 100}),
+        use_tqdm=False,
+    )[0]
     assert o.outputs[0].token_ids == [eos] * 5 and o.outputs[0].finish_reason == "length"
 
 
 def test_chat_uses_the_template(llm_chunked):
-    o = llm_chunked.chat([{"role": "user", "content": "What is 2+2?"}],
-                         SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0]
+    o = llm_chunked.chat(
+        [{"role": "user", "content": "What is 2+2?"}],
+        SamplingParams(temperature=0, max_tokens=8),
+        use_tqdm=False,
+    )[0]
     tok = llm_chunked.tokenizer
     assert o.prompt_token_ids == tok.encode_chat([{"role": "user", "content": "What is 2+2?"}])
     assert o.outputs[0].text.strip()
@@ -227,12 +283,22 @@ def test_chat_uses_the_template(llm_chunked):
 
 def test_penalties_take_the_exact_history_path(llm_chunked):
     prompt = "word word word word word word word word"
-    plain = llm_chunked.generate(prompt, SamplingParams(temperature=0, max_tokens=10),
-                                 use_tqdm=False)[0].outputs[0].token_ids
+    plain = (
+        llm_chunked.generate(prompt, SamplingParams(temperature=0, max_tokens=10), use_tqdm=False)[
+            0
+        ]
+        .outputs[0]
+        .token_ids
+    )
     pen = SamplingParams(temperature=0, max_tokens=10, frequency_penalty=2.0, presence_penalty=1.0)
     a = llm_chunked.generate(prompt, pen, use_tqdm=False)[0].outputs[0].token_ids
-    b = llm_chunked.generate([prompt, "other"], [pen, SamplingParams(max_tokens=3)],
-                             use_tqdm=False)[0].outputs[0].token_ids
+    b = (
+        llm_chunked.generate(
+            [prompt, "other"], [pen, SamplingParams(max_tokens=3)], use_tqdm=False
+        )[0]
+        .outputs[0]
+        .token_ids
+    )
     assert a == b and a != plain
     # a token generated twice must have been penalised below any never-seen alternative: with a
     # frequency penalty of 2 per use, greedy decoding repeats no token more than a few times

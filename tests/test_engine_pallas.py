@@ -2,29 +2,38 @@
 greedy tokens on the real SmolLM2, through chunked prefill, decode and mixed steps, in both
 layer layouts: scanned stacked weights (the CPU default) and unrolled per-layer weights and KV
 caches (the GPU default)."""
+
 import pytest
+from prompts import PROMPTS
 
 from paxengine import LLM, SamplingParams
 from paxengine.reference import reference_generate
-from prompts import PROMPTS
 
 
 @pytest.mark.parametrize("layer_loop", ["scan", "unroll"])
 def test_pallas_backend_matches_oracle(smollm, layer_loop):
-    llm = LLM(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32, show_progress=False,
-              attention_backend="pallas", token_buckets=[16, 32], seq_buckets=[4],
-              layer_loop=layer_loop)
+    llm = LLM(
+        max_model_len=128,
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
+        show_progress=False,
+        attention_backend="pallas",
+        token_buckets=[16, 32],
+        seq_buckets=[4],
+        layer_loop=layer_loop,
+    )
     assert llm.engine.runner.backend == "pallas"
     runner = llm.engine.runner
     assert runner.layer_loop == layer_loop
-    if layer_loop == "unroll":   # one donated [1, ...] pair per layer, weights per layer
+    if layer_loop == "unroll":  # one donated [1, ...] pair per layer, weights per layer
         assert len(runner.kv_cache) == smollm.config.num_layers == len(runner.params["layers"])
         assert runner.kv_cache[0][0].shape[0] == 1
-    prompts = PROMPTS[:5] + ["word " * 40]          # the last one needs two prefill chunks
+    prompts = PROMPTS[:5] + ["word " * 40]  # the last one needs two prefill chunks
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=10), use_tqdm=False)
     for p, o in zip(prompts, outs):
         ids = smollm.tokenizer.encode(p)
-        assert o.outputs[0].token_ids == reference_generate(smollm.params, smollm.config, ids, 10,
-                                                            smollm.eos_token_ids), p
+        assert o.outputs[0].token_ids == reference_generate(
+            smollm.params, smollm.config, ids, 10, smollm.eos_token_ids
+        ), p
     kv = llm.engine.kv
     assert kv.num_free_blocks == kv.num_blocks

@@ -1,20 +1,32 @@
 """bf16 KV caches keep their V pages in fp16 (kernels_pallas.value_cache_dtype): the same bytes,
 every bf16 value in [6e-5, 65280] exact, and the attention kernels' fp16 PV product reads them
 without a conversion."""
+
 import jax.numpy as jnp
 import pytest
 
 import kernels_pallas
 from paxengine import LLM, SamplingParams
 
-PROMPTS = ["The capital of France is", "def fib(n):",
-           "Once upon a time, in a land far away, there lived a"]
+PROMPTS = [
+    "The capital of France is",
+    "def fib(n):",
+    "Once upon a time, in a land far away, there lived a",
+]
 
 
 def run(attention_backend="xla", logprobs=None):
-    llm = LLM(max_model_len=128, max_num_seqs=4, max_num_batched_tokens=32, show_progress=False,
-              token_buckets=[16, 32], seq_buckets=[4], num_kv_blocks=48, dtype="bfloat16",
-              attention_backend=attention_backend)
+    llm = LLM(
+        max_model_len=128,
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
+        show_progress=False,
+        token_buckets=[16, 32],
+        seq_buckets=[4],
+        num_kv_blocks=48,
+        dtype="bfloat16",
+        attention_backend=attention_backend,
+    )
     params = SamplingParams(temperature=0, max_tokens=12, logprobs=logprobs)
     outs = [o.outputs[0] for o in llm.generate(PROMPTS, params, use_tqdm=False)]
     if logprobs is None:
@@ -56,9 +68,9 @@ def test_pallas_kernels_read_the_fp16_value_pages(xla_run):
     agreed = 0
     for (tok_p, lp_p), (tok_x, lp_x) in zip(pallas, xla):
         for i, (a, b) in enumerate(zip(tok_p, tok_x)):
-            if a != b:                   # among xla's top 5, within a near-tie of its pick
+            if a != b:  # among xla's top 5, within a near-tie of its pick
                 assert a in lp_x[i] and lp_x[i][b].logprob - lp_x[i][a].logprob < 0.2
                 break
             assert abs(lp_p[i][a].logprob - lp_x[i][a].logprob) < 0.15, (i, a)
             agreed += 1
-    assert agreed >= 24                  # most of the 36 steps are compared
+    assert agreed >= 24  # most of the 36 steps are compared

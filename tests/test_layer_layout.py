@@ -1,4 +1,5 @@
 """The per-layer (unrolled) layout computes what the stacked (scanned) one does."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -20,18 +21,19 @@ def test_unrolled_per_layer_forward_equals_scanned_stacked():
     shape = (L, max_len, cfg.num_kv_heads, cfg.head_dim)
     attend = contiguous_attend(positions, cfg.sliding_window)
     stacked = {**m.params, "layers": dict(m.params["layers"])}
-    h_scan, (kc, vc) = forward_hidden(stacked, cfg, tokens, positions,
-                                      (jnp.zeros(shape), jnp.zeros(shape)), attend)
+    h_scan, (kc, vc) = forward_hidden(
+        stacked, cfg, tokens, positions, (jnp.zeros(shape), jnp.zeros(shape)), attend
+    )
 
     per_layer = unstack_layers(m.params)
-    assert m.params["layers"] == {}            # consumed: no stacked copy left behind
+    assert m.params["layers"] == {}  # consumed: no stacked copy left behind
     assert len(per_layer["layers"]) == L
     assert "wqkv" in per_layer["layers"][0] and "w_gate_up" in per_layer["layers"][0]
     caches = [(jnp.zeros((1, *shape[1:])), jnp.zeros((1, *shape[1:]))) for _ in range(L)]
     h_unroll, caches = forward_hidden(per_layer, cfg, tokens, positions, caches, attend)
 
     np.testing.assert_allclose(np.asarray(h_unroll), np.asarray(h_scan), rtol=1e-5, atol=1e-5)
-    for i, (k, v) in enumerate(caches):        # every layer wrote its own cache
+    for i, (k, v) in enumerate(caches):  # every layer wrote its own cache
         np.testing.assert_allclose(np.asarray(k[0]), np.asarray(kc[i]), rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(np.asarray(v[0]), np.asarray(vc[i]), rtol=1e-5, atol=1e-6)
     assert float(jnp.abs(caches[-1][0][0, :T]).sum()) > 0
@@ -50,10 +52,19 @@ def test_compiled_step_has_no_device_conditionals():
     launch took as long as the step). The GPU layout's forward and every sampler variant must
     compile without one; which sampler runs is chosen on the host."""
     from paxengine import LLM
-    llm = LLM(model="dummy:tiny", max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16,
-              token_buckets=[16], seq_buckets=[4], attention_backend="reference",
-              layer_loop="unroll", show_progress=False)
+
+    llm = LLM(
+        model="dummy:tiny",
+        max_model_len=64,
+        max_num_seqs=4,
+        max_num_batched_tokens=16,
+        token_buckets=[16],
+        seq_buckets=[4],
+        attention_backend="reference",
+        layer_loop="unroll",
+        show_progress=False,
+    )
     runner = llm.engine.runner
-    assert len(runner.samplers) == 8                 # penalties x top-k/p x logprobs
+    assert len(runner.samplers) == 8  # penalties x top-k/p x logprobs
     for name, exe in [*runner.compiled.items(), *runner.samplers.items()]:
         assert "conditional(" not in exe.as_text(), name

@@ -1,9 +1,10 @@
 """Our JAX forward against HF transformers: the real SmolLM2 model and tiny random checkpoints."""
+
 import numpy as np
 import pytest
 import torch
-
 from prompts import PROMPTS
+
 from paxengine.models.loader import load_model
 from paxengine.models.weights import unstack_layers
 from paxengine.reference import reference_generate, reference_logits
@@ -27,8 +28,13 @@ def test_smollm2_greedy_48_tokens_token_exact(smollm, hf_smollm):
         ids = smollm.tokenizer.encode(prompt)
         ours = reference_generate(smollm.params, smollm.config, ids, 48)
         with torch.no_grad():
-            ref = hf.generate(torch.tensor([ids]), max_new_tokens=48, do_sample=False,
-                              eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
+            ref = hf.generate(
+                torch.tensor([ids]),
+                max_new_tokens=48,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )[0, len(ids) :].tolist()
         assert ours == ref, prompt
 
 
@@ -38,39 +44,66 @@ def test_gguf_weights_equal_hf_dequantized_weights(smollm, hf_smollm):
     p, L = smollm.params, smollm.config.num_layers
     np.testing.assert_array_equal(np.asarray(p["embed"]), sd["model.embed_tokens.weight"])
     np.testing.assert_array_equal(np.asarray(p["final_norm"]), sd["model.norm.weight"])
-    names = {"wq": "self_attn.q_proj", "wk": "self_attn.k_proj", "wv": "self_attn.v_proj",
-             "wo": "self_attn.o_proj", "w_gate": "mlp.gate_proj", "w_up": "mlp.up_proj",
-             "w_down": "mlp.down_proj"}
+    names = {
+        "wq": "self_attn.q_proj",
+        "wk": "self_attn.k_proj",
+        "wv": "self_attn.v_proj",
+        "wo": "self_attn.o_proj",
+        "w_gate": "mlp.gate_proj",
+        "w_up": "mlp.up_proj",
+        "w_down": "mlp.down_proj",
+    }
     for i in (0, L // 2, L - 1):
         for ours, theirs in names.items():
-            np.testing.assert_array_equal(np.asarray(p["layers"][ours][i]),
-                                          sd[f"model.layers.{i}.{theirs}.weight"].T)
-        np.testing.assert_array_equal(np.asarray(p["layers"]["attn_norm"][i]),
-                                      sd[f"model.layers.{i}.input_layernorm.weight"])
+            np.testing.assert_array_equal(
+                np.asarray(p["layers"][ours][i]), sd[f"model.layers.{i}.{theirs}.weight"].T
+            )
+        np.testing.assert_array_equal(
+            np.asarray(p["layers"]["attn_norm"][i]), sd[f"model.layers.{i}.input_layernorm.weight"]
+        )
 
 
 def _tiny_hf(kind: str, tmp_path):
     import transformers as tf
-    common = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                  num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=256,
-                  rms_norm_eps=1e-6)
+
+    common = dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-6,
+    )
     if kind == "llama3":
-        cfg = tf.LlamaConfig(**common, rope_theta=500000.0, tie_word_embeddings=False,
-                             rope_scaling={"rope_type": "llama3", "factor": 8.0,
-                                           "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                           "original_max_position_embeddings": 32})
+        cfg = tf.LlamaConfig(
+            **common,
+            rope_theta=500000.0,
+            tie_word_embeddings=False,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32,
+            },
+        )
         cls = tf.LlamaForCausalLM
     elif kind == "llama_tied":
         cfg, cls = tf.LlamaConfig(**common, tie_word_embeddings=True), tf.LlamaForCausalLM
     elif kind == "qwen2":
         cfg, cls = tf.Qwen2Config(**common, tie_word_embeddings=False), tf.Qwen2ForCausalLM
     elif kind == "qwen3":
-        cfg, cls = tf.Qwen3Config(**common, head_dim=16, tie_word_embeddings=False), tf.Qwen3ForCausalLM
+        cfg, cls = (
+            tf.Qwen3Config(**common, head_dim=16, tie_word_embeddings=False),
+            tf.Qwen3ForCausalLM,
+        )
     elif kind == "mistral":
         cfg, cls = tf.MistralConfig(**common, sliding_window=None), tf.MistralForCausalLM
     torch.manual_seed(0)
     model = cls(cfg).eval()
-    with torch.no_grad():   # random norms and biases too, so a missed weight shows up
+    with torch.no_grad():  # random norms and biases too, so a missed weight shows up
         for name, prm in model.named_parameters():
             if "norm" in name or name.endswith("bias"):
                 prm.add_(torch.randn_like(prm) * 0.1)
@@ -103,14 +136,18 @@ def test_converted_weights_cache_round_trip(tmp_path):
     warm = load_model(None, "float32", cache_dir=str(tmp_path), progress=False)
     assert not cold.from_cache and warm.from_cache
     assert cold.config == warm.config
-    np.testing.assert_array_equal(np.asarray(cold.params["layers"]["wq"]),
-                                  np.asarray(warm.params["layers"]["wq"]))
+    np.testing.assert_array_equal(
+        np.asarray(cold.params["layers"]["wq"]), np.asarray(warm.params["layers"]["wq"])
+    )
     # the tokenizer comes from the cache too, and behaves the same
     text = "Héllo 你好 🙂 <|im_start|>user 12345"
     assert warm.tokenizer.encode(text) == cold.tokenizer.encode(text)
     msgs = [{"role": "user", "content": "hi"}]
     assert warm.tokenizer.apply_chat_template(msgs) == cold.tokenizer.apply_chat_template(msgs)
-    assert warm.eos_token_ids == cold.eos_token_ids and warm.tokenizer.special_ids == cold.tokenizer.special_ids
+    assert (
+        warm.eos_token_ids == cold.eos_token_ids
+        and warm.tokenizer.special_ids == cold.tokenizer.special_ids
+    )
 
 
 def test_dummy_preset_has_real_shapes():
@@ -126,7 +163,9 @@ def test_missing_path_fails_clearly(tmp_path):
 
 
 def test_unsupported_architecture_fails_clearly(tmp_path):
-    (tmp_path / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}')
+    (tmp_path / "config.json").write_text(
+        '{"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}'
+    )
     with pytest.raises(ValueError, match="unsupported architecture.*GPT2LMHeadModel"):
         load_model(str(tmp_path), use_cache=False)
 

@@ -1,11 +1,17 @@
 """Sampling masks on crafted logits (top-k, top-p, min-p, penalties, bias, min_tokens)."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from paxengine.request import Request
-from paxengine.sampling import (_apply_top_k_top_p, build_sampling_tensors, inverse_cdf,
-                               process_logits, sample)
+from paxengine.sampling import (
+    _apply_top_k_top_p,
+    build_sampling_tensors,
+    inverse_cdf,
+    process_logits,
+    sample,
+)
 from paxengine.sampling_params import SamplingParams
 
 V = 8
@@ -16,16 +22,18 @@ def tensors(*params, history=None, out_tokens=None):
     for i, p in enumerate(params):
         r = Request(f"r{i}", list(history or [0]), p, seed=i)
         r.output_token_ids = list(out_tokens or [])
-        r.num_pending_tokens = 1       # as right after scheduling: this step's sample is pending
+        r.num_pending_tokens = 1  # as right after scheduling: this step's sample is pending
         reqs.append(r)
     return build_sampling_tensors(reqs, len(reqs), 16, eos_ids=[7])
 
 
 def support(logits, st, draws=200):
     """The set of tokens sampled over many steps (different keys each step)."""
+
     def draw(step):
         st2 = st.__class__(**{**st.__dict__, "steps": jnp.full_like(st.steps, step)})
         return sample(jnp.asarray(logits), st2)[0][0]
+
     return set(np.asarray(jax.jit(jax.vmap(draw))(jnp.arange(draws))).tolist())
 
 
@@ -52,8 +60,11 @@ def test_penalties_on_crafted_logits():
     out = np.asarray(process_logits(logits, st))[0]
     # prompt tokens 0 and 2 and output token 3 were seen: positive / 2, negative * 2
     np.testing.assert_allclose(out[:4], [1.0, 2.0, -4.0, 0.5])
-    st = tensors(SamplingParams(presence_penalty=0.5, frequency_penalty=0.25), history=[0, 2],
-                 out_tokens=[3, 3])
+    st = tensors(
+        SamplingParams(presence_penalty=0.5, frequency_penalty=0.25),
+        history=[0, 2],
+        out_tokens=[3, 3],
+    )
     out = np.asarray(process_logits(logits, st))[0]
     # only output tokens count: token 3 twice -> 1 - 0.5 - 2 * 0.25
     np.testing.assert_allclose(out[:4], [2.0, 2.0, -2.0, 0.0])
@@ -72,18 +83,23 @@ def test_inverse_cdf_matches_a_flat_prefix_sum():
     """The two-level draw picks the token a float64 prefix sum over the whole row picks (away
     from ties), skips zero-probability tokens, and stays in range for u near 1."""
     rng = np.random.default_rng(0)
-    v = 1000                                       # not a multiple of the 256-token block
+    v = 1000  # not a multiple of the 256-token block
     probs = rng.random((3, v)) ** 4
-    probs[:, rng.random(v) < 0.5] = 0.0            # holes, including whole blocks in row 2
+    probs[:, rng.random(v) < 0.5] = 0.0  # holes, including whole blocks in row 2
     probs[2, :600] = 0.0
-    probs[1, -300:] = 0.0                          # the last block carries no mass
-    u = np.concatenate([rng.random(200), [0.0, 1.0 - 2 ** -24]]).astype(np.float32)
-    got = np.asarray(jax.jit(jax.vmap(inverse_cdf, in_axes=(None, 0)))(
-        jnp.asarray(probs, jnp.float32), jnp.asarray(np.tile(u[:, None], (1, 3)))))
+    probs[1, -300:] = 0.0  # the last block carries no mass
+    u = np.concatenate([rng.random(200), [0.0, 1.0 - 2**-24]]).astype(np.float32)
+    got = np.asarray(
+        jax.jit(jax.vmap(inverse_cdf, in_axes=(None, 0)))(
+            jnp.asarray(probs, jnp.float32), jnp.asarray(np.tile(u[:, None], (1, 3)))
+        )
+    )
     cdf = np.cumsum(probs, axis=-1)
     for r in range(3):
         want = np.searchsorted(cdf[r], u * cdf[r, -1], side="right")
-        near_edge = np.min(np.abs(cdf[r][None, :] - (u * cdf[r, -1])[:, None]), axis=1) < 1e-4 * cdf[r, -1]
+        near_edge = (
+            np.min(np.abs(cdf[r][None, :] - (u * cdf[r, -1])[:, None]), axis=1) < 1e-4 * cdf[r, -1]
+        )
         assert (got[:, r] == np.minimum(want, v - 1))[~near_edge].all()
         assert (probs[r, got[:, r]] > 0).all()
 

@@ -1,5 +1,6 @@
 """Scheduler unit tests: a step is shortened to a compiled token bucket when that is cheaper
 than padding, and the deferred prompt tokens follow in the next step."""
+
 from paxengine.kv_cache import KVCacheManager
 from paxengine.request import Request
 from paxengine.sampling_params import SamplingParams
@@ -12,8 +13,9 @@ def make(prompt_len: int, name: str) -> Request:
 
 def scheduler(buckets):
     kv = KVCacheManager(256, 16, enable_prefix_caching=False)
-    return Scheduler(kv, max_num_seqs=64, max_num_batched_tokens=256, max_model_len=1024,
-                     token_buckets=buckets)
+    return Scheduler(
+        kv, max_num_seqs=64, max_num_batched_tokens=256, max_model_len=1024, token_buckets=buckets
+    )
 
 
 def decode_step(sched, out):
@@ -26,26 +28,26 @@ def test_prefill_chunk_trimmed_to_bucket_and_resumed():
     decoders = [make(8, f"d{i}") for i in range(3)]
     for r in decoders:
         sched.add(r)
-    decode_step(sched, sched.schedule())          # 3 x 8 = 24 tokens: the last 8 cannot shrink to 16
+    decode_step(sched, sched.schedule())  # 3 x 8 = 24 tokens: the last 8 cannot shrink to 16
     late = make(70, "late")
     sched.add(late)
-    out = sched.schedule()                        # 3 decodes + 70 = 73 tokens: 64 fills exactly
+    out = sched.schedule()  # 3 decodes + 70 = 73 tokens: 64 fills exactly
     assert out.total_tokens == 64
     assert out.num_scheduled_tokens == {"d0": 1, "d1": 1, "d2": 1, "late": 61}
     decode_step(sched, out)
     assert late.num_computed_tokens == 61 and not late.output_token_ids
-    out = sched.schedule()                        # the deferred 9 follow
+    out = sched.schedule()  # the deferred 9 follow
     assert out.num_scheduled_tokens["late"] == 9
     decode_step(sched, out)
-    assert late.output_token_ids == [7]           # its prompt is complete: it sampled
+    assert late.output_token_ids == [7]  # its prompt is complete: it sampled
 
 
 def test_no_trim_when_padding_is_cheaper_or_chunk_too_short():
     sched = scheduler([16, 64, 256])
-    sched.add(make(200, "a"))                     # 200 -> 256 pads 56; trimming would defer 136
+    sched.add(make(200, "a"))  # 200 -> 256 pads 56; trimming would defer 136
     assert sched.schedule().total_tokens == 200
     sched2 = scheduler([16, 64, 256])
-    for i in range(17):                           # 17 decodes: nothing to shorten
+    for i in range(17):  # 17 decodes: nothing to shorten
         sched2.add(make(1, f"r{i}"))
     decode_step(sched2, sched2.schedule())
     assert sched2.schedule().total_tokens == 17
@@ -64,13 +66,13 @@ def test_block_array_follows_allocation_and_free():
     assert kv.allocate(req, 20)
     first = req.block_array().tolist()
     assert first == req.block_ids and len(first) == 2
-    assert kv.allocate(other, 40)          # takes 3 of the remaining blocks
+    assert kv.allocate(other, 40)  # takes 3 of the remaining blocks
     req.num_computed_tokens = 20
-    assert kv.allocate(req, 16)            # one more block: the array grows with the list
+    assert kv.allocate(req, 16)  # one more block: the array grows with the list
     before = req.block_array().tolist()
     assert before == req.block_ids and len(before) == 3
-    kv.free_request(req)                   # preempted: a re-grown list of the same length
-    kv.free_request(other)                 # must not meet the stale copy
+    kv.free_request(req)  # preempted: a re-grown list of the same length
+    kv.free_request(other)  # must not meet the stale copy
     kv.allocate(make(1, "c"), 1)
     req.num_computed_tokens = 0
     assert kv.allocate(req, 36)

@@ -1,6 +1,7 @@
 """The scheduler as the one owner of a request's tokens: pending samples of an overlapped step,
 1..k+1 tokens per request per step, token-level stops, and blocks returned on every ending.
 Pure Python: no model, no JAX."""
+
 from paxengine.batch import build_step
 from paxengine.kv_cache import KVCacheManager
 from paxengine.request import Request, Status
@@ -12,8 +13,9 @@ EOS = 2
 
 def setup(num_blocks=64, **params):
     kv = KVCacheManager(num_blocks, 4, enable_prefix_caching=False)
-    sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64,
-                      eos_token_ids=[EOS])
+    sched = Scheduler(
+        kv, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64, eos_token_ids=[EOS]
+    )
     req = Request("r", [10, 11, 12, 13, 14], SamplingParams(**params), seed=0)
     sched.add(req)
     return kv, sched, req
@@ -21,10 +23,10 @@ def setup(num_blocks=64, **params):
 
 def test_overlapped_step_feeds_the_pending_sample_from_the_device():
     kv, sched, req = setup(max_tokens=8)
-    first = sched.schedule()                     # the prompt: 5 tokens, then a sample
+    first = sched.schedule()  # the prompt: 5 tokens, then a sample
     assert first.sampling == {"r"} and req.num_pending_tokens == 1
     assert req.num_tokens == 6 and req.num_known_tokens == 5 and not req.output_token_ids
-    second = sched.schedule()                    # before the first step's sample is read
+    second = sched.schedule()  # before the first step's sample is read
     assert second.num_scheduled_tokens == {"r": 1} and req.num_pending_tokens == 2
     arrays = build_step(second, 4, 16, 4, 16, prev_rows={"r": 0})
     assert arrays.positions[0] == 5 and arrays.prev_index[0] == 0 and arrays.tokens[0] == 0
@@ -33,7 +35,7 @@ def test_overlapped_step_feeds_the_pending_sample_from_the_device():
     assert req.output_token_ids == [21] and req.num_pending_tokens == 1
     sched.update_from_output(second, {"r": [22]})
     assert req.output_token_ids == [21, 22] and req.num_pending_tokens == 0
-    third = sched.schedule()                     # read in between: the id comes from the host
+    third = sched.schedule()  # read in between: the id comes from the host
     arrays = build_step(third, 4, 16, 4, 16)
     assert arrays.tokens[0] == 22 and arrays.prev_index[0] == -1 and arrays.positions[0] == 6
 
@@ -41,7 +43,7 @@ def test_overlapped_step_feeds_the_pending_sample_from_the_device():
 def test_several_tokens_a_step_stop_at_a_stop_token_and_free_the_blocks():
     kv, sched, req = setup(max_tokens=10, stop_token_ids=[30])
     out = sched.schedule()
-    updated = sched.update_from_output(out, {"r": [21, 22, 30, 23, 24]})   # 30 stops: 23, 24 dropped
+    updated = sched.update_from_output(out, {"r": [21, 22, 30, 23, 24]})  # 30 stops: 23, 24 dropped
     assert updated == [req] and req.output_token_ids == [21, 22, 30]
     assert req.status == Status.FINISHED and (req.finish_reason, req.stop_reason) == ("stop", 30)
     assert kv.num_free_blocks == kv.num_blocks and not sched.running
@@ -67,7 +69,7 @@ def test_eos_counts_only_after_min_tokens_and_not_with_ignore_eos():
 def test_a_last_pending_sample_gets_no_second_row():
     _, sched, req = setup(max_tokens=1)
     first = sched.schedule()
-    assert not sched.schedule()                  # its one token is on the device: nothing to run
+    assert not sched.schedule()  # its one token is on the device: nothing to run
     sched.update_from_output(first, {"r": [21]})
     assert req.finish_reason == "length" and req.output_token_ids == [21]
 
@@ -87,11 +89,11 @@ def test_preempted_with_a_pending_sample_waits_for_it():
     b = Request("b", [1] * 7, SamplingParams(max_tokens=8), seed=0)
     sched.add(a)
     sched.add(b)
-    first = sched.schedule()                     # a: 1 block, b: 2 blocks: the pool is full
+    first = sched.schedule()  # a: 1 block, b: 2 blocks: the pool is full
     assert first.sampling == {"a", "b"}
-    second = sched.schedule()                    # a needs a 2nd block: b, the newest, goes
+    second = sched.schedule()  # a needs a 2nd block: b, the newest, goes
     assert second.preempted == [b] and b.status == Status.PREEMPTED and b.num_pending_tokens == 1
     assert list(second.num_scheduled_tokens) == ["a"]
     sched.update_from_output(first, {"a": [5], "b": [6]})
-    assert b.output_token_ids == [6] and b.num_pending_tokens == 0   # kept for its recompute
+    assert b.output_token_ids == [6] and b.num_pending_tokens == 0  # kept for its recompute
     assert b.num_computed_tokens == 0 and b.num_tokens == 8

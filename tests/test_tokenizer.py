@@ -1,9 +1,16 @@
 """Tokenizer parity with transformers, chat template, incremental detokenization."""
+
 import pytest
 
-TEXTS = ["Hello world", "  leading spaces and\ttabs\nnewlines", "Numbers 1234567 and 3.14159",
-         "Accents: crème brûlée, naïve café, Ærøskøbing", "CJK: 你好，世界。日本語のテキスト",
-         "Emoji: 🙂👍🏽🇫🇷 family 👨‍👩‍👧", "<|im_start|>user\nhi<|im_end|>"]
+TEXTS = [
+    "Hello world",
+    "  leading spaces and\ttabs\nnewlines",
+    "Numbers 1234567 and 3.14159",
+    "Accents: crème brûlée, naïve café, Ærøskøbing",
+    "CJK: 你好，世界。日本語のテキスト",
+    "Emoji: 🙂👍🏽🇫🇷 family 👨‍👩‍👧",
+    "<|im_start|>user\nhi<|im_end|>",
+]
 
 
 def test_encode_matches_hf(smollm, hf_smollm):
@@ -16,8 +23,12 @@ def test_encode_matches_hf(smollm, hf_smollm):
 
 def test_chat_template_matches_transformers(smollm, hf_smollm):
     _, hf_tok = hf_smollm
-    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"},
-            {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "2+2?"}]
+    msgs = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi there"},
+        {"role": "assistant", "content": "Hello!"},
+        {"role": "user", "content": "2+2?"},
+    ]
     for m in (msgs, msgs[1:2]):
         ours = smollm.tokenizer.apply_chat_template(m, add_generation_prompt=True)
         theirs = hf_tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True)
@@ -27,6 +38,7 @@ def test_chat_template_matches_transformers(smollm, hf_smollm):
 @pytest.mark.parametrize("text", TEXTS[3:])
 def test_incremental_detokenization_multibyte(smollm, text):
     from paxengine.tokenizer import IncrementalDetokenizer
+
     tok = smollm.tokenizer
     prompt = tok.encode("Say:")
     ids = tok.encode(text)
@@ -34,4 +46,4 @@ def test_incremental_detokenization_multibyte(smollm, text):
     deltas = [d.add(i) for i in ids]
     deltas.append(d.flush())
     assert "".join(deltas) == tok.decode(ids)
-    assert all("\ufffd" not in x for x in deltas)   # never a half character on the wire
+    assert all("\ufffd" not in x for x in deltas)  # never a half character on the wire

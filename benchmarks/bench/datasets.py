@@ -6,6 +6,7 @@ shared-prefix datasets: exact lengths, no tokenizer needed, sent as `prompt: [id
 Lengths recorded here are what we *asked* for; the benchmark reports what the server's `usage`
 says it processed.
 """
+
 from __future__ import annotations
 
 import json
@@ -23,21 +24,23 @@ DEFAULT_VOCAB_SIZE = 32000
 
 # Plain words used to make text prompts when no tokenizer is at hand (chat endpoint). Most are a
 # single token with a leading space in BPE vocabularies, so N words are roughly N tokens.
-_WORDS = ("the of and to in is was for on that with as by at from his her it an are were which "
-          "be this has had not but its have they one their also new first two time after who "
-          "year been more all other some would into most only over city used can may such "
-          "where when these many there school state then about world both through between "
-          "during under three people known part later work well while same long high water "
-          "found since each house early small black white road river north south east west "
-          "war game film music song book line side team club group power land light life "
-          "name order place point form area party field board court story young great").split()
+_WORDS = (
+    "the of and to in is was for on that with as by at from his her it an are were which "
+    "be this has had not but its have they one their also new first two time after who "
+    "year been more all other some would into most only over city used can may such "
+    "where when these many there school state then about world both through between "
+    "during under three people known part later work well while same long high water "
+    "found since each house early small black white road river north south east west "
+    "war game film music song book line side team club group power land light life "
+    "name order place point form area party field board court story young great"
+).split()
 
 
 @dataclass
 class SampleRequest:
-    prompt: list[int] | str       # token ids, or text
-    prompt_len: int               # exact for token ids; an estimate for text
-    output_len: int               # max_tokens asked for (ignore_eos makes it exact)
+    prompt: list[int] | str  # token ids, or text
+    prompt_len: int  # exact for token ids; an estimate for text
+    output_len: int  # max_tokens asked for (ignore_eos makes it exact)
 
     @property
     def is_tokens(self) -> bool:
@@ -64,9 +67,15 @@ def _check_vocab(vocab_size: int, token_low: int) -> int:
     return low
 
 
-def random_dataset(num_prompts: int, input_len: int, output_len: int, range_ratio: float = 0.0,
-                   vocab_size: int = DEFAULT_VOCAB_SIZE, token_low: int = DEFAULT_TOKEN_LOW,
-                   seed: int = 0) -> list[SampleRequest]:
+def random_dataset(
+    num_prompts: int,
+    input_len: int,
+    output_len: int,
+    range_ratio: float = 0.0,
+    vocab_size: int = DEFAULT_VOCAB_SIZE,
+    token_low: int = DEFAULT_TOKEN_LOW,
+    seed: int = 0,
+) -> list[SampleRequest]:
     """Random token-id prompts of about `input_len` tokens asking for about `output_len`."""
     rng = random.Random(seed)
     low = _check_vocab(vocab_size, token_low)
@@ -75,9 +84,16 @@ def random_dataset(num_prompts: int, input_len: int, output_len: int, range_rati
     return [SampleRequest(_ids(rng, i, low, vocab_size), i, o) for i, o in zip(ins, outs)]
 
 
-def shared_prefix_dataset(num_prompts: int, num_prefixes: int, prefix_len: int, suffix_len: int,
-                          output_len: int, vocab_size: int = DEFAULT_VOCAB_SIZE,
-                          token_low: int = DEFAULT_TOKEN_LOW, seed: int = 0) -> list[SampleRequest]:
+def shared_prefix_dataset(
+    num_prompts: int,
+    num_prefixes: int,
+    prefix_len: int,
+    suffix_len: int,
+    output_len: int,
+    vocab_size: int = DEFAULT_VOCAB_SIZE,
+    token_low: int = DEFAULT_TOKEN_LOW,
+    seed: int = 0,
+) -> list[SampleRequest]:
     """`num_prompts` requests spread round-robin over `num_prefixes` long common prefixes, each
     followed by its own random suffix (exercises prefix caching). Order is shuffled."""
     if num_prefixes < 1:
@@ -98,9 +114,15 @@ def words_text(rng: random.Random, n: int) -> str:
     return " ".join(rng.choice(_WORDS) for _ in range(max(1, n)))
 
 
-def sharegpt_dataset(path: str | Path, num_prompts: int, output_len: int | None = None,
-                     tokenizer=None, seed: int = 0, max_prompt_len: int = 1024,
-                     max_total_len: int = 2048) -> list[SampleRequest]:
+def sharegpt_dataset(
+    path: str | Path,
+    num_prompts: int,
+    output_len: int | None = None,
+    tokenizer=None,
+    seed: int = 0,
+    max_prompt_len: int = 1024,
+    max_total_len: int = 2048,
+) -> list[SampleRequest]:
     """First human turn as prompt, the reply's length as output length, from a ShareGPT-format
     JSON file: a list of {"conversations": [{"from": "human", "value": ...}, {"from": "gpt", ...}]}.
     Lengths use `tokenizer` (anything with .encode) when given, else about 4 characters a token.

@@ -1,4 +1,5 @@
 """PNG plots for the benchmarks (matplotlib, headless)."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -8,8 +9,10 @@ import numpy as np
 
 def _plt():
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     return plt
 
 
@@ -45,10 +48,15 @@ def serve_plots(result: dict, out_dir: str | Path, stem: str = "serve") -> list[
 
     if any(r.get("requests") for r in runs):
         fig, axes = plt.subplots(2, 2, figsize=(11, 8))
-        for ax, (key, name) in zip(axes.flat, (("ttft", "Time to first token"),
-                                               ("tpot", "Time per output token"),
-                                               ("itl", "Inter-token latency"),
-                                               ("latency", "End-to-end latency"))):
+        for ax, (key, name) in zip(
+            axes.flat,
+            (
+                ("ttft", "Time to first token"),
+                ("tpot", "Time per output token"),
+                ("itl", "Inter-token latency"),
+                ("latency", "End-to-end latency"),
+            ),
+        ):
             for run in runs:
                 recs = [q for q in run.get("requests") or [] if q["success"]]
                 if key == "itl":
@@ -87,8 +95,10 @@ def serve_plots(result: dict, out_dir: str | Path, stem: str = "serve") -> list[
         h1, l1 = ax.get_legend_handles_labels()
         h2, l2 = ax2.get_legend_handles_labels()
         ax.legend(h1 + h2, l1 + l2, fontsize=8, loc="upper left")
-        for ax, metric, name in ((axes[1], "ttft", "Time to first token"),
-                                 (axes[2], "tpot", "Time per output token")):
+        for ax, metric, name in (
+            (axes[1], "ttft", "Time to first token"),
+            (axes[2], "tpot", "Time per output token"),
+        ):
             for stat, style in (("median", "o-"), ("p90", "s--"), ("p99", "^:")):
                 key = f"{stat}_{metric}_ms"
                 if all(r.get(key) is not None for r in sweep):
@@ -111,14 +121,23 @@ def serve_plots(result: dict, out_dir: str | Path, stem: str = "serve") -> list[
     return written
 
 
-def bar_plot(path: str | Path, labels: list[str], values: list[float], ylabel: str, title: str) -> str:
+def bar_plot(
+    path: str | Path, labels: list[str], values: list[float], ylabel: str, title: str
+) -> str:
     """One bar per system (e.g. paxengine vs HF transformers output tok/s)."""
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6, 4))
-    bars = ax.bar(labels, values, color=["tab:blue", "tab:orange", "tab:green", "tab:red"][:len(values)])
+    bars = ax.bar(
+        labels, values, color=["tab:blue", "tab:orange", "tab:green", "tab:red"][: len(values)]
+    )
     for b, v in zip(bars, values):
-        ax.annotate(f"{v:,.1f}", (b.get_x() + b.get_width() / 2, b.get_height()),
-                    ha="center", va="bottom", fontsize=9)
+        ax.annotate(
+            f"{v:,.1f}",
+            (b.get_x() + b.get_width() / 2, b.get_height()),
+            ha="center",
+            va="bottom",
+            fontsize=9,
+        )
     ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=10)
     ax.grid(axis="y", alpha=0.3)

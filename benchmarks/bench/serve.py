@@ -14,6 +14,7 @@ Load: `--request-rate R` (Poisson arrivals, `--burstiness` < 1 for burstier gamm
 `--max-concurrency`. `--sweep-concurrency 1,4,16` runs once per concurrency and plots throughput
 and latency against it.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,6 +42,7 @@ LATENCIES = ("ttft", "tpot", "itl", "e2el")
 
 # ----------------------------------------------------------------------------- HTTP clients
 
+
 class HTTPStatusError(Exception):
     def __init__(self, status: int, body: str):
         super().__init__(f"HTTP {status}: {body[:500]}")
@@ -52,14 +54,18 @@ class _AiohttpClient:
 
     def __init__(self, headers: dict, timeout_s: float):
         import aiohttp
+
         self._aiohttp = aiohttp
         self._headers, self._timeout = headers, timeout_s
 
     async def __aenter__(self):
         a = self._aiohttp
         self.session = a.ClientSession(
-            headers=self._headers, timeout=a.ClientTimeout(total=self._timeout),
-            connector=a.TCPConnector(limit=0, force_close=False), read_bufsize=1 << 20)
+            headers=self._headers,
+            timeout=a.ClientTimeout(total=self._timeout),
+            connector=a.TCPConnector(limit=0, force_close=False),
+            read_bufsize=1 << 20,
+        )
         return self
 
     async def __aexit__(self, *exc):
@@ -84,14 +90,17 @@ class _HttpxClient:
 
     def __init__(self, headers: dict, timeout_s: float):
         import httpx
+
         self._httpx = httpx
         self._headers, self._timeout = headers, timeout_s
 
     async def __aenter__(self):
         h = self._httpx
-        self.client = h.AsyncClient(headers=self._headers, timeout=h.Timeout(self._timeout),
-                                    limits=h.Limits(max_connections=None,
-                                                    max_keepalive_connections=None))
+        self.client = h.AsyncClient(
+            headers=self._headers,
+            timeout=h.Timeout(self._timeout),
+            limits=h.Limits(max_connections=None, max_keepalive_connections=None),
+        )
         return self
 
     async def __aexit__(self, *exc):
@@ -100,7 +109,9 @@ class _HttpxClient:
     async def stream_lines(self, url: str, payload: dict):
         async with self.client.stream("POST", url, json=payload) as resp:
             if resp.status_code != 200:
-                raise HTTPStatusError(resp.status_code, (await resp.aread()).decode(errors="replace"))
+                raise HTTPStatusError(
+                    resp.status_code, (await resp.aread()).decode(errors="replace")
+                )
             async for line in resp.aiter_lines():
                 yield line
 
@@ -123,19 +134,20 @@ def make_client(kind: str, headers: dict, timeout_s: float):
 
 # ----------------------------------------------------------------------------- one request
 
+
 @dataclass
 class RequestResult:
-    prompt_len: int                  # asked for (exact for token-id prompts)
-    output_len: int                  # max_tokens asked for
+    prompt_len: int  # asked for (exact for token-id prompts)
+    output_len: int  # max_tokens asked for
     success: bool = False
     error: str = ""
-    prompt_tokens: int = 0           # from the server's usage
-    completion_tokens: int = 0       # from the server's usage
-    start: float = 0.0               # seconds since the run started
-    ttft: float = 0.0                # seconds
-    latency: float = 0.0             # seconds, end to end
-    itl: list[float] = field(default_factory=list)   # seconds between token-carrying chunks
-    chunks: int = 0                  # token-carrying chunks received
+    prompt_tokens: int = 0  # from the server's usage
+    completion_tokens: int = 0  # from the server's usage
+    start: float = 0.0  # seconds since the run started
+    ttft: float = 0.0  # seconds
+    latency: float = 0.0  # seconds, end to end
+    itl: list[float] = field(default_factory=list)  # seconds between token-carrying chunks
+    chunks: int = 0  # token-carrying chunks received
     text_chars: int = 0
 
     @property
@@ -146,8 +158,12 @@ class RequestResult:
 
 
 def build_payload(endpoint: str, model: str, req: ds.SampleRequest, args) -> dict:
-    p: dict = {"model": model, "max_tokens": req.output_len, "stream": True,
-               "stream_options": {"include_usage": True}}
+    p: dict = {
+        "model": model,
+        "max_tokens": req.output_len,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     if endpoint == CHAT:
         p["messages"] = [{"role": "user", "content": req.prompt}]
     else:
@@ -170,12 +186,14 @@ def _chunk_has_token(endpoint: str, choice: dict) -> bool:
     if endpoint != CHAT:
         return True
     delta = choice.get("delta") or {}
-    return bool(delta.get("content")) or (choice.get("finish_reason") is not None
-                                          and not delta.get("role"))
+    return bool(delta.get("content")) or (
+        choice.get("finish_reason") is not None and not delta.get("role")
+    )
 
 
-async def send_request(client, url: str, endpoint: str, payload: dict, res: RequestResult,
-                       t0: float) -> RequestResult:
+async def send_request(
+    client, url: str, endpoint: str, payload: dict, res: RequestResult, t0: float
+) -> RequestResult:
     start = time.perf_counter()
     res.start = start - t0
     last = start
@@ -195,7 +213,9 @@ async def send_request(client, url: str, endpoint: str, payload: dict, res: Requ
             msg = json.loads(data)
             if "error" in msg:
                 err = msg["error"]
-                raise RuntimeError(f"error in stream: {err.get('message', err) if isinstance(err, dict) else err}")
+                raise RuntimeError(
+                    f"error in stream: {err.get('message', err) if isinstance(err, dict) else err}"
+                )
             if msg.get("usage"):
                 usage = msg["usage"]
             for choice in msg.get("choices") or []:
@@ -207,12 +227,18 @@ async def send_request(client, url: str, endpoint: str, payload: dict, res: Requ
                     res.itl.append(now - last)
                 last = now
                 res.chunks += 1
-                text = choice.get("text") if endpoint != CHAT else (choice.get("delta") or {}).get("content")
+                text = (
+                    choice.get("text")
+                    if endpoint != CHAT
+                    else (choice.get("delta") or {}).get("content")
+                )
                 res.text_chars += len(text or "")
         res.latency = time.perf_counter() - start
         if usage is None:
-            raise RuntimeError("the server sent no usage (stream_options.include_usage); "
-                               "token counts must come from the server")
+            raise RuntimeError(
+                "the server sent no usage (stream_options.include_usage); "
+                "token counts must come from the server"
+            )
         res.prompt_tokens = int(usage.get("prompt_tokens") or 0)
         res.completion_tokens = int(usage.get("completion_tokens") or 0)
         if res.completion_tokens > 0 and res.chunks == 0:
@@ -226,7 +252,10 @@ async def send_request(client, url: str, endpoint: str, payload: dict, res: Requ
 
 # ----------------------------------------------------------------------------- load
 
-def arrival_times(n: int, rate: float, burstiness: float, burst_size: int, rng: np.random.Generator):
+
+def arrival_times(
+    n: int, rate: float, burstiness: float, burst_size: int, rng: np.random.Generator
+):
     """Send offsets (seconds from start) for n requests: all 0 at rate inf; else groups of
     `burst_size` whose gaps follow a gamma distribution of mean burst_size/rate (burstiness 1:
     exponential, i.e. Poisson arrivals), rescaled so the whole schedule spans n/rate."""
@@ -244,19 +273,30 @@ def arrival_times(n: int, rate: float, burstiness: float, burst_size: int, rng: 
     return [float(starts[i // burst_size]) for i in range(n)]
 
 
-async def run_load(client, url: str, endpoint: str, model: str, reqs: list[ds.SampleRequest],
-                   args, max_concurrency: int | None, request_rate: float, seed: int,
-                   desc: str = "") -> tuple[list[RequestResult], float, int]:
+async def run_load(
+    client,
+    url: str,
+    endpoint: str,
+    model: str,
+    reqs: list[ds.SampleRequest],
+    args,
+    max_concurrency: int | None,
+    request_rate: float,
+    seed: int,
+    desc: str = "",
+) -> tuple[list[RequestResult], float, int]:
     """Send every request per the arrival schedule and concurrency cap. Returns the results (in
     dataset order), the wall time from the first send to the last completion, and the peak
     number of requests in flight."""
-    offsets = arrival_times(len(reqs), request_rate, args.burstiness, args.burst_size,
-                            np.random.default_rng(seed))
+    offsets = arrival_times(
+        len(reqs), request_rate, args.burstiness, args.burst_size, np.random.default_rng(seed)
+    )
     sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     in_flight = peak = 0
     bar = None
     if not args.disable_tqdm:
         from tqdm import tqdm
+
         bar = tqdm(total=len(reqs), desc=desc or "requests", unit="req", leave=True)
     t0 = time.perf_counter()
 
@@ -290,6 +330,7 @@ async def run_load(client, url: str, endpoint: str, model: str, reqs: list[ds.Sa
 
 # ----------------------------------------------------------------------------- metrics
 
+
 def _stats(name: str, values_s: list[float], percentiles: list[float]) -> dict:
     out = {}
     v = np.asarray(values_s, dtype=np.float64) * 1000.0
@@ -305,8 +346,13 @@ def _stats(name: str, values_s: list[float], percentiles: list[float]) -> dict:
     return out
 
 
-def compute_metrics(reqs: list[ds.SampleRequest], results: list[RequestResult], duration: float,
-                    percentiles: list[float], ignore_eos: bool) -> dict:
+def compute_metrics(
+    reqs: list[ds.SampleRequest],
+    results: list[RequestResult],
+    duration: float,
+    percentiles: list[float],
+    ignore_eos: bool,
+) -> dict:
     ok = [r for r in results if r.success]
     total_in = sum(r.prompt_tokens for r in ok)
     total_out = sum(r.completion_tokens for r in ok)
@@ -315,8 +361,11 @@ def compute_metrics(reqs: list[ds.SampleRequest], results: list[RequestResult], 
     for r in results:
         if not r.success:
             errors[r.error] = errors.get(r.error, 0) + 1
-    prompt_mismatch = sum(1 for q, r in zip(reqs, results)
-                          if r.success and q.is_tokens and r.prompt_tokens != q.prompt_len)
+    prompt_mismatch = sum(
+        1
+        for q, r in zip(reqs, results)
+        if r.success and q.is_tokens and r.prompt_tokens != q.prompt_len
+    )
     output_mismatch = sum(1 for r in ok if ignore_eos and r.completion_tokens != r.output_len)
     m = {
         "completed": len(ok),
@@ -330,7 +379,9 @@ def compute_metrics(reqs: list[ds.SampleRequest], results: list[RequestResult], 
         "tokens_per_chunk": total_out / chunks if chunks else None,
         "prompt_len_mismatches": prompt_mismatch,
         "output_len_mismatches": output_mismatch,
-        "errors": [{"error": e, "count": c} for e, c in sorted(errors.items(), key=lambda x: -x[1])][:10],
+        "errors": [
+            {"error": e, "count": c} for e, c in sorted(errors.items(), key=lambda x: -x[1])
+        ][:10],
     }
     m.update(_stats("ttft", [r.ttft for r in ok], percentiles))
     m.update(_stats("tpot", [t for r in ok if (t := r.tpot) is not None], percentiles))
@@ -343,7 +394,7 @@ def request_records(results: list[RequestResult]) -> list[dict]:
     recs = []
     for r in results:
         d = asdict(r)
-        d["itl"] = [round(x * 1000.0, 4) for x in r.itl]   # ms
+        d["itl"] = [round(x * 1000.0, 4) for x in r.itl]  # ms
         d["ttft"] = round(r.ttft * 1000.0, 4)
         d["latency"] = round(r.latency * 1000.0, 4)
         d["start"] = round(r.start, 6)
@@ -354,6 +405,7 @@ def request_records(results: list[RequestResult]) -> list[dict]:
 
 
 # ----------------------------------------------------------------------------- output
+
 
 def format_table(m: dict, title: str, percentiles: list[float]) -> str:
     w = 52
@@ -370,7 +422,10 @@ def format_table(m: dict, title: str, percentiles: list[float]) -> str:
     row("Failed requests:", m["failed"])
     if m.get("max_concurrency"):
         row("Maximum request concurrency:", m["max_concurrency"])
-    row("Request rate (configured, req/s):", m["request_rate"] if not math.isinf(m["request_rate"]) else "inf")
+    row(
+        "Request rate (configured, req/s):",
+        m["request_rate"] if not math.isinf(m["request_rate"]) else "inf",
+    )
     row("Benchmark duration (s):", m["duration_s"])
     row("Total input tokens:", m["total_input_tokens"])
     row("Total generated tokens:", m["total_output_tokens"])
@@ -378,8 +433,12 @@ def format_table(m: dict, title: str, percentiles: list[float]) -> str:
     row("Output token throughput (tok/s):", m["output_throughput"])
     row("Total token throughput (tok/s):", m["total_token_throughput"])
     row("Peak concurrent requests:", m["max_concurrent_requests"])
-    for name, label in (("ttft", "Time to First Token"), ("tpot", "Time per Output Token (excl. 1st)"),
-                        ("itl", "Inter-token Latency"), ("e2el", "End-to-end Latency")):
+    for name, label in (
+        ("ttft", "Time to First Token"),
+        ("tpot", "Time per Output Token (excl. 1st)"),
+        ("itl", "Inter-token Latency"),
+        ("e2el", "End-to-end Latency"),
+    ):
         lines.append(f"{' ' + label + ' ':-^{w}}")
         row(f"Mean {name.upper()} (ms):", m[f"mean_{name}_ms"])
         row(f"Median {name.upper()} (ms):", m[f"median_{name}_ms"])
@@ -397,84 +456,145 @@ def format_table(m: dict, title: str, percentiles: list[float]) -> str:
 
 
 def format_sweep(runs: list[dict]) -> str:
-    hdr = (f"{'conc':>5} {'req/s':>8} {'out tok/s':>10} {'tot tok/s':>10} {'TTFT p50':>9} "
-           f"{'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9} {'ITL p50':>8} {'E2E p50':>9} {'fail':>5}")
+    hdr = (
+        f"{'conc':>5} {'req/s':>8} {'out tok/s':>10} {'tot tok/s':>10} {'TTFT p50':>9} "
+        f"{'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9} {'ITL p50':>8} {'E2E p50':>9} {'fail':>5}"
+    )
     lines = ["Sweep (latencies in ms)", hdr, "-" * len(hdr)]
 
     def f(v, w, d=1):
         return f"{'n/a':>{w}}" if v is None else f"{v:>{w}.{d}f}"
 
     for r in runs:
-        lines.append(f"{str(r['max_concurrency'] or 'inf'):>5} {f(r['request_throughput'], 8, 2)} "
-                     f"{f(r['output_throughput'], 10)} {f(r['total_token_throughput'], 10)} "
-                     f"{f(r['median_ttft_ms'], 9)} {f(r.get('p99_ttft_ms'), 9)} "
-                     f"{f(r['median_tpot_ms'], 9, 2)} {f(r.get('p99_tpot_ms'), 9, 2)} "
-                     f"{f(r['median_itl_ms'], 8, 2)} {f(r['median_e2el_ms'], 9)} {r['failed']:>5}")
+        lines.append(
+            f"{str(r['max_concurrency'] or 'inf'):>5} {f(r['request_throughput'], 8, 2)} "
+            f"{f(r['output_throughput'], 10)} {f(r['total_token_throughput'], 10)} "
+            f"{f(r['median_ttft_ms'], 9)} {f(r.get('p99_ttft_ms'), 9)} "
+            f"{f(r['median_tpot_ms'], 9, 2)} {f(r.get('p99_tpot_ms'), 9, 2)} "
+            f"{f(r['median_itl_ms'], 8, 2)} {f(r['median_e2el_ms'], 9)} {r['failed']:>5}"
+        )
     return "\n".join(lines)
 
 
 # ----------------------------------------------------------------------------- driver
 
+
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="paxengine bench serve", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="paxengine bench serve",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     g = p.add_argument_group("server")
-    g.add_argument("--base-url", default=None, help="server root, e.g. http://127.0.0.1:8000 "
-                   "(default: http://HOST:PORT)")
+    g.add_argument(
+        "--base-url",
+        default=None,
+        help="server root, e.g. http://127.0.0.1:8000 (default: http://HOST:PORT)",
+    )
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=int, default=8000)
     g.add_argument("--endpoint", default=COMPLETIONS, help=f"{COMPLETIONS} or {CHAT}")
-    g.add_argument("--model", default=None, help="model name sent; default: the first of GET /v1/models")
+    g.add_argument(
+        "--model", default=None, help="model name sent; default: the first of GET /v1/models"
+    )
     g.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
-    g.add_argument("--ready-timeout", type=float, default=0.0,
-                   help="wait up to this many seconds for GET /health (or /v1/models) to answer 200")
+    g.add_argument(
+        "--ready-timeout",
+        type=float,
+        default=0.0,
+        help="wait up to this many seconds for GET /health (or /v1/models) to answer 200",
+    )
     g.add_argument("--request-timeout", type=float, default=6 * 3600.0)
     g.add_argument("--http-client", choices=("auto", "aiohttp", "httpx"), default="auto")
     g = p.add_argument_group("dataset")
-    g.add_argument("--dataset-name", choices=("random", "shared-prefix", "sharegpt"), default="random")
-    g.add_argument("--dataset-path", default=None, help="ShareGPT JSON (for --dataset-name sharegpt)")
+    g.add_argument(
+        "--dataset-name", choices=("random", "shared-prefix", "sharegpt"), default="random"
+    )
+    g.add_argument(
+        "--dataset-path", default=None, help="ShareGPT JSON (for --dataset-name sharegpt)"
+    )
     g.add_argument("--num-prompts", type=int, default=100)
     g.add_argument("--random-input-len", type=int, default=1024)
     g.add_argument("--random-output-len", type=int, default=128)
-    g.add_argument("--random-range-ratio", type=float, default=0.0,
-                   help="lengths uniform in [L*(1-r), L*(1+r)]")
+    g.add_argument(
+        "--random-range-ratio",
+        type=float,
+        default=0.0,
+        help="lengths uniform in [L*(1-r), L*(1+r)]",
+    )
     g.add_argument("--shared-prefix-num-prefixes", type=int, default=4)
     g.add_argument("--shared-prefix-len", type=int, default=1024)
     g.add_argument("--shared-prefix-suffix-len", type=int, default=64)
     g.add_argument("--shared-prefix-output-len", type=int, default=128)
-    g.add_argument("--sharegpt-output-len", type=int, default=None,
-                   help="fix every ShareGPT request's output length (default: the reply's length)")
-    g.add_argument("--vocab-size", type=int, default=None,
-                   help=f"random token ids are drawn below this (default: the tokenizer's, else "
-                        f"{ds.DEFAULT_VOCAB_SIZE})")
-    g.add_argument("--tokenizer", default=None, help="HF tokenizer (name or path) to decode "
-                   "random ids into text for the chat endpoint and to measure ShareGPT lengths")
+    g.add_argument(
+        "--sharegpt-output-len",
+        type=int,
+        default=None,
+        help="fix every ShareGPT request's output length (default: the reply's length)",
+    )
+    g.add_argument(
+        "--vocab-size",
+        type=int,
+        default=None,
+        help=f"random token ids are drawn below this (default: the tokenizer's, else "
+        f"{ds.DEFAULT_VOCAB_SIZE})",
+    )
+    g.add_argument(
+        "--tokenizer",
+        default=None,
+        help="HF tokenizer (name or path) to decode "
+        "random ids into text for the chat endpoint and to measure ShareGPT lengths",
+    )
     g.add_argument("--seed", type=int, default=0)
     g = p.add_argument_group("load")
-    g.add_argument("--request-rate", type=float, default=float("inf"),
-                   help="requests per second (Poisson arrivals); inf sends all at once")
-    g.add_argument("--burstiness", type=float, default=1.0,
-                   help="gamma shape of the arrival gaps: 1 = Poisson, < 1 burstier, > 1 steadier")
+    g.add_argument(
+        "--request-rate",
+        type=float,
+        default=float("inf"),
+        help="requests per second (Poisson arrivals); inf sends all at once",
+    )
+    g.add_argument(
+        "--burstiness",
+        type=float,
+        default=1.0,
+        help="gamma shape of the arrival gaps: 1 = Poisson, < 1 burstier, > 1 steadier",
+    )
     g.add_argument("--burst-size", type=int, default=1, help="requests arriving together")
     g.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")
-    g.add_argument("--sweep-concurrency", default=None,
-                   help="comma-separated concurrencies, one run each, e.g. 1,4,16")
-    g.add_argument("--num-prompts-per-concurrency", type=int, default=None,
-                   help="in a sweep, send max(num_prompts, K x concurrency) requests per run")
+    g.add_argument(
+        "--sweep-concurrency",
+        default=None,
+        help="comma-separated concurrencies, one run each, e.g. 1,4,16",
+    )
+    g.add_argument(
+        "--num-prompts-per-concurrency",
+        type=int,
+        default=None,
+        help="in a sweep, send max(num_prompts, K x concurrency) requests per run",
+    )
     g.add_argument("--num-warmups", type=int, default=1, help="untimed requests before each run")
     g = p.add_argument_group("sampling")
-    g.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
-                   help="generate exactly max_tokens per request so runs compare")
+    g.add_argument(
+        "--ignore-eos",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="generate exactly max_tokens per request so runs compare",
+    )
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=None)
     g.add_argument("--extra-body", default=None, help="JSON merged into every request body")
     g = p.add_argument_group("output")
     g.add_argument("--result-file", default=None, help="write the JSON here")
-    g.add_argument("--plot-dir", default=None,
-                   help="write PNG plots here (default: beside --result-file; 'none' = no plots)")
+    g.add_argument(
+        "--plot-dir",
+        default=None,
+        help="write PNG plots here (default: beside --result-file; 'none' = no plots)",
+    )
     g.add_argument("--label", default=None, help="a name for this run in the JSON and plots")
     g.add_argument("--percentiles", default="50,90,99")
-    g.add_argument("--no-detailed", action="store_true", help="leave per-request records out of the JSON")
+    g.add_argument(
+        "--no-detailed", action="store_true", help="leave per-request records out of the JSON"
+    )
     g.add_argument("--disable-tqdm", action="store_true")
     return p.parse_args(argv)
 
@@ -483,18 +603,31 @@ def _load_tokenizer(name):
     if not name:
         return None
     from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(name)
 
 
 def make_requests(args, n: int, seed: int, tokenizer) -> list[ds.SampleRequest]:
     vocab = args.vocab_size or (len(tokenizer) if tokenizer is not None else ds.DEFAULT_VOCAB_SIZE)
     if args.dataset_name == "random":
-        reqs = ds.random_dataset(n, args.random_input_len, args.random_output_len,
-                                 args.random_range_ratio, vocab_size=vocab, seed=seed)
+        reqs = ds.random_dataset(
+            n,
+            args.random_input_len,
+            args.random_output_len,
+            args.random_range_ratio,
+            vocab_size=vocab,
+            seed=seed,
+        )
     elif args.dataset_name == "shared-prefix":
-        reqs = ds.shared_prefix_dataset(n, args.shared_prefix_num_prefixes, args.shared_prefix_len,
-                                        args.shared_prefix_suffix_len, args.shared_prefix_output_len,
-                                        vocab_size=vocab, seed=seed)
+        reqs = ds.shared_prefix_dataset(
+            n,
+            args.shared_prefix_num_prefixes,
+            args.shared_prefix_len,
+            args.shared_prefix_suffix_len,
+            args.shared_prefix_output_len,
+            vocab_size=vocab,
+            seed=seed,
+        )
     else:
         if not args.dataset_path:
             raise ValueError("--dataset-name sharegpt needs --dataset-path")
@@ -556,32 +689,54 @@ async def benchmark(args) -> dict:
             n = args.num_prompts
             if args.num_prompts_per_concurrency and conc:
                 n = max(n, args.num_prompts_per_concurrency * conc)
-            seed = args.seed + 1000 * k          # fresh prompts per run: no prefix-cache carry-over
+            seed = args.seed + 1000 * k  # fresh prompts per run: no prefix-cache carry-over
             reqs = make_requests(args, n, seed, tokenizer)
             if args.num_warmups > 0:
                 warm = make_requests(args, args.num_warmups, seed + 999_983, tokenizer)
-                wres = await asyncio.gather(*(
-                    send_request(client, url, endpoint, build_payload(endpoint, model, w, args),
-                                 RequestResult(w.prompt_len, w.output_len), time.perf_counter())
-                    for w in warm))
+                wres = await asyncio.gather(
+                    *(
+                        send_request(
+                            client,
+                            url,
+                            endpoint,
+                            build_payload(endpoint, model, w, args),
+                            RequestResult(w.prompt_len, w.output_len),
+                            time.perf_counter(),
+                        )
+                        for w in warm
+                    )
+                )
                 bad = [w.error for w in wres if not w.success]
                 if bad:
                     raise RuntimeError(f"warm-up request failed: {bad[0]}")
             gc.collect()
             gc.freeze()
             desc = f"concurrency {conc}" if conc else "requests"
-            results, duration, peak = await run_load(client, url, endpoint, model, reqs, args, conc,
-                                                     args.request_rate, seed, desc)
+            results, duration, peak = await run_load(
+                client, url, endpoint, model, reqs, args, conc, args.request_rate, seed, desc
+            )
             gc.unfreeze()
             m = compute_metrics(reqs, results, duration, percentiles, args.ignore_eos)
-            m = {"max_concurrency": conc, "request_rate": args.request_rate,
-                 "burstiness": args.burstiness, "burst_size": args.burst_size,
-                 "num_prompts": n, "max_concurrent_requests": peak, **m}
+            m = {
+                "max_concurrency": conc,
+                "request_rate": args.request_rate,
+                "burstiness": args.burstiness,
+                "burst_size": args.burst_size,
+                "num_prompts": n,
+                "max_concurrent_requests": peak,
+                **m,
+            }
             if not args.no_detailed:
                 m["requests"] = request_records(results)
             runs.append(m)
-            print(format_table(m, f"Serving Benchmark Result{f' (concurrency {conc})' if conc else ''}",
-                               percentiles), flush=True)
+            print(
+                format_table(
+                    m,
+                    f"Serving Benchmark Result{f' (concurrency {conc})' if conc else ''}",
+                    percentiles,
+                ),
+                flush=True,
+            )
     if len(runs) > 1:
         print(format_sweep(runs), flush=True)
     return {
@@ -591,17 +746,26 @@ async def benchmark(args) -> dict:
         "command": "paxengine bench serve " + shlex.join(args.argv),
         "environment": environment({"http_client": client.name}),
         "server": {"base_url": base, "endpoint": endpoint, "model": model, **server},
-        "dataset": {"name": args.dataset_name, "path": args.dataset_path,
-                    "random_input_len": args.random_input_len,
-                    "random_output_len": args.random_output_len,
-                    "random_range_ratio": args.random_range_ratio,
-                    "shared_prefix_num_prefixes": args.shared_prefix_num_prefixes,
-                    "shared_prefix_len": args.shared_prefix_len,
-                    "shared_prefix_suffix_len": args.shared_prefix_suffix_len,
-                    "shared_prefix_output_len": args.shared_prefix_output_len,
-                    "vocab_size": args.vocab_size, "tokenizer": args.tokenizer, "seed": args.seed},
-        "sampling": {"ignore_eos": args.ignore_eos, "temperature": args.temperature,
-                     "top_p": args.top_p, "extra_body": args.extra_body},
+        "dataset": {
+            "name": args.dataset_name,
+            "path": args.dataset_path,
+            "random_input_len": args.random_input_len,
+            "random_output_len": args.random_output_len,
+            "random_range_ratio": args.random_range_ratio,
+            "shared_prefix_num_prefixes": args.shared_prefix_num_prefixes,
+            "shared_prefix_len": args.shared_prefix_len,
+            "shared_prefix_suffix_len": args.shared_prefix_suffix_len,
+            "shared_prefix_output_len": args.shared_prefix_output_len,
+            "vocab_size": args.vocab_size,
+            "tokenizer": args.tokenizer,
+            "seed": args.seed,
+        },
+        "sampling": {
+            "ignore_eos": args.ignore_eos,
+            "temperature": args.temperature,
+            "top_p": args.top_p,
+            "extra_body": args.extra_body,
+        },
         "percentiles": percentiles,
         "runs": runs,
     }
@@ -622,6 +786,7 @@ def main(argv=None) -> int:
         plot_dir = str(Path(args.result_file).parent)
     if plot_dir and plot_dir != "none":
         from benchmarks.bench import plots as pl
+
         stem = Path(args.result_file).stem if args.result_file else "serve"
         plots = pl.serve_plots(result, plot_dir, stem)
         result["plots"] = plots

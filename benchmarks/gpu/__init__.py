@@ -3,4 +3,4 @@ device call, with the roofline floors measured on the same card (`gpu_run.sh`)."
 
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[2]   # stages and servers run from here
+REPO_ROOT = Path(__file__).resolve().parents[2]  # stages and servers run from here

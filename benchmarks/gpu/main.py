@@ -22,6 +22,7 @@ Every stage writes DIR/stage_<name>.json; the driver merges them into DIR/gpu_be
 prints the report's table last (report.py). A failed stage is recorded and the next one still
 runs. The workloads are workloads.FULL, or QUICK with --quick.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,9 +40,14 @@ from benchmarks.gpu.report import markdown_table, merge_earlier
 from benchmarks.gpu.workloads import FULL, QUICK
 from benchmarks.record import environment, finite
 
-STAGES = {"roofline": roofline.stage_roofline, "pax-offline": offline.stage_pax_offline,
-          "pax-serve": serving.stage_pax_serve, "vllm-offline": offline.stage_vllm_offline,
-          "vllm-serve": serving.stage_vllm_serve, "hf": hf.stage_hf}
+STAGES = {
+    "roofline": roofline.stage_roofline,
+    "pax-offline": offline.stage_pax_offline,
+    "pax-serve": serving.stage_pax_serve,
+    "vllm-offline": offline.stage_vllm_offline,
+    "vllm-serve": serving.stage_vllm_serve,
+    "hf": hf.stage_hf,
+}
 ALL_STAGES = tuple(STAGES)
 
 
@@ -55,22 +61,27 @@ def run_stage(name: str, spec: dict, out_dir: Path, deadline: float | None = Non
         res = {"ok": True, **stage.partial(), **res}
     except Exception as e:  # noqa: BLE001 - recorded, the driver goes on
         import traceback
+
         traceback.print_exc()
         res = {**stage.partial(), "ok": False, "error": f"{type(e).__name__}: {e}"[:3000]}
     res["stage_wall_s"] = time.perf_counter() - t
     out.write_text(json.dumps(finite(res), indent=1, allow_nan=False))
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0 if res["ok"] else 1)   # no slow teardown; the driver ends what is left of the group
+    os._exit(0 if res["ok"] else 1)  # no slow teardown; the driver ends what is left of the group
 
 
 def _copy_out(work: Path, out_dir: Path) -> None:
     """The files worth bringing back (the device returns at most 8)."""
     import shutil
+
     if work == out_dir:
         return
-    names = ["gpu_bench.json"] + [f"{lab}_serve{suf}" for lab in ("pax", "vllm")
-                                  for suf in (".json", "_sweep.png", "_latency_cdf.png")]
+    names = ["gpu_bench.json"] + [
+        f"{lab}_serve{suf}"
+        for lab in ("pax", "vllm")
+        for suf in (".json", "_sweep.png", "_latency_cdf.png")
+    ]
     for n in names:
         if (work / n).is_file():
             shutil.copy2(work / n, out_dir / n)
@@ -79,6 +90,7 @@ def _copy_out(work: Path, out_dir: Path) -> None:
 def _kill_group(proc: subprocess.Popen) -> None:
     """End the process group the stage leads (a stage started with start_new_session)."""
     import signal
+
     for sig in (signal.SIGTERM, signal.SIGKILL):
         try:
             os.killpg(proc.pid, sig)
@@ -107,27 +119,48 @@ def _kill_group(proc: subprocess.Popen) -> None:
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.gpu.main",
-                                description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default=os.environ.get("OUT") or "benchmarks/results/gpu",
-                   help="where the results are copied (at most 8 files: the device's limit)")
-    p.add_argument("--work", default="/tmp/paxengine_gpu_bench",
-                   help="scratch: stage results, server logs, the dummy model dir; kept between "
-                        "calls on a warm machine, so a later call's stages merge with earlier ones")
-    p.add_argument("--budget-s", type=float, default=None,
-                   help="wall-clock budget for all stages (each stage's limit shrinks to fit)")
-    p.add_argument("--stages", default="roofline,pax-offline,pax-serve",
-                   help=f"comma-separated, from {','.join(ALL_STAGES)}; 'all' = every one, vLLM "
-                        f"stages skipped when vllm is not importable")
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.gpu.main", description=__doc__.split("\n\n")[0]
+    )
+    p.add_argument(
+        "--out",
+        default=os.environ.get("OUT") or "benchmarks/results/gpu",
+        help="where the results are copied (at most 8 files: the device's limit)",
+    )
+    p.add_argument(
+        "--work",
+        default="/tmp/paxengine_gpu_bench",
+        help="scratch: stage results, server logs, the dummy model dir; kept between "
+        "calls on a warm machine, so a later call's stages merge with earlier ones",
+    )
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        help="wall-clock budget for all stages (each stage's limit shrinks to fit)",
+    )
+    p.add_argument(
+        "--stages",
+        default="roofline,pax-offline,pax-serve",
+        help=f"comma-separated, from {','.join(ALL_STAGES)}; 'all' = every one, vLLM "
+        f"stages skipped when vllm is not importable",
+    )
     p.add_argument("--quick", action="store_true", help="tiny CPU-sized workloads (smoke test)")
     p.add_argument("--stage-timeout", type=float, default=540.0, help="seconds per stage")
-    p.add_argument("--vllm-pythonpath", default=os.environ.get("VLLM_PYTHONPATH", "/tmp/vsite"),
-                   help="PYTHONPATH for the vLLM stages (vLLM pins its own fastapi/pydantic)")
+    p.add_argument(
+        "--vllm-pythonpath",
+        default=os.environ.get("VLLM_PYTHONPATH", "/tmp/vsite"),
+        help="PYTHONPATH for the vLLM stages (vLLM pins its own fastapi/pydantic)",
+    )
     p.add_argument("--_stage", default=None, help=argparse.SUPPRESS)
     p.add_argument("--_spec", default=None, help=argparse.SUPPRESS)
     p.add_argument("--_deadline", type=float, default=None, help=argparse.SUPPRESS)
-    p.add_argument("--reserve-s", type=float, default=150.0,
-                   help="with --budget-s: seconds kept back for each stage still to run")
+    p.add_argument(
+        "--reserve-s",
+        type=float,
+        default=150.0,
+        help="with --budget-s: seconds kept back for each stage still to run",
+    )
     return p, p.parse_args(argv)
 
 
@@ -147,15 +180,26 @@ def launch_stage(name: str, spec: dict, work: Path, env: dict, limit: float) -> 
     t = time.perf_counter()
     f = work / f"stage_{name}.json"
     f.unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "benchmarks.gpu.main", "--work", str(work), "--_stage", name,
-           "--_spec", json.dumps(spec), "--_deadline", str(time.time() + limit)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "benchmarks.gpu.main",
+        "--work",
+        str(work),
+        "--_stage",
+        name,
+        "--_spec",
+        json.dumps(spec),
+        "--_deadline",
+        str(time.time() + limit),
+    ]
     # its own process group: on a timeout the stage's server goes down with it
     proc = subprocess.Popen(cmd, env=env, cwd=REPO_ROOT, start_new_session=True)
     try:
         rc = proc.wait(timeout=limit)
     except subprocess.TimeoutExpired:
         rc = "timeout"
-    _kill_group(proc)   # the stage, or what it left behind (a server, vLLM's engine process)
+    _kill_group(proc)  # the stage, or what it left behind (a server, vLLM's engine process)
     stage.log(f"stage {name} done in {time.perf_counter() - t:.0f} s (rc {rc})")
     if not f.is_file():
         return {"ok": False, "error": f"stage process ended with {rc} and no result"}
@@ -174,19 +218,28 @@ def main(argv=None) -> int:
     spec = QUICK if args.quick else FULL
     if args._stage:
         work.mkdir(parents=True, exist_ok=True)
-        return run_stage(args._stage, json.loads(args._spec) if args._spec else spec, work,
-                         args._deadline)
+        return run_stage(
+            args._stage, json.loads(args._spec) if args._spec else spec, work, args._deadline
+        )
     out_dir.mkdir(parents=True, exist_ok=True)
     work.mkdir(parents=True, exist_ok=True)
 
-    stages = (list(ALL_STAGES) if args.stages == "all"
-              else [s.strip() for s in args.stages.split(",") if s.strip()])
+    stages = (
+        list(ALL_STAGES)
+        if args.stages == "all"
+        else [s.strip() for s in args.stages.split(",") if s.strip()]
+    )
     bad = [s for s in stages if s not in STAGES]
     if bad:
         p.error(f"unknown stages {bad}; choose from {ALL_STAGES}")
-    merged = {"benchmark": "gpu", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-              "command": "python -m benchmarks.gpu.main " + shlex.join(argv), "spec": spec,
-              "stages": {}, "environment": environment()}
+    merged = {
+        "benchmark": "gpu",
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "command": "python -m benchmarks.gpu.main " + shlex.join(argv),
+        "spec": spec,
+        "stages": {},
+        "environment": environment(),
+    }
     merged_file = work / "gpu_bench.json"
     merge_earlier(merged, merged_file)
     for idx, name in enumerate(stages):
@@ -195,8 +248,11 @@ def main(argv=None) -> int:
             env = vllm_env(args.vllm_pythonpath)
             if env is None:
                 stage.log(f"skip {name}: vllm is not importable with {args.vllm_pythonpath}")
-                merged["stages"][name] = {"ok": False, "skipped": True,
-                                          "error": "vllm not importable"}
+                merged["stages"][name] = {
+                    "ok": False,
+                    "skipped": True,
+                    "error": "vllm not importable",
+                }
                 continue
         limit = args.stage_timeout
         if args.budget_s:
@@ -205,8 +261,11 @@ def main(argv=None) -> int:
             limit = min(limit, args.budget_s - spent - 10 - args.reserve_s * later)
             if limit < 30:
                 stage.log(f"skip {name}: the budget is spent")
-                merged["stages"][name] = {"ok": False, "skipped": True,
-                                          "error": "no time left in the budget"}
+                merged["stages"][name] = {
+                    "ok": False,
+                    "skipped": True,
+                    "error": "no time left in the budget",
+                }
                 continue
         stage.log(f"stage {name} ...")
         merged["stages"][name] = launch_stage(name, spec, work, env, limit)

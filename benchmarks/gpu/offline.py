@@ -6,6 +6,7 @@ latency and throughput are the same arithmetic for both:
   their scheduling included, median of the spec's reps, per batch size;
   throughput: output tokens / wall time of one generate call per workload.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -46,20 +47,23 @@ def offline(gen, spec, vocab: int, stats=None) -> dict:
     workload projected to overrun the stage's deadline is skipped. stats: a callable giving
     engine counters (steps, preemptions), recorded per workload."""
     res = {}
-    rate = None   # output tok/s of the last workload, to project the next one's duration
+    rate = None  # output tok/s of the last workload, to project the next one's duration
     for k, w in enumerate(spec["offline"]):
         left = seconds_left()
         if rate and left is not None:
             projected = 1.2 * w["num_prompts"] * w["output_len"] / rate + 5
             left -= 15
             if projected > left:
-                res[w["name"]] = {"skipped": f"projected {projected:.0f} s at {rate:,.0f} tok/s; "
-                                             f"{left:.0f} s left in this stage"}
+                res[w["name"]] = {
+                    "skipped": f"projected {projected:.0f} s at {rate:,.0f} tok/s; "
+                    f"{left:.0f} s left in this stage"
+                }
                 log(f"offline {w['name']}: skipped, {res[w['name']]['skipped']}")
                 save_partial(offline=dict(res))
                 continue
-        reqs = random_dataset(w["num_prompts"], w["input_len"], w["output_len"], vocab_size=vocab,
-                              seed=1000 + k)
+        reqs = random_dataset(
+            w["num_prompts"], w["input_len"], w["output_len"], vocab_size=vocab, seed=1000 + k
+        )
         log(f"offline {w['name']} ...")
         before = stats() if stats else None
         t = time.perf_counter()
@@ -68,13 +72,20 @@ def offline(gen, spec, vocab: int, stats=None) -> dict:
         n_out = sum(outs)
         n_in = sum(r.prompt_len for r in reqs)
         assert n_out == w["num_prompts"] * w["output_len"], f"output tokens {n_out}"
-        res[w["name"]] = {"elapsed_s": el, "requests_per_s": len(reqs) / el,
-                          "output_tok_s": n_out / el, "total_tok_s": (n_in + n_out) / el}
+        res[w["name"]] = {
+            "elapsed_s": el,
+            "requests_per_s": len(reqs) / el,
+            "output_tok_s": n_out / el,
+            "total_tok_s": (n_in + n_out) / el,
+        }
         if stats:
             after = stats()
             steps = after["steps"] - before["steps"]
-            res[w["name"]].update(steps=steps, mean_step_ms=1e3 * el / max(steps, 1),
-                                  preemptions=after["num_preemptions"] - before["num_preemptions"])
+            res[w["name"]].update(
+                steps=steps,
+                mean_step_ms=1e3 * el / max(steps, 1),
+                preemptions=after["num_preemptions"] - before["num_preemptions"],
+            )
         log(f"offline {w['name']}: {n_out / el:,.0f} output tok/s ({el:.1f} s)")
         save_partial(offline=dict(res))
         rate = n_out / el
@@ -87,6 +98,7 @@ def stage_pax_offline(spec: dict, out: Path) -> dict:
     from paxengine import LLM
     from paxengine.config import EngineConfig
     from paxengine.models.config import PRESETS
+
     cfg = EngineConfig(model=f"dummy:{spec['preset']}", dtype=spec["dtype"], **spec["engine"])
     t = time.perf_counter()
     llm = LLM(config=cfg)
@@ -99,7 +111,7 @@ def stage_pax_offline(spec: dict, out: Path) -> dict:
         outs = llm.generate(token_prompts(reqs), greedy_params(reqs), use_tqdm=False)
         return [len(o.outputs[0].token_ids) for o in outs]
 
-    gen(random_dataset(4, 64, 8, vocab_size=vocab, seed=7))      # warm-up (untimed)
+    gen(random_dataset(4, 64, 8, vocab_size=vocab, seed=7))  # warm-up (untimed)
     compiles = CompileCounter()
     res = {"startup_s": startup}
     res.update(itl(gen, spec, vocab))
@@ -114,23 +126,36 @@ def stage_vllm_offline(spec: dict, out: Path) -> dict:
     from vllm import LLM, SamplingParams
 
     from paxengine.models.config import PRESETS
+
     d = write_dummy_model_dir(spec["preset"], out.parent / "dummy_model")
     e = spec["engine"]
     t = time.perf_counter()
-    llm = LLM(model=str(d), load_format="dummy", skip_tokenizer_init=True, dtype=spec["dtype"],
-              max_num_seqs=e["max_num_seqs"], max_num_batched_tokens=e["max_num_batched_tokens"],
-              max_model_len=e["max_model_len"],
-              gpu_memory_utilization=e.get("gpu_memory_utilization", 0.9), seed=0)
+    llm = LLM(
+        model=str(d),
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        dtype=spec["dtype"],
+        max_num_seqs=e["max_num_seqs"],
+        max_num_batched_tokens=e["max_num_batched_tokens"],
+        max_model_len=e["max_model_len"],
+        gpu_memory_utilization=e.get("gpu_memory_utilization", 0.9),
+        seed=0,
+    )
     startup = time.perf_counter() - t
     log(f"vLLM {vllm.__version__} started in {startup:.1f} s")
     save_partial(startup_s=startup, vllm_version=vllm.__version__)
     vocab = PRESETS[spec["preset"]].vocab_size
 
     def gen(reqs):
-        params = [SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True,
-                                 detokenize=False) for r in reqs]
-        outs = llm.generate([{"prompt_token_ids": list(r.prompt)} for r in reqs], params,
-                            use_tqdm=False)
+        params = [
+            SamplingParams(
+                temperature=0.0, max_tokens=r.output_len, ignore_eos=True, detokenize=False
+            )
+            for r in reqs
+        ]
+        outs = llm.generate(
+            [{"prompt_token_ids": list(r.prompt)} for r in reqs], params, use_tqdm=False
+        )
         return [len(o.outputs[0].token_ids) for o in outs]
 
     gen(random_dataset(4, 64, 8, vocab_size=vocab, seed=7))

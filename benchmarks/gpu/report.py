@@ -3,6 +3,7 @@ numbers of VLLM-PEER.md) and the roofline floor side by side, as a markdown tabl
 
     python -m benchmarks.gpu.report DIR/gpu_bench.json     # the table for the README
 """
+
 from __future__ import annotations
 
 import json
@@ -12,8 +13,10 @@ from pathlib import Path
 # vLLM 0.26.0 bf16 on one H200, Llama-3.1-8B shapes, dummy weights, measured 2026-11-29
 # (../shared/gpu/VLLM-PEER.md; its engine settings and ITL method were vLLM's defaults, not ours).
 VLLM_PEER = {
-    "itl_batch1_ms": "4.74", "itl_batch8_ms": "4.84",
-    "offline 256x(1024,128)": "3,962", "offline 300x(1000,1000)": "9,853",
+    "itl_batch1_ms": "4.74",
+    "itl_batch8_ms": "4.84",
+    "offline 256x(1024,128)": "3,962",
+    "offline 300x(1000,1000)": "9,853",
     "serve c1": ("194", "47 / 77", "4.82 / 4.83"),
     "serve c16": ("1,989", "255 / 399", "5.87 / 8.03"),
     "serve c64": ("3,746", "504 / 1110", "13.6 / 18.5"),
@@ -41,35 +44,70 @@ def summary_rows(merged: dict) -> list[tuple[str, ...]]:
     rows = []
     for b in merged["spec"]["itl"]["batches"]:
         k = f"itl_batch{b}_ms"
-        rows.append((f"batch-{b} ITL (ms)", f(pax_o.get(k), ".2f"), f(vl_o.get(k), ".2f"),
-                     ref.get(k, "-"), f(roof.get(k), ".2f")))
+        rows.append(
+            (
+                f"batch-{b} ITL (ms)",
+                f(pax_o.get(k), ".2f"),
+                f(vl_o.get(k), ".2f"),
+                ref.get(k, "-"),
+                f(roof.get(k), ".2f"),
+            )
+        )
     for w in merged["spec"]["offline"]:
         n = w["name"]
-        rows.append((f"offline {n} output tok/s", off(pax_o, n), off(vl_o, n),
-                     ref.get(f"offline {n}", "-"),
-                     f(roof.get(f"offline_{n}_output_tok_s"), ",.0f")))
+        rows.append(
+            (
+                f"offline {n} output tok/s",
+                off(pax_o, n),
+                off(vl_o, n),
+                ref.get(f"offline {n}", "-"),
+                f(roof.get(f"offline_{n}_output_tok_s"), ",.0f"),
+            )
+        )
     for c in merged["spec"]["serve"]["concurrency"]:
         p, v = (pax_s.get("runs") or {}).get(f"c{c}", {}), (vl_s.get("runs") or {}).get(f"c{c}", {})
         r = ref.get(f"serve c{c}", ("-", "-", "-"))
-        rows.append((f"serve c={c} output tok/s", f(p.get("output_throughput"), ",.0f"),
-                     f(v.get("output_throughput"), ",.0f"), r[0],
-                     f(roof.get(f"serve_c{c}_output_tok_s"), ",.0f")))
-        rows.append((f"serve c={c} TTFT mean / p99 (ms)",
-                     pair(p, "mean_ttft_ms", "p99_ttft_ms", ".0f"),
-                     pair(v, "mean_ttft_ms", "p99_ttft_ms", ".0f"), r[1], ""))
-        rows.append((f"serve c={c} TPOT median / p99 (ms)",
-                     pair(p, "median_tpot_ms", "p99_tpot_ms", ".2f"),
-                     pair(v, "median_tpot_ms", "p99_tpot_ms", ".2f"), r[2],
-                     f(roof.get(f"serve_c{c}_tpot_ms"), ".2f")))
+        rows.append(
+            (
+                f"serve c={c} output tok/s",
+                f(p.get("output_throughput"), ",.0f"),
+                f(v.get("output_throughput"), ",.0f"),
+                r[0],
+                f(roof.get(f"serve_c{c}_output_tok_s"), ",.0f"),
+            )
+        )
+        rows.append(
+            (
+                f"serve c={c} TTFT mean / p99 (ms)",
+                pair(p, "mean_ttft_ms", "p99_ttft_ms", ".0f"),
+                pair(v, "mean_ttft_ms", "p99_ttft_ms", ".0f"),
+                r[1],
+                "",
+            )
+        )
+        rows.append(
+            (
+                f"serve c={c} TPOT median / p99 (ms)",
+                pair(p, "median_tpot_ms", "p99_tpot_ms", ".2f"),
+                pair(v, "median_tpot_ms", "p99_tpot_ms", ".2f"),
+                r[2],
+                f(roof.get(f"serve_c{c}_tpot_ms"), ".2f"),
+            )
+        )
     sc = pax_s.get("server_compile_metrics_delta")
     pax_c = f(pax_o.get("jax_compiles_during_timed_runs"), "d") + " offline"
     if sc:
         pax_c += f", {sum(sc.values()):.0f} serving (server /metrics)"
     rows.append(("JAX compiles during timed runs (must be 0)", pax_c, "", "", ""))
-    rows.append(("start-up: offline / server (s)",
-                 f"{f(pax_o.get('startup_s'), '.0f')} / {f(pax_s.get('startup_s'), '.0f')}",
-                 f"{f(vl_o.get('startup_s'), '.0f')} / {f(vl_s.get('startup_s'), '.0f')}",
-                 "150 / 57 (cold / warm compile cache)" if ref else "-", ""))
+    rows.append(
+        (
+            "start-up: offline / server (s)",
+            f"{f(pax_o.get('startup_s'), '.0f')} / {f(pax_s.get('startup_s'), '.0f')}",
+            f"{f(vl_o.get('startup_s'), '.0f')} / {f(vl_s.get('startup_s'), '.0f')}",
+            "150 / 57 (cold / warm compile cache)" if ref else "-",
+            "",
+        )
+    )
     return rows
 
 
@@ -78,27 +116,39 @@ def markdown_table(merged: dict) -> str:
     summary_rows(), HF's line, failed and skipped stages."""
     st = merged["stages"].get("roofline") or {}
     env = merged.get("environment", {})
-    lines = [f"Device: {env.get('device')}; jax {env.get('jax_version')}; commit "
-             f"{(env.get('commit') or '?')[:10]}{' (dirty)' if env.get('commit_dirty') else ''}; "
-             f"model {merged['spec']['preset']} ({merged['spec']['dtype']}, dummy weights); "
-             f"{merged.get('date', '')}"]
+    lines = [
+        f"Device: {env.get('device')}; jax {env.get('jax_version')}; commit "
+        f"{(env.get('commit') or '?')[:10]}{' (dirty)' if env.get('commit_dirty') else ''}; "
+        f"model {merged['spec']['preset']} ({merged['spec']['dtype']}, dummy weights); "
+        f"{merged.get('date', '')}"
+    ]
     if st.get("copy_bandwidth_Bps"):
-        lines.append(f"Measured ceilings: copy {st['copy_bandwidth_Bps'] / 1e12:.3g} TB/s, matmul "
-                     f"{st['matmul_flops_per_s'] / 1e12:.3g} TFLOP/s ({st.get('dtype')}) on "
-                     f"{st.get('device')}.")
-    lines += ["", "| workload | paxengine | vLLM (this run) | vLLM 0.26 (VLLM-PEER.md) "
-                  "| roofline bound |", "|---|---|---|---|---|"]
+        lines.append(
+            f"Measured ceilings: copy {st['copy_bandwidth_Bps'] / 1e12:.3g} TB/s, matmul "
+            f"{st['matmul_flops_per_s'] / 1e12:.3g} TFLOP/s ({st.get('dtype')}) on "
+            f"{st.get('device')}."
+        )
+    lines += [
+        "",
+        "| workload | paxengine | vLLM (this run) | vLLM 0.26 (VLLM-PEER.md) | roofline bound |",
+        "|---|---|---|---|---|",
+    ]
     lines += ["| " + " | ".join(r) + " |" for r in summary_rows(merged)]
     hf = merged["stages"].get("hf") or {}
     if hf.get("ok"):
+
         def ms(k):
             return "-" if hf.get(k) is None else f"{hf[k]:.2f} ms"
+
         b = hf.get("batched") or {}
-        lines += ["", f"HF transformers {hf.get('torch_version', '')} (this run): batch-1 ITL "
-                  f"eager {ms('itl_batch1_eager_ms')}, static cache + torch.compile "
-                  f"{ms('itl_batch1_compiled_ms')}; batched generate {b.get('name', '')} "
-                  f"{b.get('output_tok_s', 0):,.0f} output tok/s "
-                  "(VLLM-PEER.md: 81.7 ms, 7.22 ms, 1,710)."]
+        lines += [
+            "",
+            f"HF transformers {hf.get('torch_version', '')} (this run): batch-1 ITL "
+            f"eager {ms('itl_batch1_eager_ms')}, static cache + torch.compile "
+            f"{ms('itl_batch1_compiled_ms')}; batched generate {b.get('name', '')} "
+            f"{b.get('output_tok_s', 0):,.0f} output tok/s "
+            "(VLLM-PEER.md: 81.7 ms, 7.22 ms, 1,710).",
+        ]
     bad = [(k, v) for k, v in merged["stages"].items() if v and not v.get("ok")]
     failed = [f"{k}: {v.get('error', '')[:200]}" for k, v in bad if not v.get("skipped")]
     skipped = [f"{k} ({v.get('error', '')})" for k, v in bad if v.get("skipped")]

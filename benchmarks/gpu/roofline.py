@@ -2,6 +2,7 @@
 they put under every workload: max(bytes / bandwidth, FLOPs / matmul rate) per step, from the
 model's costs. A floor is the time no engine can beat on this card; the report prints each
 engine's figure beside it."""
+
 from __future__ import annotations
 
 import math
@@ -16,31 +17,40 @@ def model_costs(cfg, dtype_bytes: int = 2) -> dict:
     head = cfg.vocab_size * h
     # the embedding is a gather, not read whole each step (unless tied to the LM head)
     weights = cfg.num_params() - (0 if cfg.tie_word_embeddings else cfg.vocab_size * h)
-    return {"layer_matmul_params": L * layer_matmul, "lm_head_params": head,
-            "weight_bytes_per_step": weights * dtype_bytes,
-            "kv_bytes_per_token": 2 * L * cfg.num_kv_heads * d * dtype_bytes,
-            "attn_flops_per_qk": 4 * L * cfg.num_heads * d}   # QK^T + PV, per (query, key) pair
+    return {
+        "layer_matmul_params": L * layer_matmul,
+        "lm_head_params": head,
+        "weight_bytes_per_step": weights * dtype_bytes,
+        "kv_bytes_per_token": 2 * L * cfg.num_kv_heads * d * dtype_bytes,
+        "attn_flops_per_qk": 4 * L * cfg.num_heads * d,
+    }  # QK^T + PV, per (query, key) pair
 
 
 def decode_step_floor(c: dict, batch: int, ctx: float, bw: float, rate: float) -> float:
     """Seconds: one decode step of `batch` sequences at context `ctx`."""
     bytes_ = c["weight_bytes_per_step"] + batch * ctx * c["kv_bytes_per_token"]
-    flops = (2 * batch * (c["layer_matmul_params"] + c["lm_head_params"])
-             + batch * ctx * c["attn_flops_per_qk"])
+    flops = (
+        2 * batch * (c["layer_matmul_params"] + c["lm_head_params"])
+        + batch * ctx * c["attn_flops_per_qk"]
+    )
     return max(bytes_ / bw, flops / rate)
 
 
 def prefill_floor(c: dict, num_seqs: int, length: int, bw: float, rate: float) -> float:
     """Seconds: prefill of `num_seqs` prompts of `length` tokens (logits for the last token
     only), in steps of 8,192 tokens that each read the weights once."""
-    flops = (2 * num_seqs * length * c["layer_matmul_params"] + 2 * num_seqs * c["lm_head_params"]
-             + num_seqs * c["attn_flops_per_qk"] * length * (length + 1) / 2)
+    flops = (
+        2 * num_seqs * length * c["layer_matmul_params"]
+        + 2 * num_seqs * c["lm_head_params"]
+        + num_seqs * c["attn_flops_per_qk"] * length * (length + 1) / 2
+    )
     steps = max(1, math.ceil(num_seqs * length / 8192))
     return max(flops / rate, steps * c["weight_bytes_per_step"] / bw)
 
 
-def workload_floor(c: dict, n: int, inp: int, out: int, max_seqs: int, bw: float,
-                   rate: float) -> float:
+def workload_floor(
+    c: dict, n: int, inp: int, out: int, max_seqs: int, bw: float, rate: float
+) -> float:
     """Seconds for n x (inp, out) in waves of max_seqs: prefill then out-1 decode steps each."""
     total, left = 0.0, n
     while left > 0:
@@ -58,26 +68,35 @@ def measure_ceilings(spec: dict) -> dict:
     import jax.numpy as jnp
 
     from benchmarks.measure import copy_rate, device_dtype, matmul_rate
+
     dev = jax.devices()[0]
     dt = device_dtype()
     bw, copy_bytes = copy_rate(spec["copy_mib"], iters=spec["iters"], dtype=dt)
     rate = matmul_rate(spec["matmul_n"], iters=spec["iters"], dtype=dt)
-    return {"device": str(dev.device_kind), "platform": dev.platform, "dtype": str(jnp.dtype(dt)),
-            "copy_bytes": copy_bytes, "copy_bandwidth_Bps": bw,
-            "matmul_n": spec["matmul_n"], "matmul_flops_per_s": rate}
+    return {
+        "device": str(dev.device_kind),
+        "platform": dev.platform,
+        "dtype": str(jnp.dtype(dt)),
+        "copy_bytes": copy_bytes,
+        "copy_bandwidth_Bps": bw,
+        "matmul_n": spec["matmul_n"],
+        "matmul_flops_per_s": rate,
+    }
 
 
 def stage_roofline(spec: dict, out: Path) -> dict:
     """The card's ceilings and the floors they put under every workload of the spec."""
     from paxengine.models.config import PRESETS
+
     ceil = measure_ceilings(spec)
     cfg = PRESETS[spec["preset"]]
     c = model_costs(cfg, 2 if spec["dtype"] == "bfloat16" else 4)
     bw, rate = ceil["copy_bandwidth_Bps"], ceil["matmul_flops_per_s"]
     itl = spec["itl"]
     ctx = itl["input_len"] + (itl["n1"] + itl["n2"]) / 2
-    floors = {f"itl_batch{b}_ms": 1e3 * decode_step_floor(c, b, ctx, bw, rate)
-              for b in itl["batches"]}
+    floors = {
+        f"itl_batch{b}_ms": 1e3 * decode_step_floor(c, b, ctx, bw, rate) for b in itl["batches"]
+    }
     S = spec["engine"]["max_num_seqs"]
     for w in spec["offline"]:
         t = workload_floor(c, w["num_prompts"], w["input_len"], w["output_len"], S, bw, rate)
@@ -90,8 +109,12 @@ def stage_roofline(spec: dict, out: Path) -> dict:
         floors[f"serve_c{conc}_tpot_ms"] = 1e3 * step
         floors[f"serve_c{conc}_output_tok_s"] = conc / step
     floors["prefill_1024_ms"] = 1e3 * prefill_floor(c, 1, 1024, bw, rate)
-    return {**ceil, "model_costs": c, "floors": floors,
-            "note": "floors: max(bytes / measured copy bandwidth, FLOPs / measured matmul rate) "
-                    "per step; offline: waves of max_num_seqs, prefill then decode; serving: "
-                    "decode step at the mean context plus each request's prefill spread over its "
-                    "tokens"}
+    return {
+        **ceil,
+        "model_costs": c,
+        "floors": floors,
+        "note": "floors: max(bytes / measured copy bandwidth, FLOPs / measured matmul rate) "
+        "per step; offline: waves of max_num_seqs, prefill then decode; serving: "
+        "decode step at the mean context plus each request's prefill spread over its "
+        "tokens",
+    }

@@ -2,6 +2,7 @@
 `paxengine bench serve` against it at each concurrency of the spec, one run per concurrency so a
 stage cut off by its time limit keeps the runs it finished. The server's /metrics compile
 counters before and after tell whether serving compiled anything."""
+
 from __future__ import annotations
 
 import json
@@ -28,13 +29,20 @@ def _free_port() -> int:
 def serve_stage(spec: dict, out: Path, server_cmd: list[str], label: str, env: dict) -> dict:
     """Start a server, wait for it, run `bench serve` against it once per concurrency, stop it."""
     import urllib.request
+
     port = int(server_cmd[server_cmd.index("--port") + 1])
     base = f"http://127.0.0.1:{port}"
     logf = open(out.parent / f"{label}_server.log", "w")
     log("starting:", shlex.join(server_cmd))
     t = time.perf_counter()
-    proc = subprocess.Popen(server_cmd, stdout=logf, stderr=subprocess.STDOUT, env=env,
-                            cwd=REPO_ROOT, start_new_session=False)
+    proc = subprocess.Popen(
+        server_cmd,
+        stdout=logf,
+        stderr=subprocess.STDOUT,
+        env=env,
+        cwd=REPO_ROOT,
+        start_new_session=False,
+    )
     try:
         wait = spec.get("server_start_timeout", 480)
         if seconds_left() is not None:
@@ -42,8 +50,10 @@ def serve_stage(spec: dict, out: Path, server_cmd: list[str], label: str, env: d
         deadline = time.monotonic() + wait
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"server exited with {proc.returncode}; see {logf.name}: "
-                                   + Path(logf.name).read_text()[-2000:])
+                raise RuntimeError(
+                    f"server exited with {proc.returncode}; see {logf.name}: "
+                    + Path(logf.name).read_text()[-2000:]
+                )
             try:
                 with urllib.request.urlopen(base + "/v1/models", timeout=2) as r:
                     if r.status == 200:
@@ -57,6 +67,7 @@ def serve_stage(spec: dict, out: Path, server_cmd: list[str], label: str, env: d
         log(f"{label} server ready in {startup:.1f} s")
         sv = spec["serve"]
         from paxengine.models.config import PRESETS
+
         vocab = PRESETS[spec["preset"]].vocab_size
         combined_file = out.parent / f"{label}_serve.json"
         compiles_before = _scrape_compiles(base)
@@ -65,18 +76,41 @@ def serve_stage(spec: dict, out: Path, server_cmd: list[str], label: str, env: d
         for k, conc in enumerate(sv["concurrency"]):
             n = max(sv["num_prompts"], sv.get("per_concurrency", 0) * conc)
             part = out.parent / f"{label}_serve_c{conc}.json"
-            argv = ["--base-url", base, "--dataset-name", "random",
-                    "--random-input-len", str(sv["input_len"]),
-                    "--random-output-len", str(sv["output_len"]), "--num-prompts", str(n),
-                    "--max-concurrency", str(conc), "--seed", str(1000 * k),
-                    "--vocab-size", str(vocab), "--result-file", str(part), "--plot-dir", "none",
-                    "--label", label, "--disable-tqdm", "--num-warmups", "2"]
+            argv = [
+                "--base-url",
+                base,
+                "--dataset-name",
+                "random",
+                "--random-input-len",
+                str(sv["input_len"]),
+                "--random-output-len",
+                str(sv["output_len"]),
+                "--num-prompts",
+                str(n),
+                "--max-concurrency",
+                str(conc),
+                "--seed",
+                str(1000 * k),
+                "--vocab-size",
+                str(vocab),
+                "--result-file",
+                str(part),
+                "--plot-dir",
+                "none",
+                "--label",
+                label,
+                "--disable-tqdm",
+                "--num-warmups",
+                "2",
+            ]
             log(f"{label} serve: concurrency {conc}, {n} requests")
             rc = serve.main(argv)
             rcs.append(rc)
             if not part.is_file():
-                raise RuntimeError(f"bench serve exited with {rc} and wrote no results (its "
-                                   f"error is in the log above)")
+                raise RuntimeError(
+                    f"bench serve exited with {rc} and wrote no results (its "
+                    f"error is in the log above)"
+                )
             res = json.loads(part.read_text())
             part.unlink()
             if combined is None:
@@ -86,20 +120,43 @@ def serve_stage(spec: dict, out: Path, server_cmd: list[str], label: str, env: d
                 combined["runs"] += res["runs"]
             combined_file.write_text(json.dumps(combined))
             r = res["runs"][0]
-            runs[f"c{conc}"] = {key: r.get(key) for key in (
-                "completed", "failed", "num_prompts", "duration_s", "request_throughput",
-                "output_throughput", "total_token_throughput", "mean_ttft_ms", "median_ttft_ms",
-                "p99_ttft_ms", "mean_tpot_ms", "median_tpot_ms", "p99_tpot_ms", "median_itl_ms",
-                "p99_itl_ms", "median_e2el_ms", "tokens_per_chunk")}
+            runs[f"c{conc}"] = {
+                key: r.get(key)
+                for key in (
+                    "completed",
+                    "failed",
+                    "num_prompts",
+                    "duration_s",
+                    "request_throughput",
+                    "output_throughput",
+                    "total_token_throughput",
+                    "mean_ttft_ms",
+                    "median_ttft_ms",
+                    "p99_ttft_ms",
+                    "mean_tpot_ms",
+                    "median_tpot_ms",
+                    "p99_tpot_ms",
+                    "median_itl_ms",
+                    "p99_itl_ms",
+                    "median_e2el_ms",
+                    "tokens_per_chunk",
+                )
+            }
             save_partial(startup_s=startup, runs=dict(runs))
         compiles_after = _scrape_compiles(base)
-        server_compiles = {k: compiles_after[k] - compiles_before.get(k, 0.0)
-                           for k in compiles_after}
+        server_compiles = {
+            k: compiles_after[k] - compiles_before.get(k, 0.0) for k in compiles_after
+        }
         combined["plots"] = plots.serve_plots(combined, out.parent, f"{label}_serve")
         combined_file.write_text(json.dumps(combined, indent=1))
-        return {"startup_s": startup, "bench_rc": max(rcs), "runs": runs,
-                "server_compile_metrics_delta": server_compiles or None,
-                "result_file": combined_file.name, "server_cmd": shlex.join(server_cmd)}
+        return {
+            "startup_s": startup,
+            "bench_rc": max(rcs),
+            "runs": runs,
+            "server_compile_metrics_delta": server_compiles or None,
+            "result_file": combined_file.name,
+            "server_cmd": shlex.join(server_cmd),
+        }
     finally:
         proc.terminate()
         try:
@@ -115,6 +172,7 @@ def _scrape_compiles(base: str) -> dict:
     """Prometheus samples on the server's /metrics whose name mentions compil(e/ation), when it
     exports any (the serving runs' recompile count is their change)."""
     import urllib.request
+
     try:
         with urllib.request.urlopen(base + "/metrics", timeout=5) as r:
             text = r.read().decode(errors="replace")
@@ -136,12 +194,31 @@ def stage_pax_serve(spec: dict, out: Path) -> dict:
     """`paxengine serve` (serving.cli) with the spec's engine settings."""
     d = write_dummy_model_dir(spec["preset"], out.parent / "dummy_model")
     e = spec["engine"]
-    cmd = [sys.executable, "-m", "serving.cli", "--model", f"dummy:{spec['preset']}",
-           "--tokenizer", str(d), "--dtype", spec["dtype"], "--served-model-name", "dummy",
-           "--max-num-seqs", str(e["max_num_seqs"]),
-           "--max-num-batched-tokens", str(e["max_num_batched_tokens"]),
-           "--max-model-len", str(e["max_model_len"]), "--port", str(_free_port()),
-           "--host", "127.0.0.1", "--log-level", "warning"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "serving.cli",
+        "--model",
+        f"dummy:{spec['preset']}",
+        "--tokenizer",
+        str(d),
+        "--dtype",
+        spec["dtype"],
+        "--served-model-name",
+        "dummy",
+        "--max-num-seqs",
+        str(e["max_num_seqs"]),
+        "--max-num-batched-tokens",
+        str(e["max_num_batched_tokens"]),
+        "--max-model-len",
+        str(e["max_model_len"]),
+        "--port",
+        str(_free_port()),
+        "--host",
+        "127.0.0.1",
+        "--log-level",
+        "warning",
+    ]
     if "num_kv_blocks" in e:
         cmd += ["--num-kv-blocks", str(e["num_kv_blocks"])]
     for key in ("token_buckets", "seq_buckets"):
@@ -157,10 +234,24 @@ def stage_vllm_serve(spec: dict, out: Path) -> dict:
     d = write_dummy_model_dir(spec["preset"], out.parent / "dummy_model")
     e = spec["engine"]
     exe = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(d)]
-    cmd = exe + ["--load-format", "dummy", "--dtype", spec["dtype"], "--served-model-name", "dummy",
-                 "--max-num-seqs", str(e["max_num_seqs"]),
-                 "--max-num-batched-tokens", str(e["max_num_batched_tokens"]),
-                 "--max-model-len", str(e["max_model_len"]), "--port", str(_free_port()),
-                 "--host", "127.0.0.1", "--gpu-memory-utilization",
-                 str(e.get("gpu_memory_utilization", 0.9))]
+    cmd = exe + [
+        "--load-format",
+        "dummy",
+        "--dtype",
+        spec["dtype"],
+        "--served-model-name",
+        "dummy",
+        "--max-num-seqs",
+        str(e["max_num_seqs"]),
+        "--max-num-batched-tokens",
+        str(e["max_num_batched_tokens"]),
+        "--max-model-len",
+        str(e["max_model_len"]),
+        "--port",
+        str(_free_port()),
+        "--host",
+        "127.0.0.1",
+        "--gpu-memory-utilization",
+        str(e.get("gpu_memory_utilization", 0.9)),
+    ]
     return serve_stage(spec, out, cmd, "vllm", dict(os.environ))

@@ -1,5 +1,6 @@
 """What a stage's process keeps while it runs: its deadline and the measurements it has finished,
 written out at once so that a stage cut off by its time limit still reports them."""
+
 from __future__ import annotations
 
 import json
@@ -10,7 +11,7 @@ from benchmarks.record import finite
 
 _partial: dict = {}
 _partial_file: Path | None = None
-_deadline: float | None = None    # time.time() by which this stage must be done
+_deadline: float | None = None  # time.time() by which this stage must be done
 
 
 def log(*a) -> None:
@@ -32,8 +33,11 @@ def save_partial(**kv) -> None:
     """Record finished measurements at once, so a stage cut off by its time limit keeps them."""
     _partial.update(kv)
     if _partial_file is not None:
-        _partial_file.write_text(json.dumps(finite({"ok": False, "partial": True, **_partial}),
-                                            indent=1, allow_nan=False))
+        _partial_file.write_text(
+            json.dumps(
+                finite({"ok": False, "partial": True, **_partial}), indent=1, allow_nan=False
+            )
+        )
 
 
 def partial() -> dict:

@@ -3,42 +3,80 @@
 whole dict into gpu_bench.json ("spec"), and the report reads it back from there."""
 
 FULL = {
-    "preset": "llama-3.1-8b", "dtype": "bfloat16",
+    "preset": "llama-3.1-8b",
+    "dtype": "bfloat16",
     "itl": {"input_len": 128, "n1": 32, "n2": 288, "batches": [1, 8], "reps": 3},
     # the long workload first: the short one's time is then projected from a decode-heavy rate
     # (the other way round, 256x(1024,128)'s prefill-bound rate over-projected 300x(1000,1000))
-    "offline": [{"name": "300x(1000,1000)", "num_prompts": 300, "input_len": 1000,
-                 "output_len": 1000},
-                {"name": "256x(1024,128)", "num_prompts": 256, "input_len": 1024,
-                 "output_len": 128}],
-    "serve": {"input_len": 1024, "output_len": 128, "concurrency": [1, 16, 64],
-              "num_prompts": 32, "per_concurrency": 4},
-    "engine": {"max_num_seqs": 512, "max_num_batched_tokens": 8192, "max_model_len": 4096,
-               "gpu_memory_utilization": 0.9,
-               # 24 compiled shapes: start-up fits the device call. 512 rows so 300 requests
-               # decode together; T=512 so their decode step is not padded to 1024 tokens (at
-               # M=1024 the matmuls are compute-bound: ~21 ms a step); T=2048 so a prompt or two
-               # next to the decodes is not padded to 4096 (the scheduler fills buckets).
-               "token_buckets": [16, 64, 256, 512, 1024, 2048, 4096, 8192],
-               "seq_buckets": [8, 64, 256, 512]},
-    "copy_mib": 2048, "matmul_n": 8192, "iters": 20,
+    "offline": [
+        {"name": "300x(1000,1000)", "num_prompts": 300, "input_len": 1000, "output_len": 1000},
+        {"name": "256x(1024,128)", "num_prompts": 256, "input_len": 1024, "output_len": 128},
+    ],
+    "serve": {
+        "input_len": 1024,
+        "output_len": 128,
+        "concurrency": [1, 16, 64],
+        "num_prompts": 32,
+        "per_concurrency": 4,
+    },
+    "engine": {
+        "max_num_seqs": 512,
+        "max_num_batched_tokens": 8192,
+        "max_model_len": 4096,
+        "gpu_memory_utilization": 0.9,
+        # 24 compiled shapes: start-up fits the device call. 512 rows so 300 requests
+        # decode together; T=512 so their decode step is not padded to 1024 tokens (at
+        # M=1024 the matmuls are compute-bound: ~21 ms a step); T=2048 so a prompt or two
+        # next to the decodes is not padded to 4096 (the scheduler fills buckets).
+        "token_buckets": [16, 64, 256, 512, 1024, 2048, 4096, 8192],
+        "seq_buckets": [8, 64, 256, 512],
+    },
+    "copy_mib": 2048,
+    "matmul_n": 8192,
+    "iters": 20,
     # HF transformers on the same dummy model: batch-1 ITL eager and with a static cache +
     # torch.compile (the gpt-fast recipe), batched generate on the first offline-like workload
     # (n2 tokens generated, the first n1 decode gaps left out of the ITL)
-    "hf": {"input_len": 128, "n1": 16, "n2": 80, "compile": True,
-           "batched": {"name": "256x(1024,128)", "num_prompts": 256, "input_len": 1024,
-                       "output_len": 128}},
+    "hf": {
+        "input_len": 128,
+        "n1": 16,
+        "n2": 80,
+        "compile": True,
+        "batched": {
+            "name": "256x(1024,128)",
+            "num_prompts": 256,
+            "input_len": 1024,
+            "output_len": 128,
+        },
+    },
 }
 # A CPU-sized smoke run of the same code (`--quick`, dummy:tiny).
 QUICK = {
-    "preset": "tiny", "dtype": "float32",
+    "preset": "tiny",
+    "dtype": "float32",
     "itl": {"input_len": 16, "n1": 4, "n2": 36, "batches": [1, 4], "reps": 1},
     "offline": [{"name": "8x(32,8)", "num_prompts": 8, "input_len": 32, "output_len": 8}],
-    "serve": {"input_len": 16, "output_len": 8, "concurrency": [1, 4], "num_prompts": 8,
-              "per_concurrency": 0},
-    "engine": {"max_num_seqs": 8, "max_num_batched_tokens": 128, "max_model_len": 256,
-               "num_kv_blocks": 128},
-    "copy_mib": 16, "matmul_n": 256, "iters": 3,
-    "hf": {"input_len": 16, "n1": 2, "n2": 10, "compile": False,
-           "batched": {"name": "4x(16,4)", "num_prompts": 4, "input_len": 16, "output_len": 4}},
+    "serve": {
+        "input_len": 16,
+        "output_len": 8,
+        "concurrency": [1, 4],
+        "num_prompts": 8,
+        "per_concurrency": 0,
+    },
+    "engine": {
+        "max_num_seqs": 8,
+        "max_num_batched_tokens": 128,
+        "max_model_len": 256,
+        "num_kv_blocks": 128,
+    },
+    "copy_mib": 16,
+    "matmul_n": 256,
+    "iters": 3,
+    "hf": {
+        "input_len": 16,
+        "n1": 2,
+        "n2": 10,
+        "compile": False,
+        "batched": {"name": "4x(16,4)", "num_prompts": 4, "input_len": 16, "output_len": 4},
+    },
 }

@@ -12,6 +12,7 @@ ours the same ways; `compare.py` puts them side by side). Needs torch with CUDA 
 (`../shared/gpu/VLLM-PEER.md`); writes kernels_fa3_<device>.json under --out (default $OUT).
 A separate process from attention.py: JAX and torch would each claim the GPU's memory.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,19 +22,23 @@ import sys
 import tempfile
 from collections import defaultdict
 
-from benchmarks.measure import time_per_call   # imports no JAX: this process holds torch
+from benchmarks.measure import time_per_call  # imports no JAX: this process holds torch
 
 HQ, HKV, D, BS = 32, 8, 128, 16
 DECODE_SHAPES = [(b, ctx) for b in (1, 8, 64, 256) for ctx in (512, 2048, 8192)]
 # one sequence: (query tokens, KV length); the queries are the sequence's last tokens
-PREFILL_SHAPES = {"prefill_512": (1, 512, 512), "prefill_2048": (1, 2048, 2048),   # (B, q, ctx)
-                  "chunk_512_ctx4096": (1, 512, 4096), "prefill_8192": (1, 8192, 8192),
-                  "prefill_4x2048": (4, 2048, 2048)}
+PREFILL_SHAPES = {
+    "prefill_512": (1, 512, 512),
+    "prefill_2048": (1, 2048, 2048),  # (B, q, ctx)
+    "chunk_512_ctx4096": (1, 512, 4096),
+    "prefill_8192": (1, 8192, 8192),
+    "prefill_4x2048": (4, 2048, 2048),
+}
 CALLS, REPS = 20, 7
 
 
 def kv_bytes(batch: int, ctx: int) -> int:
-    return 2 * batch * ctx * HKV * D * 2          # K and V pages, bf16
+    return 2 * batch * ctx * HKV * D * 2  # K and V pages, bf16
 
 
 def attn_flops(q_len: int, ctx: int) -> int:
@@ -46,6 +51,7 @@ def kernel_us(run, torch) -> dict:
     kernel (the attention kernel) and of every kernel, and the device span (first kernel start
     to last kernel end: gaps between kernels included, the host's start-up not)."""
     from torch.profiler import ProfilerActivity, profile
+
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         run()
         torch.cuda.synchronize()
@@ -64,9 +70,13 @@ def kernel_us(run, torch) -> dict:
     name, us = max(per.items(), key=lambda kv: kv[1])
     start = min(float(e["ts"]) for e in kernels)
     end = max(float(e["ts"]) + float(e.get("dur", 0.0)) for e in kernels)
-    return {"kernel_us": us / CALLS, "device_us": sum(per.values()) / CALLS,
-            "span_us": (end - start) / CALLS, "kernel": name[:120],
-            "kernels_per_call": len(kernels) / CALLS}
+    return {
+        "kernel_us": us / CALLS,
+        "device_us": sum(per.values()) / CALLS,
+        "span_us": (end - start) / CALLS,
+        "kernel": name[:120],
+        "kernels_per_call": len(kernels) / CALLS,
+    }
 
 
 def median_us(run, torch) -> float:
@@ -91,28 +101,49 @@ def time_fa3(batch: int, ctx: int, fa, torch, q_len: int = 1) -> dict:
     v = torch.randn(num_blocks, BS, HKV, D, device=dev, dtype=torch.bfloat16, generator=g)
     q = torch.randn(batch * q_len, HQ, D, device=dev, dtype=torch.bfloat16, generator=g)
     # every sequence's pages scattered over the pool, as in a served cache
-    table = torch.randperm(num_blocks - 1, device=dev, generator=g)[:batch * pages]
+    table = torch.randperm(num_blocks - 1, device=dev, generator=g)[: batch * pages]
     table = table.view(batch, pages).to(torch.int32)
     cu_q = torch.arange(batch + 1, device=dev, dtype=torch.int32) * q_len
     used = torch.full((batch,), ctx, device=dev, dtype=torch.int32)
 
     def call(**kw):
-        return flash_attn_varlen_func(q=q, k=k, v=v, max_seqlen_q=q_len, cu_seqlens_q=cu_q,
-                                      max_seqlen_k=ctx, seqused_k=used, block_table=table,
-                                      softmax_scale=D ** -0.5, causal=True, fa_version=3, **kw)
+        return flash_attn_varlen_func(
+            q=q,
+            k=k,
+            v=v,
+            max_seqlen_q=q_len,
+            cu_seqlens_q=cu_q,
+            max_seqlen_k=ctx,
+            seqused_k=used,
+            block_table=table,
+            softmax_scale=D**-0.5,
+            causal=True,
+            fa_version=3,
+            **kw,
+        )
 
     def eager():
         for _ in range(CALLS):
             call()
+
     for _ in range(3):
         call()
     torch.cuda.synchronize()
     res = {"fa3_us": median_us(eager, torch), "fa3_eager_trace": kernel_us(eager, torch)}
     try:
         meta = get_scheduler_metadata(
-            batch_size=batch, max_seqlen_q=q_len, max_seqlen_k=ctx, num_heads_q=HQ,
-            num_heads_kv=HKV, headdim=D, cache_seqlens=used, qkv_dtype=torch.bfloat16,
-            cu_seqlens_q=cu_q, page_size=BS, causal=True)
+            batch_size=batch,
+            max_seqlen_q=q_len,
+            max_seqlen_k=ctx,
+            num_heads_q=HQ,
+            num_heads_kv=HKV,
+            headdim=D,
+            cache_seqlens=used,
+            qkv_dtype=torch.bfloat16,
+            cu_seqlens_q=cu_q,
+            page_size=BS,
+            causal=True,
+        )
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
@@ -143,6 +174,7 @@ def main(argv=None) -> int:
     import torch
     import vllm
     from vllm.vllm_flash_attn import flash_attn_varlen_func, get_scheduler_metadata
+
     fa = (flash_attn_varlen_func, get_scheduler_metadata)
     only = {s for s in args.only.split(",") if s}
     dev_name = torch.cuda.get_device_name(0)
@@ -153,28 +185,50 @@ def main(argv=None) -> int:
             continue
         r = time_fa3(b, ctx, fa, torch)
         nb = kv_bytes(b, ctx)
-        rows.append({"name": name, "B": b, "ctx": ctx, "kv_bytes": nb, **r,
-                     "fa3_TBps": nb / r["fa3_us"] / 1e6})
+        rows.append(
+            {
+                "name": name,
+                "B": b,
+                "ctx": ctx,
+                "kv_bytes": nb,
+                **r,
+                "fa3_TBps": nb / r["fa3_us"] / 1e6,
+            }
+        )
         tr = r.get("fa3_graph_trace") or r["fa3_eager_trace"]
-        print(f"{name:22s} FA3 eager {r['fa3_us']:8.1f} us ({rows[-1]['fa3_TBps']:.2f} TB/s), "
-              f"graph {r.get('fa3_graph_us', float('nan')):8.1f} us; kernel "
-              f"{tr.get('kernel_us', float('nan')):8.1f} us, span {tr.get('span_us', float('nan')):8.1f} "
-              f"us, {tr.get('kernels_per_call', 0):.0f} kernels a call  {tr.get('kernel', '')[:50]}",
-              flush=True)
+        print(
+            f"{name:22s} FA3 eager {r['fa3_us']:8.1f} us ({rows[-1]['fa3_TBps']:.2f} TB/s), "
+            f"graph {r.get('fa3_graph_us', float('nan')):8.1f} us; kernel "
+            f"{tr.get('kernel_us', float('nan')):8.1f} us, span {tr.get('span_us', float('nan')):8.1f} "
+            f"us, {tr.get('kernels_per_call', 0):.0f} kernels a call  {tr.get('kernel', '')[:50]}",
+            flush=True,
+        )
     for name, (b, q_len, ctx) in PREFILL_SHAPES.items():
         if only and name not in only:
             continue
         r = time_fa3(b, ctx, fa, torch, q_len=q_len)
         us = r["fa3_us"]
         fl = b * attn_flops(q_len, ctx)
-        rows.append({"name": name, "q_len": q_len, "ctx": ctx, "flops": fl, **r,
-                     "fa3_TFLOPs": fl / us / 1e6})
+        rows.append(
+            {
+                "name": name,
+                "q_len": q_len,
+                "ctx": ctx,
+                "flops": fl,
+                **r,
+                "fa3_TFLOPs": fl / us / 1e6,
+            }
+        )
         print(f"{name:22s} FA3 {us:8.1f} us  {rows[-1]['fa3_TFLOPs']:.0f} TFLOP/s", flush=True)
-    res = {"device": dev_name, "torch": torch.__version__, "vllm": vllm.__version__,
-           "timing": f"{CALLS} calls per sync, median of {REPS}; eager and CUDA-graph replay; "
-                     "kernel times from torch.profiler",
-           "command": "python -m benchmarks.kernels.fa3 " + " ".join(argv or sys.argv[1:]),
-           "rows": rows}
+    res = {
+        "device": dev_name,
+        "torch": torch.__version__,
+        "vllm": vllm.__version__,
+        "timing": f"{CALLS} calls per sync, median of {REPS}; eager and CUDA-graph replay; "
+        "kernel times from torch.profiler",
+        "command": "python -m benchmarks.kernels.fa3 " + " ".join(argv or sys.argv[1:]),
+        "rows": rows,
+    }
     tag = "h200" if "H200" in dev_name else dev_name.lower().replace(" ", "_")
     with open(os.path.join(args.out, f"kernels_fa3_{tag}.json"), "w") as f:
         json.dump(res, f, indent=1)

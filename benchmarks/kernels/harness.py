@@ -5,6 +5,7 @@ our kernel as a jitted call or a timed loop, and the run record they write.
 The batch's caches are built on the device (fast for GBs); the metadata on the host, each
 sequence's pages permuted over the pool as in a served cache.
 """
+
 from __future__ import annotations
 
 import functools
@@ -26,12 +27,12 @@ from kernels_pallas import (
 )
 from kernels_pallas.testing import rel_err
 
-HQ, HKV, D, BS = 32, 8, 128, 16      # q heads, kv heads, head dim, page size (tokens)
+HQ, HKV, D, BS = 32, 8, 128, 16  # q heads, kv heads, head dim, page size (tokens)
 DT = jnp.bfloat16
 ON_GPU = jax.default_backend() == "gpu"
-INTERP = not ON_GPU                  # on a CPU the kernels run in Pallas' interpret mode
+INTERP = not ON_GPU  # on a CPU the kernels run in Pallas' interpret mode
 
-SHAPES = {   # name: (seqs [(q_len, kv_len)], T, S), in `tune`'s priority order
+SHAPES = {  # name: (seqs [(q_len, kv_len)], T, S), in `tune`'s priority order
     "decode_b64_ctx2048": ([(1, 2048)] * 64, 64, 64),
     # the batch-1 ITL step: one live row in the engine's (16, 8) bucket, short context; the
     # default launches 8 kv heads x 10 tiles x 8 splits for it (~23 us a layer, launch-bound)
@@ -52,13 +53,13 @@ SHAPES = {   # name: (seqs [(q_len, kv_len)], T, S), in `tune`'s priority order
     # 8 prompts in one of the GPU engine's long buckets: 256 sequence slots, mostly empty
     "engine_8x1000_s256": ([(1000, 1000)] * 8, 8192, 256),
 }
-QUICK_SHAPES = {   # CPU smoke sizes (interpret mode)
+QUICK_SHAPES = {  # CPU smoke sizes (interpret mode)
     "decode_b4_ctx64": ([(1, 64)] * 4, 4, 4),
     "prefill_64": ([(64, 64)], 64, 1),
     "mixed_q": ([(1, 100)] * 3 + [(29, 50)], 32, 4),
 }
 
-LOG: list[str] = []   # every line log() printed, saved with the results
+LOG: list[str] = []  # every line log() printed, saved with the results
 
 
 def log(*a) -> None:
@@ -81,13 +82,18 @@ def build(seqs, T, S, key, num_blocks=None, kv_dtype=DT, v_dtype=None):
     qsl = np.zeros(S + 1, np.int32)
     c = 0
     for i, (ql, kv) in enumerate(seqs):
-        bt[i, :pages[i]] = perm[c:c + pages[i]]
+        bt[i, : pages[i]] = perm[c : c + pages[i]]
         c += pages[i]
         sl[i] = kv
         qsl[i + 1] = qsl[i] + ql
-    qsl[len(seqs) + 1:] = qsl[len(seqs)]
-    md = AttentionMetadata(jnp.full((T,), -1, jnp.int32), jnp.asarray(bt), jnp.asarray(sl),
-                           jnp.asarray(qsl), jnp.asarray([len(seqs)], jnp.int32))
+    qsl[len(seqs) + 1 :] = qsl[len(seqs)]
+    md = AttentionMetadata(
+        jnp.full((T,), -1, jnp.int32),
+        jnp.asarray(bt),
+        jnp.asarray(sl),
+        jnp.asarray(qsl),
+        jnp.asarray([len(seqs)], jnp.int32),
+    )
     k1, k2, k3 = jax.random.split(jax.random.key(int(key)), 3)
     shape = (1, HKV, NB, BS, D)
     kc = jax.random.normal(k1, shape, jnp.float32).astype(kv_dtype)
@@ -110,19 +116,22 @@ def attn_flops(seqs):
 
 
 # The jnp oracle on a batch from build() (fp32 queries): what every variant is checked against.
-oracle = jax.jit(lambda q, kc, vc, md: ref_ragged_paged_attention(
-    q.astype(jnp.float32), kc, vc, 0, md, sm_scale=D ** -0.5))
+oracle = jax.jit(
+    lambda q, kc, vc, md: ref_ragged_paged_attention(
+        q.astype(jnp.float32), kc, vc, 0, md, sm_scale=D**-0.5
+    )
+)
 
 
 def ours_fn(**tun):
     """Our kernel with the tuning overrides `tun`, one jitted call of (q, kc, vc, md)."""
-    f = functools.partial(ragged_paged_attention, sm_scale=D ** -0.5, interpret=INTERP, **tun)
+    f = functools.partial(ragged_paged_attention, sm_scale=D**-0.5, interpret=INTERP, **tun)
     return jax.jit(lambda q, kc, vc, md: f(q, kc, vc, jnp.int32(0), md))
 
 
 def ours_loop(tun, iters):
     """Our kernel with the tuning overrides `tun`, as `iters` chained calls in one jit."""
-    f = functools.partial(ragged_paged_attention, sm_scale=D ** -0.5, interpret=INTERP, **tun)
+    f = functools.partial(ragged_paged_attention, sm_scale=D**-0.5, interpret=INTERP, **tun)
     return chained_calls(lambda q, kc, vc, md: f(q, kc, vc, jnp.int32(0), md), iters)
 
 
@@ -157,10 +166,15 @@ def run_record(timing: str) -> dict:
     """The head of a results file: device, versions, command, timing method, shapes."""
     dev = jax.devices()[0]
     log(f"device={dev.device_kind} backend={jax.default_backend()} jax={jax.__version__}")
-    return dict(device=dev.device_kind, backend=jax.default_backend(), jax=jax.__version__,
-                python=platform.python_version(), command=" ".join(sys.argv), timing=timing,
-                shapes=dict(num_heads=HQ, num_kv_heads=HKV, head_dim=D, block_size=BS,
-                            dtype="bfloat16"))
+    return dict(
+        device=dev.device_kind,
+        backend=jax.default_backend(),
+        jax=jax.__version__,
+        python=platform.python_version(),
+        command=" ".join(sys.argv),
+        timing=timing,
+        shapes=dict(num_heads=HQ, num_kv_heads=HKV, head_dim=D, block_size=BS, dtype="bfloat16"),
+    )
 
 
 def save(result, rows, out, fname="kernels"):
@@ -169,7 +183,10 @@ def save(result, rows, out, fname="kernels"):
     result["log"] = LOG
     os.makedirs(out, exist_ok=True)
     dev = jax.devices()[0]
-    fname = (f"{fname}_h200.json" if "H200" in dev.device_kind
-             else f"{fname}_{jax.default_backend()}.json")
+    fname = (
+        f"{fname}_h200.json"
+        if "H200" in dev.device_kind
+        else f"{fname}_{jax.default_backend()}.json"
+    )
     with open(os.path.join(out, fname), "w") as f:
         json.dump(result, f, indent=1, default=str)

@@ -11,6 +11,7 @@ whose wall time / iters is the time. Candidates run round-robin over the shapes 
 matter most), under a wall-clock budget: what does not fit is skipped and listed. Then every
 timed candidate is re-timed in R - 1 more interleaved rounds and keeps its median.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,76 +44,133 @@ from kernels_pallas.testing import rel_err
 from kernels_pallas.tuning import default_tuning, plan_launches
 
 # Candidates per shape of harness.SHAPES, in priority order; {} = the current default.
-_OLD_LOOP = dict(split_mask=False, reverse_tiles=False)   # the run-3 kernel's loop structure
+_OLD_LOOP = dict(split_mask=False, reverse_tiles=False)  # the run-3 kernel's loop structure
 _F16 = dict(pv_fp16=True)
 # the Mosaic GPU prefill kernel (attention_mgpu.py): persistent grid (2 x SMs CTAs: the
 # default) or a CTA per (head, tile), N CTAs; KV block and pipeline depth; Triton
-_MOSAIC = [dict(mosaic=True, mosaic_persistent=0), dict(mosaic=True, mosaic_persistent=132),
-           dict(mosaic=True, mosaic_persistent=264, mosaic_block_k=64, mosaic_stages=3),
-           dict(mosaic=True, mosaic_persistent=396), dict(mosaic=False)]
+_MOSAIC = [
+    dict(mosaic=True, mosaic_persistent=0),
+    dict(mosaic=True, mosaic_persistent=132),
+    dict(mosaic=True, mosaic_persistent=264, mosaic_block_k=64, mosaic_stages=3),
+    dict(mosaic=True, mosaic_persistent=396),
+    dict(mosaic=False),
+]
 # the Mosaic prefill kernel's ping-pong schedule: never, always, on items of 4+ / 16+ KV blocks
 _SCHED = [dict(mosaic_schedule=n) for n in (0, 1, 4, 16)]
 # the Mosaic GPU decode kernel (attention_mgpu_decode.py): KV block x pipeline depth, a CTA
 # per item or persistent, two compute warpgroups or one; Triton
-_MDEC = [dict(mosaic_decode=True, mosaic_block_k=128, mosaic_stages=2),
-         dict(mosaic_decode=True, mosaic_block_k=64, mosaic_stages=4),
-         dict(mosaic_decode=True, mosaic_block_k=128, mosaic_stages=2, mosaic_persistent=132),
-         dict(mosaic_decode=True, mosaic_block_k=64, mosaic_stages=4, mosaic_persistent=132),
-         dict(mosaic_decode=True, mosaic_block_k=128, mosaic_stages=2, mosaic_decode_wgs=1,
-              mosaic_persistent=132),
-         dict(mosaic_decode=False)]
-CANDIDATES = {   # in priority order; {} = the current default
+_MDEC = [
+    dict(mosaic_decode=True, mosaic_block_k=128, mosaic_stages=2),
+    dict(mosaic_decode=True, mosaic_block_k=64, mosaic_stages=4),
+    dict(mosaic_decode=True, mosaic_block_k=128, mosaic_stages=2, mosaic_persistent=132),
+    dict(mosaic_decode=True, mosaic_block_k=64, mosaic_stages=4, mosaic_persistent=132),
+    dict(
+        mosaic_decode=True,
+        mosaic_block_k=128,
+        mosaic_stages=2,
+        mosaic_decode_wgs=1,
+        mosaic_persistent=132,
+    ),
+    dict(mosaic_decode=False),
+]
+CANDIDATES = {  # in priority order; {} = the current default
     "decode_b1_ctx8192": [{}, *_MDEC, dict(_MDEC[2], k_splits=32), dict(k_splits=8)],
     "engine_8x1000_s256": [{}, *_SCHED, *_MOSAIC],
-    "decode_b64_ctx2048": [{}, *_MDEC, _F16, dict(num_warps=8, num_stages=3), _OLD_LOOP,
-                           dict(k_splits=2), dict(block_k=64, num_stages=4)],
-    "engine_b1_ctx256": [{}, *_MDEC[:3], dict(k_splits=1), dict(k_splits=2),
-                         dict(k_splits=1, block_k=64)],
+    "decode_b64_ctx2048": [
+        {},
+        *_MDEC,
+        _F16,
+        dict(num_warps=8, num_stages=3),
+        _OLD_LOOP,
+        dict(k_splits=2),
+        dict(block_k=64, num_stages=4),
+    ],
+    "engine_b1_ctx256": [
+        {},
+        *_MDEC[:3],
+        dict(k_splits=1),
+        dict(k_splits=2),
+        dict(k_splits=1, block_k=64),
+    ],
     # the default is 256-row tiles (block_q 64 x 4 heads); 16 warps, 512-row tiles, 128-wide
     # KV blocks; the 64-row tiles of short prefills
-    "prefill_2048": [{}, *_SCHED, *_MOSAIC, dict(num_warps=16), dict(num_warps=16, block_k=128),
-                     dict(block_q=128, num_warps=16), dict(num_stages=2), dict(num_stages=4),
-                     dict(block_q=16, block_k=64, num_warps=4, num_stages=2, pv_fp16=False),
-                     _OLD_LOOP,
-                     dict(_F16, block_q=32, block_k=64, num_warps=8, num_stages=2),
-                     dict(_F16, block_q=32, block_k=64, num_warps=8, num_stages=3),
-                     dict(_F16, block_q=32, block_k=128, num_warps=8, num_stages=2),
-                     dict(_F16, block_k=128), dict(_F16, block_k=32, num_stages=3),
-                     dict(reverse_tiles=False), dict(block_q=32, block_k=64, num_warps=8)],
-    "decode_b8_ctx8192": [{}, *_MDEC, dict(_MDEC[2], k_splits=16), dict(num_stages=3),
-                          _OLD_LOOP, dict(k_splits=16), dict(block_k=64, num_stages=4)],
+    "prefill_2048": [
+        {},
+        *_SCHED,
+        *_MOSAIC,
+        dict(num_warps=16),
+        dict(num_warps=16, block_k=128),
+        dict(block_q=128, num_warps=16),
+        dict(num_stages=2),
+        dict(num_stages=4),
+        dict(block_q=16, block_k=64, num_warps=4, num_stages=2, pv_fp16=False),
+        _OLD_LOOP,
+        dict(_F16, block_q=32, block_k=64, num_warps=8, num_stages=2),
+        dict(_F16, block_q=32, block_k=64, num_warps=8, num_stages=3),
+        dict(_F16, block_q=32, block_k=128, num_warps=8, num_stages=2),
+        dict(_F16, block_k=128),
+        dict(_F16, block_k=32, num_stages=3),
+        dict(reverse_tiles=False),
+        dict(block_q=32, block_k=64, num_warps=8),
+    ],
+    "decode_b8_ctx8192": [
+        {},
+        *_MDEC,
+        dict(_MDEC[2], k_splits=16),
+        dict(num_stages=3),
+        _OLD_LOOP,
+        dict(k_splits=16),
+        dict(block_k=64, num_stages=4),
+    ],
     # a chunk with a long context: 256-row tiles split over the KV range fill the GPU
-    "chunk_512_ctx4096": [{}, *_SCHED, *_MOSAIC,
-                          dict(_F16, block_q=64, block_k=64, num_warps=8, num_stages=3,
-                               k_splits=4),
-                          dict(_F16, block_q=64, block_k=64, num_warps=8, num_stages=3,
-                               k_splits=2),
-                          dict(_F16, block_q=32, block_k=64, num_warps=8, num_stages=3,
-                               k_splits=2),
-                          _F16, dict(pv_split=False),
-                          dict(_F16, block_q=32, block_k=64, num_warps=8, num_stages=2),
-                          dict(_F16, block_q=32, block_k=64, num_warps=8, num_stages=3),
-                          dict(_F16, block_q=32, block_k=128, num_warps=8, num_stages=2),
-                          dict(_F16, block_k=128)],
+    "chunk_512_ctx4096": [
+        {},
+        *_SCHED,
+        *_MOSAIC,
+        dict(_F16, block_q=64, block_k=64, num_warps=8, num_stages=3, k_splits=4),
+        dict(_F16, block_q=64, block_k=64, num_warps=8, num_stages=3, k_splits=2),
+        dict(_F16, block_q=32, block_k=64, num_warps=8, num_stages=3, k_splits=2),
+        _F16,
+        dict(pv_split=False),
+        dict(_F16, block_q=32, block_k=64, num_warps=8, num_stages=2),
+        dict(_F16, block_q=32, block_k=64, num_warps=8, num_stages=3),
+        dict(_F16, block_q=32, block_k=128, num_warps=8, num_stages=2),
+        dict(_F16, block_k=128),
+    ],
     "decode_b256_ctx512": [{}, *_MDEC, _F16, _OLD_LOOP, dict(block_k=64, num_stages=4)],
     "prefill_4x2048": [{}, *_SCHED, *_MOSAIC],
     "prefill_8192": [{}, *_SCHED, *_MOSAIC],
     "prefill_512": [{}, *_SCHED, dict(mosaic=True, mosaic_persistent=264), dict(mosaic=True)],
-    "decode_b64_ctx512": [{}, *_MDEC, _OLD_LOOP, dict(k_splits=2),
-                          dict(block_k=64, num_stages=4)],
+    "decode_b64_ctx512": [{}, *_MDEC, _OLD_LOOP, dict(k_splits=2), dict(block_k=64, num_stages=4)],
     # the decode launch takes the main launch's split_mask / pv_fp16 (plan_launches); the
     # second candidate was the decode defaults' values there
-    "mixed_60dec2048_1988pf": [{}, *_SCHED, dict(mosaic=False, mosaic_decode=True), *_MOSAIC,
-                               dict(split_mask=False, pv_fp16=False),
-                               dict(mixed_split=False),
-                               dict(block_q=16, num_warps=4, num_stages=2, pv_fp16=False)],
-    "mixed_60dec2048_448pf": [{}, dict(mosaic=True, mosaic_persistent=264),
-                              dict(mosaic=False, mosaic_decode=True), *_MOSAIC,
-                              dict(split_mask=False), _OLD_LOOP, _F16,
-                              dict(mixed_split=True, pv_fp16=True)],
+    "mixed_60dec2048_1988pf": [
+        {},
+        *_SCHED,
+        dict(mosaic=False, mosaic_decode=True),
+        *_MOSAIC,
+        dict(split_mask=False, pv_fp16=False),
+        dict(mixed_split=False),
+        dict(block_q=16, num_warps=4, num_stages=2, pv_fp16=False),
+    ],
+    "mixed_60dec2048_448pf": [
+        {},
+        dict(mosaic=True, mosaic_persistent=264),
+        dict(mosaic=False, mosaic_decode=True),
+        *_MOSAIC,
+        dict(split_mask=False),
+        _OLD_LOOP,
+        _F16,
+        dict(mixed_split=True, pv_fp16=True),
+    ],
 }
-QUICK_CANDIDATES = [{}, _OLD_LOOP, dict(_F16, block_k=32), dict(k_splits=2, block_q=4),
-                    dict(mixed_split=True)]
+QUICK_CANDIDATES = [
+    {},
+    _OLD_LOOP,
+    dict(_F16, block_k=32),
+    dict(k_splits=2, block_q=4),
+    dict(mixed_split=True),
+]
 
 
 def tune(args, result, t_start):
@@ -130,12 +188,20 @@ def tune(args, result, t_start):
         ref = jax.block_until_ready(oracle(q, kc, vc, md))
         dflt = dataclasses.asdict(default_tuning(T, S, HQ, HKV, D, BS))
         data[name] = (q, kc, vc, md, ref, n)
-        rows[name] = dict(name=name, T=T, S=S, kv_bytes=kv_bytes(seqs), flops=attn_flops(seqs),
-                          default_tuning=dflt, candidates=[], skipped=[])
+        rows[name] = dict(
+            name=name,
+            T=T,
+            S=S,
+            kv_bytes=kv_bytes(seqs),
+            flops=attn_flops(seqs),
+            default_tuning=dflt,
+            candidates=[],
+            skipped=[],
+        )
     log(f"tune: {len(shapes)} shapes, data + oracle ready [{time.time() - t_start:.0f}s]")
     cands = {k: (QUICK_CANDIDATES if args.quick else CANDIDATES[k]) for k in shapes}
     seen = {k: set() for k in shapes}
-    compiled = {}   # id(candidate row) -> its compiled loop, for the re-timing rounds
+    compiled = {}  # id(candidate row) -> its compiled loop, for the re-timing rounds
     for rnd in range(max(len(c) for c in cands.values())):
         for name in shapes:
             if rnd >= len(cands[name]):
@@ -168,17 +234,26 @@ def tune(args, result, t_start):
                 pad0 = bool(jnp.all(out[n:] == 0))
                 c.update(rel_err=err, finite=fin, padding_zero=pad0, ok=fin and pad0 and err < 2e-3)
                 t = time_loop(f, data[name][:4], reps, iters)
-                c.update(us=t * 1e6, us_rounds=[t * 1e6], TBps=row["kv_bytes"] / t / 1e12,
-                         TFLOPs=row["flops"] / t / 1e12)
+                c.update(
+                    us=t * 1e6,
+                    us_rounds=[t * 1e6],
+                    TBps=row["kv_bytes"] / t / 1e12,
+                    TFLOPs=row["flops"] / t / 1e12,
+                )
                 compiled[id(c)] = f
             except Exception as e:  # noqa: BLE001 -- a config that does not compile is logged
                 c.update(ok=False, error=f"{type(e).__name__}: {str(e)[:300]}")
             row["candidates"].append(c)
-            log(f"  {name:22s} {str(over):70s} "
-                + (f"{c['us']:8.1f} us {c['TBps']:5.2f} TB/s {c['TFLOPs']:6.1f} TFLOP/s "
-                   f"err={c['rel_err']:.2e} {'ok' if c['ok'] else 'FAIL'}" if "us" in c
-                   else c.get("error", "")[:120])
-                + f"  [{time.time() - t_start:.0f}s]")
+            log(
+                f"  {name:22s} {str(over):70s} "
+                + (
+                    f"{c['us']:8.1f} us {c['TBps']:5.2f} TB/s {c['TFLOPs']:6.1f} TFLOP/s "
+                    f"err={c['rel_err']:.2e} {'ok' if c['ok'] else 'FAIL'}"
+                    if "us" in c
+                    else c.get("error", "")[:120]
+                )
+                + f"  [{time.time() - t_start:.0f}s]"
+            )
             result["tune"] = list(rows.values())
             save(result, [], args.out, fname="kernels_tune")
     # More rounds over every timed candidate, interleaved (round r times all of them before
@@ -191,11 +266,14 @@ def tune(args, result, t_start):
                     t = time_loop(compiled[id(c)], data[name][:4], reps, iters)
                     c["us_rounds"].append(t * 1e6)
                     t = float(np.median(c["us_rounds"])) / 1e6
-                    c.update(us=t * 1e6, TBps=row["kv_bytes"] / t / 1e12,
-                             TFLOPs=row["flops"] / t / 1e12)
+                    c.update(
+                        us=t * 1e6, TBps=row["kv_bytes"] / t / 1e12, TFLOPs=row["flops"] / t / 1e12
+                    )
     if args.rounds > 1:
-        log(f"re-timed every candidate {args.rounds - 1} more times, interleaved; median of "
-            f"{args.rounds} rounds [{time.time() - t_start:.0f}s]")
+        log(
+            f"re-timed every candidate {args.rounds - 1} more times, interleaved; median of "
+            f"{args.rounds} rounds [{time.time() - t_start:.0f}s]"
+        )
     # summary: best correct candidate per shape vs the default
     log("\n| shape | default us | best us | speedup | TB/s | TFLOP/s | best overrides |")
     log("|---|---|---|---|---|---|---|")
@@ -208,8 +286,10 @@ def tune(args, result, t_start):
         b = min(good, key=lambda c: c["us"])
         row["best"] = b
         du = d["us"] if d else float("nan")
-        log(f"| {name} | {du:.1f} | {b['us']:.1f} | {du / b['us']:.2f}x | {b['TBps']:.2f} |"
-            f" {b['TFLOPs']:.0f} | {b['overrides']} |")
+        log(
+            f"| {name} | {du:.1f} | {b['us']:.1f} | {du / b['us']:.2f}x | {b['TBps']:.2f} |"
+            f" {b['TFLOPs']:.0f} | {b['overrides']} |"
+        )
         if row["skipped"]:
             log(f"|   (skipped for time: {row['skipped']}) |")
     result["tune"] = list(rows.values())
@@ -218,15 +298,24 @@ def tune(args, result, t_start):
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.kernels.tune",
-                                 description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m benchmarks.kernels.tune", description=__doc__.split("\n\n")[0]
+    )
     ap.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke test)")
     ap.add_argument("--only", default="", help="comma list of shape names (harness.SHAPES)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--budget", type=float, default=115.0,
-                    help="wall seconds after which remaining candidates are skipped")
-    ap.add_argument("--rounds", type=int, default=3,
-                    help="timing rounds over all candidates, interleaved (median kept)")
+    ap.add_argument(
+        "--budget",
+        type=float,
+        default=115.0,
+        help="wall seconds after which remaining candidates are skipped",
+    )
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="timing rounds over all candidates, interleaved (median kept)",
+    )
     args = ap.parse_args(argv)
     t_start = time.time()
     result = run_record(timing="loop")

@@ -6,6 +6,7 @@ layer by kind). Run it once per variant (XLA_FLAGS, code) in separate processes 
 
 Writes $OUT/profile_b1_<tag>.json and $OUT/b1_forward_<tag>.hlo.txt when $OUT is set.
 """
+
 from __future__ import annotations
 
 import os
@@ -22,7 +23,7 @@ from benchmarks.record import write_to_out
 def fusion_kinds(hlo: str) -> Counter:
     """Kernels the optimized HLO's entry launches (fusions and custom calls), by instruction
     name without its numeric suffix (the names the profiler shows, e.g. loop_add_fusion)."""
-    entry = hlo[hlo.index("\nENTRY"):]
+    entry = hlo[hlo.index("\nENTRY") :]
     kinds: Counter = Counter()
     for line in entry.splitlines()[1:]:
         if " fusion(" not in line and " custom-call(" not in line:
@@ -35,19 +36,36 @@ def fusion_kinds(hlo: str) -> Counter:
 
 def main() -> int:
     from paxengine import LLM, SamplingParams
+
     on_gpu = jax.default_backend() == "gpu"
     preset = sys.argv[1] if len(sys.argv) > 1 else ("llama-3.1-8b" if on_gpu else "tiny")
     tag = os.environ.get("PROFILE_TAG", "default")
     t0 = time.perf_counter()
-    llm = LLM(model=f"dummy:{preset}", dtype="bfloat16" if on_gpu else "float32",
-              max_model_len=1024, max_num_seqs=8, max_num_batched_tokens=16,
-              token_buckets=[16], seq_buckets=[8], num_kv_blocks=512, show_progress=False)
+    llm = LLM(
+        model=f"dummy:{preset}",
+        dtype="bfloat16" if on_gpu else "float32",
+        max_model_len=1024,
+        max_num_seqs=8,
+        max_num_batched_tokens=16,
+        token_buckets=[16],
+        seq_buckets=[8],
+        num_kv_blocks=512,
+        show_progress=False,
+    )
     eng = llm.engine
-    res = {"tag": tag, "preset": preset, "xla_flags": os.environ.get("XLA_FLAGS", ""),
-           "jax": jax.__version__, "startup_s": time.perf_counter() - t0}
-    eng.add_request("one", {"prompt_token_ids": [1 + (7 * j) % 499 for j in range(128)]},
-                    SamplingParams(max_tokens=600, ignore_eos=True))
-    for _ in range(8 + 10):                      # 8 prefill chunks of 16, then warm decode steps
+    res = {
+        "tag": tag,
+        "preset": preset,
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "jax": jax.__version__,
+        "startup_s": time.perf_counter() - t0,
+    }
+    eng.add_request(
+        "one",
+        {"prompt_token_ids": [1 + (7 * j) % 499 for j in range(128)]},
+        SamplingParams(max_tokens=600, ignore_eos=True),
+    )
+    for _ in range(8 + 10):  # 8 prefill chunks of 16, then warm decode steps
         eng.step()
     n = 200 if on_gpu else 10
     t = time.perf_counter()
@@ -60,7 +78,9 @@ def main() -> int:
     res["kernels_per_step"] = sum(kinds.values())
     res["kernels_by_kind"] = dict(kinds.most_common())
     res["kernels_per_layer"] = {k: v / layers for k, v in kinds.most_common() if v >= layers}
-    print(f"[{tag}] ITL {res['itl_ms']:.3f} ms, {res['kernels_per_step']} kernels a step", flush=True)
+    print(
+        f"[{tag}] ITL {res['itl_ms']:.3f} ms, {res['kernels_per_step']} kernels a step", flush=True
+    )
     for k, v in res["kernels_per_layer"].items():
         print(f"   {v:5.1f} / layer  {k}")
     if os.environ.get("OUT"):

@@ -8,6 +8,7 @@ Run it under different XLA_FLAGS (e.g. command buffers) to compare launch costs 
 The largest batch's caller-mode steps also run under cProfile: the top host functions are printed
 and saved (where the host time goes on that machine, not on ours).
 """
+
 from __future__ import annotations
 
 import cProfile
@@ -27,17 +28,24 @@ from benchmarks.record import write_to_out
 
 def main() -> int:
     from paxengine import LLM, SamplingParams
+
     preset = sys.argv[1] if len(sys.argv) > 1 else "llama-3.1-8b"
     on_gpu = jax.default_backend() == "gpu"
     batches, prompt_len = ((1, 64, 256), 1024) if on_gpu else ((1, 8), 64)
     if len(sys.argv) > 2:
         batches = tuple(int(b) for b in sys.argv[2].split(","))
     seq_buckets = sorted({max(8, b) for b in batches})
-    llm = LLM(model=f"dummy:{preset}", dtype="bfloat16", max_model_len=2048,
-              max_num_seqs=max(seq_buckets), max_num_batched_tokens=1024,
-              token_buckets=sorted({max(16, b) for b in batches} | {1024}),
-              seq_buckets=seq_buckets, num_kv_blocks=24000 if on_gpu else 512,
-              show_progress=False)
+    llm = LLM(
+        model=f"dummy:{preset}",
+        dtype="bfloat16",
+        max_model_len=2048,
+        max_num_seqs=max(seq_buckets),
+        max_num_batched_tokens=1024,
+        token_buckets=sorted({max(16, b) for b in batches} | {1024}),
+        seq_buckets=seq_buckets,
+        num_kv_blocks=24000 if on_gpu else 512,
+        show_progress=False,
+    )
     eng, runner = llm.engine, llm.engine.runner
     execute, fetch = runner.execute, runner.fetch
     spent = {"execute": [], "fetch": []}
@@ -53,12 +61,16 @@ def main() -> int:
         r = fetch(result)
         spent["fetch"].append(time.perf_counter() - t)
         return r
+
     runner.execute, runner.fetch = timed_execute, timed_fetch
     res = {"preset": preset, "xla_flags": os.environ.get("XLA_FLAGS", ""), "prompt_len": prompt_len}
     for batch in batches:
         for i in range(batch):
-            eng.add_request(f"b{batch}-{i}", {"prompt_token_ids": list(range(1, prompt_len + 1))},
-                            SamplingParams(max_tokens=300, ignore_eos=True))
+            eng.add_request(
+                f"b{batch}-{i}",
+                {"prompt_token_ids": list(range(1, prompt_len + 1))},
+                SamplingParams(max_tokens=300, ignore_eos=True),
+            )
         step_until_decoding(eng)
         for mode in ("caller", "thread"):
             eng._dispatcher = ThreadPoolExecutor(1) if mode == "thread" else None
@@ -80,9 +92,11 @@ def main() -> int:
                 pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
                 res[f"b{batch}_host_profile"] = buf.getvalue().splitlines()
                 print(buf.getvalue(), flush=True)
-            row = {"step_ms": 1e3 * step,
-                   "execute_ms": 1e3 * float(np.median(spent["execute"])),
-                   "fetch_wait_ms": 1e3 * float(np.median(spent["fetch"]))}
+            row = {
+                "step_ms": 1e3 * step,
+                "execute_ms": 1e3 * float(np.median(spent["execute"])),
+                "fetch_wait_ms": 1e3 * float(np.median(spent["fetch"])),
+            }
             res[f"b{batch}_{mode}"] = row
             print(batch, mode, row, flush=True)
             # a run cut short keeps what it measured

@@ -1,7 +1,8 @@
 """Scan over stacked layer weights vs other loop forms, forward without attention (GPU).
 
-  python -m benchmarks.profile.layers
+python -m benchmarks.profile.layers
 """
+
 from __future__ import annotations
 
 import jax
@@ -41,11 +42,13 @@ def main():
             for i, w in enumerate(pl):
                 (h, _), _ = llama._layer(cfg, no_attention, inv, t, (h, None), (w, jnp.int32(i)))
             return h
+
         f1, f2, f3 = jax.jit(scan_fwd), jax.jit(unrolled), jax.jit(listed)
         res[f"scan_T{T}"] = 1e3 * time_calls(lambda: f1(params, tok))
         res[f"unrolled_static_slices_T{T}"] = 1e3 * time_calls(lambda: f2(params, tok))
         res[f"per_layer_arrays_T{T}"] = 1e3 * time_calls(
-            lambda: f3(per_layer, params["embed"], tok))
+            lambda: f3(per_layer, params["embed"], tok)
+        )
     write_to_out(res, "profile_layers")
 
 

@@ -1,5 +1,6 @@
 """The model's forward with attention left out: each layer's attention returns its queries. What
 a step costs without attention is the step's time less this (decode.py, prefill.py, layers.py)."""
+
 from __future__ import annotations
 
 
@@ -17,4 +18,5 @@ def forward_without_attention(cfg, rows: int):
     def fwd(params, tokens):
         hidden = forward_hidden(params, cfg, tokens, tokens, None, no_attention)[0]
         return compute_logits(params, cfg, hidden[:rows])
+
     return jax.jit(fwd)

@@ -1,4 +1,5 @@
 """Model hyper-parameters for the Llama family, read from HF config.json, GGUF metadata or a preset."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ class ModelConfig:
     num_kv_heads: int
     head_dim: int
     rope_theta: float = 10000.0
-    rope_scaling: tuple | None = None   # sorted (key, value) pairs, hashable for jit
+    rope_scaling: tuple | None = None  # sorted (key, value) pairs, hashable for jit
     rms_norm_eps: float = 1e-5
     tie_word_embeddings: bool = False
     attention_bias: bool = False
@@ -59,7 +60,8 @@ def from_hf_config(cfg: dict) -> ModelConfig:
     if arch is None:
         raise ValueError(
             f"unsupported architecture {archs or cfg.get('model_type')!r}: paxengine supports "
-            f"{sorted(SUPPORTED_ARCHS)}")
+            f"{sorted(SUPPORTED_ARCHS)}"
+        )
     heads = cfg["num_attention_heads"]
     rope = cfg.get("rope_scaling") or None
     params = cfg.get("rope_parameters") or {}
@@ -92,25 +94,71 @@ def from_hf_config(cfg: dict) -> ModelConfig:
     )
 
 
-_LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+_LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
 
 # Real shapes for benchmarks with dummy weights (`model: dummy:<name>`).
 PRESETS = {
     "llama-3.1-8b": ModelConfig(
-        arch="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
-        num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=500000.0,
-        rope_scaling=_freeze(_LLAMA3_ROPE), rms_norm_eps=1e-5, max_position_embeddings=131072,
-        name="dummy-llama-3.1-8b"),
+        arch="llama",
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        rope_theta=500000.0,
+        rope_scaling=_freeze(_LLAMA3_ROPE),
+        rms_norm_eps=1e-5,
+        max_position_embeddings=131072,
+        name="dummy-llama-3.1-8b",
+    ),
     "qwen3-8b": ModelConfig(
-        arch="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36,
-        num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=1000000.0, rms_norm_eps=1e-6,
-        qk_norm=True, max_position_embeddings=40960, name="dummy-qwen3-8b"),
+        arch="qwen3",
+        vocab_size=151936,
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_layers=36,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        qk_norm=True,
+        max_position_embeddings=40960,
+        name="dummy-qwen3-8b",
+    ),
     "smollm2-135m": ModelConfig(
-        arch="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
-        num_heads=9, num_kv_heads=3, head_dim=64, rope_theta=100000.0, rms_norm_eps=1e-5,
-        tie_word_embeddings=True, max_position_embeddings=8192, name="dummy-smollm2-135m"),
+        arch="llama",
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_layers=30,
+        num_heads=9,
+        num_kv_heads=3,
+        head_dim=64,
+        rope_theta=100000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        max_position_embeddings=8192,
+        name="dummy-smollm2-135m",
+    ),
     "tiny": ModelConfig(
-        arch="llama", vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,
-        num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=2048, name="dummy-tiny"),
+        arch="llama",
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        max_position_embeddings=2048,
+        name="dummy-tiny",
+    ),
 }

@@ -1,5 +1,6 @@
 """GGUF checkpoints: metadata -> ModelConfig, tensors dequantized with the `gguf` package and put
 back into HF layout (llama.cpp permutes the Q/K rows of Llama models for its interleaved rope)."""
+
 from __future__ import annotations
 
 import re
@@ -13,9 +14,19 @@ from paxengine.models.weights import stack_layers
 GGUF_ARCHS = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
 SUPPORTED_QUANTS = {"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q6_K"}
 
-_LAYER_NAMES = {"attn_norm": "attn_norm", "ffn_norm": "mlp_norm", "attn_q": "wq", "attn_k": "wk",
-                "attn_v": "wv", "attn_output": "wo", "ffn_gate": "w_gate", "ffn_up": "w_up",
-                "ffn_down": "w_down", "attn_q_norm": "q_norm", "attn_k_norm": "k_norm"}
+_LAYER_NAMES = {
+    "attn_norm": "attn_norm",
+    "ffn_norm": "mlp_norm",
+    "attn_q": "wq",
+    "attn_k": "wk",
+    "attn_v": "wv",
+    "attn_output": "wo",
+    "ffn_gate": "w_gate",
+    "ffn_up": "w_up",
+    "ffn_down": "w_down",
+    "attn_q_norm": "q_norm",
+    "attn_k_norm": "k_norm",
+}
 _BIAS_NAMES = {"attn_q": "bq", "attn_k": "bk", "attn_v": "bv"}
 
 
@@ -32,18 +43,24 @@ def read_fields(reader) -> dict:
 def config_from_fields(fields: dict, tensor_names: set[str]) -> ModelConfig:
     arch = fields.get("general.architecture")
     if arch not in GGUF_ARCHS:
-        raise ValueError(f"unsupported GGUF architecture {arch!r}: paxengine supports "
-                         f"{sorted(GGUF_ARCHS)}")
+        raise ValueError(
+            f"unsupported GGUF architecture {arch!r}: paxengine supports {sorted(GGUF_ARCHS)}"
+        )
 
     def f(key, default=None):
         return fields.get(f"{arch}.{key}", default)
+
     heads = int(f("attention.head_count"))
     hidden = int(f("embedding_length"))
     vocab = f("vocab_size") or len(fields["tokenizer.ggml.tokens"])
     return ModelConfig(
-        arch=GGUF_ARCHS[arch], vocab_size=int(vocab), hidden_size=hidden,
-        intermediate_size=int(f("feed_forward_length")), num_layers=int(f("block_count")),
-        num_heads=heads, num_kv_heads=int(f("attention.head_count_kv", heads)),
+        arch=GGUF_ARCHS[arch],
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(f("feed_forward_length")),
+        num_layers=int(f("block_count")),
+        num_heads=heads,
+        num_kv_heads=int(f("attention.head_count_kv", heads)),
         head_dim=int(f("attention.key_length", hidden // heads)),
         rope_theta=float(f("rope.freq_base", 10000.0)),
         rms_norm_eps=float(f("attention.layer_norm_rms_epsilon", 1e-5)),
@@ -51,22 +68,25 @@ def config_from_fields(fields: dict, tensor_names: set[str]) -> ModelConfig:
         attention_bias="blk.0.attn_q.bias" in tensor_names,
         qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
         max_position_embeddings=int(f("context_length", 4096)),
-        name=str(fields.get("general.name", "")))
+        name=str(fields.get("general.name", "")),
+    )
 
 
 def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
     """Undo llama.cpp's `permute` of Q/K rows ([out, in] or bias [out])."""
     shape = w.shape
-    return (w.reshape(n_heads, shape[0] // n_heads // 2, 2, *shape[1:])
-             .swapaxes(1, 2).reshape(shape))
+    return w.reshape(n_heads, shape[0] // n_heads // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
 
 
 def dequantize(tensor) -> np.ndarray:
     from gguf.quants import dequantize as gg_dequant
+
     name = tensor.tensor_type.name
     if name not in SUPPORTED_QUANTS:
-        raise ValueError(f"GGUF tensor {tensor.name}: quantization {name} is not supported "
-                         f"(supported: {sorted(SUPPORTED_QUANTS)})")
+        raise ValueError(
+            f"GGUF tensor {tensor.name}: quantization {name} is not supported "
+            f"(supported: {sorted(SUPPORTED_QUANTS)})"
+        )
     return np.asarray(gg_dequant(tensor.data, tensor.tensor_type), dtype=np.float32)
 
 
@@ -74,6 +94,7 @@ def load_gguf(path: Path, progress: bool = True):
     """-> (ModelConfig, params as float32 numpy arrays, metadata fields)."""
     import gguf
     from tqdm import tqdm
+
     try:
         reader = gguf.GGUFReader(str(path))
     except Exception as e:
@@ -84,8 +105,9 @@ def load_gguf(path: Path, progress: bool = True):
     permute = cfg.arch in ("llama", "mistral")
     per_layer = [dict() for _ in range(cfg.num_layers)]
     params: dict = {}
-    for name, t in tqdm(tensors.items(), desc=f"dequantizing {path.name}", disable=not progress,
-                        unit="tensor"):
+    for name, t in tqdm(
+        tensors.items(), desc=f"dequantizing {path.name}", disable=not progress, unit="tensor"
+    ):
         w = dequantize(t)
         m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", name)
         if m:

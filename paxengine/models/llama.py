@@ -10,6 +10,7 @@ Two layouts of the same weights, chosen by the caller (see `weights.unstack_laye
 Attention goes through one callable, `attend(q, k, v, kv_cache, layer)`, so the dense oracle, the
 jnp paged reference and the Pallas kernel all drop in without touching the model.
 """
+
 from __future__ import annotations
 
 import math
@@ -49,7 +50,7 @@ def rope_inv_freq(cfg: ModelConfig) -> jax.Array:
 
 def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
     """x: [T, heads, D]; the rotate-half convention of HF checkpoints."""
-    freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]   # [T, D/2]
+    freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, D/2]
     emb = jnp.concatenate([freqs, freqs], axis=-1)[:, None, :]
     cos, sin = jnp.cos(emb), jnp.sin(emb)
     xf = x.astype(jnp.float32)
@@ -63,10 +64,10 @@ def _layer(cfg: ModelConfig, attend: Attend, inv_freq, positions, carry, xs):
     w, layer = xs
     t = h.shape[0]
     x = rms_norm(h, w["attn_norm"], cfg.rms_norm_eps)
-    if "wqkv" in w:   # the per-layer layout fuses the projections (weights.FUSED)
+    if "wqkv" in w:  # the per-layer layout fuses the projections (weights.FUSED)
         qkv = x @ w["wqkv"] + (w["bqkv"] if cfg.attention_bias else 0)
         nq, nkv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        q, k, v = qkv[:, :nq], qkv[:, nq:nq + nkv], qkv[:, nq + nkv:]
+        q, k, v = qkv[:, :nq], qkv[:, nq : nq + nkv], qkv[:, nq + nkv :]
     else:
         q, k, v = x @ w["wq"], x @ w["wk"], x @ w["wv"]
         if cfg.attention_bias:
@@ -90,8 +91,14 @@ def _layer(cfg: ModelConfig, attend: Attend, inv_freq, positions, carry, xs):
     return (h, kv_cache), None
 
 
-def forward_hidden(params: dict, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,
-                   kv_cache: Any, attend: Attend) -> tuple[jax.Array, Any]:
+def forward_hidden(
+    params: dict,
+    cfg: ModelConfig,
+    tokens: jax.Array,
+    positions: jax.Array,
+    kv_cache: Any,
+    attend: Attend,
+) -> tuple[jax.Array, Any]:
     """tokens, positions: [T] int32 -> final hidden states [T, H] (normed) and the updated cache."""
     h = params["embed"][tokens]
     inv_freq = rope_inv_freq(cfg)
@@ -99,8 +106,9 @@ def forward_hidden(params: dict, cfg: ModelConfig, tokens: jax.Array, positions:
         caches = list(kv_cache) if kv_cache is not None else [None] * len(params["layers"])
         for i, w in enumerate(params["layers"]):
             # each layer's cache is its own [1, ...] array pair: layer index 0 inside it
-            (h, caches[i]), _ = _layer(cfg, attend, inv_freq, positions, (h, caches[i]),
-                                       (w, jnp.int32(0)))
+            (h, caches[i]), _ = _layer(
+                cfg, attend, inv_freq, positions, (h, caches[i]), (w, jnp.int32(0))
+            )
         return rms_norm(h, params["final_norm"], cfg.rms_norm_eps), caches
     layers = jnp.arange(cfg.num_layers, dtype=jnp.int32)
 

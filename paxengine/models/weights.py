@@ -1,4 +1,5 @@
 """Weight layout helpers: checkpoint tensors -> the stacked parameter pytree the model scans over."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -6,9 +7,22 @@ import numpy as np
 from paxengine.models.config import ModelConfig
 
 # Per-layer parameter name -> whether it is a Linear weight stored [out, in] (transposed on load).
-LAYER_LINEAR = {"wq": True, "wk": True, "wv": True, "wo": True, "w_gate": True, "w_up": True,
-                "w_down": True, "bq": False, "bk": False, "bv": False, "attn_norm": False,
-                "mlp_norm": False, "q_norm": False, "k_norm": False}
+LAYER_LINEAR = {
+    "wq": True,
+    "wk": True,
+    "wv": True,
+    "wo": True,
+    "w_gate": True,
+    "w_up": True,
+    "w_down": True,
+    "bq": False,
+    "bk": False,
+    "bv": False,
+    "attn_norm": False,
+    "mlp_norm": False,
+    "q_norm": False,
+    "k_norm": False,
+}
 
 
 def layer_param_names(cfg: ModelConfig) -> list[str]:
@@ -23,12 +37,27 @@ def layer_param_names(cfg: ModelConfig) -> list[str]:
 def param_shapes(cfg: ModelConfig) -> dict:
     h, i, d, L = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim, cfg.num_layers
     qd, kd = cfg.num_heads * d, cfg.num_kv_heads * d
-    layer = {"attn_norm": (L, h), "wq": (L, h, qd), "wk": (L, h, kd), "wv": (L, h, kd),
-             "wo": (L, qd, h), "mlp_norm": (L, h), "w_gate": (L, h, i), "w_up": (L, h, i),
-             "w_down": (L, i, h), "bq": (L, qd), "bk": (L, kd), "bv": (L, kd),
-             "q_norm": (L, d), "k_norm": (L, d)}
-    shapes = {"embed": (cfg.vocab_size, h), "final_norm": (h,),
-              "layers": {n: layer[n] for n in layer_param_names(cfg)}}
+    layer = {
+        "attn_norm": (L, h),
+        "wq": (L, h, qd),
+        "wk": (L, h, kd),
+        "wv": (L, h, kd),
+        "wo": (L, qd, h),
+        "mlp_norm": (L, h),
+        "w_gate": (L, h, i),
+        "w_up": (L, h, i),
+        "w_down": (L, i, h),
+        "bq": (L, qd),
+        "bk": (L, kd),
+        "bv": (L, kd),
+        "q_norm": (L, d),
+        "k_norm": (L, d),
+    }
+    shapes = {
+        "embed": (cfg.vocab_size, h),
+        "final_norm": (h,),
+        "layers": {n: layer[n] for n in layer_param_names(cfg)},
+    }
     if not cfg.tie_word_embeddings:
         shapes["lm_head"] = (h, cfg.vocab_size)
     return shapes
@@ -41,12 +70,16 @@ def check_shapes(params: dict, cfg: ModelConfig) -> None:
             for n, s in shape.items():
                 got = params["layers"].get(n)
                 if got is None or tuple(got.shape) != tuple(s):
-                    raise ValueError(f"weight layers.{n}: expected shape {s}, got "
-                                     f"{None if got is None else tuple(got.shape)}")
+                    raise ValueError(
+                        f"weight layers.{n}: expected shape {s}, got "
+                        f"{None if got is None else tuple(got.shape)}"
+                    )
         elif params.get(k) is None or tuple(params[k].shape) != tuple(shape):
             got = params.get(k)
-            raise ValueError(f"weight {k}: expected shape {shape}, got "
-                             f"{None if got is None else tuple(got.shape)}")
+            raise ValueError(
+                f"weight {k}: expected shape {shape}, got "
+                f"{None if got is None else tuple(got.shape)}"
+            )
 
 
 def stack_layers(per_layer: list[dict], cfg: ModelConfig) -> dict:
@@ -83,6 +116,7 @@ def unstack_layers(params: dict) -> dict:
         return params
     stacked = params["layers"]
     import jax.numpy as jnp
+
     num_layers = next(iter(stacked.values())).shape[0]
     per_layer: list[dict] = [{} for _ in range(num_layers)]
     for fused, parts in FUSED.items():

@@ -3,6 +3,7 @@
 Each request streams `max_tokens` tokens ("t0 ", "t1 ", ...) `token_delay` seconds apart, then a
 usage chunk (when stream_options.include_usage) and [DONE]. Prompts over `max_prompt_len` tokens
 get HTTP 400, as a real server's validation would."""
+
 from __future__ import annotations
 
 import asyncio
@@ -16,8 +17,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 
-def make_app(token_delay: float = 0.002, max_prompt_len: int = 4096, usage: bool = True,
-             model: str = "fake-model") -> FastAPI:
+def make_app(
+    token_delay: float = 0.002,
+    max_prompt_len: int = 4096,
+    usage: bool = True,
+    model: str = "fake-model",
+) -> FastAPI:
     app = FastAPI()
     app.state.requests = []
 
@@ -39,15 +44,38 @@ def make_app(token_delay: float = 0.002, max_prompt_len: int = 4096, usage: bool
             prompt = body["prompt"]
             n_prompt = len(prompt) if isinstance(prompt, list) else len(prompt.split())
         if n_prompt > max_prompt_len:
-            return JSONResponse({"error": {"message": f"prompt too long ({n_prompt})", "type":
-                                           "BadRequestError", "param": "prompt", "code": 400}}, 400)
+            return JSONResponse(
+                {
+                    "error": {
+                        "message": f"prompt too long ({n_prompt})",
+                        "type": "BadRequestError",
+                        "param": "prompt",
+                        "code": 400,
+                    }
+                },
+                400,
+            )
         n_out = int(body.get("max_tokens") or 16)
         rid = f"cmpl-{len(app.state.requests)}"
 
         async def gen():
             if chat:
-                yield "data: " + json.dumps({"id": rid, "choices": [
-                    {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}) + "\n\n"
+                yield (
+                    "data: "
+                    + json.dumps(
+                        {
+                            "id": rid,
+                            "choices": [
+                                {
+                                    "index": 0,
+                                    "delta": {"role": "assistant", "content": ""},
+                                    "finish_reason": None,
+                                }
+                            ],
+                        }
+                    )
+                    + "\n\n"
+                )
             for i in range(n_out):
                 await asyncio.sleep(token_delay)
                 fin = "length" if i == n_out - 1 else None
@@ -57,9 +85,21 @@ def make_app(token_delay: float = 0.002, max_prompt_len: int = 4096, usage: bool
                     ch = {"index": 0, "text": f"t{i} ", "finish_reason": fin}
                 yield "data: " + json.dumps({"id": rid, "choices": [ch], "usage": None}) + "\n\n"
             if usage and (body.get("stream_options") or {}).get("include_usage"):
-                yield "data: " + json.dumps({"id": rid, "choices": [], "usage": {
-                    "prompt_tokens": n_prompt, "completion_tokens": n_out,
-                    "total_tokens": n_prompt + n_out}}) + "\n\n"
+                yield (
+                    "data: "
+                    + json.dumps(
+                        {
+                            "id": rid,
+                            "choices": [],
+                            "usage": {
+                                "prompt_tokens": n_prompt,
+                                "completion_tokens": n_out,
+                                "total_tokens": n_prompt + n_out,
+                            },
+                        }
+                    )
+                    + "\n\n"
+                )
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(gen(), media_type="text/event-stream")
@@ -86,8 +126,11 @@ class ServerThread:
 
     def __init__(self, app, port: int | None = None):
         self.port = port or free_port()
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port,
-                                                    log_level="warning", lifespan="off"))
+        self.server = uvicorn.Server(
+            uvicorn.Config(
+                app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="off"
+            )
+        )
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     @property

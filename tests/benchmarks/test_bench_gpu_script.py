@@ -1,5 +1,6 @@
 """The GPU run's pieces that need no GPU: roofline arithmetic, the dummy model dir, the report,
 the shell scripts, the HF stage on CPU; and the kernel benchmarks' CPU-runnable parts."""
+
 from __future__ import annotations
 
 import json
@@ -19,14 +20,18 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_roofline_arithmetic_llama8b():
     c = roofline.model_costs(PRESETS["llama-3.1-8b"], 2)
-    assert c["weight_bytes_per_step"] == pytest.approx(15.0e9, rel=0.01)   # 7.5 B params read per step
+    assert c["weight_bytes_per_step"] == pytest.approx(
+        15.0e9, rel=0.01
+    )  # 7.5 B params read per step
     assert c["kv_bytes_per_token"] == 2 * 32 * 8 * 128 * 2
     bw, rate = 4.0e12, 7.0e14
     one = roofline.decode_step_floor(c, 1, 1024, bw, rate)
     assert one == pytest.approx(c["weight_bytes_per_step"] / bw, rel=0.02)  # batch 1: weight-bound
     assert roofline.decode_step_floor(c, 64, 1024, bw, rate) > one
     # prefill of 1024 tokens is compute-bound: ~2 * 7 GFLOP per token
-    assert roofline.prefill_floor(c, 1, 1024, bw, rate) == pytest.approx(2 * 1024 * 6.98e9 / rate, rel=0.05)
+    assert roofline.prefill_floor(c, 1, 1024, bw, rate) == pytest.approx(
+        2 * 1024 * 6.98e9 / rate, rel=0.05
+    )
     t = roofline.workload_floor(c, 300, 1000, 1000, 256, bw, rate)
     assert 5_000 < 300 * 1000 / t < 20_000
 
@@ -35,33 +40,63 @@ def test_dummy_model_dir(tmp_path):
     d = write_dummy_model_dir("tiny", tmp_path / "m")
     cfg = from_hf_config(json.loads((d / "config.json").read_text()))
     tiny = PRESETS["tiny"]
-    for k in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-              "num_kv_heads", "head_dim"):
+    for k in (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_layers",
+        "num_heads",
+        "num_kv_heads",
+        "head_dim",
+    ):
         assert getattr(cfg, k) == getattr(tiny, k), k
     from tokenizers import Tokenizer
+
     tok = Tokenizer.from_file(str(d / "tokenizer.json"))
     assert tok.get_vocab_size() == tiny.vocab_size
     ids = [5, 17, 511, 0]
     text = tok.decode(ids)
     assert text == "t5 t17 t511 t0" and tok.encode(text).ids == ids
-    llama = from_hf_config(json.loads(write_dummy_model_dir("llama-3.1-8b", tmp_path / "l")
-                                      .joinpath("config.json").read_text()))
+    llama = from_hf_config(
+        json.loads(
+            write_dummy_model_dir("llama-3.1-8b", tmp_path / "l")
+            .joinpath("config.json")
+            .read_text()
+        )
+    )
     assert llama.rope_scaling == PRESETS["llama-3.1-8b"].rope_scaling
 
 
 def test_report_table():
-    merged = {"spec": FULL, "date": "d", "environment": {"device": "NVIDIA H200", "jax_version": "0.11.2",
-                                                            "commit": "abcdef1234567"},
-              "stages": {
-                  "roofline": {"ok": True, "copy_bandwidth_Bps": 4.2e12, "matmul_flops_per_s": 7.5e14,
-                               "dtype": "bfloat16", "device": "H200",
-                               "floors": {"itl_batch1_ms": 3.8, "serve_c1_output_tok_s": 250.0}},
-                  "pax-offline": {"ok": True, "itl_batch1_ms": 5.0, "itl_batch8_ms": 5.5, "startup_s": 40,
-                                  "jax_compiles_during_timed_runs": 0,
-                                  "offline": {"256x(1024,128)": {"output_tok_s": 3000.0}}},
-                  "pax-serve": {"ok": False, "error": "boom", "runs": {}},
-                  "vllm-offline": {"ok": True, "itl_batch1_ms": 4.74},
-              }}
+    merged = {
+        "spec": FULL,
+        "date": "d",
+        "environment": {
+            "device": "NVIDIA H200",
+            "jax_version": "0.11.2",
+            "commit": "abcdef1234567",
+        },
+        "stages": {
+            "roofline": {
+                "ok": True,
+                "copy_bandwidth_Bps": 4.2e12,
+                "matmul_flops_per_s": 7.5e14,
+                "dtype": "bfloat16",
+                "device": "H200",
+                "floors": {"itl_batch1_ms": 3.8, "serve_c1_output_tok_s": 250.0},
+            },
+            "pax-offline": {
+                "ok": True,
+                "itl_batch1_ms": 5.0,
+                "itl_batch8_ms": 5.5,
+                "startup_s": 40,
+                "jax_compiles_during_timed_runs": 0,
+                "offline": {"256x(1024,128)": {"output_tok_s": 3000.0}},
+            },
+            "pax-serve": {"ok": False, "error": "boom", "runs": {}},
+            "vllm-offline": {"ok": True, "itl_batch1_ms": 4.74},
+        },
+    }
     md = report.markdown_table(merged)
     assert "| batch-1 ITL (ms) | 5.00 | 4.74 | 4.74 | 3.80 |" in md
     assert "| offline 256x(1024,128) output tok/s | 3,000 | - | 3,962 | - |" in md
@@ -69,8 +104,16 @@ def test_report_table():
     assert "Failed stages: pax-serve: boom" in md and "4.2 TB/s" in md
 
 
-@pytest.mark.parametrize("script", ["gpu_run.sh", "gpu_kernels.sh", "gpu_kernels_fa3.sh",
-                                    "gpu_decode_fa3.sh", "gpu_vllm_install.sh"])
+@pytest.mark.parametrize(
+    "script",
+    [
+        "gpu_run.sh",
+        "gpu_kernels.sh",
+        "gpu_kernels_fa3.sh",
+        "gpu_decode_fa3.sh",
+        "gpu_vllm_install.sh",
+    ],
+)
 def test_gpu_scripts_parse(script):
     subprocess.run(["bash", "-n", str(ROOT / "benchmarks" / "gpu" / script)], check=True)
 
@@ -79,8 +122,12 @@ def test_vllm_install_without_parts_is_a_no_op(tmp_path):
     """No /tmp/vparts: the installer says nothing, changes nothing, and does not fail the caller."""
     if Path("/tmp/vparts").exists() or Path("/tmp/vsite").exists():
         pytest.skip("this machine has vLLM parts")
-    r = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu" / "gpu_vllm_install.sh")],
-                       capture_output=True, text=True, timeout=30)
+    r = subprocess.run(
+        ["bash", str(ROOT / "benchmarks" / "gpu" / "gpu_vllm_install.sh")],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert r.returncode == 0 and r.stdout == "" and not Path("/tmp/vsite").exists()
 
 
@@ -101,12 +148,17 @@ def test_fa3_rows_match_our_kernel_rows():
     bytes, or the rate comparison in kernels_pallas/README.md means nothing."""
     from benchmarks.kernels import fa3 as kernels_fa3
     from benchmarks.kernels import harness as kernels
+
     assert (kernels_fa3.HQ, kernels_fa3.HKV, kernels_fa3.D, kernels_fa3.BS) == (
-        kernels.HQ, kernels.HKV, kernels.D, kernels.BS)
+        kernels.HQ,
+        kernels.HKV,
+        kernels.D,
+        kernels.BS,
+    )
     for b, ctx in kernels_fa3.DECODE_SHAPES:
         assert kernels_fa3.kv_bytes(b, ctx) == kernels.kv_bytes([(1, ctx)] * b)
     assert (64, 2048) in kernels_fa3.DECODE_SHAPES and (1, 8192) in kernels_fa3.DECODE_SHAPES
-    for name, (b, q_len, ctx) in kernels_fa3.PREFILL_SHAPES.items():
+    for b, q_len, ctx in kernels_fa3.PREFILL_SHAPES.values():
         assert b * kernels_fa3.attn_flops(q_len, ctx) == kernels.attn_flops([(q_len, ctx)] * b)
     assert kernels_fa3.attn_flops(3, 5) == 4 * kernels.HQ * kernels.D * (3 + 4 + 5)
 
@@ -115,8 +167,10 @@ def test_profile_trace_sums_device_kernels(tmp_path):
     """The trace reader keeps the device's kernels (not host events), sums them per name, and
     sorts our kernels, matmuls and fusions into their kinds."""
     import gzip
+
     from benchmarks import device_trace as dt
     from benchmarks.profile import trace as pt
+
     events = [
         {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/host:CPU"}},
         {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/device:GPU:0"}},
@@ -132,10 +186,18 @@ def test_profile_trace_sums_device_kernels(tmp_path):
     with gzip.open(d / "perfetto_trace.json.gz", "wt") as f:
         json.dump({"traceEvents": events}, f)
     times, counts = dt.device_kernel_times(str(tmp_path))
-    assert times == {"ragged_paged_attention_q16_k128_s1": 100.0, "nvjet_hsh_256x128_gemm": 300.0,
-                     "loop_multiply_fusion": 5.0, "write_kv": 2.0}
-    assert counts == {"ragged_paged_attention_q16_k128_s1": 2, "nvjet_hsh_256x128_gemm": 1,
-                      "loop_multiply_fusion": 1, "write_kv": 1}
+    assert times == {
+        "ragged_paged_attention_q16_k128_s1": 100.0,
+        "nvjet_hsh_256x128_gemm": 300.0,
+        "loop_multiply_fusion": 5.0,
+        "write_kv": 2.0,
+    }
+    assert counts == {
+        "ragged_paged_attention_q16_k128_s1": 2,
+        "nvjet_hsh_256x128_gemm": 1,
+        "loop_multiply_fusion": 1,
+        "write_kv": 1,
+    }
     assert [pt.kind_of(n) for n in times] == ["attention", "matmul", "fusion", "kv_write"]
     # the Mosaic GPU kernels and the split-K merge count as attention too
     assert pt.kind_of("entry_mosaic_gpu_kernel") == pt.kind_of("merge_splits") == "attention"
@@ -148,11 +210,29 @@ def test_kernel_tune_rounds(tmp_path):
     timed in each round; the time it keeps is the median of its rounds; the best is the fastest
     correct one."""
     import statistics
-    r = subprocess.run([sys.executable, "-m", "benchmarks.kernels.tune", "--quick", "--only",
-                        "decode_b4_ctx64", "--rounds", "2", "--budget", "120", "--out",
-                        str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.kernels.tune",
+            "--quick",
+            "--only",
+            "decode_b4_ctx64",
+            "--rounds",
+            "2",
+            "--budget",
+            "120",
+            "--out",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
-    row, = json.loads((tmp_path / "kernels_tune_cpu.json").read_text())["tune"]
+    (row,) = json.loads((tmp_path / "kernels_tune_cpu.json").read_text())["tune"]
     timed = [c for c in row["candidates"] if "us" in c]
     assert timed and timed[0]["overrides"] == {} and all(c["ok"] for c in timed)
     for c in timed:
@@ -165,14 +245,24 @@ def test_kernels_compare_brackets_fa3(tmp_path):
     """kernels_compare: our median over the runs against FA3, the range from our fastest and
     slowest run; shapes FA3 did not time are left out; the CLI prints the table."""
     from benchmarks.kernels import compare as kc
-    shapes = {"num_heads": 32, "num_kv_heads": 8}     # attention.py writes the model's shapes
-    ours = [{"shapes": shapes, "rows": [{"name": "a", "ours_us": 100.0},
-                                        {"name": "b", "ours_us": 40.0},
-                                        {"name": "write_kv_T64", "pallas_us": 3.0}]},
-            {"shapes": shapes, "rows": [{"name": "a", "ours_us": 120.0},
-                                        {"name": "b", "ours_us": 60.0}]}]
+
+    shapes = {"num_heads": 32, "num_kv_heads": 8}  # attention.py writes the model's shapes
+    ours = [
+        {
+            "shapes": shapes,
+            "rows": [
+                {"name": "a", "ours_us": 100.0},
+                {"name": "b", "ours_us": 40.0},
+                {"name": "write_kv_T64", "pallas_us": 3.0},
+            ],
+        },
+        {
+            "shapes": shapes,
+            "rows": [{"name": "a", "ours_us": 120.0}, {"name": "b", "ours_us": 60.0}],
+        },
+    ]
     fa3 = {"rows": [{"name": "a", "fa3_us": 110.0}, {"name": "c", "fa3_us": 1.0}]}
-    row, = kc.compare(ours, fa3)
+    (row,) = kc.compare(ours, fa3)
     assert row["name"] == "a" and row["ours_median_us"] == 110.0
     assert row["ours_over_fa3_rate"] == pytest.approx(1.0)
     assert row["rate_range"] == pytest.approx([110 / 120, 110 / 100])
@@ -180,9 +270,20 @@ def test_kernels_compare_brackets_fa3(tmp_path):
     for i, d in enumerate(ours + [fa3]):
         paths.append(tmp_path / f"{i}.json")
         paths[-1].write_text(json.dumps(d))
-    r = subprocess.run([sys.executable, "-m", "benchmarks.kernels.compare", *map(str, paths),
-                        "--out", str(tmp_path / "cmp.json")], cwd=ROOT, capture_output=True,
-                       text=True, timeout=60)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.kernels.compare",
+            *map(str, paths),
+            "--out",
+            str(tmp_path / "cmp.json"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 0, r.stderr
     assert "| a | 100.0 / 120.0 | 110.0 | 1.00x (0.92-1.10) |" in r.stdout
     assert json.loads((tmp_path / "cmp.json").read_text())["rows"][0]["name"] == "a"

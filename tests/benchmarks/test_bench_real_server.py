@@ -1,4 +1,5 @@
 """`paxengine bench serve` against a real paxengine server (SmolLM2, CPU, 127.0.0.1 only)."""
+
 from __future__ import annotations
 
 import json
@@ -18,8 +19,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_fake_openai import free_port  # noqa: E402
 
 # Small buckets so that a cold start compiles quickly on two CPU cores.
-SERVER_FLAGS = ["--max-num-seqs", "8", "--max-num-batched-tokens", "64", "--max-model-len", "128",
-                "--served-model-name", "smollm2", "--log-level", "warning"]
+SERVER_FLAGS = [
+    "--max-num-seqs",
+    "8",
+    "--max-num-batched-tokens",
+    "64",
+    "--max-model-len",
+    "128",
+    "--served-model-name",
+    "smollm2",
+    "--log-level",
+    "warning",
+]
 
 
 @pytest.fixture(scope="module")
@@ -27,9 +38,22 @@ def server(tmp_path_factory):
     port = free_port()
     log = tmp_path_factory.mktemp("server") / "server.log"
     with open(log, "w") as f:
-        proc = subprocess.Popen([sys.executable, "-m", "serving.cli", "--host", "127.0.0.1",
-                                 "--port", str(port), *SERVER_FLAGS], cwd=ROOT, stdout=f,
-                                stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "serving.cli",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                *SERVER_FLAGS,
+            ],
+            cwd=ROOT,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 150
@@ -55,21 +79,64 @@ def server(tmp_path_factory):
             proc.wait()
 
 
-RUN_FIELDS = ["max_concurrency", "request_rate", "num_prompts", "completed", "failed", "duration_s",
-              "total_input_tokens", "total_output_tokens", "request_throughput", "output_throughput",
-              "total_token_throughput", "tokens_per_chunk", "max_concurrent_requests",
-              "prompt_len_mismatches", "output_len_mismatches", "errors", "requests"] + [
-    f"{s}_{m}_ms" for m in ("ttft", "tpot", "itl", "e2el")
-    for s in ("mean", "median", "std", "min", "max", "p50", "p90", "p99")]
-TOP_FIELDS = ["benchmark", "date", "command", "environment", "server", "dataset", "sampling",
-              "percentiles", "runs", "plots"]
+RUN_FIELDS = [
+    "max_concurrency",
+    "request_rate",
+    "num_prompts",
+    "completed",
+    "failed",
+    "duration_s",
+    "total_input_tokens",
+    "total_output_tokens",
+    "request_throughput",
+    "output_throughput",
+    "total_token_throughput",
+    "tokens_per_chunk",
+    "max_concurrent_requests",
+    "prompt_len_mismatches",
+    "output_len_mismatches",
+    "errors",
+    "requests",
+] + [
+    f"{s}_{m}_ms"
+    for m in ("ttft", "tpot", "itl", "e2el")
+    for s in ("mean", "median", "std", "min", "max", "p50", "p90", "p99")
+]
+TOP_FIELDS = [
+    "benchmark",
+    "date",
+    "command",
+    "environment",
+    "server",
+    "dataset",
+    "sampling",
+    "percentiles",
+    "runs",
+    "plots",
+]
 
 
 def test_bench_serve_real_server(server, tmp_path):
     out = tmp_path / "serve.json"
-    rc = serve.main(["--base-url", server, "--num-prompts", "8", "--random-input-len", "16",
-                     "--random-output-len", "8", "--sweep-concurrency", "2,8", "--vocab-size", "49152",
-                     "--result-file", str(out), "--disable-tqdm"])
+    rc = serve.main(
+        [
+            "--base-url",
+            server,
+            "--num-prompts",
+            "8",
+            "--random-input-len",
+            "16",
+            "--random-output-len",
+            "8",
+            "--sweep-concurrency",
+            "2,8",
+            "--vocab-size",
+            "49152",
+            "--result-file",
+            str(out),
+            "--disable-tqdm",
+        ]
+    )
     assert rc == 0
     res = json.loads(out.read_text())
     for k in TOP_FIELDS:
@@ -107,12 +174,31 @@ def test_bench_serve_real_server(server, tmp_path):
 
 def test_bench_serve_real_server_chat(server, tmp_path):
     out = tmp_path / "chat.json"
-    rc = serve.main(["--base-url", server, "--endpoint", "/v1/chat/completions", "--num-prompts", "4",
-                     "--random-input-len", "12", "--random-output-len", "6", "--max-concurrency", "4",
-                     "--num-warmups", "0", "--result-file", str(out), "--plot-dir", "none",
-                     "--disable-tqdm"])
+    rc = serve.main(
+        [
+            "--base-url",
+            server,
+            "--endpoint",
+            "/v1/chat/completions",
+            "--num-prompts",
+            "4",
+            "--random-input-len",
+            "12",
+            "--random-output-len",
+            "6",
+            "--max-concurrency",
+            "4",
+            "--num-warmups",
+            "0",
+            "--result-file",
+            str(out),
+            "--plot-dir",
+            "none",
+            "--disable-tqdm",
+        ]
+    )
     assert rc == 0
     (run,) = json.loads(out.read_text())["runs"]
     assert run["completed"] == 4 and run["total_output_tokens"] == 24
-    assert run["total_input_tokens"] >= 4 * 12          # the chat template adds tokens
+    assert run["total_input_tokens"] >= 4 * 12  # the chat template adds tokens
     assert all(q["completion_tokens"] == 6 and q["ttft"] > 0 for q in run["requests"])

@@ -1,4 +1,5 @@
 """The serving benchmark's client, datasets and metrics against a fake OpenAI-compatible server."""
+
 from __future__ import annotations
 
 import json
@@ -11,15 +12,31 @@ import pytest
 
 from benchmarks.bench import datasets as ds
 from benchmarks.bench import serve
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_fake_openai import ServerThread, make_app  # noqa: E402
 
-LATENCY_KEYS = [f"{s}_{m}_ms" for m in ("ttft", "tpot", "itl", "e2el")
-                for s in ("mean", "median", "std", "p50", "p90", "p99")]
-RUN_KEYS = ["completed", "failed", "duration_s", "total_input_tokens", "total_output_tokens",
-            "request_throughput", "output_throughput", "total_token_throughput",
-            "max_concurrency", "max_concurrent_requests", "prompt_len_mismatches",
-            "output_len_mismatches", "errors", "requests"] + LATENCY_KEYS
+LATENCY_KEYS = [
+    f"{s}_{m}_ms"
+    for m in ("ttft", "tpot", "itl", "e2el")
+    for s in ("mean", "median", "std", "p50", "p90", "p99")
+]
+RUN_KEYS = [
+    "completed",
+    "failed",
+    "duration_s",
+    "total_input_tokens",
+    "total_output_tokens",
+    "request_throughput",
+    "output_throughput",
+    "total_token_throughput",
+    "max_concurrency",
+    "max_concurrent_requests",
+    "prompt_len_mismatches",
+    "output_len_mismatches",
+    "errors",
+    "requests",
+] + LATENCY_KEYS
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +52,9 @@ def test_random_dataset_lengths_and_range():
     assert all(10 <= r.prompt_len <= 30 and len(r.prompt) == r.prompt_len for r in reqs)
     assert all(5 <= r.output_len <= 15 for r in reqs)
     assert all(0 <= t < 500 for r in reqs for t in r.prompt)
-    assert ds.random_dataset(3, 8, 4, seed=7)[0].prompt == ds.random_dataset(3, 8, 4, seed=7)[0].prompt
+    assert (
+        ds.random_dataset(3, 8, 4, seed=7)[0].prompt == ds.random_dataset(3, 8, 4, seed=7)[0].prompt
+    )
     fixed = ds.random_dataset(4, 16, 8)
     assert {r.prompt_len for r in fixed} == {16} and {r.output_len for r in fixed} == {8}
 
@@ -48,8 +67,15 @@ def test_shared_prefix_dataset():
 
 
 def test_sharegpt_dataset(tmp_path):
-    conv = [{"conversations": [{"from": "human", "value": "word " * (10 + i)},
-                               {"from": "gpt", "value": "x" * (40 + 4 * i)}]} for i in range(6)]
+    conv = [
+        {
+            "conversations": [
+                {"from": "human", "value": "word " * (10 + i)},
+                {"from": "gpt", "value": "x" * (40 + 4 * i)},
+            ]
+        }
+        for i in range(6)
+    ]
     conv.append({"conversations": [{"from": "human", "value": "only one turn"}]})
     p = tmp_path / "sg.json"
     p.write_text(json.dumps(conv))
@@ -65,16 +91,31 @@ def test_arrival_times():
     rng = np.random.default_rng(0)
     assert serve.arrival_times(5, math.inf, 1.0, 1, rng) == [0.0] * 5
     t = serve.arrival_times(100, 10.0, 1.0, 1, rng)
-    assert t == sorted(t) and abs(t[-1] - 9.9) < 1e-6          # spans n/rate
+    assert t == sorted(t) and abs(t[-1] - 9.9) < 1e-6  # spans n/rate
     b = serve.arrival_times(12, 4.0, 1.0, 4, rng)
-    assert b[0] == b[3] == 0.0 and b[4] == b[7] > 0              # groups of 4 arrive together
+    assert b[0] == b[3] == 0.0 and b[4] == b[7] > 0  # groups of 4 arrive together
 
 
 def _run(fake, tmp_path, *extra):
     out = tmp_path / "r.json"
-    rc = serve.main(["--base-url", fake.base_url, "--num-prompts", "8", "--random-input-len", "16",
-                     "--random-output-len", "8", "--result-file", str(out), "--disable-tqdm",
-                     "--vocab-size", "1000", *extra])
+    rc = serve.main(
+        [
+            "--base-url",
+            fake.base_url,
+            "--num-prompts",
+            "8",
+            "--random-input-len",
+            "16",
+            "--random-output-len",
+            "8",
+            "--result-file",
+            str(out),
+            "--disable-tqdm",
+            "--vocab-size",
+            "1000",
+            *extra,
+        ]
+    )
     return rc, json.loads(out.read_text())
 
 
@@ -105,8 +146,16 @@ def test_serve_random_completions(fake, tmp_path, client):
 
 
 def test_serve_chat_sweep_and_plots(fake, tmp_path):
-    rc, res = _run(fake, tmp_path, "--endpoint", "/v1/chat/completions",
-                   "--sweep-concurrency", "1,2,4", "--num-warmups", "0")
+    rc, res = _run(
+        fake,
+        tmp_path,
+        "--endpoint",
+        "/v1/chat/completions",
+        "--sweep-concurrency",
+        "1,2,4",
+        "--num-warmups",
+        "0",
+    )
     assert rc == 0
     assert [r["max_concurrency"] for r in res["runs"]] == [1, 2, 4]
     assert [r["max_concurrent_requests"] for r in res["runs"]] == [1, 2, 4]
@@ -124,9 +173,22 @@ def test_serve_chat_sweep_and_plots(fake, tmp_path):
 
 def test_serve_failures_are_counted(fake, tmp_path):
     # prompts of 30..50 tokens; the fake refuses prompts over 40
-    rc, res = _run(fake, tmp_path, "--random-input-len", "40", "--random-range-ratio", "0.25",
-                   "--num-prompts", "16", "--num-warmups", "0", "--request-rate", "200",
-                   "--plot-dir", "none")
+    rc, res = _run(
+        fake,
+        tmp_path,
+        "--random-input-len",
+        "40",
+        "--random-range-ratio",
+        "0.25",
+        "--num-prompts",
+        "16",
+        "--num-warmups",
+        "0",
+        "--request-rate",
+        "200",
+        "--plot-dir",
+        "none",
+    )
     (run,) = res["runs"]
     assert run["failed"] > 0 and run["completed"] > 0 and rc == 1
     assert run["completed"] + run["failed"] == 16
@@ -137,33 +199,94 @@ def test_serve_failures_are_counted(fake, tmp_path):
 
 def test_missing_usage_is_a_failure(tmp_path):
     with ServerThread(make_app(usage=False)) as srv:
-        rc = serve.main(["--base-url", srv.base_url, "--num-prompts", "2", "--random-input-len", "4",
-                         "--random-output-len", "3", "--num-warmups", "0", "--disable-tqdm",
-                         "--result-file", str(tmp_path / "r.json"), "--plot-dir", "none"])
+        rc = serve.main(
+            [
+                "--base-url",
+                srv.base_url,
+                "--num-prompts",
+                "2",
+                "--random-input-len",
+                "4",
+                "--random-output-len",
+                "3",
+                "--num-warmups",
+                "0",
+                "--disable-tqdm",
+                "--result-file",
+                str(tmp_path / "r.json"),
+                "--plot-dir",
+                "none",
+            ]
+        )
     run = json.loads((tmp_path / "r.json").read_text())["runs"][0]
     assert rc == 1 and run["failed"] == 2 and "no usage" in run["errors"][0]["error"]
 
 
 def test_unreachable_server_fails_cleanly(capsys):
-    rc = serve.main(["--base-url", "http://127.0.0.1:9", "--num-prompts", "1", "--disable-tqdm",
-                     "--random-input-len", "4", "--random-output-len", "2"])
+    rc = serve.main(
+        [
+            "--base-url",
+            "http://127.0.0.1:9",
+            "--num-prompts",
+            "1",
+            "--disable-tqdm",
+            "--random-input-len",
+            "4",
+            "--random-output-len",
+            "2",
+        ]
+    )
     assert rc == 2
     assert "bench serve:" in capsys.readouterr().err
 
 
 def test_serve_shared_prefix_and_sharegpt(fake, tmp_path):
-    rc, res = _run(fake, tmp_path, "--dataset-name", "shared-prefix", "--shared-prefix-num-prefixes", "2",
-                   "--shared-prefix-len", "24", "--shared-prefix-suffix-len", "4",
-                   "--shared-prefix-output-len", "5", "--num-warmups", "0", "--plot-dir", "none")
+    rc, res = _run(
+        fake,
+        tmp_path,
+        "--dataset-name",
+        "shared-prefix",
+        "--shared-prefix-num-prefixes",
+        "2",
+        "--shared-prefix-len",
+        "24",
+        "--shared-prefix-suffix-len",
+        "4",
+        "--shared-prefix-output-len",
+        "5",
+        "--num-warmups",
+        "0",
+        "--plot-dir",
+        "none",
+    )
     assert rc == 0
     (run,) = res["runs"]
     assert run["total_input_tokens"] == 8 * 28 and run["total_output_tokens"] == 8 * 5
-    conv = [{"conversations": [{"from": "human", "value": "hello there " * 5},
-                               {"from": "gpt", "value": "x" * 40}]} for _ in range(8)]
+    conv = [
+        {
+            "conversations": [
+                {"from": "human", "value": "hello there " * 5},
+                {"from": "gpt", "value": "x" * 40},
+            ]
+        }
+        for _ in range(8)
+    ]
     p = tmp_path / "sg.json"
     p.write_text(json.dumps(conv))
-    rc, res = _run(fake, tmp_path, "--dataset-name", "sharegpt", "--dataset-path", str(p),
-                   "--sharegpt-output-len", "6", "--num-warmups", "0", "--plot-dir", "none")
+    rc, res = _run(
+        fake,
+        tmp_path,
+        "--dataset-name",
+        "sharegpt",
+        "--dataset-path",
+        str(p),
+        "--sharegpt-output-len",
+        "6",
+        "--num-warmups",
+        "0",
+        "--plot-dir",
+        "none",
+    )
     (run,) = res["runs"]
     assert rc == 0 and run["completed"] == 8 and run["total_output_tokens"] == 48
     assert fake.app.state.requests[-1]["prompt"].startswith("hello there")

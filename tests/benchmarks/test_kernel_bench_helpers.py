@@ -1,4 +1,5 @@
 """The kernel benchmarks' shared harness, on the CPU (interpret mode, a tiny batch)."""
+
 import jax.numpy as jnp
 
 from benchmarks.device_trace import span_of
@@ -9,10 +10,11 @@ from kernels_pallas import ref_ragged_paged_attention
 def test_timed_variant_checks_times_and_records_failures():
     seqs = [(1, 40), (1, 17)]
     data = K.build(seqs, 2, 2, 3)
-    assert data[2].dtype == jnp.float16 and data[1].dtype == K.DT   # the engine's V pages
+    assert data[2].dtype == jnp.float16 and data[1].dtype == K.DT  # the engine's V pages
     ref = K.oracle(*data)
-    eager = ref_ragged_paged_attention(data[0].astype(jnp.float32), data[1], data[2], 0,
-                                       data[3], sm_scale=K.D ** -0.5)
+    eager = ref_ragged_paged_attention(
+        data[0].astype(jnp.float32), data[1], data[2], 0, data[3], sm_scale=K.D**-0.5
+    )
     assert bool(jnp.allclose(ref, eager, rtol=1e-5, atol=1e-6))
     row = {}
     f = K.timed_variant(row, {}, data, ref, 2)
@@ -43,8 +45,8 @@ def test_decode_trace_helpers():
     tables (same attention output as the permuted ones) and its unrolled form (one output per
     query buffer, each the attention of that buffer)."""
     from benchmarks.kernels import decode_trace as DT
-    span, idle = span_of([("a", 0.0, 10.0), ("b", 12.0, 3.0), ("c", 13.0, 5.0),
-                             ("d", 30.0, 1.0)])
+
+    span, idle = span_of([("a", 0.0, 10.0), ("b", 12.0, 3.0), ("c", 13.0, 5.0), ("d", 30.0, 1.0)])
     assert span == 31.0 and idle == 2.0 + 12.0
     assert span_of([]) == (0.0, 0.0)
     seqs = [(1, 40), (1, 17), (1, 33)]
@@ -65,7 +67,7 @@ def test_decode_trace_helpers():
     assert float(jnp.max(jnp.abs(outs[0][:3].astype(jnp.float32) - ref[:3]))) < 2e-2
     ref2 = K.oracle(q * 2, kc, vc, md)
     assert float(jnp.max(jnp.abs(outs[1][:3].astype(jnp.float32) - ref2[:3]))) < 2e-2
-    assert float(jnp.max(jnp.abs(ref2[:3] - ref[:3]))) > 0.1      # the two calls differ
+    assert float(jnp.max(jnp.abs(ref2[:3] - ref[:3]))) > 0.1  # the two calls differ
 
 
 def test_compare_decode_levels():
@@ -73,20 +75,37 @@ def test_compare_decode_levels():
     from benchmarks.kernels.compare import compare_decode, markdown_decode
 
     def run(kernel, span, loop):
-        v = {"overrides": {}, "pages": "permuted", "us": loop, "kernel_us": kernel + 3,
-             "unrolled_us": span + 10, "unrolled": {"span_us": span, "kernel_us": kernel}}
-        other = dict(v, overrides={"num_warps": 8},
-                     unrolled={"span_us": 1.0, "kernel_us": 1.0})   # not the default: ignored
+        v = {
+            "overrides": {},
+            "pages": "permuted",
+            "us": loop,
+            "kernel_us": kernel + 3,
+            "unrolled_us": span + 10,
+            "unrolled": {"span_us": span, "kernel_us": kernel},
+        }
+        other = dict(
+            v, overrides={"num_warps": 8}, unrolled={"span_us": 1.0, "kernel_us": 1.0}
+        )  # not the default: ignored
         return {"shapes": [{"name": "decode_b64_ctx2048", "variants": [other, v]}]}
-    fa3 = {"rows": [{"name": "decode_b64_ctx2048", "kv_bytes": 10 ** 8, "fa3_us": 150.0,
-                     "fa3_graph_us": 140.0,
-                     "fa3_graph_trace": {"kernel_us": 120.0, "span_us": 130.0}},
-                    {"name": "prefill_2048", "flops": 1, "fa3_us": 80.0}]}
-    rows = compare_decode([run(100.0, 110.0, 160.0), run(140.0, 150.0, 170.0),
-                           run(120.0, 130.0, 200.0)], fa3)
+
+    fa3 = {
+        "rows": [
+            {
+                "name": "decode_b64_ctx2048",
+                "kv_bytes": 10**8,
+                "fa3_us": 150.0,
+                "fa3_graph_us": 140.0,
+                "fa3_graph_trace": {"kernel_us": 120.0, "span_us": 130.0},
+            },
+            {"name": "prefill_2048", "flops": 1, "fa3_us": 80.0},
+        ]
+    }
+    rows = compare_decode(
+        [run(100.0, 110.0, 160.0), run(140.0, 150.0, 170.0), run(120.0, 130.0, 200.0)], fa3
+    )
     assert len(rows) == 1
     r = rows[0]
-    assert r["ours_kernel_us"] == 120.0 and r["kernel_rate"] == 1.0   # back to back: unrolled
+    assert r["ours_kernel_us"] == 120.0 and r["kernel_rate"] == 1.0  # back to back: unrolled
     assert r["ours_kernel_in_loop_us"] == 123.0
     assert r["ours_step_us"] == 130.0 and r["step_rate"] == 1.0
     assert r["ours_alone_us"] == 170.0 and abs(r["alone_rate"] - 150 / 170) < 1e-12

@@ -1,4 +1,5 @@
 """Every kernel configuration the engine compiles must lower for CUDA (Triton) on a CPU."""
+
 import jax.numpy as jnp
 import pytest
 
@@ -11,7 +12,7 @@ CONFIGS = {
     "decode_b64": dict(T=64, S=64, P=128, **LLAMA8B),
     "decode_b256": dict(T=256, S=256, P=32, **LLAMA8B),
     "prefill_512": dict(T=512, S=8, P=128, **LLAMA8B),
-    "mixed_2048": dict(T=2048, S=64, P=256, **LLAMA8B),   # 256-row prefill tiles (default)
+    "mixed_2048": dict(T=2048, S=64, P=256, **LLAMA8B),  # 256-row prefill tiles (default)
     "prefill_8192": dict(T=8192, S=8, P=128, **LLAMA8B),
     "fp32": dict(T=32, S=8, P=16, dtype=jnp.float32, **LLAMA8B),
     "fp8_kv": dict(T=64, S=64, P=128, kv_dtype=jnp.float8_e4m3fn, kv_scales=True, **LLAMA8B),
@@ -19,63 +20,102 @@ CONFIGS = {
     # small models: head_dim 64, GQA 3 (SmolLM2-135M: 9 q / 3 kv), block sizes 32 / 64
     "smollm_bs16": dict(T=64, S=16, P=64, num_heads=9, num_kv_heads=3, head_dim=64),
     "d64_bs32": dict(T=128, S=4, P=32, num_heads=16, num_kv_heads=4, head_dim=64, block_size=32),
-    "d128_bs64": dict(T=32, S=32, P=16, num_heads=16, num_kv_heads=2, head_dim=128,
-                      block_size=64),
+    "d128_bs64": dict(T=32, S=32, P=16, num_heads=16, num_kv_heads=2, head_dim=128, block_size=64),
     # long prefills at other GQA ratios take the 256-row tiles too (64 tokens x G_pad 4,
     # 32 x 8, 256 x 1)
     "big_tiles_smollm_d64": dict(T=4096, S=8, P=256, num_heads=9, num_kv_heads=3, head_dim=64),
     "big_tiles_gqa8": dict(T=8192, S=8, P=512, num_heads=64, num_kv_heads=8, head_dim=128),
     "big_tiles_mha": dict(T=2048, S=8, P=128, num_heads=32, num_kv_heads=32, head_dim=128),
-    "tuned": dict(T=64, S=64, P=128, block_k=128, k_splits=2, num_warps=8, num_stages=4,
-                  **LLAMA8B),
+    "tuned": dict(T=64, S=64, P=128, block_k=128, k_splits=2, num_warps=8, num_stages=4, **LLAMA8B),
     # tuning variants swept on the H200 (benchmarks/kernels/attention.py --tune)
-    "prefill_m128_fp16pv": dict(T=512, S=1, P=128, block_q=32, block_k=64, num_warps=8,
-                                num_stages=3, pv_fp16=True, **LLAMA8B),
-    "prefill_nosplit_bk128": dict(T=512, S=1, P=128, block_q=32, block_k=128, num_warps=8,
-                                  pv_split=False, **LLAMA8B),
-    "decode_bk256_onemask": dict(T=64, S=64, P=128, block_k=256, num_stages=1,
-                                 split_mask=False, reverse_tiles=False, **LLAMA8B),
+    "prefill_m128_fp16pv": dict(
+        T=512,
+        S=1,
+        P=128,
+        block_q=32,
+        block_k=64,
+        num_warps=8,
+        num_stages=3,
+        pv_fp16=True,
+        **LLAMA8B,
+    ),
+    "prefill_nosplit_bk128": dict(
+        T=512, S=1, P=128, block_q=32, block_k=128, num_warps=8, pv_split=False, **LLAMA8B
+    ),
+    "decode_bk256_onemask": dict(
+        T=64,
+        S=64,
+        P=128,
+        block_k=256,
+        num_stages=1,
+        split_mask=False,
+        reverse_tiles=False,
+        **LLAMA8B,
+    ),
     "mixed_split": dict(T=512, S=64, P=128, mixed_split=True, **LLAMA8B),
     # split-K merge kernel with k not a power of two, head_dim 64
     "split_k3_d64": dict(T=16, S=4, P=64, num_heads=9, num_kv_heads=3, head_dim=64, k_splits=3),
-    "fp8_fp16pv_window": dict(T=64, S=8, P=64, kv_dtype=jnp.float8_e4m3fn, kv_scales=True,
-                              pv_fp16=True, sliding_window=1024, k_splits=2, **LLAMA8B),
+    "fp8_fp16pv_window": dict(
+        T=64,
+        S=8,
+        P=64,
+        kv_dtype=jnp.float8_e4m3fn,
+        kv_scales=True,
+        pv_fp16=True,
+        sliding_window=1024,
+        k_splits=2,
+        **LLAMA8B,
+    ),
     # bf16 V pages (callers other than the engine, whose bf16 caches hold fp16 V): converted
     # in-kernel for the fp16 PV product, or P as bf16 hi + lo
-    "bf16_v_fp16pv": dict(T=512, S=1, P=128, v_dtype=jnp.bfloat16, block_q=32, block_k=64,
-                          num_warps=8, num_stages=3, pv_fp16=True, mosaic=False, **LLAMA8B),
+    "bf16_v_fp16pv": dict(
+        T=512,
+        S=1,
+        P=128,
+        v_dtype=jnp.bfloat16,
+        block_q=32,
+        block_k=64,
+        num_warps=8,
+        num_stages=3,
+        pv_fp16=True,
+        mosaic=False,
+        **LLAMA8B,
+    ),
     "bf16_v_decode": dict(T=64, S=64, P=128, v_dtype=jnp.bfloat16, **LLAMA8B),
 }
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_lowers_for_cuda(name):
-  txt = check_cuda_lowering(**CONFIGS[name])
-  assert "triton" in txt
-  if CONFIGS[name].get("k_splits", 1) > 1:
-    assert "merge_splits" in txt          # the split-K merge kernel lowered too
+    txt = check_cuda_lowering(**CONFIGS[name])
+    assert "triton" in txt
+    if CONFIGS[name].get("k_splits", 1) > 1:
+        assert "merge_splits" in txt  # the split-K merge kernel lowered too
 
 
 def test_broken_rule_is_caught():
-  with pytest.raises(ValueError, match="power of 2"):
-    check_cuda_lowering(T=16, S=4, P=8, block_k=48)
+    with pytest.raises(ValueError, match="power of 2"):
+        check_cuda_lowering(T=16, S=4, P=8, block_k=48)
 
 
 def _engine_kernel_configs():
-  """One (T, S) bucket per distinct set of kernel launches the engine compiles at Llama-3.1-8B
-  shapes: for the GPU benchmark's buckets and for the buckets derived by default."""
-  from benchmarks.gpu.workloads import FULL
-  from kernels_pallas.tuning import plan_launches
-  from paxengine.batch import bucket_pairs, seq_buckets, token_buckets
-  e = FULL["engine"]
-  bucket_sets = [(e["token_buckets"], e["seq_buckets"]),
-                 (token_buckets(e["max_num_batched_tokens"]), seq_buckets(e["max_num_seqs"]))]
-  configs = {}
-  for tb, sb in bucket_sets:
-    for T, S in bucket_pairs(tb, sb):
-      key = plan_launches(T, S, 32, 8, 128, 16)
-      configs.setdefault(key, (T, S))
-  return list(configs.values())
+    """One (T, S) bucket per distinct set of kernel launches the engine compiles at Llama-3.1-8B
+    shapes: for the GPU benchmark's buckets and for the buckets derived by default."""
+    from benchmarks.gpu.workloads import FULL
+    from kernels_pallas.tuning import plan_launches
+    from paxengine.batch import bucket_pairs, seq_buckets, token_buckets
+
+    e = FULL["engine"]
+    bucket_sets = [
+        (e["token_buckets"], e["seq_buckets"]),
+        (token_buckets(e["max_num_batched_tokens"]), seq_buckets(e["max_num_seqs"])),
+    ]
+    configs = {}
+    for tb, sb in bucket_sets:
+        for T, S in bucket_pairs(tb, sb):
+            key = plan_launches(T, S, 32, 8, 128, 16)
+            configs.setdefault(key, (T, S))
+    return list(configs.values())
 
 
 ENGINE_CONFIGS = _engine_kernel_configs()
@@ -83,6 +123,6 @@ ENGINE_CONFIGS = _engine_kernel_configs()
 
 @pytest.mark.parametrize("T,S", ENGINE_CONFIGS)
 def test_engine_buckets_lower_for_cuda(T, S):
-  """Every distinct launch plan of the engine's GPU buckets lowers (not just hand-picked ones)."""
-  txt = check_cuda_lowering(T=T, S=S, P=256, **LLAMA8B)
-  assert "triton" in txt or "mosaic_gpu" in txt   # long prefills: Mosaic GPU on jax 0.11
+    """Every distinct launch plan of the engine's GPU buckets lowers (not just hand-picked ones)."""
+    txt = check_cuda_lowering(T=T, S=S, P=256, **LLAMA8B)
+    assert "triton" in txt or "mosaic_gpu" in txt  # long prefills: Mosaic GPU on jax 0.11

@@ -1,5 +1,6 @@
 """Fixtures for the server tests: the repository root on sys.path, and (in the real-engine test
 files) one SmolLM2 server per test session, see `real_server.py`."""
+
 import os
 import sys
 
@@ -21,9 +22,17 @@ MODEL = "SmolLM2-135M-Instruct"
 def engine_config():
     """A small engine: short context, few sequences, small steps (2 CPU cores in CI)."""
     from paxengine.config import EngineConfig
-    return EngineConfig(model=None, served_model_name=MODEL, max_model_len=512, max_num_seqs=16,
-                        max_num_batched_tokens=128, num_kv_blocks=256, block_size=16,
-                        show_progress=False)
+
+    return EngineConfig(
+        model=None,
+        served_model_name=MODEL,
+        max_model_len=512,
+        max_num_seqs=16,
+        max_num_batched_tokens=128,
+        num_kv_blocks=256,
+        block_size=16,
+        show_progress=False,
+    )
 
 
 def _free_port() -> int:
@@ -36,6 +45,7 @@ def _free_port() -> int:
 def server():
     """One real SmolLM2 server on a loopback port for the whole session."""
     import uvicorn
+
     from paxengine.async_engine import AsyncEngine
     from serving.app import build_app
     from serving.config import ServerConfig
@@ -43,8 +53,11 @@ def server():
     engine = AsyncEngine(engine_config())
     port = _free_port()
     app = build_app(engine, ServerConfig(host="127.0.0.1", port=port, api_key=API_KEY))
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                        timeout_graceful_shutdown=5))
+    srv = uvicorn.Server(
+        uvicorn.Config(
+            app, host="127.0.0.1", port=port, log_level="warning", timeout_graceful_shutdown=5
+        )
+    )
     thread = threading.Thread(target=srv.run, name="uvicorn", daemon=True)
     thread.start()
     deadline = time.monotonic() + 300
@@ -53,8 +66,15 @@ def server():
             pytest.fail("the server did not start")
         time.sleep(0.05)
     base = f"http://127.0.0.1:{port}"
-    yield SimpleNamespace(base=base, url=f"{base}/v1", engine=engine, app=app, api_key=API_KEY,
-                          model=MODEL, headers={"Authorization": f"Bearer {API_KEY}"})
+    yield SimpleNamespace(
+        base=base,
+        url=f"{base}/v1",
+        engine=engine,
+        app=app,
+        api_key=API_KEY,
+        model=MODEL,
+        headers={"Authorization": f"Bearer {API_KEY}"},
+    )
     srv.should_exit = True
     thread.join(30)
 
@@ -62,11 +82,13 @@ def server():
 @pytest.fixture(scope="session")
 def client(server):
     import openai
+
     return openai.OpenAI(base_url=server.url, api_key=server.api_key, max_retries=0, timeout=120)
 
 
 @pytest.fixture(scope="session")
 def http(server):
     import httpx
+
     with httpx.Client(base_url=server.base, headers=server.headers, timeout=120) as c:
         yield c

@@ -1,6 +1,7 @@
 """A tiny `EngineClient` for fast unit tests of the server's validation and response shapes (the
 real-engine tests are in the other test files). It validates with the engine's own
 `validate_request` and returns the engine's own output types; only the tokens are made up."""
+
 from __future__ import annotations
 
 import asyncio
@@ -31,9 +32,15 @@ class CharTokenizer:
 
 
 def _copy(o: CompletionOutput) -> CompletionOutput:
-    return CompletionOutput(o.index, o.text, list(o.token_ids), o.cumulative_logprob,
-                            None if o.logprobs is None else list(o.logprobs), o.finish_reason,
-                            o.stop_reason)
+    return CompletionOutput(
+        o.index,
+        o.text,
+        list(o.token_ids),
+        o.cumulative_logprob,
+        None if o.logprobs is None else list(o.logprobs),
+        o.finish_reason,
+        o.stop_reason,
+    )
 
 
 class FakeEngine:
@@ -41,8 +48,9 @@ class FakeEngine:
     `waiting` and `healthy` are knobs for the tests; `prefix_cache_busy` makes a reset fail."""
 
     def __init__(self, config: Optional[EngineConfig] = None, step_s: float = 0.002):
-        self.config = config or EngineConfig(max_model_len=128, max_waiting_requests=8,
-                                             served_model_name="fake-model")
+        self.config = config or EngineConfig(
+            max_model_len=128, max_waiting_requests=8, served_model_name="fake-model"
+        )
         self.tokenizer = CharTokenizer()
         self.step_s = step_s
         self.running: dict[str, bool] = {}
@@ -53,10 +61,16 @@ class FakeEngine:
         self.aborted: list[str] = []
         self.totals = {"prompt_tokens": 0, "generation_tokens": 0}
         cfg = self.config
-        self.info = ModelInfo(name=served_name(cfg), aliases=(cfg.model,) if cfg.model else (),
-                              max_model_len=cfg.max_model_len or 128, vocab_size=256,
-                              dtype="float32", kv_cache_dtype="float32",
-                              kv_capacity_tokens=1 << 20, buckets=((16, 4),))
+        self.info = ModelInfo(
+            name=served_name(cfg),
+            aliases=(cfg.model,) if cfg.model else (),
+            max_model_len=cfg.max_model_len or 128,
+            vocab_size=256,
+            dtype="float32",
+            kv_cache_dtype="float32",
+            kv_capacity_tokens=1 << 20,
+            buckets=((16, 4),),
+        )
 
     def model_info(self) -> ModelInfo:
         return self.info
@@ -71,9 +85,15 @@ class FakeEngine:
         return self.healthy
 
     def stats(self):
-        return {"num_requests_running": len(self.running), "num_requests_waiting": self.waiting,
-                "kv_cache_usage_perc": 0.01 * len(self.running), "prefix_cache_queries": 0,
-                "prefix_cache_hits": 0, "num_preemptions": 0, **self.totals}
+        return {
+            "num_requests_running": len(self.running),
+            "num_requests_waiting": self.waiting,
+            "kv_cache_usage_perc": 0.01 * len(self.running),
+            "prefix_cache_queries": 0,
+            "prefix_cache_hits": 0,
+            "num_preemptions": 0,
+            **self.totals,
+        }
 
     def validate(self, prompt_token_ids, params):
         validate_request(prompt_token_ids, params, self.info.limits)
@@ -103,11 +123,16 @@ class FakeEngine:
 
     async def _run(self, request_id, ids, params):
         m = RequestMetrics(arrival_time=time.monotonic(), num_prompt_tokens=len(ids))
-        outs = [CompletionOutput(index=i, text="", token_ids=[],
-                                 logprobs=[] if params.logprobs is not None else None)
-                for i in range(params.n)]
-        rngs = [random.Random(hash((params.seed, i)) if params.seed is not None else None)
-                for i in range(params.n)]
+        outs = [
+            CompletionOutput(
+                index=i, text="", token_ids=[], logprobs=[] if params.logprobs is not None else None
+            )
+            for i in range(params.n)
+        ]
+        rngs = [
+            random.Random(hash((params.seed, i)) if params.seed is not None else None)
+            for i in range(params.n)
+        ]
         self.totals["prompt_tokens"] += len(ids)
         try:
             m.first_scheduled_time = time.monotonic()
@@ -123,13 +148,19 @@ class FakeEngine:
                     self.totals["generation_tokens"] += 1
                     o.text += chr(tid)
                     if o.logprobs is not None:
-                        o.logprobs.append({tid: Logprob(-0.5, 1, chr(tid)),
-                                           **{t: Logprob(-1.0 - r, r + 2, chr(t))
-                                              for r, t in enumerate(x for x in range(97, 123) if x != tid)
-                                              if r < max(params.logprobs - 1, 0)}})
+                        o.logprobs.append(
+                            {
+                                tid: Logprob(-0.5, 1, chr(tid)),
+                                **{
+                                    t: Logprob(-1.0 - r, r + 2, chr(t))
+                                    for r, t in enumerate(x for x in range(97, 123) if x != tid)
+                                    if r < max(params.logprobs - 1, 0)
+                                },
+                            }
+                        )
                     for s in params.stop:
                         if s in o.text:
-                            o.text = o.text[:o.text.index(s)]
+                            o.text = o.text[: o.text.index(s)]
                             o.finish_reason, o.stop_reason = "stop", s
                     if not o.finish_reason and len(o.token_ids) >= (params.max_tokens or 16):
                         o.finish_reason = "length"

@@ -1,4 +1,5 @@
 """Every class of bad input gets its 4xx in the OpenAI error shape, and the server keeps serving."""
+
 from __future__ import annotations
 
 import httpx
@@ -54,7 +55,9 @@ COMPLETION_CASES = [
 ]
 
 
-@pytest.mark.parametrize("override, param", COMPLETION_CASES, ids=[c[1] + str(i) for i, c in enumerate(COMPLETION_CASES)])
+@pytest.mark.parametrize(
+    "override, param", COMPLETION_CASES, ids=[c[1] + str(i) for i, c in enumerate(COMPLETION_CASES)]
+)
 def test_bad_completion_values(http, override, param):
     _check(http.post("/v1/completions", json={**GOOD, **override}), 400, param)
 
@@ -72,14 +75,24 @@ CHAT_CASES = [
 ]
 
 
-@pytest.mark.parametrize("override, param", CHAT_CASES, ids=[c[1] + str(i) for i, c in enumerate(CHAT_CASES)])
+@pytest.mark.parametrize(
+    "override, param", CHAT_CASES, ids=[c[1] + str(i) for i, c in enumerate(CHAT_CASES)]
+)
 def test_bad_chat_values(http, override, param):
     _check(http.post("/v1/chat/completions", json={**CHAT, **override}), 400, param)
 
 
 def test_bad_bodies(http):
     ct = {"Content-Type": "application/json"}
-    for raw in (b"{", b"not json at all", b'{"prompt": "\xc3\x28"}', b"\xff\xfe\x00", b"[]", b"", b"null"):
+    for raw in (
+        b"{",
+        b"not json at all",
+        b'{"prompt": "\xc3\x28"}',
+        b"\xff\xfe\x00",
+        b"[]",
+        b"",
+        b"null",
+    ):
         _check(http.post("/v1/completions", content=raw, headers=ct), 400)
         _check(http.post("/v1/chat/completions", content=raw, headers=ct), 400)
     _check(http.post("/tokenize", json={}), 400)
@@ -93,8 +106,10 @@ def test_unknown_model_auth_routes(http, server):
     with httpx.Client(base_url=server.base, timeout=30) as anon:
         _check(anon.post("/v1/completions", json=GOOD), 401)
         _check(anon.get("/v1/models"), 401)
-        _check(anon.post("/v1/completions", json=GOOD, headers={"Authorization": "Bearer wrong"}), 401)
-        assert anon.get("/health").status_code == 200       # health and metrics stay open
+        _check(
+            anon.post("/v1/completions", json=GOOD, headers={"Authorization": "Bearer wrong"}), 401
+        )
+        assert anon.get("/health").status_code == 200  # health and metrics stay open
         assert anon.get("/metrics").status_code == 200
     _check(http.get("/v1/nothing-here"), 404)
     _check(http.get("/v1/completions"), 405)
@@ -104,7 +119,7 @@ def test_unknown_model_auth_routes(http, server):
 def test_overload_gets_503_with_retry_after(http, server):
     cfg = server.engine.config
     bound = cfg.max_waiting_requests
-    cfg.max_waiting_requests = 0      # any request now finds the waiting queue full
+    cfg.max_waiting_requests = 0  # any request now finds the waiting queue full
     try:
         r = http.post("/v1/completions", json=GOOD)
         _check(r, 503)
@@ -118,9 +133,15 @@ def test_overload_gets_503_with_retry_after(http, server):
 
 def test_extreme_but_valid_values_do_not_hurt_the_engine(http, server):
     """Values the engine packs into fixed-width arrays: huge top_k / seeds, many biases."""
-    for extra in ({"top_k": 10**12}, {"seed": 2**80}, {"seed": -5}, {"temperature": 1e30},
-                  {"logit_bias": {str(i): -1.0 for i in range(300)}}, {"stop": ["x"] * 50},
-                  {"min_tokens": 2, "stop_token_ids": list(range(40))}):
+    for extra in (
+        {"top_k": 10**12},
+        {"seed": 2**80},
+        {"seed": -5},
+        {"temperature": 1e30},
+        {"logit_bias": {str(i): -1.0 for i in range(300)}},
+        {"stop": ["x"] * 50},
+        {"min_tokens": 2, "stop_token_ids": list(range(40))},
+    ):
         r = http.post("/v1/completions", json={**GOOD, **extra})
         assert r.status_code == 200, (extra, r.text)
     assert server.engine.is_healthy()

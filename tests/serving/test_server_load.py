@@ -1,4 +1,5 @@
 """Concurrency and disconnects against the real engine, then /metrics: nothing leaks, counts add up."""
+
 from __future__ import annotations
 
 import asyncio
@@ -29,8 +30,15 @@ def val(m, name, **labels) -> float:
 
 
 async def _stream(client: httpx.AsyncClient, i: int, drop: bool, model: str):
-    body = {"model": model, "prompt": f"Write a story about the number {i}.", "max_tokens": MAX_TOKENS,
-            "temperature": 0.9, "seed": i, "ignore_eos": True, "stream": True}
+    body = {
+        "model": model,
+        "prompt": f"Write a story about the number {i}.",
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0.9,
+        "seed": i,
+        "ignore_eos": True,
+        "stream": True,
+    }
     text, chunks = "", 0
     async with client.stream("POST", "/v1/completions", json=body) as r:
         assert r.status_code == 200
@@ -45,16 +53,25 @@ async def _stream(client: httpx.AsyncClient, i: int, drop: bool, model: str):
             text += chunk["choices"][0]["text"] if chunk["choices"] else ""
             chunks += 1
             if drop and chunks >= 2:
-                return "dropped", text      # leaving the block closes the connection mid-stream
+                return "dropped", text  # leaving the block closes the connection mid-stream
     return "eof", text
 
 
 async def _nonstream_dropped(base: str, headers: dict, model: str):
     """A non-streaming request whose client gives up (read timeout) long before it would finish."""
-    async with httpx.AsyncClient(base_url=base, headers=headers, timeout=httpx.Timeout(30, read=0.3)) as c:
+    async with httpx.AsyncClient(
+        base_url=base, headers=headers, timeout=httpx.Timeout(30, read=0.3)
+    ) as c:
         try:
-            await c.post("/v1/completions", json={"model": model, "prompt": "Tell me everything.",
-                                                  "max_tokens": 400, "ignore_eos": True})
+            await c.post(
+                "/v1/completions",
+                json={
+                    "model": model,
+                    "prompt": "Tell me everything.",
+                    "max_tokens": 400,
+                    "ignore_eos": True,
+                },
+            )
         except httpx.ReadTimeout:
             return "dropped"
     return "finished"
@@ -62,8 +79,9 @@ async def _nonstream_dropped(base: str, headers: dict, model: str):
 
 async def _load(server):
     limits = httpx.Limits(max_connections=64, max_keepalive_connections=0)
-    async with httpx.AsyncClient(base_url=server.base, headers=server.headers, timeout=120,
-                                 limits=limits) as client:
+    async with httpx.AsyncClient(
+        base_url=server.base, headers=server.headers, timeout=120, limits=limits
+    ) as client:
         streams = [_stream(client, i, i % 2 == 1, server.model) for i in range(N_STREAMS)]
         dropped = [_nonstream_dropped(server.base, server.headers, server.model) for _ in range(2)]
         return await asyncio.gather(*streams, *dropped)
@@ -83,7 +101,11 @@ def test_concurrent_streams_with_drops_then_metrics(server, http):
     deadline, m = time.monotonic() + 30, {}
     while time.monotonic() < deadline:
         m = scrape(http)
-        if (val(m, "num_requests_running"), val(m, "num_requests_waiting"), val(m, "kv_cache_usage_perc")) == (0, 0, 0):
+        if (
+            val(m, "num_requests_running"),
+            val(m, "num_requests_waiting"),
+            val(m, "kv_cache_usage_perc"),
+        ) == (0, 0, 0):
             break
         time.sleep(0.2)
     assert val(m, "num_requests_running") == 0
@@ -105,7 +127,7 @@ def test_concurrent_streams_with_drops_then_metrics(server, http):
     assert delta("inter_token_latency_seconds_count") >= finished * (MAX_TOKENS - 1)
     assert delta("request_generation_tokens_sum") == finished * MAX_TOKENS
     assert val(m, "prefix_cache_queries_total") >= val(m, "prefix_cache_hits_total") >= 0
-    assert ("paxengine:xla_compiles_after_warmup_total", frozenset()) in m   # exported, and
+    assert ("paxengine:xla_compiles_after_warmup_total", frozenset()) in m  # exported, and
     assert val(m, "xla_compiles_after_warmup_total") == 0
 
     # and the server still answers
@@ -115,15 +137,27 @@ def test_concurrent_streams_with_drops_then_metrics(server, http):
 
 def test_metrics_prefix_vllm(server):
     """--metrics-prefix vllm: the same metrics under vLLM's names (a second app, same engine)."""
+    from fastapi.testclient import TestClient
+
     from serving.app import build_app
     from serving.config import ServerConfig
-    from fastapi.testclient import TestClient
 
     app = build_app(server.engine, ServerConfig(metrics_prefix="vllm"), manage_engine=False)
     with TestClient(app) as c:
         names = {f.name for f in text_string_to_metric_families(c.get("/metrics").text)}
-    for n in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prefix_cache_queries",
-              "prefix_cache_hits", "num_preemptions", "prompt_tokens", "generation_tokens", "request_success",
-              "time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds",
-              "request_queue_time_seconds"):
+    for n in (
+        "num_requests_running",
+        "num_requests_waiting",
+        "kv_cache_usage_perc",
+        "prefix_cache_queries",
+        "prefix_cache_hits",
+        "num_preemptions",
+        "prompt_tokens",
+        "generation_tokens",
+        "request_success",
+        "time_to_first_token_seconds",
+        "inter_token_latency_seconds",
+        "e2e_request_latency_seconds",
+        "request_queue_time_seconds",
+    ):
         assert f"vllm:{n}" in names, n

@@ -1,4 +1,5 @@
 """The official `openai` client against a real SmolLM2 server (session fixture in conftest.py)."""
+
 from __future__ import annotations
 
 MSG = [{"role": "user", "content": "Name three colors."}]
@@ -10,7 +11,9 @@ def test_models(client, server):
 
 
 def test_chat(client, server):
-    r = client.chat.completions.create(model=server.model, messages=MSG, max_tokens=8, temperature=0)
+    r = client.chat.completions.create(
+        model=server.model, messages=MSG, max_tokens=8, temperature=0
+    )
     assert r.object == "chat.completion" and len(r.choices) == 1
     ch = r.choices[0]
     assert ch.message.role == "assistant" and ch.message.content
@@ -22,11 +25,15 @@ def test_chat(client, server):
 def test_chat_stream_with_usage_equals_nonstream(client, server):
     kw = dict(model=server.model, messages=MSG, max_tokens=8, temperature=0.8, seed=7)
     full = client.chat.completions.create(**kw)
-    chunks = list(client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True})
+    )
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == full.choices[0].message.content
     assert chunks[0].choices[0].delta.role == "assistant"
-    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    finishes = [
+        c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
+    ]
     assert finishes == [full.choices[0].finish_reason]
     assert chunks[-1].choices == [] and chunks[-1].usage is not None
     assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
@@ -34,30 +41,45 @@ def test_chat_stream_with_usage_equals_nonstream(client, server):
 
 
 def test_completion_stream_equals_nonstream(client, server):
-    kw = dict(model=server.model, prompt="The capital of France is", max_tokens=10, temperature=1.0,
-              seed=123)
+    kw = dict(
+        model=server.model,
+        prompt="The capital of France is",
+        max_tokens=10,
+        temperature=1.0,
+        seed=123,
+    )
     full = client.completions.create(**kw)
-    text = "".join(c.choices[0].text for c in client.completions.create(**kw, stream=True) if c.choices)
+    text = "".join(
+        c.choices[0].text for c in client.completions.create(**kw, stream=True) if c.choices
+    )
     assert text == full.choices[0].text and text
 
 
 def test_completions_prompt_forms(client, server, http):
-    r = client.completions.create(model=server.model, prompt="Once upon a time", max_tokens=5,
-                                  temperature=0)
+    r = client.completions.create(
+        model=server.model, prompt="Once upon a time", max_tokens=5, temperature=0
+    )
     assert r.object == "text_completion" and r.choices[0].text
     assert r.usage.completion_tokens == 5 or r.choices[0].finish_reason == "stop"
     ids = http.post("/tokenize", json={"prompt": "Once upon a time"}).json()["tokens"]
     r2 = client.completions.create(model=server.model, prompt=ids, max_tokens=5, temperature=0)
-    assert r2.choices[0].text == r.choices[0].text          # token ids == the same text
-    r3 = client.completions.create(model=server.model, prompt=["Hello", "Goodbye"], max_tokens=3,
-                                   temperature=0, echo=True)
+    assert r2.choices[0].text == r.choices[0].text  # token ids == the same text
+    r3 = client.completions.create(
+        model=server.model, prompt=["Hello", "Goodbye"], max_tokens=3, temperature=0, echo=True
+    )
     assert [c.index for c in r3.choices] == [0, 1]
     assert r3.choices[0].text.startswith("Hello") and r3.choices[1].text.startswith("Goodbye")
 
 
 def test_n_greater_than_one(client, server):
-    r = client.completions.create(model=server.model, prompt="My favourite animal is", n=3,
-                                  max_tokens=6, temperature=1.0, seed=5)
+    r = client.completions.create(
+        model=server.model,
+        prompt="My favourite animal is",
+        n=3,
+        max_tokens=6,
+        temperature=1.0,
+        seed=5,
+    )
     assert sorted(c.index for c in r.choices) == [0, 1, 2]
     assert all(c.text for c in r.choices)
     c = client.chat.completions.create(model=server.model, messages=MSG, n=2, max_tokens=4, seed=1)
@@ -65,44 +87,64 @@ def test_n_greater_than_one(client, server):
 
 
 def test_logprobs_completions(client, server):
-    r = client.completions.create(model=server.model, prompt="1, 2, 3,", max_tokens=4, temperature=0,
-                                  logprobs=3)
+    r = client.completions.create(
+        model=server.model, prompt="1, 2, 3,", max_tokens=4, temperature=0, logprobs=3
+    )
     lp = r.choices[0].logprobs
-    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == r.usage.completion_tokens
+    assert (
+        len(lp.tokens)
+        == len(lp.token_logprobs)
+        == len(lp.top_logprobs)
+        == r.usage.completion_tokens
+    )
     assert "".join(lp.tokens) == r.choices[0].text
     for val, top in zip(lp.token_logprobs, lp.top_logprobs):
         assert val <= 0 and 3 <= len(top) <= 4
-        assert max(top.values()) == val   # greedy: the sampled token is the most likely one
+        assert max(top.values()) == val  # greedy: the sampled token is the most likely one
 
 
 def test_logprobs_chat(client, server):
-    r = client.chat.completions.create(model=server.model, messages=MSG, max_tokens=4, temperature=0,
-                                       logprobs=True, top_logprobs=2)
+    r = client.chat.completions.create(
+        model=server.model, messages=MSG, max_tokens=4, temperature=0, logprobs=True, top_logprobs=2
+    )
     content = r.choices[0].logprobs.content
     assert len(content) == r.usage.completion_tokens
     for t in content:
         assert t.logprob <= 0 and len(t.top_logprobs) == 2
         assert t.top_logprobs[0].logprob >= t.top_logprobs[1].logprob
-        assert abs(t.top_logprobs[0].logprob - t.logprob) < 1e-4   # greedy
+        assert abs(t.top_logprobs[0].logprob - t.logprob) < 1e-4  # greedy
 
 
 def test_stop_strings(client, server):
-    kw = dict(model=server.model, prompt="Count: one, two, three, four, five,", temperature=0,
-              max_tokens=12)
+    kw = dict(
+        model=server.model,
+        prompt="Count: one, two, three, four, five,",
+        temperature=0,
+        max_tokens=12,
+    )
     free = client.completions.create(**kw).choices[0].text
     assert len(free) > 4
-    stop = free[len(free) // 2: len(free) // 2 + 2]
+    stop = free[len(free) // 2 : len(free) // 2 + 2]
     r = client.completions.create(**kw, stop=[stop])
     assert r.choices[0].finish_reason == "stop"
-    assert r.choices[0].text == free[:free.index(stop)]
-    streamed = "".join(c.choices[0].text for c in client.completions.create(**kw, stop=[stop], stream=True)
-                       if c.choices)
+    assert r.choices[0].text == free[: free.index(stop)]
+    streamed = "".join(
+        c.choices[0].text
+        for c in client.completions.create(**kw, stop=[stop], stream=True)
+        if c.choices
+    )
     assert streamed == r.choices[0].text
 
 
 def test_seeded_sampling_reproducible(client, server):
-    kw = dict(model=server.model, prompt="In the forest there was", max_tokens=8, temperature=1.2,
-              top_p=0.95, seed=2024)
+    kw = dict(
+        model=server.model,
+        prompt="In the forest there was",
+        max_tokens=8,
+        temperature=1.2,
+        top_p=0.95,
+        seed=2024,
+    )
     a = client.completions.create(**kw).choices[0].text
     b = client.completions.create(**kw).choices[0].text
     assert a == b

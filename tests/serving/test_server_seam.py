@@ -1,15 +1,16 @@
 """The server codes against `EngineClient` and maps the engine's errors by type: no attribute
 probing, no matching on class names. Against the fake engine (seconds, no model)."""
+
 from __future__ import annotations
 
 import pytest
+from fake_engine import FakeEngine
 from fastapi.testclient import TestClient
 
 from paxengine.client import EngineClient
 from paxengine.errors import EngineDead, EngineOverloaded, InvalidRequest
 from serving.app import build_app
 from serving.config import ServerConfig
-from fake_engine import FakeEngine
 
 BODY = {"prompt": "hi", "max_tokens": 2}
 
@@ -30,6 +31,7 @@ def _refuse_with(engine, error, after: int = 0):
         if len(calls) > after:
             raise error
         return real(request_id, prompt, params)
+
     engine.generate = generate
     return calls
 
@@ -38,15 +40,18 @@ def test_the_fake_is_an_engine_client():
     assert isinstance(FakeEngine(), EngineClient)
 
 
-@pytest.mark.parametrize("error, status, code", [
-    (InvalidRequest("foo: too foo", param="foo", code="foo_code"), 400, "foo_code"),
-    (EngineOverloaded("full"), 503, "server_overloaded"),
-    (EngineDead("gone"), 503, "engine_unhealthy"),
-])
+@pytest.mark.parametrize(
+    "error, status, code",
+    [
+        (InvalidRequest("foo: too foo", param="foo", code="foo_code"), 400, "foo_code"),
+        (EngineOverloaded("full"), 503, "server_overloaded"),
+        (EngineDead("gone"), 503, "engine_unhealthy"),
+    ],
+)
 def test_engine_errors_map_by_type(fake, error, status, code):
     engine, c = fake
     _refuse_with(engine, error)
-    for stream in (False, True):   # a refusal is a status, also for a stream (nothing started)
+    for stream in (False, True):  # a refusal is a status, also for a stream (nothing started)
         r = c.post("/v1/completions", json={**BODY, "stream": stream})
         assert r.status_code == status, r.text
         assert r.json()["error"]["code"] == code
@@ -57,8 +62,9 @@ def test_engine_errors_map_by_type(fake, error, status, code):
 
 
 def test_a_class_name_is_not_a_mapping(fake):
-    class QueueFullOverloadedDead(RuntimeError):   # what name matching would have taken for 503
+    class QueueFullOverloadedDead(RuntimeError):  # what name matching would have taken for 503
         pass
+
     engine, c = fake
     _refuse_with(engine, QueueFullOverloadedDead("no"))
     with pytest.raises(QueueFullOverloadedDead):

@@ -1,14 +1,15 @@
 """A request field we do not implement gets a 400 that names it, never a silent ignore (issue
 #16); its no-op values (null, the documented default) are accepted, since common clients send
 them. In-process app, fake engine (seconds, no model)."""
+
 from __future__ import annotations
 
 import pytest
+from fake_engine import FakeEngine
 from fastapi.testclient import TestClient
 
 from serving.app import build_app
 from serving.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, StreamOptions
-from fake_engine import FakeEngine
 
 COMPLETION = ("/v1/completions", {"prompt": "hi", "max_tokens": 2})
 CHAT = ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
@@ -101,10 +102,12 @@ def test_every_listed_field_has_a_case():
 
 # Every field on both endpoints (one that does not apply is refused all the same), except where
 # the endpoint implements it (echo and add_special_tokens are completion fields).
-REFUSED = [(*endpoint, field, value)
-           for endpoint, model in ((COMPLETION, CompletionRequest), (CHAT, ChatCompletionRequest))
-           for field, value in {**SHARED, **CHAT_ONLY, **COMPLETION_ONLY}.items()
-           if field not in model.model_fields]
+REFUSED = [
+    (*endpoint, field, value)
+    for endpoint, model in ((COMPLETION, CompletionRequest), (CHAT, ChatCompletionRequest))
+    for field, value in {**SHARED, **CHAT_ONLY, **COMPLETION_ONLY}.items()
+    if field not in model.model_fields
+]
 
 
 @pytest.mark.parametrize("route, base, field, value", REFUSED)
@@ -137,8 +140,10 @@ def test_unknown_field_is_refused_as_unknown(client, route, base):
     r = client.post(route, json={**base, "max_new_tokens": 5})
     _refused(r, "max_new_tokens")
     assert "unknown field" in r.json()["error"]["message"]
-    _refused(client.post("/tokenize", json={"prompt": "a", "return_token_strs": True}),
-             "return_token_strs")
+    _refused(
+        client.post("/tokenize", json={"prompt": "a", "return_token_strs": True}),
+        "return_token_strs",
+    )
     # chat's logprobs variant on completions (which take an integer `logprobs`)
     _refused(client.post(COMPLETION[0], json={**COMPLETION[1], "top_logprobs": 2}), "top_logprobs")
 
@@ -148,38 +153,70 @@ def test_several_fields_are_all_named(client):
     _refused(r, "tools")
     assert "`tool_choice`" in r.json()["error"]["message"]
     # a field we lack is reported before a bad value elsewhere: it is what the client counts on
-    _refused(client.post(COMPLETION[0], json={**COMPLETION[1], "temperature": "hot",
-                                              "response_format": {"type": "json_object"}}),
-             "response_format")
+    _refused(
+        client.post(
+            COMPLETION[0],
+            json={
+                **COMPLETION[1],
+                "temperature": "hot",
+                "response_format": {"type": "json_object"},
+            },
+        ),
+        "response_format",
+    )
 
 
-NOOPS_SHARED = [("response_format", {"type": "text"}), ("best_of", 1), ("use_beam_search", False),
-                ("length_penalty", 1.0), ("bad_words", []), ("spaces_between_special_tokens", True),
-                ("return_tokens_as_token_ids", False), ("return_token_ids", False),
-                ("priority", 0), ("store", False), ("service_tier", "auto"),
-                ("service_tier", "default"),
-                # metadata and hints that change no output: accepted, whatever their value
-                ("user", "u-1"), ("safety_identifier", "h-1"), ("metadata", {"k": "v"}),
-                ("prompt_cache_key", "key")]
-NOOPS_CHAT = [("tools", []), ("tool_choice", "none"), ("tool_choice", "auto"),
-              ("parallel_tool_calls", True), ("functions", []), ("function_call", "none"),
-              ("function_call", "auto"), ("modalities", ["text"]), ("echo", False),
-              ("add_special_tokens", False), ("continue_final_message", False),
-              ("chat_template_kwargs", {})]
+NOOPS_SHARED = [
+    ("response_format", {"type": "text"}),
+    ("best_of", 1),
+    ("use_beam_search", False),
+    ("length_penalty", 1.0),
+    ("bad_words", []),
+    ("spaces_between_special_tokens", True),
+    ("return_tokens_as_token_ids", False),
+    ("return_token_ids", False),
+    ("priority", 0),
+    ("store", False),
+    ("service_tier", "auto"),
+    ("service_tier", "default"),
+    # metadata and hints that change no output: accepted, whatever their value
+    ("user", "u-1"),
+    ("safety_identifier", "h-1"),
+    ("metadata", {"k": "v"}),
+    ("prompt_cache_key", "key"),
+]
+NOOPS_CHAT = [
+    ("tools", []),
+    ("tool_choice", "none"),
+    ("tool_choice", "auto"),
+    ("parallel_tool_calls", True),
+    ("functions", []),
+    ("function_call", "none"),
+    ("function_call", "auto"),
+    ("modalities", ["text"]),
+    ("echo", False),
+    ("add_special_tokens", False),
+    ("continue_final_message", False),
+    ("chat_template_kwargs", {}),
+]
 NOOPS_COMPLETION = [("suffix", "")]
 
 
-@pytest.mark.parametrize("route, base, field, value",
-                         [(*COMPLETION, f, v) for f, v in NOOPS_SHARED + NOOPS_COMPLETION]
-                         + [(*CHAT, f, v) for f, v in NOOPS_SHARED + NOOPS_CHAT])
+@pytest.mark.parametrize(
+    "route, base, field, value",
+    [(*COMPLETION, f, v) for f, v in NOOPS_SHARED + NOOPS_COMPLETION]
+    + [(*CHAT, f, v) for f, v in NOOPS_SHARED + NOOPS_CHAT],
+)
 def test_noop_value_is_accepted(client, route, base, field, value):
     r = client.post(route, json={**base, field: value})
     assert r.status_code == 200, r.text
 
 
-@pytest.mark.parametrize("route, base, model", [(*COMPLETION, CompletionRequest),
-                                                (*CHAT, ChatCompletionRequest)],
-                         ids=["completions", "chat"])
+@pytest.mark.parametrize(
+    "route, base, model",
+    [(*COMPLETION, CompletionRequest), (*CHAT, ChatCompletionRequest)],
+    ids=["completions", "chat"],
+)
 def test_null_is_accepted_for_every_listed_field(client, route, base, model):
     r = client.post(route, json={**base, **{f: None for f in model.unimplemented}})
     assert r.status_code == 200, r.text
@@ -193,13 +230,26 @@ def test_best_of_equal_to_n_is_accepted(client):
 
 def test_replayed_assistant_message_and_stream_options_noops_are_accepted(client):
     """What a client sends when it appends an earlier answer object to the conversation."""
-    answer = {"role": "assistant", "content": "a", "tool_calls": None, "function_call": None,
-              "refusal": None, "annotations": [], "audio": None, "reasoning_content": None}
-    body = {**CHAT[1], "messages": [{"role": "user", "content": "q"}, answer,
-                                    {"role": "user", "content": "more"}],
-            "stream": True, "stream_options": {"include_usage": True,
-                                               "continuous_usage_stats": False,
-                                               "include_obfuscation": False}}
+    answer = {
+        "role": "assistant",
+        "content": "a",
+        "tool_calls": None,
+        "function_call": None,
+        "refusal": None,
+        "annotations": [],
+        "audio": None,
+        "reasoning_content": None,
+    }
+    body = {
+        **CHAT[1],
+        "messages": [{"role": "user", "content": "q"}, answer, {"role": "user", "content": "more"}],
+        "stream": True,
+        "stream_options": {
+            "include_usage": True,
+            "continuous_usage_stats": False,
+            "include_obfuscation": False,
+        },
+    }
     with client.stream("POST", CHAT[0], json=body) as r:
         assert r.status_code == 200
         lines = [line for line in r.iter_lines() if line]

@@ -1,17 +1,18 @@
 """Fast unit tests of the server's validation, shapes and config handling against a fake engine
 (seconds; no model). The real SmolLM2 engine is exercised by the other test files."""
+
 from __future__ import annotations
 
 import json
 
 import pytest
+from fake_engine import FakeEngine
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from serving.app import build_app
 from serving.cli import parse
 from serving.config import ServerConfig, resolve_configs
-from fake_engine import FakeEngine
 
 
 @pytest.fixture(scope="module")
@@ -32,8 +33,17 @@ def _err(r, status, param=None):
 
 def test_completion_shapes(fake):
     _, c = fake
-    r = c.post("/v1/completions", json={"prompt": [[97, 98], [97, 98]], "n": 2, "max_tokens": 3,
-                                        "seed": 1, "logprobs": 2, "echo": True})
+    r = c.post(
+        "/v1/completions",
+        json={
+            "prompt": [[97, 98], [97, 98]],
+            "n": 2,
+            "max_tokens": 3,
+            "seed": 1,
+            "logprobs": 2,
+            "echo": True,
+        },
+    )
     assert r.status_code == 200, r.text
     body = r.json()
     assert [ch["index"] for ch in body["choices"]] == [0, 1, 2, 3]
@@ -45,17 +55,27 @@ def test_completion_shapes(fake):
 
 def test_stream_equals_nonstream(fake):
     _, c = fake
-    req = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6,
-           "seed": 3, "n": 2, "logprobs": True, "top_logprobs": 2}
+    req = {
+        "model": "fake-model",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 6,
+        "seed": 3,
+        "n": 2,
+        "logprobs": True,
+        "top_logprobs": 2,
+    }
     full = c.post("/v1/chat/completions", json=req).json()
     text = {0: "", 1: ""}
     usage = None
-    with c.stream("POST", "/v1/chat/completions",
-                  json={**req, "stream": True, "stream_options": {"include_usage": True}}) as r:
+    with c.stream(
+        "POST",
+        "/v1/chat/completions",
+        json={**req, "stream": True, "stream_options": {"include_usage": True}},
+    ) as r:
         lines = [l for l in r.iter_lines() if l]
     assert lines[-1] == "data: [DONE]"
     for l in lines[:-1]:
-        chunk = json.loads(l[len("data: "):])
+        chunk = json.loads(l[len("data: ") :])
         assert chunk["object"] == "chat.completion.chunk"
         for ch in chunk["choices"]:
             text[ch["index"]] += ch["delta"].get("content", "")
@@ -65,40 +85,49 @@ def test_stream_equals_nonstream(fake):
     assert len(full["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 2
 
 
-@pytest.mark.parametrize("body, param", [
-    ({"prompt": "x", "temperature": -1}, "temperature"),
-    ({"prompt": "x", "temperature": "hot"}, "temperature"),
-    ({"prompt": "x", "top_p": 0}, "top_p"),
-    ({"prompt": "x", "top_p": 1.5}, "top_p"),
-    ({"prompt": "x", "top_k": -2}, "top_k"),
-    ({"prompt": "x", "logprobs": 21}, "logprobs"),
-    ({"prompt": "x", "n": 0}, "n"),
-    ({"prompt": "x", "n": 10**6}, "n"),
-    ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
-    ({"prompt": "x", "max_tokens": 10**6}, "max_tokens"),
-    ({"prompt": "x" * 500}, "prompt"),
-    ({"prompt": [1, 999]}, "prompt"),
-    ({"prompt": []}, "prompt"),
-    ({"prompt": [[1], "a"]}, "prompt"),
-    ({"prompt": "x", "stop_token_ids": [999]}, "stop_token_ids"),
-    ({"prompt": "x", "logit_bias": {"999": 1}}, "logit_bias"),
-    ({"prompt": "x", "logit_bias": {"abc": 1}}, "logit_bias"),
-    ({"prompt": "x", "stream": "yes"}, "stream"),
-    ({"temperature": 1}, "prompt"),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"prompt": "x", "temperature": -1}, "temperature"),
+        ({"prompt": "x", "temperature": "hot"}, "temperature"),
+        ({"prompt": "x", "top_p": 0}, "top_p"),
+        ({"prompt": "x", "top_p": 1.5}, "top_p"),
+        ({"prompt": "x", "top_k": -2}, "top_k"),
+        ({"prompt": "x", "logprobs": 21}, "logprobs"),
+        ({"prompt": "x", "n": 0}, "n"),
+        ({"prompt": "x", "n": 10**6}, "n"),
+        ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+        ({"prompt": "x", "max_tokens": 10**6}, "max_tokens"),
+        ({"prompt": "x" * 500}, "prompt"),
+        ({"prompt": [1, 999]}, "prompt"),
+        ({"prompt": []}, "prompt"),
+        ({"prompt": [[1], "a"]}, "prompt"),
+        ({"prompt": "x", "stop_token_ids": [999]}, "stop_token_ids"),
+        ({"prompt": "x", "logit_bias": {"999": 1}}, "logit_bias"),
+        ({"prompt": "x", "logit_bias": {"abc": 1}}, "logit_bias"),
+        ({"prompt": "x", "stream": "yes"}, "stream"),
+        ({"temperature": 1}, "prompt"),
+    ],
+)
 def test_bad_completion(fake, body, param):
     _, c = fake
     _err(c.post("/v1/completions", json=body), 400, param)
 
 
-@pytest.mark.parametrize("body, param", [
-    ({"messages": []}, "messages"),
-    ({"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
-    ({"messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
-    ({"messages": "hi"}, "messages"),
-    ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}, "top_logprobs"),
-    ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 30}, "top_logprobs"),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
+        ({"messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
+        ({"messages": "hi"}, "messages"),
+        ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}, "top_logprobs"),
+        (
+            {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 30},
+            "top_logprobs",
+        ),
+    ],
+)
 def test_bad_chat(fake, body, param):
     _, c = fake
     _err(c.post("/v1/chat/completions", json=body), 400, param)
@@ -112,7 +141,10 @@ def test_bad_bodies_auth_model_overload(fake):
     _err(c.post("/v1/completions", content=b"[1, 2]", headers=hdr), 400)
     _err(c.post("/v1/completions", content=b"", headers=hdr), 400)
     _err(c.post("/v1/completions", json={"prompt": "x", "model": "nope"}), 404, "model")
-    _err(c.post("/v1/completions", json={"prompt": "x"}, headers={"Authorization": "Bearer bad"}), 401)
+    _err(
+        c.post("/v1/completions", json={"prompt": "x"}, headers={"Authorization": "Bearer bad"}),
+        401,
+    )
     _err(c.get("/v1/models", headers={"Authorization": ""}), 401)
     _err(c.get("/nope"), 404)
     engine.waiting = 8
@@ -134,7 +166,10 @@ def test_misc_endpoints(fake):
     t = c.post("/tokenize", json={"prompt": "abc"}).json()
     assert t["tokens"] == [97, 98, 99] and t["count"] == 3 and t["max_model_len"] == 128
     assert c.post("/detokenize", json={"tokens": [97, 98]}).json() == {"prompt": "ab"}
-    assert c.post("/tokenize", json={"messages": [{"role": "user", "content": "a"}]}).json()["count"] > 3
+    assert (
+        c.post("/tokenize", json={"messages": [{"role": "user", "content": "a"}]}).json()["count"]
+        > 3
+    )
     _err(c.post("/detokenize", json={"tokens": [9999]}), 400, "tokens")
     fams = {f.name: f for f in text_string_to_metric_families(c.get("/metrics").text)}
     assert "paxengine:num_requests_running" in fams and "paxengine:request_success" in fams
@@ -143,13 +178,17 @@ def test_misc_endpoints(fake):
 
 def test_config_precedence(tmp_path):
     y = tmp_path / "c.yaml"
-    y.write_text("max_num_seqs: 8\nport: 9001\nperformance_mode: throughput\nmetrics_prefix: vllm\n")
+    y.write_text(
+        "max_num_seqs: 8\nport: 9001\nperformance_mode: throughput\nmetrics_prefix: vllm\n"
+    )
     ecfg, scfg = parse(["--config", str(y), "--max-num-seqs", "4", "--no-enable-prefix-caching"])
-    assert ecfg.max_num_seqs == 4                     # flag beats YAML
-    assert ecfg.max_num_batched_tokens == 8192        # preset from YAML's performance_mode
-    assert ecfg.enable_prefix_caching is False and scfg.port == 9001 and scfg.metrics_prefix == "vllm"
+    assert ecfg.max_num_seqs == 4  # flag beats YAML
+    assert ecfg.max_num_batched_tokens == 8192  # preset from YAML's performance_mode
+    assert (
+        ecfg.enable_prefix_caching is False and scfg.port == 9001 and scfg.metrics_prefix == "vllm"
+    )
     ecfg, scfg = parse(["--performance-mode", "interactivity", "--config", str(y)])
-    assert ecfg.max_num_seqs == 8 and ecfg.max_num_batched_tokens == 512   # YAML beats preset
+    assert ecfg.max_num_seqs == 8 and ecfg.max_num_batched_tokens == 512  # YAML beats preset
     ecfg, scfg = parse([])
     assert ecfg.model is None and scfg.host == "127.0.0.1"
     y.write_text("bogus_key: 1\n")
@@ -161,6 +200,7 @@ def test_config_precedence(tmp_path):
 
 def test_cli_main_exit_codes(capsys):
     from serving.cli import main
+
     assert main(["serve", "--help"]) == 0
     assert "--max-num-batched-tokens" in capsys.readouterr().out
     assert main(["--port", "http"]) == 2
@@ -170,8 +210,11 @@ def test_cli_main_exit_codes(capsys):
 def test_cli_main_wires_engine_app_and_uvicorn(monkeypatch, tmp_path, caplog):
     """`paxengine serve` with the engine and uvicorn replaced: flags reach both, start-up is logged."""
     import logging
+
     import uvicorn
+
     import paxengine.async_engine
+
     seen = {}
 
     def fake_engine(cfg):
@@ -184,9 +227,23 @@ def test_cli_main_wires_engine_app_and_uvicorn(monkeypatch, tmp_path, caplog):
     monkeypatch.setattr(paxengine.async_engine, "AsyncEngine", fake_engine)
     monkeypatch.setattr(uvicorn, "run", fake_run)
     from serving.cli import main
+
     with caplog.at_level(logging.INFO, logger="serving"):
-        rc = main(["serve", "--port", "8123", "--max-num-seqs", "3", "--served-model-name", "m",
-                   "--metrics-prefix", "vllm", "--performance-mode", "interactivity"])
+        rc = main(
+            [
+                "serve",
+                "--port",
+                "8123",
+                "--max-num-seqs",
+                "3",
+                "--served-model-name",
+                "m",
+                "--metrics-prefix",
+                "vllm",
+                "--performance-mode",
+                "interactivity",
+            ]
+        )
     assert rc == 0
     cfg = seen["engine_config"]
     assert cfg.max_num_seqs == 3 and cfg.max_num_batched_tokens == 512 and cfg.model is None
