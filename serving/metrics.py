@@ -18,6 +18,8 @@ from prometheus_client import (
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from paxengine.outputs import RequestMetrics
+
 disable_created_metrics()  # no `_created` series (as vLLM): they double every counter's output
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -54,74 +56,14 @@ _COUNTERS = [
 ]
 
 # vLLM's buckets
-_TTFT = [
-    0.001,
-    0.005,
-    0.01,
-    0.02,
-    0.04,
-    0.06,
-    0.08,
-    0.1,
-    0.25,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    7.5,
-    10.0,
-    20.0,
-    40.0,
-    80.0,
-    160.0,
-    640.0,
-    2560.0,
-]
-_ITL = [
-    0.01,
-    0.025,
-    0.05,
-    0.075,
-    0.1,
-    0.15,
-    0.2,
-    0.3,
-    0.4,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    7.5,
-    10.0,
-    20.0,
-    40.0,
-    80.0,
-]
-_LATENCY = [
-    0.3,
-    0.5,
-    0.8,
-    1.0,
-    1.5,
-    2.0,
-    2.5,
-    5.0,
-    10.0,
-    15.0,
-    20.0,
-    30.0,
-    40.0,
-    50.0,
-    60.0,
-    120.0,
-    240.0,
-    480.0,
-    960.0,
-    1920.0,
-    7680.0,
-]
+# fmt: off
+_TTFT = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+         10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
+_ITL = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+        20.0, 40.0, 80.0]
+_LATENCY = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+            120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
+# fmt: on
 
 
 def _token_buckets(max_len: int) -> list[float]:
@@ -214,22 +156,18 @@ class ServerMetrics:
     def rejected(self, reason: str) -> None:
         self._rejected.labels(model_name=self._model, reason=reason).inc()
 
-    def observe_request(self, m, num_prompt_tokens: int, num_generated: int) -> None:
+    def observe_request(
+        self, m: RequestMetrics, num_prompt_tokens: int, num_generated: int
+    ) -> None:
         """Histograms of one finished request from its RequestOutput.metrics."""
-
-        def span(a, b):
-            a, b = getattr(m, a, None), getattr(m, b, None)
-            return b - a if a is not None and b is not None and b >= a else None
-
-        for h, (a, b) in (
-            (self.e2e, ("arrival_time", "finished_time")),
-            (self.queue, ("arrival_time", "first_scheduled_time")),
-            (self.prefill, ("first_scheduled_time", "first_token_time")),
-            (self.decode, ("first_token_time", "finished_time")),
+        for h, a, b in (
+            (self.e2e, m.arrival_time, m.finished_time),
+            (self.queue, m.arrival_time, m.first_scheduled_time),
+            (self.prefill, m.first_scheduled_time, m.first_token_time),
+            (self.decode, m.first_token_time, m.finished_time),
         ):
-            v = span(a, b) if m is not None else None
-            if v is not None:
-                h.observe(v)
+            if a is not None and b is not None and b >= a:
+                h.observe(b - a)
         self.prompt_len.observe(num_prompt_tokens)
         self.gen_len.observe(num_generated)
 

@@ -13,6 +13,7 @@ from fastapi import Request
 from fastapi.responses import Response
 from starlette.responses import StreamingResponse
 
+from paxengine.outputs import Logprob
 from paxengine.sampling_params import MAX_LOGPROBS, SamplingParams
 from serving.errors import ApiError, bad_request
 from serving.generation import (
@@ -154,10 +155,8 @@ def chat_prompt(state: ServerState, messages, add_generation_prompt: bool) -> tu
 
 
 # ----------------------------------------------------------------------------- logprobs
-def _lp(v) -> tuple[float, int, Optional[str]]:
-    if isinstance(v, (int, float)):
-        return float(v), 0, None
-    return float(v.logprob), int(getattr(v, "rank", 0) or 0), getattr(v, "decoded_token", None)
+def _lp(v: Logprob) -> tuple[float, int, Optional[str]]:
+    return float(v.logprob), int(v.rank), v.decoded_token
 
 
 def _tok_str(state: ServerState, tid: int, decoded: Optional[str]) -> str:
