@@ -33,6 +33,9 @@ class EngineConfig:
     seed: int = 0
     served_model_name: str | None = None
     compilation_cache_dir: str | None = None  # default ~/.cache/paxengine/jax
+    # keep compiled step executables under compilation_cache_dir/executables: a restart with the
+    # same code, model and configuration loads them instead of tracing and compiling
+    store_executables: bool = True
     weights_cache_dir: str | None = None  # default ~/.cache/paxengine/weights
     token_buckets: list[int] | None = None  # derived from max_num_batched_tokens when None
     seq_buckets: list[int] | None = None  # derived from max_num_seqs when None

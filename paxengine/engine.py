@@ -15,6 +15,7 @@ from paxengine.batch import build_step, seq_buckets, token_buckets
 from paxengine.client import ModelInfo, served_name
 from paxengine.config import EngineConfig
 from paxengine.errors import InvalidRequest
+from paxengine.executables import ExecutableStore
 from paxengine.kv_cache import KVCacheManager
 from paxengine.models.loader import load_model
 from paxengine.models.weights import unstack_layers
@@ -67,7 +68,12 @@ class EngineCore:
         if cfg.quantization not in (None, "none"):
             raise ValueError(f"quantization {cfg.quantization!r} is not implemented yet")
         self.dtype = dtype
-        enable_persistent_cache(cfg.compilation_cache_dir)
+        cache_dir = enable_persistent_cache(cfg.compilation_cache_dir)
+        store = (
+            ExecutableStore(cache_dir / "executables")
+            if cfg.store_executables and cache_dir is not None
+            else None
+        )
         t0 = time.perf_counter()
         loaded = load_model(
             cfg.model,
@@ -130,6 +136,19 @@ class EngineCore:
             kv_dtype=kv_dtype,
             attention_backend=cfg.attention_backend,
             show_progress=cfg.show_progress,
+            store=store,
+        )
+        r = self.runner
+        n_exe = len(r.compiled) + len(r.samplers)
+        loaded_exe = store.hits if store is not None else 0
+        log.info(
+            "model loaded in %.1f s; %d step executables in %.1f s: %d from the store, the rest "
+            "traced in %.1f s and compiled",
+            self.load_seconds,
+            n_exe,
+            r.compile_seconds,
+            loaded_exe,
+            r.trace_seconds,
         )
         self.groups: dict[str, RequestGroup] = {}
         self.seq_of: dict[str, tuple[RequestGroup, SequenceOutput]] = {}

@@ -22,6 +22,7 @@ from tqdm import tqdm
 import kernels_pallas
 from kernels_pallas.xla_attention import xla_ragged_paged_attention
 from paxengine.batch import StepArrays, bucket_pairs, pick
+from paxengine.executables import ExecutableStore
 from paxengine.models.config import ModelConfig
 from paxengine.models.llama import compute_logits, forward_hidden
 from paxengine.models.weights import is_per_layer
@@ -45,15 +46,18 @@ def compile_count() -> int:
     return _compile_count
 
 
-def enable_persistent_cache(path: str | None) -> None:
+def enable_persistent_cache(path: str | None) -> Path | None:
+    """JAX's compilation cache in `path` (default ~/.cache/paxengine/jax); returns the folder, or
+    None when it cannot be made."""
     d = Path(path or Path.home() / ".cache/paxengine/jax")
     try:
         d.mkdir(parents=True, exist_ok=True)
     except OSError:
-        return
+        return None
     jax.config.update("jax_compilation_cache_dir", str(d))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    return d
 
 
 def resolve_backend(name: str) -> str:
@@ -122,6 +126,7 @@ class Runner:
         kv_dtype,
         attention_backend: str = "auto",
         show_progress: bool = True,
+        store: ExecutableStore | None = None,
     ):
         """params: stacked layers (scanned) or a list of per-layer dicts (unrolled), see
         `weights.unstack_layers`; the KV cache takes the same layout."""
@@ -138,7 +143,8 @@ class Runner:
         self._forward = jax.jit(self._forward_fn, donate_argnums=(1,))
         self.compiled: dict[tuple[int, int], object] = {}  # (T, S) -> forward
         self.samplers: dict[tuple, object] = {}  # (S, flags) -> sampler
-        self.compile_seconds = 0.0
+        self.compile_seconds = self.trace_seconds = 0.0
+        self.store = store
         self._compile_all(show_progress)
         self.compiles_after_warmup = compile_count()
 
@@ -176,9 +182,10 @@ class Runner:
         )
 
     def _compile_all(self, show_progress: bool) -> None:
-        """Traces each bucket in turn (tracing holds the GIL) and compiles them on a thread pool
-        (XLA's compile releases it): an unrolled 8B model's buckets compile side by side. The
-        samplers are small and shared by every runner of the process with the same shapes."""
+        """Loads each bucket's executable from the store, or traces it (tracing holds the GIL)
+        and compiles it on a thread pool (XLA's compile releases it): an unrolled 8B model's
+        buckets compile side by side. The samplers are small and shared by every runner of the
+        process with the same shapes."""
         t0 = time.perf_counter()
         pairs = bucket_pairs(self.token_buckets, self.seq_buckets)
         sampler_keys = [(S, f) for S in self.seq_buckets for f in ALL_FLAGS]
@@ -188,27 +195,51 @@ class Runner:
             desc="compiling step buckets",
             disable=not show_progress,
         )
+        jobs = [(("fwd", T, S), self._forward_job(T, S)) for T, S in pairs]
+        jobs += [
+            (("smp", S, f), self._sampler_job(S, f))
+            for S, f in sampler_keys
+            if self._sampler_key(S, f) not in _SAMPLERS
+        ]
         with ThreadPoolExecutor(workers) as pool:
             futures = {}
-            for T, S in pairs:
-                lowered = self._forward.lower(
-                    self.params, self.kv_cache, *self._abstract_inputs(T, S)
-                )
-                futures[("fwd", T, S)] = pool.submit(lowered.compile)
-            for S, flags in sampler_keys:
-                key = self._sampler_key(S, flags)
-                if key not in _SAMPLERS:
-                    futures[("smp", S, flags)] = pool.submit(self._lower_sampler(S, flags).compile)
-            for key, fut in futures.items():
-                if key[0] == "fwd":
-                    self.compiled[key[1:]] = fut.result()
+            for name, (store_key, lower) in jobs:
+                exe = self.store.load(store_key) if self.store is not None else None
+                if exe is None:
+                    t = time.perf_counter()
+                    lowered = lower()
+                    self.trace_seconds += time.perf_counter() - t
+                    futures[name] = (store_key, pool.submit(lowered.compile))
                 else:
-                    _SAMPLERS[self._sampler_key(*key[1:])] = fut.result()
+                    self._keep(name, exe)
+                    bar.update(1)
+            for name, (store_key, fut) in futures.items():
+                exe = fut.result()
+                if self.store is not None:
+                    self.store.save(store_key, exe)
+                self._keep(name, exe)
                 bar.update(1)
         bar.update(len(pairs) + len(sampler_keys) - bar.n)
         bar.close()
         self.samplers = {(S, f): _SAMPLERS[self._sampler_key(S, f)] for S, f in sampler_keys}
         self.compile_seconds = time.perf_counter() - t0
+
+    def _forward_job(self, T: int, S: int):
+        args = (self.params, self.kv_cache, *self._abstract_inputs(T, S))
+        static = (self.cfg, self.backend, self.max_blocks_per_seq, self.max_rows)
+        key = self.store.key("forward", static, args) if self.store is not None else None
+        return key, lambda: self._forward.lower(*args)
+
+    def _sampler_job(self, S: int, flags):
+        static = self._sampler_key(S, flags)
+        key = self.store.key("sampler", static, ()) if self.store is not None else None
+        return key, lambda: self._lower_sampler(S, flags)
+
+    def _keep(self, name: tuple, exe) -> None:
+        if name[0] == "fwd":
+            self.compiled[name[1:]] = exe
+        else:
+            _SAMPLERS[self._sampler_key(*name[1:])] = exe
 
     # -- running a step -------------------------------------------------------------------------
     def bucket_for(self, num_tokens: int, num_seqs: int) -> tuple[int, int]:

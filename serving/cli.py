@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import time
 from typing import Optional
 
 from paxengine.client import EngineClient
@@ -43,6 +44,11 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--gpu-memory-utilization", type=float)
     _bool_pair(e, "enable-prefix-caching", "reuse KV blocks of shared prompt prefixes")
     _bool_pair(e, "dispatch-thread", "launch each step from a worker thread")
+    _bool_pair(
+        e,
+        "store-executables",
+        "keep compiled steps on disk; a restart loads them instead of compiling",
+    )
     e.add_argument("--kv-cache-dtype", choices=["auto", "float32", "bfloat16", "fp8"])
     e.add_argument("--quantization", choices=["fp8"])
     e.add_argument("--attention-backend", choices=["auto", "xla", "pallas", "reference"])
@@ -145,13 +151,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     from serving.app import build_app
 
     log.info("engine config: %s", ecfg)
+    t0 = time.perf_counter()
     try:
         engine = AsyncEngine(ecfg)  # loads the model and compiles the buckets
     except (ValueError, FileNotFoundError, NotImplementedError) as e:
         log.error("cannot start the engine: %s", e)
         return 2
     app = build_app(engine, scfg)
-    log.info("serving %s", describe(engine, scfg))
+    log.info("ready in %.1f s: serving %s", time.perf_counter() - t0, describe(engine, scfg))
     try:
         uvicorn.run(
             app,

@@ -1,7 +1,7 @@
 """A restart with the same configuration loads every step executable (forwards and samplers) from
-the persistent compilation cache: the second process misses the cache nowhere, model loading's
-small eager computations included. (`runner.compile_count` counts cache loads too: jax times
-them as compiles.)"""
+the executable store: nothing is traced or compiled again, and the loaded steps give the same
+tokens. JAX's own persistent cache still serves model loading's small eager computations: the
+second process misses it nowhere. A stored executable that cannot be read is compiled again."""
 
 import json
 import subprocess
@@ -13,20 +13,29 @@ import json, sys
 import jax
 events = []
 jax.monitoring.register_event_listener(lambda name, **kw: events.append(name))
-from paxengine import LLM
+from paxengine import LLM, SamplingParams
+from paxengine.runner import compile_count
 llm = LLM(model="dummy:tiny", max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16,
           token_buckets=[16], seq_buckets=[4], layer_loop="unroll", show_progress=False,
-          compilation_cache_dir=sys.argv[1])
+          compilation_cache_dir=sys.argv[1], store_executables=sys.argv[2] == "1")
 r = llm.engine.runner
+compiles = compile_count()
+out = llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}],
+                   SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+store = r.store
 print(json.dumps({"executables": len(r.compiled) + len(r.samplers),
-                  "hits": events.count("/jax/compilation_cache/cache_hits"),
-                  "misses": events.count("/jax/compilation_cache/cache_misses")}))
+                  "store_hits": store.hits if store else 0,
+                  "store_misses": store.misses if store else 0,
+                  "jax_hits": events.count("/jax/compilation_cache/cache_hits"),
+                  "jax_misses": events.count("/jax/compilation_cache/cache_misses"),
+                  "tokens": out[0].outputs[0].token_ids,
+                  "compiles_while_serving": compile_count() - compiles}))
 """
 
 
-def _start(cache: Path) -> dict:
+def _start(cache: Path, store: bool = True) -> dict:
     out = subprocess.run(
-        [sys.executable, "-c", CHILD, str(cache)],
+        [sys.executable, "-c", CHILD, str(cache), "1" if store else "0"],
         capture_output=True,
         text=True,
         timeout=600,
@@ -36,10 +45,35 @@ def _start(cache: Path) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def test_second_start_compiles_nothing(tmp_path):
-    first = _start(tmp_path / "cache")
+def test_restart_loads_every_step_from_the_store(tmp_path):
+    cache = tmp_path / "cache"
+    first = _start(cache)
     assert first["executables"] == 9  # 1 forward + 8 samplers
-    assert first["misses"] >= first["executables"] and first["hits"] == 0
-    second = _start(tmp_path / "cache")
-    assert second["misses"] == 0
-    assert second["hits"] == first["misses"]
+    assert first["store_misses"] == 9 and first["store_hits"] == 0
+    assert len(list((cache / "executables").glob("*.exe"))) == 9
+    second = _start(cache)
+    assert second["store_hits"] == 9 and second["store_misses"] == 0
+    assert second["jax_misses"] == 0  # the eager rest of start-up hits JAX's cache
+    assert second["tokens"] == first["tokens"] and len(first["tokens"]) == 8
+    assert second["compiles_while_serving"] == first["compiles_while_serving"] == 0
+
+
+def test_unreadable_entry_is_compiled_again(tmp_path):
+    cache = tmp_path / "cache"
+    first = _start(cache)
+    victim = sorted((cache / "executables").glob("*.exe"))[0]
+    victim.write_bytes(victim.read_bytes()[:100])  # truncated, as by a crash mid-write
+    second = _start(cache)
+    assert second["store_hits"] == 8 and second["store_misses"] == 1
+    assert second["tokens"] == first["tokens"]
+    assert len(victim.read_bytes()) > 100  # rewritten
+
+
+def test_without_the_store_jax_cache_serves_the_restart(tmp_path):
+    cache = tmp_path / "cache"
+    first = _start(cache, store=False)
+    assert not (cache / "executables").exists()
+    assert first["jax_misses"] >= first["executables"] and first["jax_hits"] == 0
+    second = _start(cache, store=False)
+    assert second["jax_misses"] == 0 and second["jax_hits"] == first["jax_misses"]
+    assert second["tokens"] == first["tokens"]

@@ -1,0 +1,109 @@
+"""A store of compiled step executables on disk, so a restart skips tracing and compiling.
+
+JAX's persistent compilation cache only skips XLA's compile: every bucket must still be traced
+and lowered to compute its key, and for an unrolled 8B model with Pallas kernels that tracing is
+most of a start-up. This store keys a serialized executable by everything that decides it
+without tracing: the source of paxengine and kernels_pallas, the jax/jaxlib versions, the
+device, XLA's flags, the function's static configuration and the shapes, dtypes and tree
+structure of its arguments. A hit is deserialized and loaded; a miss (or an unreadable entry) is
+compiled as before and written for next time.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import pickle
+from pathlib import Path
+
+import jax
+import jaxlib
+from jax.experimental.serialize_executable import deserialize_and_load, serialize
+
+log = logging.getLogger("paxengine")
+
+_SOURCE_PACKAGES = ("paxengine", "kernels_pallas")
+
+
+@functools.cache
+def source_digest() -> str:
+    """SHA-256 of every .py file of the packages whose code a step runs."""
+    h = hashlib.sha256()
+    for pkg in _SOURCE_PACKAGES:
+        root = Path(__import__(pkg).__file__).parent
+        for path in sorted(root.rglob("*.py")):
+            h.update(str(path.relative_to(root)).encode())
+            h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+def _environment() -> tuple:
+    dev = jax.devices()[0]
+    env = sorted((k, v) for k, v in os.environ.items() if k.startswith(("XLA_", "JAX_")))
+    return (
+        jax.__version__,
+        jaxlib.__version__,
+        dev.platform,
+        dev.device_kind,
+        jax.device_count(),
+        jax.devices()[0].client.platform_version,
+        tuple(env),
+        source_digest(),
+    )
+
+
+def signature(args) -> tuple:
+    """Tree structure, shapes and dtypes of a call's arguments (arrays or ShapeDtypeStructs)."""
+    leaves, tree = jax.tree_util.tree_flatten(args)
+    return str(tree), tuple((tuple(x.shape), str(x.dtype)) for x in leaves)
+
+
+class ExecutableStore:
+    """Serialized executables under `directory`, one file per key."""
+
+    def __init__(self, directory: str | Path):
+        self.dir = Path(directory)
+        self.hits = self.misses = 0
+
+    def key(self, name: str, static, args) -> str:
+        """static: the configuration the traced function closes over (reprs must be stable)."""
+        blob = repr((name, static, signature(args), _environment())).encode()
+        return hashlib.sha256(blob).hexdigest()
+
+    def _path(self, key: str) -> Path:
+        return self.dir / f"{key}.exe"
+
+    def load(self, key: str):
+        """The executable stored under `key`, loaded on the device, or None."""
+        path = self._path(key)
+        if not path.is_file():
+            self.misses += 1
+            return None
+        try:
+            blob, in_tree, out_tree = pickle.loads(path.read_bytes())
+            exe = deserialize_and_load(blob, in_tree, out_tree)
+        except Exception as e:  # truncated, or from an incompatible runtime: compile instead
+            log.warning(
+                "stored executable %s unusable (%s: %s): recompiling",
+                path.name,
+                type(e).__name__,
+                e,
+            )
+            path.unlink(missing_ok=True)
+            self.misses += 1
+            return None
+        self.hits += 1
+        return exe
+
+    def save(self, key: str, compiled) -> None:
+        try:
+            blob, in_tree, out_tree = serialize(compiled)
+            data = pickle.dumps((blob, in_tree, out_tree))
+            self.dir.mkdir(parents=True, exist_ok=True)
+            tmp = self._path(key).with_suffix(f".tmp{os.getpid()}")
+            tmp.write_bytes(data)
+            tmp.replace(self._path(key))  # atomic: a reader never sees half a file
+        except Exception as e:  # not serializable here, or no disk: the next start compiles
+            log.warning("could not store an executable (%s: %s)", type(e).__name__, e)
