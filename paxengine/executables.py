@@ -16,6 +16,7 @@ import hashlib
 import logging
 import os
 import pickle
+import time
 from pathlib import Path
 
 import jax
@@ -66,6 +67,8 @@ class ExecutableStore:
     def __init__(self, directory: str | Path):
         self.dir = Path(directory)
         self.hits = self.misses = 0
+        self.load_seconds = 0.0  # summed over loads (they may overlap)
+        self.unstored: list[str] = []  # labels of executables that could not be stored
 
     def key(self, name: str, static, args) -> str:
         """static: the configuration the traced function closes over (reprs must be stable)."""
@@ -81,6 +84,7 @@ class ExecutableStore:
         if not path.is_file():
             self.misses += 1
             return None
+        t = time.perf_counter()
         try:
             blob, in_tree, out_tree = pickle.loads(path.read_bytes())
             exe = deserialize_and_load(blob, in_tree, out_tree)
@@ -95,9 +99,10 @@ class ExecutableStore:
             self.misses += 1
             return None
         self.hits += 1
+        self.load_seconds += time.perf_counter() - t
         return exe
 
-    def save(self, key: str, compiled) -> None:
+    def save(self, key: str, compiled, label: str = "") -> None:
         try:
             blob, in_tree, out_tree = serialize(compiled)
             data = pickle.dumps((blob, in_tree, out_tree))
@@ -106,4 +111,5 @@ class ExecutableStore:
             tmp.write_bytes(data)
             tmp.replace(self._path(key))  # atomic: a reader never sees half a file
         except Exception as e:  # not serializable here, or no disk: the next start compiles
-            log.warning("could not store an executable (%s: %s)", type(e).__name__, e)
+            log.warning("could not store executable %s (%s: %s)", label, type(e).__name__, e)
+            self.unstored.append(f"{label}: {type(e).__name__}: {e}"[:300])

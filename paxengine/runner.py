@@ -202,9 +202,13 @@ class Runner:
             if self._sampler_key(S, f) not in _SAMPLERS
         ]
         with ThreadPoolExecutor(workers) as pool:
+            # stored executables load side by side (a GPU executable loads its kernels)
+            stored = {}
+            if self.store is not None:
+                stored = {name: pool.submit(self.store.load, key) for name, (key, _) in jobs}
             futures = {}
             for name, (store_key, lower) in jobs:
-                exe = self.store.load(store_key) if self.store is not None else None
+                exe = stored[name].result() if name in stored else None
                 if exe is None:
                     t = time.perf_counter()
                     lowered = lower()
@@ -216,7 +220,7 @@ class Runner:
             for name, (store_key, fut) in futures.items():
                 exe = fut.result()
                 if self.store is not None:
-                    self.store.save(store_key, exe)
+                    self.store.save(store_key, exe, label=str(name))
                 self._keep(name, exe)
                 bar.update(1)
         bar.update(len(pairs) + len(sampler_keys) - bar.n)

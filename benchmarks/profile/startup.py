@@ -7,7 +7,8 @@
 Each start then generates the same greedy tokens, which must agree across the three. The engine
 configuration is the GPU run's (`benchmarks/gpu/workloads.py` FULL) on the model given.
 
-  python -m benchmarks.profile.startup [MODEL]     (default dummy:llama-3.1-8b; `tiny` on a CPU)
+  python -m benchmarks.profile.startup [MODEL [STARTS]]
+      MODEL: default dummy:llama-3.1-8b; `tiny` on a CPU; STARTS: e.g. cold,store
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ print(json.dumps({
     "executables_s": r.compile_seconds, "trace_s": r.trace_seconds,
     "executables": len(r.compiled) + len(r.samplers),
     "from_store": r.store.hits if r.store else 0,
+    "store_load_s": r.store.load_seconds if r.store else 0.0,
+    "unstored": r.store.unstored if r.store else [],
     "tokens": [o.outputs[0].token_ids for o in outs]}))
 """
 
@@ -56,6 +59,7 @@ def start(model: str, cache: str, store: bool, engine_kw: dict) -> dict:
     if out.returncode != 0:
         raise RuntimeError(out.stderr[-3000:])
     res = json.loads(out.stdout.strip().splitlines()[-1])
+    res["store_warnings"] = [ln[-300:] for ln in out.stderr.splitlines() if "executable" in ln]
     res["process_s"] = time.perf_counter() - t
     return res
 
@@ -67,7 +71,9 @@ def main() -> int:
     engine_kw = dict(FULL["engine"], dtype=FULL["dtype"]) if "8b" in model else {}
     res = {"model": model, "engine": engine_kw, "environment": environment(), "starts": {}}
     with tempfile.TemporaryDirectory() as cache:
-        for name, store in (("cold", True), ("store", True), ("jax-cache", False)):
+        names = sys.argv[2].split(",") if len(sys.argv) > 2 else ["cold", "store", "jax-cache"]
+        for name in names:
+            store = name != "jax-cache"
             r = start(model, cache, store, engine_kw)
             res["starts"][name] = r
             print(
@@ -78,8 +84,12 @@ def main() -> int:
                 flush=True,
             )
     starts = res["starts"]
-    res["same_tokens"] = all(s["tokens"] == starts["cold"]["tokens"] for s in starts.values())
-    print("same greedy tokens in all three starts:", res["same_tokens"])
+    first = next(iter(starts.values()))["tokens"]
+    res["same_tokens"] = all(s["tokens"] == first for s in starts.values())
+    print("same greedy tokens in every start:", res["same_tokens"])
+    for name, s in starts.items():
+        for w in s["store_warnings"]:
+            print(f"{name}: {w}")
     for s in starts.values():
         s.pop("tokens")
     write_to_out(res, "startup", quiet=True)
