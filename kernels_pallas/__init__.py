@@ -3,6 +3,7 @@
 Contract: ARCHITECTURE.md ("KV cache and attention"). See README.md here for the design.
 """
 
+from kernels_pallas.attention_mgpu import prepare_runtime
 from kernels_pallas.dispatch import ragged_paged_attention
 from kernels_pallas.kv_write import write_kv
 from kernels_pallas.layout import quantize_kv, value_cache_dtype
@@ -21,4 +22,5 @@ __all__ = [
     "default_tuning",
     "Tuning",
     "write_kv",
+    "prepare_runtime",
 ]

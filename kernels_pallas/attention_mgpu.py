@@ -54,6 +54,13 @@ COMPUTE_WGS = 2
 TILE_TOKENS = ROWS_PER_WG * COMPUTE_WGS
 
 
+def prepare_runtime() -> None:
+    """Importing Mosaic GPU points its custom call at its runtime library (it sets
+    MOSAIC_GPU_RUNTIME_LIB_PATH); tracing a kernel does that import, but an executable loaded
+    from disk without tracing fails to find the runtime's symbols unless it happened first."""
+    available()
+
+
 def available() -> bool:
     """Mosaic GPU Pallas with the API this kernel uses (jax >= 0.11)."""
     try:

@@ -205,6 +205,7 @@ class Runner:
             # stored executables load side by side (a GPU executable loads its kernels)
             stored = {}
             if self.store is not None:
+                kernels_pallas.prepare_runtime()  # before any stored kernel is loaded
                 stored = {name: pool.submit(self.store.load, key) for name, (key, _) in jobs}
             futures = {}
             for name, (store_key, lower) in jobs:
