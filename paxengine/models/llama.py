@@ -14,6 +14,7 @@ jnp paged reference and the Pallas kernel all drop in without touching the model
 from __future__ import annotations
 
 import math
+from functools import partial
 from typing import Any, Callable
 
 import jax
@@ -104,11 +105,13 @@ def forward_hidden(
     inv_freq = rope_inv_freq(cfg)
     if is_per_layer(params):
         caches = list(kv_cache) if kv_cache is not None else [None] * len(params["layers"])
+        # One jitted function for every layer: traced and lowered once, not once per layer
+        # (tracing 32 layers and their Pallas kernels was most of a GPU start-up). XLA inlines
+        # the calls, so the compiled step is the same.
+        layer_fn = jax.jit(partial(_layer, cfg, attend, inv_freq, positions))
         for i, w in enumerate(params["layers"]):
             # each layer's cache is its own [1, ...] array pair: layer index 0 inside it
-            (h, caches[i]), _ = _layer(
-                cfg, attend, inv_freq, positions, (h, caches[i]), (w, jnp.int32(0))
-            )
+            (h, caches[i]), _ = layer_fn((h, caches[i]), (w, jnp.int32(0)))
         return rms_norm(h, params["final_norm"], cfg.rms_norm_eps), caches
     layers = jnp.arange(cfg.num_layers, dtype=jnp.int32)
 
