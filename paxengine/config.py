@@ -17,6 +17,9 @@ class EngineConfig:
     max_model_len: int | None = None  # None: min(model's max positions, 8192)
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
+    # while requests decode, a step's tokens (decodes first, then prompt chunks) stay under this:
+    # it bounds how long a prefill stalls their next token; None: max_num_batched_tokens
+    decode_step_token_budget: int | None = None
     block_size: int = 16
     num_kv_blocks: int | None = None  # explicit pool size; else from the memory budget
     gpu_memory_utilization: float = 0.9

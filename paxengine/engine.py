@@ -122,8 +122,20 @@ class EngineCore:
         self.kv = KVCacheManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         tb = cfg.token_buckets or token_buckets(max_tokens)
         sb = cfg.seq_buckets or seq_buckets(cfg.max_num_seqs)
+        budget = cfg.decode_step_token_budget
+        if budget is not None and not 1 <= budget <= max_tokens:
+            raise ValueError(
+                f"decode_step_token_budget ({budget}) must be in [1, max_num_batched_tokens "
+                f"({max_tokens})]"
+            )
         self.scheduler = Scheduler(
-            self.kv, cfg.max_num_seqs, max_tokens, self.max_model_len, tb, self.eos_token_ids
+            self.kv,
+            cfg.max_num_seqs,
+            max_tokens,
+            self.max_model_len,
+            tb,
+            self.eos_token_ids,
+            decode_step_token_budget=budget,
         )
         self.runner = Runner(
             loaded.config,

@@ -46,8 +46,10 @@ class Scheduler:
         max_model_len: int,
         token_buckets: list[int] | None = None,
         eos_token_ids: list[int] = (),
+        decode_step_token_budget: int | None = None,
     ):
         self.kv = kv
+        self.decode_step_token_budget = decode_step_token_budget
         self.eos_token_ids = frozenset(eos_token_ids)
         self.token_buckets = sorted(token_buckets or [])  # the runner's compiled step sizes
         self.max_num_seqs = max_num_seqs
@@ -66,27 +68,19 @@ class Scheduler:
 
     # -- one step -------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        """Decode rows first, so no prompt chunk can crowd a decoding request out of a step;
+        then the running requests' prompt chunks, then waiting requests. While requests decode,
+        the step takes at most `decode_step_token_budget` tokens: a long prefill then moves
+        on in chunks and stalls each decode by one short step, not one full-budget step."""
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
-
-        i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if n <= 0 or self._ends_with_pending(req):
-                i += 1
-                continue
-            while not self.kv.allocate(req, n):
-                victim = self.running[-1]  # newest first
-                self._preempt(victim, out)
-                if victim is req:
-                    break
-            if req.status != Status.RUNNING:  # it preempted itself: nothing more fits
-                break
-            out.num_scheduled_tokens[req.request_id] = n
-            out.requests.append(req)
-            budget -= n
-            i += 1
+        decoding = [r for r in self.running if r.num_computed_tokens >= r.num_prompt_tokens]
+        prefilling = [r for r in self.running if r.num_computed_tokens < r.num_prompt_tokens]
+        budget, full = self._schedule_running(decoding, out, budget)
+        if out.requests and self.decode_step_token_budget is not None:
+            budget = min(budget, self.decode_step_token_budget - out.total_tokens)
+        if not full:
+            budget, _ = self._schedule_running(prefilling, out, budget)
 
         while (
             self.waiting
@@ -116,6 +110,26 @@ class Scheduler:
         self._fit_bucket(out)
         self._count_scheduled(out)
         return out
+
+    def _schedule_running(self, reqs: list[Request], out: SchedulerOutput, budget: int):
+        """Schedule what each request needs next, in order, preempting the newest running
+        request when blocks run out. Returns the budget left and whether the pool is full
+        (a request had to preempt itself)."""
+        for req in reqs:
+            if budget <= 0:
+                break
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if req.status != Status.RUNNING or n <= 0 or self._ends_with_pending(req):
+                continue  # preempted above as a victim, or nothing to compute now
+            while not self.kv.allocate(req, n):
+                victim = self.running[-1]  # newest first
+                self._preempt(victim, out)
+                if victim is req:
+                    return budget, True  # it preempted itself: nothing more fits
+            out.num_scheduled_tokens[req.request_id] = n
+            out.requests.append(req)
+            budget -= n
+        return budget, False
 
     def _ends_with_pending(self, req: Request) -> bool:
         """The sample on the device is its last (max_tokens or the context reached): another

@@ -39,6 +39,12 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--max-model-len", type=int)
     e.add_argument("--max-num-seqs", type=int)
     e.add_argument("--max-num-batched-tokens", type=int)
+    e.add_argument(
+        "--decode-step-token-budget",
+        type=int,
+        help="while requests decode, a step takes at most this many tokens (bounds inter-token "
+        "latency under long prefills; default: --max-num-batched-tokens)",
+    )
     e.add_argument("--block-size", type=int)
     e.add_argument("--num-kv-blocks", type=int)
     e.add_argument("--gpu-memory-utilization", type=float)

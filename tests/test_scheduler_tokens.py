@@ -97,3 +97,57 @@ def test_preempted_with_a_pending_sample_waits_for_it():
     sched.update_from_output(first, {"a": [5], "b": [6]})
     assert b.output_token_ids == [6] and b.num_pending_tokens == 0  # kept for its recompute
     assert b.num_computed_tokens == 0 and b.num_tokens == 8
+
+
+def _decoding(sched, *names_and_lens):
+    """Requests admitted and past their prompts (one sampled token each)."""
+    reqs = [
+        Request(n, list(range(1, k + 1)), SamplingParams(max_tokens=50), seed=0)
+        for n, k in names_and_lens
+    ]
+    for r in reqs:
+        sched.add(r)
+    out = sched.schedule()
+    sched.update_from_output(out, {rid: [7] for rid in out.sampling})
+    return reqs
+
+
+def _running(kv, sched, name, prompt_len, computed, outputs=()):
+    """A request in the running list with `computed` tokens in the cache."""
+    r = Request(name, list(range(1, prompt_len + 1)), SamplingParams(max_tokens=50), seed=0)
+    r.output_token_ids = list(outputs)
+    assert kv.allocate(r, computed)
+    r.num_computed_tokens, r.status = computed, Status.RUNNING
+    sched.running.append(r)
+    return r
+
+
+def test_decode_rows_come_first_and_a_prompt_chunk_cannot_crowd_them_out():
+    kv = KVCacheManager(256, 4, enable_prefix_caching=False)
+    sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=40, max_model_len=512)
+    _running(kv, sched, "long", 100, 40)  # admitted first, still in its prompt
+    _running(kv, sched, "a", 5, 5, [7])  # admitted later, decoding
+    _running(kv, sched, "b", 5, 5, [7])
+    out = sched.schedule()
+    assert list(out.num_scheduled_tokens.items()) == [("a", 1), ("b", 1), ("long", 38)]
+
+
+def test_step_budget_while_decoding_bounds_the_prefill_chunk():
+    kv = KVCacheManager(256, 4, enable_prefix_caching=False)
+    sched = Scheduler(
+        kv,
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        max_model_len=512,
+        decode_step_token_budget=16,
+    )
+    alone = Request("alone", list(range(1, 101)), SamplingParams(max_tokens=4), seed=0)
+    sched.add(alone)
+    assert sched.schedule().num_scheduled_tokens == {"alone": 64}  # nobody decodes: full budget
+    _decoding(sched, ("a", 3), ("b", 3), ("c", 3))
+    late = Request("late", list(range(1, 101)), SamplingParams(max_tokens=4), seed=0)
+    sched.add(late)
+    out = sched.schedule()
+    assert out.total_tokens == 16  # 3 decodes + 13 prompt tokens
+    assert [out.num_scheduled_tokens[r] for r in ("a", "b", "c")] == [1, 1, 1]
+    assert out.num_scheduled_tokens.get("alone", 0) + out.num_scheduled_tokens.get("late", 0) == 13

@@ -226,6 +226,8 @@ def stage_pax_serve(spec: dict, out: Path) -> dict:
             cmd += [f"--{key.replace('_', '-')}", ",".join(map(str, e[key]))]
     if "gpu_memory_utilization" in e:
         cmd += ["--gpu-memory-utilization", str(e["gpu_memory_utilization"])]
+    for key, value in spec["serve"].get("pax_engine", {}).items():  # serving-only settings
+        cmd += [f"--{key.replace('_', '-')}", str(value)]
     return serve_stage(spec, out, cmd, "pax", dict(os.environ))
 
 

@@ -18,6 +18,9 @@ FULL = {
         "concurrency": [1, 16, 64],
         "num_prompts": 32,
         "per_concurrency": 4,
+        # paxengine's server only: a long prefill moves on in 2,048-token steps while requests
+        # decode (~50 ms of an 8B step on the H200), so it stalls their next token that long
+        "pax_engine": {"decode_step_token_budget": 2048},
     },
     "engine": {
         "max_num_seqs": 512,
@@ -62,6 +65,7 @@ QUICK = {
         "concurrency": [1, 4],
         "num_prompts": 8,
         "per_concurrency": 0,
+        "pax_engine": {"decode_step_token_budget": 64},
     },
     "engine": {
         "max_num_seqs": 8,
