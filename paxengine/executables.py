@@ -62,10 +62,14 @@ def signature(args) -> tuple:
 
 
 class ExecutableStore:
-    """Serialized executables under `directory`, one file per key."""
+    """Serialized executables under `directory`, one file per key. Every code change makes new
+    keys, so the folder is pruned to `max_bytes` on opening, least recently used first (a load
+    touches its file)."""
 
-    def __init__(self, directory: str | Path):
+    def __init__(self, directory: str | Path, max_bytes: int = 8 << 30):
         self.dir = Path(directory)
+        self.max_bytes = max_bytes
+        self._prune()
         self.hits = self.misses = 0
         self.load_seconds = 0.0  # summed over loads (they may overlap)
         self.unstored: list[str] = []  # labels of executables that could not be stored
@@ -74,6 +78,18 @@ class ExecutableStore:
         """static: the configuration the traced function closes over (reprs must be stable)."""
         blob = repr((name, static, signature(args), _environment())).encode()
         return hashlib.sha256(blob).hexdigest()
+
+    def _prune(self) -> None:
+        try:
+            files = sorted(self.dir.glob("*.exe"), key=lambda p: p.stat().st_mtime)
+            total = sum(p.stat().st_size for p in files)
+            for p in files:
+                if total <= self.max_bytes:
+                    break
+                total -= p.stat().st_size
+                p.unlink(missing_ok=True)
+        except OSError:  # another process pruned at the same time: nothing to do
+            pass
 
     def _path(self, key: str) -> Path:
         return self.dir / f"{key}.exe"
@@ -100,6 +116,7 @@ class ExecutableStore:
             return None
         self.hits += 1
         self.load_seconds += time.perf_counter() - t
+        path.touch()  # recently used: pruned last
         return exe
 
     def save(self, key: str, compiled, label: str = "") -> None:

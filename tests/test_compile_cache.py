@@ -77,3 +77,18 @@ def test_without_the_store_jax_cache_serves_the_restart(tmp_path):
     second = _start(cache, store=False)
     assert second["jax_misses"] == 0 and second["jax_hits"] == first["jax_misses"]
     assert second["tokens"] == first["tokens"]
+
+
+def test_store_is_pruned_least_recently_used_first(tmp_path):
+    import os
+
+    from paxengine.executables import ExecutableStore
+
+    d = tmp_path / "executables"
+    d.mkdir()
+    for i, age in enumerate((300, 200, 100)):  # a is the oldest
+        p = d / f"{'abc'[i]}.exe"
+        p.write_bytes(b"x" * 1000)
+        os.utime(p, (p.stat().st_atime, p.stat().st_mtime - age))
+    ExecutableStore(d, max_bytes=2000)
+    assert sorted(p.name for p in d.glob("*.exe")) == ["b.exe", "c.exe"]
