@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +25,19 @@ def _run_label(run: dict) -> str:
     if rate not in (None, "inf") and rate != float("inf"):
         return f"{rate:g} req/s"
     return "all at once"
+
+
+def _sweep_axis(runs: list[dict]) -> tuple[str, str] | None:
+    """What a sweep varied: the Poisson request rate or the concurrency; None if not a sweep."""
+    if len(runs) < 2:
+        return None
+    rates = [r.get("request_rate") for r in runs]
+    if all(isinstance(x, (int, float)) and math.isfinite(x) for x in rates) and len(set(rates)) > 1:
+        return "request_rate", "request rate (req/s)"
+    concs = [r.get("max_concurrency") for r in runs]
+    if all(concs) and len(set(concs)) > 1:
+        return "max_concurrency", "max concurrency"
+    return None
 
 
 def _title(result: dict) -> str:
@@ -80,9 +94,11 @@ def serve_plots(result: dict, out_dir: str | Path, stem: str = "serve") -> list[
         plt.close(fig)
         written.append(str(p))
 
-    sweep = [r for r in runs if r.get("max_concurrency")]
-    if len(sweep) >= 2:
-        c = [r["max_concurrency"] for r in sweep]
+    axis = _sweep_axis(runs)
+    if axis is not None:
+        key, label = axis
+        sweep = runs
+        c = [r[key] for r in sweep]
         fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
         ax = axes[0]
         ax.plot(c, [r["output_throughput"] for r in sweep], "o-", label="output tok/s")
@@ -109,10 +125,10 @@ def serve_plots(result: dict, out_dir: str | Path, stem: str = "serve") -> list[
         for ax in axes:
             ax.set_xscale("log", base=2)
             ax.set_xticks(c)
-            ax.set_xticklabels([str(x) for x in c])
-            ax.set_xlabel("max concurrency")
+            ax.set_xticklabels([f"{x:g}" for x in c])
+            ax.set_xlabel(label)
             ax.grid(alpha=0.3)
-        fig.suptitle("Against concurrency: " + _title(result), fontsize=10)
+        fig.suptitle(f"Against {label}: " + _title(result), fontsize=10)
         fig.tight_layout()
         p = out_dir / f"{stem}_sweep.png"
         fig.savefig(p, dpi=110)

@@ -11,8 +11,9 @@ from the server's `usage`, never from counting chunks or re-tokenizing. `ignore_
 
 Load: `--request-rate R` (Poisson arrivals, `--burstiness` < 1 for burstier gamma arrivals,
 `--burst-size K` for groups of K arriving together; inf = all at once), capped by
-`--max-concurrency`. `--sweep-concurrency 1,4,16` runs once per concurrency and plots throughput
-and latency against it.
+`--max-concurrency`. `--sweep-concurrency 1,4,16` runs once per concurrency, `--sweep-request-rate
+4,8,16` once per Poisson rate (realistic arrivals: add `--random-range-ratio 0.9` for lengths
+around the means), and both plot throughput and latency against what they sweep.
 """
 
 from __future__ import annotations
@@ -455,9 +456,30 @@ def format_table(m: dict, title: str, percentiles: list[float]) -> str:
     return "\n".join(lines)
 
 
+def load_points(args) -> list[tuple[int | None, float]]:
+    """(max concurrency, request rate) of each run: one run, or a sweep over either."""
+    if args.sweep_concurrency and args.sweep_request_rate:
+        raise ValueError("give --sweep-concurrency or --sweep-request-rate, not both")
+    if args.sweep_concurrency:
+        return [(int(c), args.request_rate) for c in args.sweep_concurrency.split(",") if c.strip()]
+    if args.sweep_request_rate:
+        rates = [float(r) for r in args.sweep_request_rate.split(",") if r.strip()]
+        if not all(r > 0 for r in rates):
+            raise ValueError(f"--sweep-request-rate: rates must be > 0, got {rates}")
+        return [(args.max_concurrency, r) for r in rates]
+    return [(args.max_concurrency, args.request_rate)]
+
+
+def _load_title(conc: int | None, rate: float) -> str:
+    parts = ([f"concurrency {conc}"] if conc else []) + (
+        [f"{rate:g} req/s"] if math.isfinite(rate) else []
+    )
+    return f" ({', '.join(parts)})" if parts else ""
+
+
 def format_sweep(runs: list[dict]) -> str:
     hdr = (
-        f"{'conc':>5} {'req/s':>8} {'out tok/s':>10} {'tot tok/s':>10} {'TTFT p50':>9} "
+        f"{'conc':>5} {'rate':>6} {'req/s':>8} {'out tok/s':>10} {'tot tok/s':>10} {'TTFT p50':>9} "
         f"{'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9} {'ITL p50':>8} {'E2E p50':>9} {'fail':>5}"
     )
     lines = ["Sweep (latencies in ms)", hdr, "-" * len(hdr)]
@@ -467,13 +489,18 @@ def format_sweep(runs: list[dict]) -> str:
 
     for r in runs:
         lines.append(
-            f"{str(r['max_concurrency'] or 'inf'):>5} {f(r['request_throughput'], 8, 2)} "
+            f"{str(r['max_concurrency'] or 'inf'):>5} {_rate(r['request_rate']):>6} "
+            f"{f(r['request_throughput'], 8, 2)} "
             f"{f(r['output_throughput'], 10)} {f(r['total_token_throughput'], 10)} "
             f"{f(r['median_ttft_ms'], 9)} {f(r.get('p99_ttft_ms'), 9)} "
             f"{f(r['median_tpot_ms'], 9, 2)} {f(r.get('p99_tpot_ms'), 9, 2)} "
             f"{f(r['median_itl_ms'], 8, 2)} {f(r['median_e2el_ms'], 9)} {r['failed']:>5}"
         )
     return "\n".join(lines)
+
+
+def _rate(rate) -> str:
+    return f"{rate:g}" if isinstance(rate, (int, float)) and math.isfinite(rate) else "inf"
 
 
 # ----------------------------------------------------------------------------- driver
@@ -565,6 +592,11 @@ def parse_args(argv=None):
         "--sweep-concurrency",
         default=None,
         help="comma-separated concurrencies, one run each, e.g. 1,4,16",
+    )
+    g.add_argument(
+        "--sweep-request-rate",
+        default=None,
+        help="comma-separated Poisson request rates (req/s), one run each, e.g. 4,8,16",
     )
     g.add_argument(
         "--num-prompts-per-concurrency",
@@ -669,10 +701,7 @@ async def benchmark(args) -> dict:
     percentiles = [float(x) for x in args.percentiles.split(",") if x.strip()]
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     tokenizer = _load_tokenizer(args.tokenizer)
-    if args.sweep_concurrency:
-        concs: list[int | None] = [int(c) for c in args.sweep_concurrency.split(",") if c.strip()]
-    else:
-        concs = [args.max_concurrency]
+    loads = load_points(args)
 
     client = make_client(args.http_client, headers, args.request_timeout)
     async with client:
@@ -685,7 +714,7 @@ async def benchmark(args) -> dict:
         server = await _server_info(client, base)
 
         runs = []
-        for k, conc in enumerate(concs):
+        for k, (conc, rate) in enumerate(loads):
             n = args.num_prompts
             if args.num_prompts_per_concurrency and conc:
                 n = max(n, args.num_prompts_per_concurrency * conc)
@@ -712,14 +741,16 @@ async def benchmark(args) -> dict:
             gc.collect()
             gc.freeze()
             desc = f"concurrency {conc}" if conc else "requests"
+            if math.isfinite(rate):
+                desc += f" at {rate:g} req/s"
             results, duration, peak = await run_load(
-                client, url, endpoint, model, reqs, args, conc, args.request_rate, seed, desc
+                client, url, endpoint, model, reqs, args, conc, rate, seed, desc
             )
             gc.unfreeze()
             m = compute_metrics(reqs, results, duration, percentiles, args.ignore_eos)
             m = {
                 "max_concurrency": conc,
-                "request_rate": args.request_rate,
+                "request_rate": rate,
                 "burstiness": args.burstiness,
                 "burst_size": args.burst_size,
                 "num_prompts": n,
@@ -730,11 +761,7 @@ async def benchmark(args) -> dict:
                 m["requests"] = request_records(results)
             runs.append(m)
             print(
-                format_table(
-                    m,
-                    f"Serving Benchmark Result{f' (concurrency {conc})' if conc else ''}",
-                    percentiles,
-                ),
+                format_table(m, f"Serving Benchmark Result{_load_title(conc, rate)}", percentiles),
                 flush=True,
             )
     if len(runs) > 1:

@@ -171,6 +171,32 @@ def test_serve_chat_sweep_and_plots(fake, tmp_path):
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
+def test_serve_request_rate_sweep(fake, tmp_path):
+    """Poisson arrivals at each rate, lengths drawn around the means: one run per rate, each
+    lasting about num_prompts / rate, plotted against the rate."""
+    rc, res = _run(
+        fake,
+        tmp_path,
+        "--sweep-request-rate",
+        "20,80",
+        "--random-range-ratio",
+        "0.5",
+        "--num-warmups",
+        "0",
+    )
+    assert rc == 0
+    runs = res["runs"]
+    assert [r["request_rate"] for r in runs] == [20.0, 80.0]
+    assert all(r["completed"] == 8 and r["max_concurrency"] is None for r in runs)
+    # 7 exponential gaps of mean 1/rate: the slower rate takes longer to send its requests
+    assert runs[0]["duration_s"] > runs[1]["duration_s"]
+    lens = {q["prompt_len"] for q in runs[0]["requests"]}
+    assert len(lens) > 1 and all(8 <= n <= 24 for n in lens)
+    assert any(p.endswith("r_sweep.png") for p in res["plots"])
+    both = ["--sweep-request-rate", "4", "--sweep-concurrency", "2"]
+    assert serve.main(["--base-url", fake.base_url, *both]) == 2
+
+
 def test_serve_failures_are_counted(fake, tmp_path):
     # prompts of 30..50 tokens; the fake refuses prompts over 40
     rc, res = _run(
