@@ -11,6 +11,7 @@ compiled as before and written for next time.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
@@ -21,6 +22,7 @@ from pathlib import Path
 
 import jax
 import jaxlib
+from jax.experimental.compilation_cache import compilation_cache
 from jax.experimental.serialize_executable import deserialize_and_load, serialize
 
 log = logging.getLogger("paxengine")
@@ -59,6 +61,21 @@ def signature(args) -> tuple:
     """Tree structure, shapes and dtypes of a call's arguments (arrays or ShapeDtypeStructs)."""
     leaves, tree = jax.tree_util.tree_flatten(args)
     return str(tree), tuple((tuple(x.shape), str(x.dtype)) for x in leaves)
+
+
+@contextlib.contextmanager
+def bypassing_jax_cache():
+    """Compile without JAX's persistent cache, for executables that go into the store: one that
+    JAX loaded from its own cache does not survive being serialized again (seen on XLA:CPU: the
+    stored copy loads, then fails when run with "Function negate_power_fusion not found")."""
+    enabled = jax.config.jax_enable_compilation_cache
+    compilation_cache.reset_cache()  # JAX decides once whether to use its cache: ask again
+    jax.config.update("jax_enable_compilation_cache", False)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_compilation_cache", enabled)
+        compilation_cache.reset_cache()
 
 
 class ExecutableStore:

@@ -11,6 +11,7 @@ import math
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from functools import partial
 from pathlib import Path
 
@@ -22,7 +23,7 @@ from tqdm import tqdm
 import kernels_pallas
 from kernels_pallas.xla_attention import xla_ragged_paged_attention
 from paxengine.batch import StepArrays, bucket_pairs, pick
-from paxengine.executables import ExecutableStore
+from paxengine.executables import ExecutableStore, bypassing_jax_cache
 from paxengine.models.config import ModelConfig
 from paxengine.models.llama import compute_logits, forward_hidden
 from paxengine.models.weights import is_per_layer
@@ -201,7 +202,8 @@ class Runner:
             for S, f in sampler_keys
             if self._sampler_key(S, f) not in _SAMPLERS
         ]
-        with ThreadPoolExecutor(workers) as pool:
+        no_jax_cache = bypassing_jax_cache() if self.store is not None else nullcontext()
+        with no_jax_cache, ThreadPoolExecutor(workers) as pool:
             # stored executables load side by side (a GPU executable loads its kernels)
             stored = {}
             if self.store is not None:

@@ -79,6 +79,19 @@ def test_without_the_store_jax_cache_serves_the_restart(tmp_path):
     assert second["tokens"] == first["tokens"]
 
 
+def test_store_written_after_a_run_through_jax_cache_still_runs(tmp_path):
+    """A start without the store fills JAX's cache; the next start stores its steps, which must
+    be fresh compiles: an executable JAX loaded from its cache, serialized again, loaded and
+    failed when run ("Function ... not found") on XLA:CPU."""
+    cache = tmp_path / "cache"
+    plain = _start(cache, store=False)
+    writes = _start(cache)
+    assert writes["store_misses"] == 9
+    loads = _start(cache)
+    assert loads["store_hits"] == 9
+    assert plain["tokens"] == writes["tokens"] == loads["tokens"]
+
+
 def test_store_is_pruned_least_recently_used_first(tmp_path):
     import os
 

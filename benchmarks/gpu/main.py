@@ -16,6 +16,9 @@ Stages (each in its own process, so each frees the GPU's memory for the next):
                 1, 16, 64                                                        (serving.py)
   vllm-offline  the same offline workloads on vLLM (when `import vllm` works; VLLM-PEER.md)
   vllm-serve    `vllm serve` + the same bench client and workload
+  pax-poisson   `paxengine serve` under Poisson arrivals at 4, 8, 16 req/s, lengths drawn
+                around 1024/256 (range ratio 0.9)                                (serving.py)
+  vllm-poisson  the same on `vllm serve`
   hf            HF transformers on the same shapes                               (hf.py)
 
 Every stage writes DIR/stage_<name>.json; the driver merges them into DIR/gpu_bench.json and
@@ -46,6 +49,8 @@ STAGES = {
     "pax-serve": serving.stage_pax_serve,
     "vllm-offline": offline.stage_vllm_offline,
     "vllm-serve": serving.stage_vllm_serve,
+    "pax-poisson": serving.stage_pax_poisson,
+    "vllm-poisson": serving.stage_vllm_poisson,
     "hf": hf.stage_hf,
 }
 ALL_STAGES = tuple(STAGES)
@@ -78,13 +83,14 @@ def _copy_out(work: Path, out_dir: Path) -> None:
     if work == out_dir:
         return
     names = ["gpu_bench.json"] + [
-        f"{lab}_serve{suf}"
+        f"{lab}_{w}{suf}"
+        for suf in (".json", "_sweep.png", "_latency_cdf.png")  # results before plots
+        for w in ("serve", "poisson")
         for lab in ("pax", "vllm")
-        for suf in (".json", "_sweep.png", "_latency_cdf.png")
     ]
-    for n in names:
-        if (work / n).is_file():
-            shutil.copy2(work / n, out_dir / n)
+    present = [n for n in names if (work / n).is_file()]
+    for n in present[:7]:  # the device returns 8 files; gpu_run.sh's log is the 8th
+        shutil.copy2(work / n, out_dir / n)
 
 
 def _kill_group(proc: subprocess.Popen) -> None:

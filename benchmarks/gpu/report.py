@@ -94,6 +94,18 @@ def summary_rows(merged: dict) -> list[tuple[str, ...]]:
                 f(roof.get(f"serve_c{c}_tpot_ms"), ".2f"),
             )
         )
+    pax_p, vl_p = st.get("pax-poisson") or {}, st.get("vllm-poisson") or {}
+    if pax_p or vl_p:
+        for rate in merged["spec"].get("poisson", {}).get("rates", []):
+            name = f"r{rate:g}"
+            p, v = (pax_p.get("runs") or {}).get(name, {}), (vl_p.get("runs") or {}).get(name, {})
+            for label, a, b, fmt in (
+                ("output tok/s", "output_throughput", None, ",.0f"),
+                ("TTFT median / p99 (ms)", "median_ttft_ms", "p99_ttft_ms", ".0f"),
+                ("TPOT median / p99 (ms)", "median_tpot_ms", "p99_tpot_ms", ".2f"),
+            ):
+                cell = (lambda r: f(r.get(a), fmt)) if b is None else (lambda r: pair(r, a, b, fmt))
+                rows.append((f"Poisson {rate:g} req/s {label}", cell(p), cell(v), "-", ""))
     sc = pax_s.get("server_compile_metrics_delta")
     pax_c = f(pax_o.get("jax_compiles_during_timed_runs"), "d") + " offline"
     if sc:

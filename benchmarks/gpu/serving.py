@@ -26,8 +26,35 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def serve_stage(spec: dict, out: Path, server_cmd: list[str], label: str, env: dict) -> dict:
-    """Start a server, wait for it, run `bench serve` against it once per concurrency, stop it."""
+def load_runs(spec: dict, workload: str) -> list[tuple[str, int, list[str]]]:
+    """(run name, requests, `bench serve` load flags) of each run of a workload: `serve`, one run
+    per concurrency; `poisson`, one run per Poisson rate, lengths drawn around the means, each
+    sending about `seconds` worth of requests."""
+    w = spec[workload]
+    if workload == "serve":
+        return [
+            (
+                f"c{c}",
+                max(w["num_prompts"], w.get("per_concurrency", 0) * c),
+                ["--max-concurrency", str(c)],
+            )
+            for c in w["concurrency"]
+        ]
+    return [
+        (
+            f"r{rate:g}",
+            max(w["min_prompts"], round(rate * w["seconds"])),
+            ["--request-rate", str(rate), "--random-range-ratio", str(w["range_ratio"])],
+        )
+        for rate in w["rates"]
+    ]
+
+
+def serve_stage(
+    spec: dict, out: Path, server_cmd: list[str], label: str, env: dict, workload: str = "serve"
+) -> dict:
+    """Start a server, wait for it, run `bench serve` against it once per load of the workload
+    (`load_runs`), stop it."""
     import urllib.request
 
     port = int(server_cmd[server_cmd.index("--port") + 1])
@@ -65,17 +92,17 @@ def serve_stage(spec: dict, out: Path, server_cmd: list[str], label: str, env: d
             time.sleep(1)
         startup = time.perf_counter() - t
         log(f"{label} server ready in {startup:.1f} s")
-        sv = spec["serve"]
+        sv = spec[workload]
         from paxengine.models.config import PRESETS
 
         vocab = PRESETS[spec["preset"]].vocab_size
-        combined_file = out.parent / f"{label}_serve.json"
+        combined_file = out.parent / f"{label}_{workload}.json"
         compiles_before = _scrape_compiles(base)
         combined, runs, rcs = None, {}, []
-        # one `bench serve` per concurrency: a stage cut off by its time limit keeps the runs done
-        for k, conc in enumerate(sv["concurrency"]):
-            n = max(sv["num_prompts"], sv.get("per_concurrency", 0) * conc)
-            part = out.parent / f"{label}_serve_c{conc}.json"
+        loads = load_runs(spec, workload)
+        # one `bench serve` per load: a stage cut off by its time limit keeps the runs done
+        for k, (name, n, load_flags) in enumerate(loads):
+            part = out.parent / f"{label}_{workload}_{name}.json"
             argv = [
                 "--base-url",
                 base,
@@ -87,8 +114,7 @@ def serve_stage(spec: dict, out: Path, server_cmd: list[str], label: str, env: d
                 str(sv["output_len"]),
                 "--num-prompts",
                 str(n),
-                "--max-concurrency",
-                str(conc),
+                *load_flags,
                 "--seed",
                 str(1000 * k),
                 "--vocab-size",
@@ -103,7 +129,7 @@ def serve_stage(spec: dict, out: Path, server_cmd: list[str], label: str, env: d
                 "--num-warmups",
                 "2",
             ]
-            log(f"{label} serve: concurrency {conc}, {n} requests")
+            log(f"{label} {workload}: {name}, {n} requests")
             rc = serve.main(argv)
             rcs.append(rc)
             if not part.is_file():
@@ -115,12 +141,12 @@ def serve_stage(spec: dict, out: Path, server_cmd: list[str], label: str, env: d
             part.unlink()
             if combined is None:
                 combined = res
-                combined["command"] = f"{len(sv['concurrency'])} runs of " + res["command"]
+                combined["command"] = f"{len(loads)} runs of " + res["command"]
             else:
                 combined["runs"] += res["runs"]
             combined_file.write_text(json.dumps(combined))
             r = res["runs"][0]
-            runs[f"c{conc}"] = {
+            runs[name] = {
                 key: r.get(key)
                 for key in (
                     "completed",
@@ -147,7 +173,7 @@ def serve_stage(spec: dict, out: Path, server_cmd: list[str], label: str, env: d
         server_compiles = {
             k: compiles_after[k] - compiles_before.get(k, 0.0) for k in compiles_after
         }
-        combined["plots"] = plots.serve_plots(combined, out.parent, f"{label}_serve")
+        combined["plots"] = plots.serve_plots(combined, out.parent, f"{label}_{workload}")
         combined_file.write_text(json.dumps(combined, indent=1))
         return {
             "startup_s": startup,
@@ -190,7 +216,7 @@ def _scrape_compiles(base: str) -> dict:
     return found
 
 
-def stage_pax_serve(spec: dict, out: Path) -> dict:
+def stage_pax_serve(spec: dict, out: Path, workload: str = "serve") -> dict:
     """`paxengine serve` (serving.cli) with the spec's engine settings."""
     d = write_dummy_model_dir(spec["preset"], out.parent / "dummy_model")
     e = spec["engine"]
@@ -226,12 +252,12 @@ def stage_pax_serve(spec: dict, out: Path) -> dict:
             cmd += [f"--{key.replace('_', '-')}", ",".join(map(str, e[key]))]
     if "gpu_memory_utilization" in e:
         cmd += ["--gpu-memory-utilization", str(e["gpu_memory_utilization"])]
-    for key, value in spec["serve"].get("pax_engine", {}).items():  # serving-only settings
+    for key, value in spec[workload].get("pax_engine", {}).items():  # serving-only settings
         cmd += [f"--{key.replace('_', '-')}", str(value)]
-    return serve_stage(spec, out, cmd, "pax", dict(os.environ))
+    return serve_stage(spec, out, cmd, "pax", dict(os.environ), workload)
 
 
-def stage_vllm_serve(spec: dict, out: Path) -> dict:
+def stage_vllm_serve(spec: dict, out: Path, workload: str = "serve") -> dict:
     """`vllm serve` on the dummy model directory with the same engine settings."""
     d = write_dummy_model_dir(spec["preset"], out.parent / "dummy_model")
     e = spec["engine"]
@@ -256,4 +282,12 @@ def stage_vllm_serve(spec: dict, out: Path) -> dict:
         "--gpu-memory-utilization",
         str(e.get("gpu_memory_utilization", 0.9)),
     ]
-    return serve_stage(spec, out, cmd, "vllm", dict(os.environ))
+    return serve_stage(spec, out, cmd, "vllm", dict(os.environ), workload)
+
+
+def stage_pax_poisson(spec: dict, out: Path) -> dict:
+    return stage_pax_serve(spec, out, "poisson")
+
+
+def stage_vllm_poisson(spec: dict, out: Path) -> dict:
+    return stage_vllm_serve(spec, out, "poisson")

@@ -22,6 +22,17 @@ FULL = {
         # decode (~50 ms of an 8B step on the H200), so it stalls their next token that long
         "pax_engine": {"decode_step_token_budget": 2048},
     },
+    # realistic arrivals (issue #18): Poisson rates, random lengths around the means; each run
+    # sends about `seconds` worth of requests, at least `min_prompts`
+    "poisson": {
+        "input_len": 1024,
+        "output_len": 256,
+        "range_ratio": 0.9,
+        "rates": [4, 8, 16],
+        "seconds": 30,
+        "min_prompts": 32,
+        "pax_engine": {"decode_step_token_budget": 2048},
+    },
     "engine": {
         "max_num_seqs": 512,
         "max_num_batched_tokens": 8192,
@@ -65,6 +76,15 @@ QUICK = {
         "concurrency": [1, 4],
         "num_prompts": 8,
         "per_concurrency": 0,
+        "pax_engine": {"decode_step_token_budget": 64},
+    },
+    "poisson": {
+        "input_len": 16,
+        "output_len": 8,
+        "range_ratio": 0.5,
+        "rates": [20, 80],
+        "seconds": 0.2,
+        "min_prompts": 8,
         "pax_engine": {"decode_step_token_budget": 64},
     },
     "engine": {
