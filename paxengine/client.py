@@ -26,7 +26,8 @@ class ModelInfo:
     aliases: tuple[str, ...]  # other names a request may use for it (the model path)
     max_model_len: int
     vocab_size: int
-    dtype: str  # weights and activations
+    dtype: str  # activations (and weights, unless weight_dtype says otherwise)
+    weight_dtype: str  # what the projection weights hold: the dtype, or "fp8_e4m3"
     kv_cache_dtype: str
     kv_capacity_tokens: int
     buckets: tuple[tuple[int, int], ...]  # compiled (tokens, sequences) step shapes

@@ -18,6 +18,7 @@ from paxengine.errors import InvalidRequest
 from paxengine.executables import ExecutableStore
 from paxengine.kv_cache import KVCacheManager
 from paxengine.models.loader import load_model
+from paxengine.models.quant import quantize_params, weight_dtype
 from paxengine.models.weights import unstack_layers
 from paxengine.output import RequestGroup, SequenceOutput
 from paxengine.outputs import RequestOutput
@@ -65,8 +66,12 @@ class EngineCore:
         dtype = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if on_gpu else "float32")
         if dtype not in _DTYPES or dtype == "fp8":
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {cfg.dtype!r}")
-        if cfg.quantization not in (None, "none"):
-            raise ValueError(f"quantization {cfg.quantization!r} is not implemented yet")
+        quantization = None if cfg.quantization in (None, "none") else cfg.quantization
+        if quantization not in (None, "fp8"):
+            raise ValueError(
+                f"quantization {cfg.quantization!r} is not supported: none or fp8 (online, "
+                "per-output-channel e4m3 weights)"
+            )
         self.dtype = dtype
         cache_dir = enable_persistent_cache(cfg.compilation_cache_dir)
         store = (
@@ -111,6 +116,14 @@ class EngineCore:
         params = loaded.params
         if resolve_layer_loop(cfg.layer_loop) == "unroll":
             params = unstack_layers(params)
+        if quantization == "fp8":
+            params = quantize_params(params)
+            log.info(
+                "fp8 weights: e4m3 projections with per-output-channel scales, upcast inside "
+                "each matmul (W8A16). Half the weight memory, not faster yet: FP8 GEMMs are "
+                "not implemented%s",
+                "" if on_gpu else "; on this CPU it is a correctness path",
+            )
         num_blocks = plan_num_blocks(
             loaded.config,
             cfg.block_size,
@@ -183,6 +196,7 @@ class EngineCore:
             max_model_len=self.max_model_len,
             vocab_size=loaded.config.vocab_size,
             dtype=dtype,
+            weight_dtype=weight_dtype(self.runner.params),
             kv_cache_dtype=kv_dtype_name,
             kv_capacity_tokens=num_blocks * cfg.block_size,
             buckets=tuple(sorted(self.runner.compiled)),

@@ -107,6 +107,9 @@ def build_app(
             id=info.name,
             root=info.aliases[0] if info.aliases else info.name,
             max_model_len=info.max_model_len,
+            dtype=info.dtype,
+            weight_dtype=info.weight_dtype,
+            kv_cache_dtype=info.kv_cache_dtype,
         )
 
     @app.get("/v1/models", dependencies=auth, response_model=ModelList)

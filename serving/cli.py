@@ -132,7 +132,8 @@ def describe(engine: EngineClient, scfg: ServerConfig) -> str:
     info = engine.model_info()
     shapes = ", ".join(f"{t}x{s}" for t, s in info.buckets)
     return (
-        f"model={info.name} dtype={info.dtype} kv_cache_dtype={info.kv_cache_dtype} "
+        f"model={info.name} dtype={info.dtype} weights={info.weight_dtype} "
+        f"kv_cache_dtype={info.kv_cache_dtype} "
         f"max_model_len={info.max_model_len} kv_capacity_tokens={info.kv_capacity_tokens} "
         f"buckets={len(info.buckets)} [tokens x seqs: {shapes}] "
         f"url=http://{scfg.host}:{scfg.port}/v1"

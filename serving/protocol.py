@@ -345,6 +345,10 @@ class ModelCard(BaseModel):
     owned_by: str = "paxengine"
     root: Optional[str] = None
     max_model_len: Optional[int] = None
+    # what the server really runs, never silent: e.g. "fp8_e4m3" weights, an "fp8" KV cache
+    dtype: Optional[str] = None
+    weight_dtype: Optional[str] = None
+    kv_cache_dtype: Optional[str] = None
 
 
 class ModelList(BaseModel):

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from paxengine.models.config import ModelConfig
+from paxengine.models.quant import linear
 from paxengine.models.weights import is_per_layer
 
 Attend = Callable[[jax.Array, jax.Array, jax.Array, Any, jax.Array], tuple[jax.Array, Any]]
@@ -66,11 +67,11 @@ def _layer(cfg: ModelConfig, attend: Attend, inv_freq, positions, carry, xs):
     t = h.shape[0]
     x = rms_norm(h, w["attn_norm"], cfg.rms_norm_eps)
     if "wqkv" in w:  # the per-layer layout fuses the projections (weights.FUSED)
-        qkv = x @ w["wqkv"] + (w["bqkv"] if cfg.attention_bias else 0)
+        qkv = linear(x, w["wqkv"]) + (w["bqkv"] if cfg.attention_bias else 0)
         nq, nkv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         q, k, v = qkv[:, :nq], qkv[:, nq : nq + nkv], qkv[:, nq + nkv :]
     else:
-        q, k, v = x @ w["wq"], x @ w["wk"], x @ w["wv"]
+        q, k, v = linear(x, w["wq"]), linear(x, w["wk"]), linear(x, w["wv"])
         if cfg.attention_bias:
             q, k, v = q + w["bq"], k + w["bk"], v + w["bv"]
     q = q.reshape(t, cfg.num_heads, cfg.head_dim)
@@ -82,13 +83,13 @@ def _layer(cfg: ModelConfig, attend: Attend, inv_freq, positions, carry, xs):
     q = apply_rope(q, positions, inv_freq)
     k = apply_rope(k, positions, inv_freq)
     o, kv_cache = attend(q, k, v, kv_cache, layer)
-    h = h + o.reshape(t, cfg.num_heads * cfg.head_dim).astype(h.dtype) @ w["wo"]
+    h = h + linear(o.reshape(t, cfg.num_heads * cfg.head_dim).astype(h.dtype), w["wo"])
     x = rms_norm(h, w["mlp_norm"], cfg.rms_norm_eps)
     if "w_gate_up" in w:
-        gate, up = jnp.split(x @ w["w_gate_up"], 2, axis=-1)
+        gate, up = jnp.split(linear(x, w["w_gate_up"]), 2, axis=-1)
     else:
-        gate, up = x @ w["w_gate"], x @ w["w_up"]
-    h = h + (jax.nn.silu(gate) * up) @ w["w_down"]
+        gate, up = linear(x, w["w_gate"]), linear(x, w["w_up"])
+    h = h + linear(jax.nn.silu(gate) * up, w["w_down"])
     return (h, kv_cache), None
 
 

@@ -67,6 +67,7 @@ class FakeEngine:
             max_model_len=cfg.max_model_len or 128,
             vocab_size=256,
             dtype="float32",
+            weight_dtype="float32",
             kv_cache_dtype="float32",
             kv_capacity_tokens=1 << 20,
             buckets=((16, 4),),

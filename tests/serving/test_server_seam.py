@@ -103,3 +103,4 @@ def test_models_and_limits_come_from_model_info(fake):
     card = c.get("/v1/models").json()["data"][0]
     assert card["id"] == engine.model_info().name == "fake-model"
     assert card["max_model_len"] == engine.model_info().max_model_len
+    assert (card["weight_dtype"], card["kv_cache_dtype"]) == ("float32", "float32")
