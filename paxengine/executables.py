@@ -51,7 +51,7 @@ def _environment() -> tuple:
         dev.platform,
         dev.device_kind,
         jax.device_count(),
-        jax.devices()[0].client.platform_version,
+        dev.client.platform_version,
         tuple(env),
         source_digest(),
     )
