@@ -1,14 +1,15 @@
-"""paxengine attention kernels: jnp oracles and Pallas (Triton lowering) kernels.
+"""paxengine kernels: attention and the FP8-weight matmul, jnp oracles and Pallas kernels.
 
 Contract: ARCHITECTURE.md ("KV cache and attention"). See README.md here for the design.
 """
 
 from kernels_pallas.attention_mgpu import prepare_runtime
 from kernels_pallas.dispatch import ragged_paged_attention
+from kernels_pallas.fp8_gemv import fp8_matmul
 from kernels_pallas.kv_write import write_kv
 from kernels_pallas.layout import quantize_kv, value_cache_dtype
 from kernels_pallas.metadata import AttentionMetadata, token_to_seq
-from kernels_pallas.reference import ref_ragged_paged_attention, ref_write_kv
+from kernels_pallas.reference import ref_fp8_matmul, ref_ragged_paged_attention, ref_write_kv
 from kernels_pallas.tuning import Tuning, default_tuning
 
 __all__ = [
@@ -23,4 +24,6 @@ __all__ = [
     "Tuning",
     "write_kv",
     "prepare_runtime",
+    "fp8_matmul",
+    "ref_fp8_matmul",
 ]

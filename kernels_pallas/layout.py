@@ -25,10 +25,15 @@ def value_cache_dtype(kv_dtype):
 
 
 def quantize_kv(x, cache_dtype, scale=None):
-    """What is stored for x in a cache of `cache_dtype` (fp8 caches divide by the scale; fp16
-    caches clamp to +-FP16_SAFE_MAX)."""
+    """What is stored for x in a cache of `cache_dtype` (fp8 caches divide by the scale and
+    saturate at +-448, where a plain cast would give NaN; fp16 caches clamp to
+    +-FP16_SAFE_MAX)."""
     if scale is not None:
         x = x.astype(jnp.float32) / jnp.asarray(scale, jnp.float32)
-    if jnp.dtype(cache_dtype) == jnp.float16 and x.dtype in (jnp.bfloat16, jnp.float32):
+    dt = jnp.dtype(cache_dtype)
+    if dt == jnp.float16 and x.dtype in (jnp.bfloat16, jnp.float32):
         x = jnp.clip(x, -FP16_SAFE_MAX, FP16_SAFE_MAX)  # (fp8's range is inside fp16's)
+    elif dt == jnp.float8_e4m3fn:
+        fp8_max = float(jnp.finfo(dt).max)
+        x = jnp.clip(x, -fp8_max, fp8_max)
     return x.astype(cache_dtype)

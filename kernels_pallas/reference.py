@@ -1,4 +1,4 @@
-"""Pure-jnp oracles: the KV write and ragged paged attention.
+"""Pure-jnp oracles: the KV write, ragged paged attention and the FP8-weight matmul.
 
 Written to be obviously right, and cheap enough under jit on a CPU to serve as the engine's
 `attention_backend: reference`: every token gathers the pages of its own sequence from its
@@ -91,3 +91,12 @@ def ref_ragged_paged_attention(
     out = lax.map(attend, (q, seq, pos, valid), batch_size=batch)
     out = jnp.where(valid[:, None, None], out, 0.0)
     return out.astype(q.dtype)
+
+
+def ref_fp8_matmul(x, w_values, w_scales, out_dtype=None):
+    """y = x @ (w_values * w_scales[:, None]).T in f32 (HIGHEST precision), as out_dtype
+    (default x's). x [M, K]; w_values [N, K] fp8 (the [out, in] layout); w_scales [N] f32:
+    weight[n, k] = w_values[n, k] * w_scales[n]. The oracle of `fp8_matmul.fp8_matmul`."""
+    w = w_values.astype(jnp.float32) * jnp.asarray(w_scales, jnp.float32)[:, None]
+    y = jnp.dot(x.astype(jnp.float32), w.T, precision=_HI)
+    return y.astype(out_dtype or x.dtype)

@@ -31,6 +31,8 @@ class ModelInfo:
     kv_cache_dtype: str
     kv_capacity_tokens: int
     buckets: tuple[tuple[int, int], ...]  # compiled (tokens, sequences) step shapes
+    # an FP8 cache's per-layer K/V scales: "checkpoint" | "calibrated" | "unit"; else "none"
+    kv_cache_scales: str = "none"
 
     @property
     def limits(self) -> Limits:

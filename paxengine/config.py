@@ -27,6 +27,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     # auto (= model dtype) | float32 | bfloat16 | fp8; a bf16 cache keeps V pages in fp16
     kv_cache_dtype: str = "auto"
+    # an fp8 KV cache's per-layer K/V scales: auto (the checkpoint's kv_cache_scheme, else
+    # calibrated) | calibrate (one forward over a built-in text) | unit (1.0)
+    kv_cache_scales: str = "auto"
     quantization: str | None = None  # None | fp8
     attention_backend: str = (
         "auto"  # auto (pallas on GPU, xla elsewhere) | xla | pallas | reference

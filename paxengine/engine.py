@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from paxengine import kv_scales
 from paxengine.batch import build_step, seq_buckets, token_buckets
 from paxengine.client import ModelInfo, served_name
 from paxengine.config import EngineConfig
@@ -18,7 +19,7 @@ from paxengine.errors import InvalidRequest
 from paxengine.executables import ExecutableStore
 from paxengine.kv_cache import KVCacheManager
 from paxengine.models.loader import load_model
-from paxengine.models.quant import quantize_params, weight_dtype
+from paxengine.models.quant import GEMV_MAX_ROWS, W8A8_MIN_ROWS, weight_dtype
 from paxengine.models.weights import unstack_layers
 from paxengine.output import RequestGroup, SequenceOutput
 from paxengine.outputs import RequestOutput
@@ -86,6 +87,7 @@ class EngineCore:
             cache_dir=cfg.weights_cache_dir,
             progress=cfg.show_progress,
             seed=cfg.seed,
+            quantization=quantization,
         )
         self.load_seconds = time.perf_counter() - t0
         self.model_config, self.tokenizer = loaded.config, loaded.tokenizer
@@ -114,15 +116,35 @@ class EngineCore:
             )
         # Before sizing the KV pool: the per-layer split must not leave a stacked copy behind.
         params = loaded.params
+        self.kv_scales, scales_from = kv_scales.choose(
+            cfg.kv_cache_scales,
+            kv_dtype_name == "fp8",
+            loaded.kv_scales,
+            params,
+            loaded.config,
+            self.tokenizer,
+        )
+        if self.kv_scales is not None:  # the model folds them into attention (scaled_attend)
+            layers = {**params["layers"], "kv_scale": jnp.asarray(self.kv_scales)}
+            params = {**params, "layers": layers}
+            log.info("fp8 KV cache, %s scales: %s", scales_from, kv_scales.describe(self.kv_scales))
         if resolve_layer_loop(cfg.layer_loop) == "unroll":
             params = unstack_layers(params)
-        if quantization == "fp8":
-            params = quantize_params(params)
+        if weight_dtype(params) == "fp8_e4m3":  # quantized at load, or an FP8 checkpoint's
             log.info(
-                "fp8 weights: e4m3 projections with per-output-channel scales, upcast inside "
-                "each matmul (W8A16). Half the weight memory, not faster yet: FP8 GEMMs are "
-                "not implemented%s",
-                "" if on_gpu else "; on this CPU it is a correctness path",
+                "%s weights (%s): e4m3 projections with per-output-channel scales; buckets of "
+                ">= %d tokens run FP8 GEMMs with per-token activation scales, %s%s",
+                weight_dtype(params),
+                f"from the checkpoint: {loaded.prequantized}"
+                if loaded.prequantized
+                else "quantized online at load",
+                W8A8_MIN_ROWS,
+                f"<= {GEMV_MAX_ROWS} the Pallas FP8 GEMV"
+                if on_gpu
+                else "smaller ones upcast the weights",
+                ""
+                if on_gpu
+                else "; on this CPU FP8 is a correctness path (no FP8 units): not faster",
             )
         num_blocks = plan_num_blocks(
             loaded.config,
@@ -197,7 +219,8 @@ class EngineCore:
             vocab_size=loaded.config.vocab_size,
             dtype=dtype,
             weight_dtype=weight_dtype(self.runner.params),
-            kv_cache_dtype=kv_dtype_name,
+            kv_cache_dtype="fp8_e4m3" if kv_dtype_name == "fp8" else kv_dtype_name,
+            kv_cache_scales=scales_from,
             kv_capacity_tokens=num_blocks * cfg.block_size,
             buckets=tuple(sorted(self.runner.compiled)),
         )

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kernels_pallas.layout import quantize_kv
 from paxengine.models.config import ModelConfig
 from paxengine.models.llama import compute_logits, forward_hidden
 from paxengine.models.weights import is_per_layer
@@ -23,8 +24,9 @@ def contiguous_attend(positions: jax.Array, sliding_window: int | None):
 
     def attend(q, k, v, cache, layer):
         kc, vc = cache
-        kc = kc.at[layer, positions].set(k.astype(kc.dtype), mode="drop")
-        vc = vc.at[layer, positions].set(v.astype(vc.dtype), mode="drop")
+        # stored as the engine stores them (an fp8 cache saturates rather than NaN)
+        kc = kc.at[layer, positions].set(quantize_kv(k, kc.dtype), mode="drop")
+        vc = vc.at[layer, positions].set(quantize_kv(v, vc.dtype), mode="drop")
         keys, vals = kc[layer].astype(jnp.float32), vc[layer].astype(jnp.float32)
         group = q.shape[1] // keys.shape[1]
         keys, vals = jnp.repeat(keys, group, axis=1), jnp.repeat(vals, group, axis=1)

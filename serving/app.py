@@ -110,6 +110,7 @@ def build_app(
             dtype=info.dtype,
             weight_dtype=info.weight_dtype,
             kv_cache_dtype=info.kv_cache_dtype,
+            kv_cache_scales=info.kv_cache_scales,
         )
 
     @app.get("/v1/models", dependencies=auth, response_model=ModelList)

@@ -56,6 +56,12 @@ def build_parser() -> argparse.ArgumentParser:
         "keep compiled steps on disk; a restart loads them instead of compiling",
     )
     e.add_argument("--kv-cache-dtype", choices=["auto", "float32", "bfloat16", "fp8"])
+    e.add_argument(
+        "--kv-cache-scales",
+        choices=["auto", "calibrate", "unit"],
+        help="an fp8 KV cache's per-layer scales: the checkpoint's, else calibrated (auto); "
+        "calibrated on a built-in text; or 1.0",
+    )
     e.add_argument("--quantization", choices=["fp8"])
     e.add_argument("--attention-backend", choices=["auto", "xla", "pallas", "reference"])
     e.add_argument(
@@ -133,7 +139,7 @@ def describe(engine: EngineClient, scfg: ServerConfig) -> str:
     shapes = ", ".join(f"{t}x{s}" for t, s in info.buckets)
     return (
         f"model={info.name} dtype={info.dtype} weights={info.weight_dtype} "
-        f"kv_cache_dtype={info.kv_cache_dtype} "
+        f"kv_cache_dtype={info.kv_cache_dtype} kv_cache_scales={info.kv_cache_scales} "
         f"max_model_len={info.max_model_len} kv_capacity_tokens={info.kv_capacity_tokens} "
         f"buckets={len(info.buckets)} [tokens x seqs: {shapes}] "
         f"url=http://{scfg.host}:{scfg.port}/v1"

@@ -349,6 +349,7 @@ class ModelCard(BaseModel):
     dtype: Optional[str] = None
     weight_dtype: Optional[str] = None
     kv_cache_dtype: Optional[str] = None
+    kv_cache_scales: Optional[str] = None  # an FP8 cache's scales: checkpoint, calibrated, unit
 
 
 class ModelList(BaseModel):

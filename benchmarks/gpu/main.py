@@ -16,6 +16,8 @@ Stages (each in its own process, so each frees the GPU's memory for the next):
                 1, 16, 64                                                        (serving.py)
   vllm-offline  the same offline workloads on vLLM (when `import vllm` works; VLLM-PEER.md)
   vllm-serve    `vllm serve` + the same bench client and workload
+  pax-offline-fp8, vllm-offline-fp8
+                the offline workloads with FP8 weights and an FP8 KV cache (workloads "fp8")
   pax-poisson   `paxengine serve` under Poisson arrivals at 4, 8, 16 req/s, lengths drawn
                 around 1024/256 (range ratio 0.9)                                (serving.py)
   vllm-poisson  the same on `vllm serve`
@@ -36,6 +38,7 @@ import subprocess
 import sys
 import time
 from datetime import datetime, timezone
+from functools import partial
 from pathlib import Path
 
 from benchmarks.gpu import REPO_ROOT, hf, offline, roofline, serving, stage
@@ -48,6 +51,8 @@ STAGES = {
     "pax-offline": offline.stage_pax_offline,
     "pax-serve": serving.stage_pax_serve,
     "vllm-offline": offline.stage_vllm_offline,
+    "pax-offline-fp8": partial(offline.stage_pax_offline, variant="fp8"),
+    "vllm-offline-fp8": partial(offline.stage_vllm_offline, variant="fp8"),
     "vllm-serve": serving.stage_vllm_serve,
     "pax-poisson": serving.stage_pax_poisson,
     "vllm-poisson": serving.stage_vllm_poisson,

@@ -92,19 +92,23 @@ def offline(gen, spec, vocab: int, stats=None) -> dict:
     return res
 
 
-def stage_pax_offline(spec: dict, out: Path) -> dict:
+def stage_pax_offline(spec: dict, out: Path, variant: str | None = None) -> dict:
+    """variant: a key of the spec ("fp8") whose "pax_engine" settings are added."""
     from benchmarks.bench.throughput import greedy_params, token_prompts
     from benchmarks.measure import CompileCounter
     from paxengine import LLM
     from paxengine.config import EngineConfig
     from paxengine.models.config import PRESETS
 
-    cfg = EngineConfig(model=f"dummy:{spec['preset']}", dtype=spec["dtype"], **spec["engine"])
+    extra = spec[variant]["pax_engine"] if variant else {}
+    cfg = EngineConfig(
+        model=f"dummy:{spec['preset']}", dtype=spec["dtype"], **spec["engine"], **extra
+    )
     t = time.perf_counter()
     llm = LLM(config=cfg)
     startup = time.perf_counter() - t
-    log(f"paxengine started in {startup:.1f} s")
-    save_partial(startup_s=startup, engine_stats=llm.engine.stats())
+    log(f"paxengine started in {startup:.1f} s ({llm.engine.info.weight_dtype} weights)")
+    save_partial(startup_s=startup, engine_stats=llm.engine.stats(), engine_overrides=extra)
     vocab = PRESETS[spec["preset"]].vocab_size
 
     def gen(reqs):
@@ -121,7 +125,7 @@ def stage_pax_offline(spec: dict, out: Path) -> dict:
     return res
 
 
-def stage_vllm_offline(spec: dict, out: Path) -> dict:
+def stage_vllm_offline(spec: dict, out: Path, variant: str | None = None) -> dict:
     import vllm
     from vllm import LLM, SamplingParams
 
@@ -129,6 +133,7 @@ def stage_vllm_offline(spec: dict, out: Path) -> dict:
 
     d = write_dummy_model_dir(spec["preset"], out.parent / "dummy_model")
     e = spec["engine"]
+    extra = spec[variant]["vllm_engine"] if variant else {}
     t = time.perf_counter()
     llm = LLM(
         model=str(d),
@@ -140,10 +145,11 @@ def stage_vllm_offline(spec: dict, out: Path) -> dict:
         max_model_len=e["max_model_len"],
         gpu_memory_utilization=e.get("gpu_memory_utilization", 0.9),
         seed=0,
+        **extra,
     )
     startup = time.perf_counter() - t
     log(f"vLLM {vllm.__version__} started in {startup:.1f} s")
-    save_partial(startup_s=startup, vllm_version=vllm.__version__)
+    save_partial(startup_s=startup, vllm_version=vllm.__version__, engine_overrides=extra)
     vocab = PRESETS[spec["preset"]].vocab_size
 
     def gen(reqs):

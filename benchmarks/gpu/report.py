@@ -21,6 +21,13 @@ VLLM_PEER = {
     "serve c16": ("1,989", "255 / 399", "5.87 / 8.03"),
     "serve c64": ("3,746", "504 / 1110", "13.6 / 18.5"),
 }
+# vLLM 0.26.0 with quantization="fp8" (online, FP8 weights, bf16 KV), same note.
+VLLM_PEER_FP8 = {
+    "itl_batch1_ms": "3.33",
+    "itl_batch8_ms": "3.47",
+    "offline 256x(1024,128)": "5,572",
+    "offline 300x(1000,1000)": "10,298",
+}
 
 
 def summary_rows(merged: dict) -> list[tuple[str, ...]]:
@@ -106,6 +113,7 @@ def summary_rows(merged: dict) -> list[tuple[str, ...]]:
             ):
                 cell = (lambda r: f(r.get(a), fmt)) if b is None else (lambda r: pair(r, a, b, fmt))
                 rows.append((f"Poisson {rate:g} req/s {label}", cell(p), cell(v), "-", ""))
+    rows += fp8_rows(merged, f)
     sc = pax_s.get("server_compile_metrics_delta")
     pax_c = f(pax_o.get("jax_compiles_during_timed_runs"), "d") + " offline"
     if sc:
@@ -120,6 +128,35 @@ def summary_rows(merged: dict) -> list[tuple[str, ...]]:
             "",
         )
     )
+    return rows
+
+
+def fp8_rows(merged: dict, f) -> list[tuple[str, ...]]:
+    """The FP8 stages' rows (FP8 weights and KV in both engines), when they ran."""
+    st = merged["stages"]
+    pax, vl = st.get("pax-offline-fp8") or {}, st.get("vllm-offline-fp8") or {}
+    if not pax and not vl:
+        return []
+    ref = VLLM_PEER_FP8 if merged["spec"].get("preset") == "llama-3.1-8b" else {}
+    rows = []
+    for b in merged["spec"]["itl"]["batches"]:
+        k = f"itl_batch{b}_ms"
+        rows.append(
+            (
+                f"FP8 batch-{b} ITL (ms)",
+                f(pax.get(k), ".2f"),
+                f(vl.get(k), ".2f"),
+                ref.get(k, "-"),
+                "",
+            )
+        )
+    for w in merged["spec"]["offline"]:
+        n = w["name"]
+        cells = [
+            f(((r.get("offline") or {}).get(n) or {}).get("output_tok_s"), ",.0f")
+            for r in (pax, vl)
+        ]
+        rows.append((f"FP8 offline {n} output tok/s", *cells, ref.get(f"offline {n}", "-"), ""))
     return rows
 
 

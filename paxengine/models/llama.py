@@ -61,6 +61,18 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.A
     return (xf * cos + rotated * sin).astype(x.dtype)
 
 
+def scaled_attend(attend: Attend, q, k, v, kv_cache, layer, kv_scale):
+    """Attention over an FP8 cache that holds k / k_scale and v / v_scale (kv_scale: [2] f32,
+    the layer's (k_scale, v_scale)). The scales fold into the operands, so every attention
+    backend runs unchanged: q.(k/ks) * ks = q.k, and softmax(s).(v/vs) * vs = softmax(s).v."""
+    ks, vs = kv_scale[0], kv_scale[1]
+    q = (q.astype(jnp.float32) * ks).astype(q.dtype)
+    k = (k.astype(jnp.float32) / ks).astype(k.dtype)
+    v = (v.astype(jnp.float32) / vs).astype(v.dtype)
+    o, kv_cache = attend(q, k, v, kv_cache, layer)
+    return (o.astype(jnp.float32) * vs).astype(o.dtype), kv_cache
+
+
 def _layer(cfg: ModelConfig, attend: Attend, inv_freq, positions, carry, xs):
     h, kv_cache = carry
     w, layer = xs
@@ -82,7 +94,10 @@ def _layer(cfg: ModelConfig, attend: Attend, inv_freq, positions, carry, xs):
         k = rms_norm(k, w["k_norm"], cfg.rms_norm_eps)
     q = apply_rope(q, positions, inv_freq)
     k = apply_rope(k, positions, inv_freq)
-    o, kv_cache = attend(q, k, v, kv_cache, layer)
+    if "kv_scale" in w:
+        o, kv_cache = scaled_attend(attend, q, k, v, kv_cache, layer, w["kv_scale"])
+    else:
+        o, kv_cache = attend(q, k, v, kv_cache, layer)
     h = h + linear(o.reshape(t, cfg.num_heads * cfg.head_dim).astype(h.dtype), w["wo"])
     x = rms_norm(h, w["mlp_norm"], cfg.rms_norm_eps)
     if "w_gate_up" in w:

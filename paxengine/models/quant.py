@@ -2,11 +2,14 @@
 the model calls for every projection.
 
 A quantized weight is a pytree (`Fp8Weight`), so it travels through jit, scan and the executable
-store like any array. Per-output-channel scales commute with the matmul: x @ (v * s) equals
-(x @ v) * s column by column, so the scale is applied to the product's columns. Fused
-projections (wqkv, w_gate_up) keep their slices' scales, since a slice is a set of columns.
-Today's path upcasts the values inside the jit (W8A16): half the weight memory, exact to the
-quantized weights, but not faster; FP8 GEMMs and a GEMV kernel are to come (issue #17).
+store like any array. Its values are stored [out, in] (the checkpoint layout), the layout FP8
+tensor-core GEMMs want for the weight operand and the one a GEMV streams row by row.
+Per-output-channel scales commute with the matmul: x @ (v * s).T equals (x @ v.T) * s column by
+column, so the scale is applied to the product's columns; fused projections (wqkv, w_gate_up)
+keep their slices' scales, since a slice is a set of output channels.
+
+`linear` picks a matmul per call from the number of rows, which is static (a token bucket), so
+the choice is made once per compiled bucket: see `fp8_path`.
 """
 
 from __future__ import annotations
@@ -19,50 +22,121 @@ import jax.numpy as jnp
 FP8_DTYPE = jnp.float8_e4m3fn
 FP8_MAX = float(jnp.finfo(FP8_DTYPE).max)  # 448
 
-# Per-layer projection weights ([in, out], or [L, in, out] stacked); embeddings, norms, biases
-# and the LM head stay in the model dtype.
+# Per-layer projection weights (dense: [in, out], or [L, in, out] stacked); embeddings, norms,
+# biases and the LM head stay in the model dtype.
 LINEAR_WEIGHTS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "wqkv", "w_gate_up")
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class Fp8Weight:
-    values: jax.Array  # [..., in, out] float8_e4m3fn
-    scales: jax.Array  # [..., 1, out] float32: weight = values * scales
+    values: jax.Array  # [..., out, in] float8_e4m3fn
+    scales: jax.Array  # [..., out] float32: weight[o, i] = values[o, i] * scales[o]
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return self.values.shape
+        """The dense weight's shape, [..., in, out], as the model and shape checks see it."""
+        *lead, out, inp = self.values.shape
+        return (*lead, inp, out)
+
+    @property
+    def nbytes(self) -> int:
+        return self.values.nbytes + self.scales.nbytes
 
 
 def quantize_fp8(w: jax.Array) -> Fp8Weight:
-    """Per output channel (the last axis): the scale maps the channel's largest |w| to 448."""
-    wf = w.astype(jnp.float32)
-    amax = jnp.max(jnp.abs(wf), axis=-2, keepdims=True)
+    """A dense [..., in, out] weight -> per output channel e4m3: the scale maps the channel's
+    largest |w| to 448."""
+    wf = jnp.swapaxes(w.astype(jnp.float32), -1, -2)  # [..., out, in]
+    amax = jnp.max(jnp.abs(wf), axis=-1)
     scales = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
-    values = jnp.clip(wf / scales, -FP8_MAX, FP8_MAX).astype(FP8_DTYPE)
+    values = jnp.clip(wf / scales[..., None], -FP8_MAX, FP8_MAX).astype(FP8_DTYPE)
     return Fp8Weight(values, scales)
 
 
 def dequantize(w: Fp8Weight, dtype=jnp.float32) -> jax.Array:
-    return (w.values.astype(jnp.float32) * w.scales).astype(dtype)
+    """The dense [..., in, out] weight the quantized one stands for."""
+    dense = w.values.astype(jnp.float32) * w.scales[..., None]
+    return jnp.swapaxes(dense, -1, -2).astype(dtype)
+
+
+def concat_out(parts: list[Fp8Weight]) -> Fp8Weight:
+    """Projections fused along their output channels (wqkv, w_gate_up), scales kept per slice."""
+    return Fp8Weight(
+        jnp.concatenate([p.values for p in parts], axis=-2),
+        jnp.concatenate([p.scales for p in parts], axis=-1),
+    )
+
+
+# -- the matmul per bucket -----------------------------------------------------------------------
+# Measured on the H200 (jax 0.11.2, Llama-3.1-8B projections, device time a matmul;
+# benchmarks/results/gpu_2026-12-01_fp8/):
+# - M = 1: the Pallas GEMV (kernels_pallas.fp8_gemv) streams the 8-bit weights: 4096 x 28672 in
+#   33.8 us (3.48 TB/s) against 45.5 us for XLA's upcast and 60.6 us for bf16; faster on all four
+#   shapes. From M = 8 on, XLA's upcast of [out, in] values is the faster (8-16 rows: 4096 x
+#   28672 in 33-37 us, 1.6x bf16's 58 us; the kernel 47-49 us).
+# - M >= 64: fp8 x fp8 with per-token activation scales (cuBLASLt's FP8 GEMM): 4096 x 6144 at
+#   M=64 18.6 us against 30.2 upcast, at M=256 (x 28672) 72 us against 153 (issue #17's probe,
+#   per-tensor activation scales; per-token scales apply after the dot, to be confirmed there).
+GEMV_MAX_ROWS = 1
+W8A8_MIN_ROWS = 64
+
+
+def fp8_path(rows: int, on_gpu: bool) -> str:
+    """ "w8a8" | "gemv" | "w8a16" for a matmul of `rows` activation rows."""
+    if rows >= W8A8_MIN_ROWS:
+        return "w8a8"
+    if on_gpu and rows <= GEMV_MAX_ROWS:
+        return "gemv"
+    return "w8a16"
+
+
+def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Dynamic per-token activation scales: x [M, K] -> (e4m3 values, [M] f32 scales)."""
+    xf = x.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(xf), axis=-1)
+    scales = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
+    return jnp.clip(xf / scales[:, None], -FP8_MAX, FP8_MAX).astype(FP8_DTYPE), scales
+
+
+_CONTRACT_IN = (((1,), (1,)), ((), ()))  # x [M, in] . values [out, in]
+
+
+def matmul_fp8(x: jax.Array, w: Fp8Weight, path: str) -> jax.Array:
+    """x [M, in] @ the weight, in x's dtype, by one of `fp8_path`'s paths."""
+    if path == "w8a8":
+        xq, xs = quantize_rows(x)
+        y = jax.lax.dot_general(xq, w.values, _CONTRACT_IN, preferred_element_type=jnp.float32)
+        return (y * xs[:, None] * w.scales[None, :]).astype(x.dtype)
+    if path == "gemv":
+        from kernels_pallas import fp8_matmul
+
+        return fp8_matmul(x, w.values, w.scales, out_dtype=x.dtype)
+    if path == "w8a16":
+        v = w.values.astype(x.dtype)
+        y = jax.lax.dot_general(x, v, _CONTRACT_IN, preferred_element_type=jnp.float32)
+        return (y * w.scales[None, :]).astype(x.dtype)
+    raise ValueError(f"unknown fp8 matmul path {path!r}")
 
 
 def linear(x: jax.Array, w) -> jax.Array:
-    """x @ w for a plain weight or an Fp8Weight (values upcast to x's dtype in the matmul)."""
+    """x [M, in] @ w for a plain [in, out] weight or an Fp8Weight."""
     if isinstance(w, Fp8Weight):
-        y = jnp.dot(x, w.values.astype(x.dtype), preferred_element_type=jnp.float32)
-        return (y * w.scales[..., 0, :]).astype(x.dtype)
+        return matmul_fp8(x, w, fp8_path(x.shape[0], jax.default_backend() == "gpu"))
     return x @ w
 
 
 def quantize_params(params: dict) -> dict:
-    """The model's projection weights as Fp8Weight, in either layer layout; each source array
-    is dropped as soon as its quantized form exists (the peak is one layer's weights more)."""
+    """The model's dense projection weights as Fp8Weight, in either layer layout (weights
+    already in FP8, from a pre-quantized checkpoint, stay as they are); each source array is
+    dropped as soon as its quantized form exists (the peak is one layer's weights more)."""
     quantize = jax.jit(quantize_fp8)
 
     def layer(d: dict) -> dict:
-        return {k: quantize(v) if k in LINEAR_WEIGHTS else v for k, v in d.items()}
+        return {
+            k: quantize(v) if k in LINEAR_WEIGHTS and not isinstance(v, Fp8Weight) else v
+            for k, v in d.items()
+        }
 
     layers = params["layers"]
     if isinstance(layers, list):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from paxengine.models.config import ModelConfig
+from paxengine.models.quant import Fp8Weight, concat_out
 
 # Per-layer parameter name -> whether it is a Linear weight stored [out, in] (transposed on load).
 LAYER_LINEAR = {
@@ -64,6 +65,8 @@ def param_shapes(cfg: ModelConfig) -> dict:
 
 
 def check_shapes(params: dict, cfg: ModelConfig) -> None:
+    """Every weight the config needs, with its shape (an Fp8Weight's `.shape` is its dense
+    [..., in, out] one); names the config does not know (e.g. a per-layer "kv_scale") pass."""
     want = param_shapes(cfg)
     for k, shape in want.items():
         if k == "layers":
@@ -83,16 +86,31 @@ def check_shapes(params: dict, cfg: ModelConfig) -> None:
 
 
 def stack_layers(per_layer: list[dict], cfg: ModelConfig) -> dict:
-    """[{name: array}] * L -> {name: array[L, ...]}; Linear weights go from [out, in] to [in, out]."""
+    """[{name: array}] * L -> {name: array[L, ...]}; Linear weights go from [out, in] to [in, out].
+
+    An Fp8Weight entry (a pre-quantized checkpoint's projection) keeps its values [out, in]: its
+    values and scales are stacked along a new leading axis. One name, one type across layers."""
     out = {}
     for name in layer_param_names(cfg):
         arrs = []
         for i, layer in enumerate(per_layer):
             if name not in layer:
                 raise ValueError(f"checkpoint is missing layer {i} weight '{name}'")
-            a = np.asarray(layer[name])
-            arrs.append(a.T if LAYER_LINEAR[name] else a)
-        out[name] = np.stack(arrs)
+            a = layer[name]
+            if not isinstance(a, Fp8Weight):
+                a = np.asarray(a)
+                a = a.T if LAYER_LINEAR[name] else a
+            arrs.append(a)
+        kinds = {isinstance(a, Fp8Weight) for a in arrs}
+        if kinds == {True, False}:
+            raise ValueError(f"layer weight '{name}' is FP8 in some layers and dense in others")
+        if kinds == {True}:
+            out[name] = Fp8Weight(
+                np.stack([np.asarray(a.values) for a in arrs]),
+                np.stack([np.asarray(a.scales, np.float32) for a in arrs]),
+            )
+        else:
+            out[name] = np.stack(arrs)
     return out
 
 
@@ -105,12 +123,21 @@ def is_per_layer(params: dict) -> bool:
     return isinstance(params["layers"], (list, tuple))
 
 
+def _layer_slice(w, i: int):
+    """Layer i of a stacked array or Fp8Weight (values [L, out, in], scales [L, out])."""
+    if isinstance(w, Fp8Weight):
+        return Fp8Weight(w.values[i], w.scales[i])
+    return w[i]
+
+
 def unstack_layers(params: dict) -> dict:
     """The stacked layout -> the per-layer one (`params["layers"]` a list of dicts), with the
-    q/k/v and gate/up projections concatenated along their output axis (see FUSED).
+    q/k/v and gate/up projections concatenated along their output axis (see FUSED; Fp8Weight
+    parts with `concat_out`, their scales kept per slice).
 
     Consumes `params`: each stacked array leaves its dict as soon as it is split, so on a device
-    the peak is the model plus one stacked tensor, not two models.
+    the peak is the model plus one stacked tensor, not two models. Names other than the model's
+    weights (e.g. a stacked "kv_scale" [L, 2]) are split per layer like any array.
     """
     if is_per_layer(params):
         return params
@@ -120,15 +147,23 @@ def unstack_layers(params: dict) -> dict:
     num_layers = next(iter(stacked.values())).shape[0]
     per_layer: list[dict] = [{} for _ in range(num_layers)]
     for fused, parts in FUSED.items():
-        if all(p in stacked for p in parts):
-            arrs = [stacked.pop(p) for p in parts]
-            for i in range(num_layers):
-                per_layer[i][fused] = jnp.concatenate([a[i] for a in arrs], axis=-1)
-            del arrs
+        if not all(p in stacked for p in parts):
+            continue
+        kinds = {isinstance(stacked[p], Fp8Weight) for p in parts}
+        if len(kinds) != 1:
+            continue  # FP8 and dense parts do not fuse: they stay separate projections
+        arrs = [stacked.pop(p) for p in parts]
+        for i in range(num_layers):
+            slices = [_layer_slice(a, i) for a in arrs]
+            if kinds == {True}:
+                per_layer[i][fused] = concat_out(slices)
+            else:
+                per_layer[i][fused] = jnp.concatenate(slices, axis=-1)
+        del arrs, slices
     for name in list(stacked):
         arr = stacked.pop(name)
         for i in range(num_layers):
-            per_layer[i][name] = arr[i]
+            per_layer[i][name] = _layer_slice(arr, i)
         del arr
     return {**params, "layers": per_layer}
 

@@ -76,6 +76,33 @@ def test_fp16_value_pages_saturate():
         assert row[3] == float(v[0, 0, 3].astype(jnp.float16).astype(jnp.float32))
 
 
+def test_fp8_pages_saturate_instead_of_nan():
+    """A K/V value past e4m3's +-448 (after its scale) saturates; a plain cast would store NaN,
+    which poisons every later attention over that page."""
+    rng = np.random.default_rng()
+    b = make_batch(
+        rng,
+        [(4, 9), (3, 3)],
+        T=8,
+        S=2,
+        num_heads=4,
+        num_kv_heads=2,
+        dtype=jnp.bfloat16,
+        kv_dtype=jnp.float8_e4m3fn,
+        poison=False,
+    )
+    k = b["k_new"].at[0, 0, :3].set(jnp.asarray([1000.0, -3e38, 300.0], jnp.bfloat16))
+    args = (b["k_cache"], b["v_cache"], jnp.int32(0), k, b["v_new"], b["md"].slot_mapping)
+    slot = int(b["md"].slot_mapping[0])
+    for name, fn in (
+        ("pallas", lambda *a: write_kv(*a, interpret=True, k_scale=0.5)),
+        ("oracle", lambda *a: ref_write_kv(*a, k_scale=0.5)),
+    ):
+        kc, _ = jax.jit(fn)(*args)
+        row = np.asarray(kc[0, 0, slot // 16, slot % 16, :3].astype(jnp.float32))
+        np.testing.assert_array_equal(row, [448.0, -448.0, 448.0], err_msg=name)
+
+
 def test_scan_layers_donated():
     """2 layers in lax.scan with a traced layer index, caches donated: as the engine runs it."""
     rng = np.random.default_rng()

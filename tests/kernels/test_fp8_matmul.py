@@ -1,0 +1,199 @@
+"""The FP8-weight GEMV / skinny GEMM (kernels_pallas/fp8_gemv.py): the oracle against float64
+numpy, the kernel (interpret mode) against the oracle, input checks, and CUDA lowering of the
+configurations the default tuning picks (Triton's rules are only enforced there)."""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+# the module (the package's attribute `fp8_matmul` is the function, which shadows it)
+import kernels_pallas.fp8_gemv as fm  # noqa: E402
+from kernels_pallas import fp8_matmul, ref_fp8_matmul
+from kernels_pallas.lowering import lower_for_cuda
+
+E4M3 = jnp.float8_e4m3fn
+
+
+def _operands(rng, M, K, N, x_dtype=jnp.float32, spread=(-4.0, 2.0)):
+    """x [M, K]; fp8 values [N, K] over e4m3's whole range (subnormals to 448); scales [N]
+    spread over 10^spread (channels of very different magnitudes)."""
+    x = jnp.asarray(rng.standard_normal((M, K)), jnp.float32).astype(x_dtype)
+    v = rng.standard_normal((N, K)) * 10.0 ** rng.uniform(-3, 2, (N, K))
+    v = jnp.asarray(np.clip(v, -448, 448), jnp.float32).astype(E4M3)
+    s = jnp.asarray(10.0 ** rng.uniform(*spread, N), jnp.float32)
+    return x, v, s
+
+
+def _f64(x, v, s):
+    x = np.asarray(jnp.asarray(x, jnp.float32), np.float64)
+    w = np.asarray(jnp.asarray(v, jnp.float32), np.float64) * np.asarray(s, np.float64)[:, None]
+    return x @ w.T, np.abs(x) @ np.abs(w).T  # the product, and the bound its rounding scales with
+
+
+def _check(y, x, v, s, tol):
+    """|y - x @ W.T| <= tol * (|x| @ |W|.T) elementwise (f32 accumulation of exact products:
+    the error bound of a sum), plus bf16 output rounding where y is bf16."""
+    exact, bound = _f64(x, v, s)
+    y64 = np.asarray(jnp.asarray(y, jnp.float32), np.float64)
+    assert y.shape == exact.shape
+    assert np.all(np.isfinite(y64))
+    out_round = 2.0**-8 * np.abs(exact) if y.dtype == jnp.bfloat16 else 0.0
+    excess = np.abs(y64 - exact) - out_round - tol * bound
+    assert excess.max() <= 0, f"max excess {excess.max():.3e}"
+
+
+@pytest.mark.parametrize("M,K,N", [(1, 64, 32), (5, 200, 48), (64, 96, 130)])
+def test_oracle_against_float64(M, K, N):
+    rng = np.random.default_rng(M + K + N)
+    x, v, s = _operands(rng, M, K, N)
+    _check(ref_fp8_matmul(x, v, s), x, v, s, 1e-6)
+    # bf16 activations: output in x's dtype by default, f32 on request
+    xb = x.astype(jnp.bfloat16)
+    assert ref_fp8_matmul(xb, v, s).dtype == jnp.bfloat16
+    _check(ref_fp8_matmul(xb, v, s), xb, v, s, 1e-6)
+    _check(ref_fp8_matmul(xb, v, s, out_dtype=jnp.float32), xb, v, s, 1e-6)
+
+
+# (method, M, K, N, block_n, block_k, k_splits, prefetch): ragged M, K and N off the blocks
+# (tails masked), split-K with and without a K tail in the last split, uneven splits.
+CASES = [
+    ("dot", 1, 100, 40, 16, 32, 1, False),
+    ("dot", 3, 100, 40, 16, 32, 3, False),
+    ("dot", 17, 72, 33, 16, 16, 2, True),
+    ("dot", 64, 64, 48, 32, 32, 1, False),
+    ("dot", 70, 48, 16, 16, 16, 1, False),  # M over one 64-row block: a second grid row
+    ("wdot", 8, 100, 40, 16, 32, 2, False),
+    ("wdot", 17, 96, 50, 32, 32, 1, True),
+    ("wdot", 64, 64, 32, 16, 16, 4, False),
+    ("reduce", 1, 100, 40, 8, 32, 1, False),
+    ("reduce", 3, 130, 24, 16, 64, 2, True),
+    ("reduce", 8, 64, 20, 4, 16, 1, False),
+    ("reduce_step", 1, 100, 40, 8, 32, 1, True),
+    ("reduce_step", 1, 256, 64, 16, 32, 8, False),
+    ("reduce_step", 2, 90, 17, 8, 128, 1, False),  # one block, wider than K and N
+    ("reduce_step", 8, 200, 40, 16, 32, 3, False),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=["-".join(map(str, c)) for c in CASES])
+def test_kernel_against_oracle(case):
+    method, M, K, N, bn, bk, ks, pf = case
+    rng = np.random.default_rng(sum(case[1:6]))
+    x, v, s = _operands(rng, M, K, N)
+    tun = dict(block_n=bn, block_k=bk, k_splits=ks, method=method, prefetch=pf)
+    y = fp8_matmul(x, v, s, interpret=True, **tun)
+    assert y.dtype == jnp.float32
+    _check(y, x, v, s, 2e-6)
+    # and against the oracle, on the same scale (sums that cancel make plain rtol meaningless)
+    _, bound = _f64(x, v, s)
+    diff = np.abs(np.asarray(y, np.float64) - np.asarray(ref_fp8_matmul(x, v, s), np.float64))
+    assert (diff <= 4e-6 * bound).all()
+
+
+@pytest.mark.parametrize("method", ["dot", "reduce_step"])
+def test_bf16_activations(method):
+    rng = np.random.default_rng(7)
+    M = 3
+    x, v, s = _operands(rng, M, 160, 48, x_dtype=jnp.bfloat16)
+    tun = dict(method=method, block_n=16, block_k=64, k_splits=2)
+    y = fp8_matmul(x, v, s, interpret=True, **tun)
+    assert y.dtype == jnp.bfloat16
+    _check(y, x, v, s, 2e-6)
+    y32 = fp8_matmul(x, v, s, out_dtype=jnp.float32, interpret=True, **tun)
+    assert y32.dtype == jnp.float32
+    _check(y32, x, v, s, 2e-6)
+
+
+def test_f16_activations_and_jit():
+    rng = np.random.default_rng(8)
+    x, v, s = _operands(rng, 8, 96, 40, x_dtype=jnp.float16, spread=(-3.0, 0.0))
+    f = jax.jit(lambda x, v, s: fp8_matmul(x, v, s, interpret=True, block_n=16, block_k=32))
+    y = f(x, v, s)
+    assert y.dtype == jnp.float16
+    exact, bound = _f64(x, v, s)
+    err = np.abs(np.asarray(y, np.float64) - exact) - 2.0**-10 * np.abs(exact) - 2e-6 * bound
+    assert err.max() <= 0
+
+
+@pytest.mark.parametrize("M", [1, 8])
+def test_default_tuning_small_model_shapes(M):
+    """SmolLM2-135M: hidden 576, intermediate 1536, q 9 x 64, kv 3 x 64 (N = 576, 192)."""
+    rng = np.random.default_rng(M)
+    for K, N in [(576, 192), (1536, 576)]:
+        x, v, s = _operands(rng, M, K, N, x_dtype=jnp.bfloat16)
+        _check(fp8_matmul(x, v, s, interpret=True), x, v, s, 2e-6)
+
+
+def test_default_tuning_rules():
+    for M, (K, N) in itertools.product([1, 3, 8, 17, 64, 200], LLAMA8B_KN + SMOL_KN):
+        t = fm.default_tuning(M, K, N)
+        fm.resolve_tuning(M, K, N, **vars(t))  # valid: powers of two, method fits M
+        if M <= fm.REDUCE_MAX_M:
+            continue
+        assert t.method in ("dot", "wdot")
+
+
+def test_input_checks():
+    x = jnp.zeros((2, 64), jnp.bfloat16)
+    v = jnp.zeros((32, 64), E4M3)
+    s = jnp.ones((32,), jnp.float32)
+    bad = [
+        (dict(block_n=48), "power of 2"),
+        (dict(block_k=100), "power of 2"),
+        (dict(method="dot", block_n=8), ">= 16"),
+        (dict(method="bogus"), "method"),
+        (dict(num_warps=3), "power of 2"),
+    ]
+    for kw, msg in bad:
+        with pytest.raises(ValueError, match=msg):
+            fp8_matmul(x, v, s, interpret=True, **kw)
+    with pytest.raises(ValueError, match="M <= 8"):
+        fp8_matmul(jnp.zeros((9, 64), jnp.bfloat16), v, s, interpret=True, method="reduce")
+    with pytest.raises(ValueError, match="float8"):
+        fp8_matmul(x, v.astype(jnp.bfloat16), s, interpret=True)
+    with pytest.raises(ValueError, match="columns"):
+        fp8_matmul(jnp.zeros((2, 48), jnp.bfloat16), v, s, interpret=True)
+    with pytest.raises(ValueError, match="w_scales"):
+        fp8_matmul(x, v, s[:16], interpret=True)
+    with pytest.raises(ValueError, match="bf16, f16 or f32"):
+        fp8_matmul(x.astype(jnp.int8), v, s, interpret=True)
+
+
+# CUDA lowering (Triton IR) on the CPU: what the engine compiles at Llama-3.1-8B decode shapes
+LLAMA8B_KN = [(4096, 6144), (4096, 28672), (14336, 4096), (4096, 4096)]
+SMOL_KN = [(576, 576), (576, 192), (576, 1536), (1536, 576)]
+
+
+def _lower(M, K, N, **tun):
+    specs = (
+        jax.ShapeDtypeStruct((M, K), jnp.bfloat16),
+        jax.ShapeDtypeStruct((N, K), E4M3),
+        jax.ShapeDtypeStruct((N,), jnp.float32),
+    )
+    return lower_for_cuda(lambda x, v, s: fp8_matmul(x, v, s, **tun), *specs).mlir_module()
+
+
+@pytest.mark.parametrize("M", [1, 8, 64])
+def test_default_tunings_lower_for_cuda(M):
+    for K, N in LLAMA8B_KN + SMOL_KN:
+        txt = _lower(M, K, N)
+        assert "triton" in txt, (M, K, N)
+
+
+def test_every_method_lowers_for_cuda():
+    for method, pf in itertools.product(fm.METHODS, [False, True]):
+        bn, bk = (16, 512) if method.startswith("reduce") else (64, 256)
+        for M, K, N, ks in [(3, 4096, 6144, 1), (8, 14336, 4096, 4), (5, 576, 192, 2)]:
+            txt = _lower(M, K, N, method=method, prefetch=pf, block_n=bn, block_k=bk, k_splits=ks)
+            assert "triton" in txt, (method, pf, M, K, N)
+
+
+def test_broken_rule_is_caught(monkeypatch):
+    """A block shape that is no power of two gets past our check only if the check is gone;
+    the lowering must then refuse it (proof that lowering enforces Triton's rules)."""
+    monkeypatch.setattr(fm, "_is_pow2", lambda v: True)
+    with pytest.raises(ValueError, match="power of 2"):
+        _lower(8, 4096, 4096, method="dot", block_n=48)
