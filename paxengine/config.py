@@ -35,6 +35,9 @@ class EngineConfig:
         "auto"  # auto (pallas on GPU, xla elsewhere) | xla | pallas | reference
     )
     layer_loop: str = "auto"  # auto (unroll on GPU, scan elsewhere) | unroll | scan
+    # devices one model is split over (Megatron-style, paxengine/parallel.py): must divide the
+    # attention heads and the intermediate size; KV heads are copied when there are fewer
+    tensor_parallel_size: int = 1
     dispatch_thread: bool = False  # launch steps from a worker thread (see EngineCore.step)
     seed: int = 0
     served_model_name: str | None = None

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from paxengine import kv_scales
+from paxengine import kv_scales, parallel
 from paxengine.batch import build_step, seq_buckets, token_buckets
 from paxengine.client import ModelInfo, served_name
 from paxengine.config import EngineConfig
@@ -128,8 +128,11 @@ class EngineCore:
             layers = {**params["layers"], "kv_scale": jnp.asarray(self.kv_scales)}
             params = {**params, "layers": layers}
             log.info("fp8 KV cache, %s scales: %s", scales_from, kv_scales.describe(self.kv_scales))
+        tp = parallel.make_tensor_parallel(cfg.tensor_parallel_size, loaded.config)
+        if tp is not None:
+            params = parallel.copy_kv_heads(params, loaded.config, tp)
         if resolve_layer_loop(cfg.layer_loop) == "unroll":
-            params = unstack_layers(params)
+            params = unstack_layers(params, shards=tp.size if tp is not None else 1)
         if weight_dtype(params) == "fp8_e4m3":  # quantized at load, or an FP8 checkpoint's
             log.info(
                 "%s weights (%s): e4m3 projections with per-output-channel scales; buckets of "
@@ -147,7 +150,7 @@ class EngineCore:
                 else "; on this CPU FP8 is a correctness path (no FP8 units): not faster",
             )
         num_blocks = plan_num_blocks(
-            loaded.config,
+            tp.local_config(loaded.config) if tp is not None else loaded.config,  # per device
             cfg.block_size,
             kv_dtype,
             num_kv_blocks=cfg.num_kv_blocks,
@@ -184,6 +187,7 @@ class EngineCore:
             attention_backend=cfg.attention_backend,
             show_progress=cfg.show_progress,
             store=store,
+            tp=tp,
         )
         r = self.runner
         n_exe = len(r.compiled) + len(r.samplers)

@@ -119,8 +119,12 @@ class ExecutableStore:
             return None
         t = time.perf_counter()
         try:
-            blob, in_tree, out_tree = pickle.loads(path.read_bytes())
-            exe = deserialize_and_load(blob, in_tree, out_tree)
+            blob, in_tree, out_tree, device_ids = pickle.loads(path.read_bytes())
+            # on the devices it was compiled for: by default it would take every device of
+            # the process, and a one-device step on a multi-GPU host then refuses its inputs
+            by_id = {d.id: d for d in jax.devices()}
+            devices = [by_id[i] for i in device_ids]
+            exe = deserialize_and_load(blob, in_tree, out_tree, execution_devices=devices)
         except Exception as e:  # truncated, or from an incompatible runtime: compile instead
             log.warning(
                 "stored executable %s unusable (%s: %s): recompiling",
@@ -139,7 +143,8 @@ class ExecutableStore:
     def save(self, key: str, compiled, label: str = "") -> None:
         try:
             blob, in_tree, out_tree = serialize(compiled)
-            data = pickle.dumps((blob, in_tree, out_tree))
+            device_ids = [d.id for d in compiled.runtime_executable().local_devices()]
+            data = pickle.dumps((blob, in_tree, out_tree, device_ids))
             self.dir.mkdir(parents=True, exist_ok=True)
             tmp = self._path(key).with_suffix(f".tmp{os.getpid()}")
             tmp.write_bytes(data)

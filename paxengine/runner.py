@@ -18,10 +18,12 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 from tqdm import tqdm
 
 import kernels_pallas
 from kernels_pallas.xla_attention import xla_ragged_paged_attention
+from paxengine import parallel
 from paxengine.batch import StepArrays, bucket_pairs, pick
 from paxengine.executables import ExecutableStore, bypassing_jax_cache
 from paxengine.models.config import ModelConfig
@@ -81,17 +83,26 @@ def resolve_layer_loop(name: str) -> str:
 
 
 def allocate_kv_cache(
-    cfg: ModelConfig, num_blocks: int, block_size: int, kv_dtype, layer_loop: str
+    cfg: ModelConfig, num_blocks: int, block_size: int, kv_dtype, layer_loop: str, tp=None
 ):
     """scan: one (k, v) pair of [L, Hkv, NB, bs, D]; unroll: a list of L pairs of [1, ...] (each
     layer writes its own donated buffer in place). V pages of a bf16 cache are fp16 (same size,
-    no conversion in the attention kernels: kernels_pallas.value_cache_dtype)."""
+    no conversion in the attention kernels: kernels_pallas.value_cache_dtype). Under tensor
+    parallelism the KV-head axis is split over the devices (one head per device at least:
+    copies of a shared head each hold its pages), each device's share allocated in place."""
     v_dtype = kernels_pallas.value_cache_dtype(kv_dtype)
+    heads = cfg.num_kv_heads
+    zeros = jnp.zeros
+    if tp is not None:
+        heads = tp.local_config(cfg).num_kv_heads * tp.size
+        zeros = lambda shape, dt: jax.jit(  # noqa: E731
+            lambda: jnp.zeros(shape, dt), out_shardings=tp.sharding(parallel.CACHE_SPEC)
+        )()
     if layer_loop == "scan":
-        shape = (cfg.num_layers, cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)
-        return (jnp.zeros(shape, kv_dtype), jnp.zeros(shape, v_dtype))
-    shape = (1, cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)
-    return [(jnp.zeros(shape, kv_dtype), jnp.zeros(shape, v_dtype)) for _ in range(cfg.num_layers)]
+        shape = (cfg.num_layers, heads, num_blocks, block_size, cfg.head_dim)
+        return (zeros(shape, kv_dtype), zeros(shape, v_dtype))
+    shape = (1, heads, num_blocks, block_size, cfg.head_dim)
+    return [(zeros(shape, kv_dtype), zeros(shape, v_dtype)) for _ in range(cfg.num_layers)]
 
 
 def make_attend(md: kernels_pallas.AttentionMetadata, backend: str, cfg: ModelConfig):
@@ -128,19 +139,29 @@ class Runner:
         attention_backend: str = "auto",
         show_progress: bool = True,
         store: ExecutableStore | None = None,
+        tp: parallel.TensorParallel | None = None,
     ):
         """params: stacked layers (scanned) or a list of per-layer dicts (unrolled), see
-        `weights.unstack_layers`; the KV cache takes the same layout."""
-        self.cfg, self.params = cfg, params
+        `weights.unstack_layers`; the KV cache takes the same layout. tp: tensor parallelism
+        (params prepared by `parallel.copy_kv_heads` and fused per shard); they and the cache
+        are placed on its mesh here."""
+        self.tp = tp
+        self.cfg = cfg
+        self.params = parallel.shard_params(params, tp) if tp is not None else params
         self.block_size = block_size
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         self.history_len = max_model_len
         self.token_buckets, self.seq_buckets = token_buckets, seq_buckets
         self.max_rows = max(seq_buckets)
-        self.prev_tokens = jnp.zeros(self.max_rows, jnp.int32)  # the last step's samples, on device
+        # the last step's samples, on device (every device of a tensor-parallel group)
+        self.prev_tokens = jnp.zeros(self.max_rows, jnp.int32)
+        if tp is not None:
+            self.prev_tokens = jax.device_put(self.prev_tokens, tp.sharding(P()))
         self.backend = resolve_backend(attention_backend)
         self.layer_loop = "unroll" if is_per_layer(params) else "scan"
-        self.kv_cache = allocate_kv_cache(cfg, num_blocks, block_size, kv_dtype, self.layer_loop)
+        self.kv_cache = allocate_kv_cache(
+            cfg, num_blocks, block_size, kv_dtype, self.layer_loop, tp
+        )
         self._forward = jax.jit(self._forward_fn, donate_argnums=(1,))
         self.compiled: dict[tuple[int, int], object] = {}  # (T, S) -> forward
         self.samplers: dict[tuple, object] = {}  # (S, flags) -> sampler
@@ -156,8 +177,13 @@ class Runner:
         # Tokens sampled by the previous step never visit the host before they are used here.
         tokens = jnp.where(prev_index >= 0, prev_tokens[jnp.maximum(prev_index, 0)], tokens)
         attend = make_attend(md, self.backend, self.cfg)
-        hidden, kv_cache = forward_hidden(params, self.cfg, tokens, positions, kv_cache, attend)
-        return kv_cache, compute_logits(params, self.cfg, hidden[logits_indices])
+        hidden, kv_cache = forward_hidden(
+            params, self.cfg, tokens, positions, kv_cache, attend, tp=self.tp
+        )
+        logits = compute_logits(params, self.cfg, hidden[logits_indices])
+        if self.tp is not None:  # every device samples from all of them (see _lower_sampler)
+            logits = jax.lax.with_sharding_constraint(logits, self.tp.sharding(P()))
+        return kv_cache, logits
 
     def _abstract_inputs(self, T: int, S: int):
         i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)
@@ -167,7 +193,8 @@ class Runner:
         return i32(T), i32(T), md, i32(S), i32(T), i32(self.max_rows)
 
     def _sampler_key(self, S: int, flags) -> tuple:
-        return (S, self.cfg.vocab_size, self.history_len, self.max_rows, tuple(flags))
+        tp = self.tp.size if self.tp is not None else 1
+        return (S, self.cfg.vocab_size, self.history_len, self.max_rows, tuple(flags), tp)
 
     def _lower_sampler(self, S: int, flags):
         max_rows = self.max_rows
@@ -177,7 +204,8 @@ class Runner:
             padded = jnp.zeros(max_rows, jnp.int32).at[:S].set(result[0])
             return result, padded
 
-        logits = jax.ShapeDtypeStruct((S, self.cfg.vocab_size), jnp.float32)
+        sharding = self.tp.sharding(P()) if self.tp is not None else None
+        logits = jax.ShapeDtypeStruct((S, self.cfg.vocab_size), jnp.float32, sharding=sharding)
         return jax.jit(sample_step).lower(
             logits, abstract_sampling_tensors(S, self.history_len, flags)
         )
@@ -233,7 +261,8 @@ class Runner:
 
     def _forward_job(self, T: int, S: int):
         args = (self.params, self.kv_cache, *self._abstract_inputs(T, S))
-        static = (self.cfg, self.backend, self.max_blocks_per_seq, self.max_rows)
+        tp = self.tp.size if self.tp is not None else 1  # same shapes, other shardings
+        static = (self.cfg, self.backend, self.max_blocks_per_seq, self.max_rows, tp)
         key = self.store.key("forward", static, args) if self.store is not None else None
         return key, lambda: self._forward.lower(*args)
 

@@ -63,6 +63,12 @@ def build_parser() -> argparse.ArgumentParser:
         "calibrated on a built-in text; or 1.0",
     )
     e.add_argument("--quantization", choices=["fp8"])
+    e.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        help="split the model over this many devices of this host",
+    )
     e.add_argument("--attention-backend", choices=["auto", "xla", "pallas", "reference"])
     e.add_argument(
         "--layer-loop",

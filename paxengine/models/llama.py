@@ -19,6 +19,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from paxengine.models.config import ModelConfig
 from paxengine.models.quant import linear
@@ -73,7 +74,13 @@ def scaled_attend(attend: Attend, q, k, v, kv_cache, layer, kv_scale):
     return (o.astype(jnp.float32) * vs).astype(o.dtype), kv_cache
 
 
-def _layer(cfg: ModelConfig, attend: Attend, inv_freq, positions, carry, xs):
+def _identity(x):
+    return x
+
+
+def _layer(cfg: ModelConfig, attend: Attend, inv_freq, positions, carry, xs, *, reduce=_identity):
+    """One decoder layer. `reduce` sums the row-parallel projections' partial products over a
+    tensor-parallel group (parallel.py); identity on one device."""
     h, kv_cache = carry
     w, layer = xs
     t = h.shape[0]
@@ -98,13 +105,13 @@ def _layer(cfg: ModelConfig, attend: Attend, inv_freq, positions, carry, xs):
         o, kv_cache = scaled_attend(attend, q, k, v, kv_cache, layer, w["kv_scale"])
     else:
         o, kv_cache = attend(q, k, v, kv_cache, layer)
-    h = h + linear(o.reshape(t, cfg.num_heads * cfg.head_dim).astype(h.dtype), w["wo"])
+    h = h + reduce(linear(o.reshape(t, cfg.num_heads * cfg.head_dim).astype(h.dtype), w["wo"]))
     x = rms_norm(h, w["mlp_norm"], cfg.rms_norm_eps)
     if "w_gate_up" in w:
         gate, up = jnp.split(linear(x, w["w_gate_up"]), 2, axis=-1)
     else:
         gate, up = linear(x, w["w_gate"]), linear(x, w["w_up"])
-    h = h + linear(jax.nn.silu(gate) * up, w["w_down"])
+    h = h + reduce(linear(jax.nn.silu(gate) * up, w["w_down"]))
     return (h, kv_cache), None
 
 
@@ -115,27 +122,49 @@ def forward_hidden(
     positions: jax.Array,
     kv_cache: Any,
     attend: Attend,
+    tp=None,
 ) -> tuple[jax.Array, Any]:
-    """tokens, positions: [T] int32 -> final hidden states [T, H] (normed) and the updated cache."""
+    """tokens, positions: [T] int32 -> final hidden states [T, H] (normed) and the updated cache.
+    tp: a `parallel.TensorParallel`: the layers run under one shard_map, each device on its
+    heads and its share of the MLP, the cache split by KV head."""
     h = params["embed"][tokens]
     inv_freq = rope_inv_freq(cfg)
-    if is_per_layer(params):
-        caches = list(kv_cache) if kv_cache is not None else [None] * len(params["layers"])
+    layers = params["layers"]
+    if tp is None:
+        h, kv_cache = _run_layers(cfg, attend, inv_freq, _identity, positions, h, layers, kv_cache)
+    else:
+        from paxengine.parallel import CACHE_SPEC, layer_specs
+
+        per_layer = is_per_layer(params)
+        w_spec = [layer_specs(d) for d in layers] if per_layer else layer_specs(layers)
+        pair = (CACHE_SPEC, CACHE_SPEC)
+        c_spec = [pair] * len(layers) if per_layer else pair
+        body = partial(_run_layers, tp.local_config(cfg), attend, inv_freq, tp.psum)
+        h, kv_cache = jax.shard_map(
+            body,
+            mesh=tp.mesh,
+            in_specs=(P(), P(), w_spec, c_spec),
+            out_specs=(P(), c_spec),
+            check_vma=False,
+        )(positions, h, layers, list(kv_cache) if per_layer else kv_cache)
+    return rms_norm(h, params["final_norm"], cfg.rms_norm_eps), kv_cache
+
+
+def _run_layers(cfg: ModelConfig, attend: Attend, inv_freq, reduce, positions, h, layers, kv_cache):
+    layer = partial(_layer, cfg, attend, inv_freq, positions, reduce=reduce)
+    if isinstance(layers, (list, tuple)):
+        caches = list(kv_cache) if kv_cache is not None else [None] * len(layers)
         # One jitted function for every layer: traced and lowered once, not once per layer
         # (tracing 32 layers and their Pallas kernels was most of a GPU start-up). XLA inlines
         # the calls, so the compiled step is the same.
-        layer_fn = jax.jit(partial(_layer, cfg, attend, inv_freq, positions))
-        for i, w in enumerate(params["layers"]):
+        layer_fn = jax.jit(layer)
+        for i, w in enumerate(layers):
             # each layer's cache is its own [1, ...] array pair: layer index 0 inside it
             (h, caches[i]), _ = layer_fn((h, caches[i]), (w, jnp.int32(0)))
-        return rms_norm(h, params["final_norm"], cfg.rms_norm_eps), caches
-    layers = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-
-    def body(carry, xs):
-        return _layer(cfg, attend, inv_freq, positions, carry, xs)
-
-    (h, kv_cache), _ = jax.lax.scan(body, (h, kv_cache), (params["layers"], layers))
-    return rms_norm(h, params["final_norm"], cfg.rms_norm_eps), kv_cache
+        return h, caches
+    index = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+    (h, kv_cache), _ = jax.lax.scan(layer, (h, kv_cache), (layers, index))
+    return h, kv_cache
 
 
 def compute_logits(params: dict, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:

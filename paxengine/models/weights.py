@@ -130,10 +130,34 @@ def _layer_slice(w, i: int):
     return w[i]
 
 
-def unstack_layers(params: dict) -> dict:
+def _fuse(slices: list, fp8: bool, shards: int):
+    """Parts concatenated along their output channels; with shards > 1, shard by shard
+    ([q_0 k_0 v_0 | q_1 k_1 v_1 | ...]) so a tensor-parallel split of the fused weight into
+    `shards` contiguous blocks gives each device its own q, k and v (parallel.py)."""
+    import jax.numpy as jnp
+
+    if shards > 1:
+        blocks = [_split_out(a, shards, fp8) for a in slices]
+        slices = [b[s] for s in range(shards) for b in blocks]
+    return concat_out(slices) if fp8 else jnp.concatenate(slices, axis=-1)
+
+
+def _split_out(a, n: int, fp8: bool) -> list:
+    import jax.numpy as jnp
+
+    if fp8:
+        return [
+            Fp8Weight(v, s)
+            for v, s in zip(jnp.split(a.values, n, axis=-2), jnp.split(a.scales, n, axis=-1))
+        ]
+    return jnp.split(a, n, axis=-1)
+
+
+def unstack_layers(params: dict, shards: int = 1) -> dict:
     """The stacked layout -> the per-layer one (`params["layers"]` a list of dicts), with the
     q/k/v and gate/up projections concatenated along their output axis (see FUSED; Fp8Weight
-    parts with `concat_out`, their scales kept per slice).
+    parts with `concat_out`, their scales kept per slice), shard by shard for tensor
+    parallelism (`_fuse`).
 
     Consumes `params`: each stacked array leaves its dict as soon as it is split, so on a device
     the peak is the model plus one stacked tensor, not two models. Names other than the model's
@@ -142,7 +166,6 @@ def unstack_layers(params: dict) -> dict:
     if is_per_layer(params):
         return params
     stacked = params["layers"]
-    import jax.numpy as jnp
 
     num_layers = next(iter(stacked.values())).shape[0]
     per_layer: list[dict] = [{} for _ in range(num_layers)]
@@ -155,10 +178,7 @@ def unstack_layers(params: dict) -> dict:
         arrs = [stacked.pop(p) for p in parts]
         for i in range(num_layers):
             slices = [_layer_slice(a, i) for a in arrs]
-            if kinds == {True}:
-                per_layer[i][fused] = concat_out(slices)
-            else:
-                per_layer[i][fused] = jnp.concatenate(slices, axis=-1)
+            per_layer[i][fused] = _fuse(slices, kinds == {True}, shards)
         del arrs, slices
     for name in list(stacked):
         arr = stacked.pop(name)

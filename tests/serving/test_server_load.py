@@ -128,7 +128,8 @@ def test_concurrent_streams_with_drops_then_metrics(server, http):
     assert delta("request_generation_tokens_sum") == finished * MAX_TOKENS
     assert val(m, "prefix_cache_queries_total") >= val(m, "prefix_cache_hits_total") >= 0
     assert ("paxengine:xla_compiles_after_warmup_total", frozenset()) in m  # exported, and
-    assert val(m, "xla_compiles_after_warmup_total") == 0
+    # no compile during this load (the counter is per process: other tests' engines count too)
+    assert delta("xla_compiles_after_warmup_total") == 0
 
     # and the server still answers
     r = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})

@@ -1,0 +1,170 @@
+"""Tensor parallelism over one `jax.sharding.Mesh` (axis "tp"), Megatron-style.
+
+Each of the N devices holds 1/N of every layer: the query heads and their KV heads (a KV head is
+copied to the N / kv_heads devices that share it when there are fewer KV heads than devices),
+1/N of the MLP's intermediate channels, and the KV cache pages of its own KV heads. The layers
+run under one `shard_map`: each device computes its heads' attention with the same kernels as
+one GPU (a local config with its head counts), and the two row-parallel projections (O and
+down) end in one all-reduce each. Embedding, norms and the LM head are replicated, so the
+logits and the sampler see every vocabulary entry on every device.
+
+Column-parallel weights are split along their output channels into N contiguous blocks, so the
+fused projections are fused per shard ([q_0 k_0 v_0 | q_1 k_1 v_1 | ...], see
+`weights.unstack_layers(shards=N)`); row-parallel ones (wo, w_down) along their inputs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from paxengine.models.config import ModelConfig
+from paxengine.models.quant import Fp8Weight
+
+AXIS = "tp"
+# output-channel (column) parallel, input (row) parallel, and per-layer names kept whole
+COLUMN = ("wq", "wk", "wv", "w_gate", "w_up", "wqkv", "w_gate_up", "bq", "bk", "bv", "bqkv")
+ROW = ("wo", "w_down")
+KV_HEADS = ("wk", "wv", "bk", "bv")  # copied per device when kv_heads < N
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    mesh: Mesh
+    size: int
+
+    def local_config(self, cfg: ModelConfig) -> ModelConfig:
+        """The model one device runs: its heads and intermediate channels."""
+        return dataclasses.replace(
+            cfg,
+            num_heads=cfg.num_heads // self.size,
+            num_kv_heads=max(1, cfg.num_kv_heads // self.size),
+            intermediate_size=cfg.intermediate_size // self.size,
+        )
+
+    def kv_copies(self, cfg: ModelConfig) -> int:
+        """How many devices hold each KV head (1 unless kv_heads < N)."""
+        return max(1, self.size // cfg.num_kv_heads)
+
+    def sharding(self, spec: P) -> NamedSharding:
+        return NamedSharding(self.mesh, spec)
+
+    def psum(self, x: jax.Array) -> jax.Array:
+        return jax.lax.psum(x, AXIS)
+
+
+def make_tensor_parallel(size: int, cfg: ModelConfig) -> TensorParallel | None:
+    """None for size 1; else the mesh over the first `size` devices, or a clear error."""
+    if size < 1:
+        raise ValueError(f"tensor_parallel_size must be >= 1, got {size}")
+    if size == 1:
+        return None
+    for what, n in (
+        ("attention heads", cfg.num_heads),
+        ("intermediate size", cfg.intermediate_size),
+    ):
+        if n % size:
+            raise ValueError(f"tensor_parallel_size={size} does not divide the {what} ({n})")
+    kv = cfg.num_kv_heads
+    if kv % size and size % kv:
+        raise ValueError(
+            f"tensor_parallel_size={size} and the KV heads ({kv}): one must divide the other"
+        )
+    devices = jax.devices()
+    if size > len(devices):
+        raise ValueError(
+            f"tensor_parallel_size={size} needs {size} devices; this process sees "
+            f"{len(devices)} ({devices[0].platform})"
+        )
+    kinds = sorted({d.device_kind for d in devices[:size]})
+    if len(kinds) > 1:
+        raise ValueError(f"tensor parallelism over mixed device kinds {kinds} is not supported")
+    return TensorParallel(Mesh(np.array(devices[:size]), (AXIS,)), size)
+
+
+def _copy_kv_heads(w, copies: int, head_dim: int):
+    """Each KV head's output channels repeated `copies` times, in place: [h0 h0 h1 h1 ...]."""
+    if isinstance(w, Fp8Weight):
+        return Fp8Weight(
+            _copy_kv_heads_axis(w.values, copies, head_dim, axis=-2),
+            _copy_kv_heads_axis(w.scales, copies, head_dim, axis=-1),
+        )
+    return _copy_kv_heads_axis(w, copies, head_dim, axis=-1)
+
+
+def _copy_kv_heads_axis(a: jax.Array, copies: int, head_dim: int, axis: int) -> jax.Array:
+    axis = axis % a.ndim
+    n = a.shape[axis] // head_dim
+    split = a.reshape(*a.shape[:axis], n, head_dim, *a.shape[axis + 1 :])
+    return jnp.repeat(split, copies, axis=axis).reshape(
+        *a.shape[:axis], n * copies * head_dim, *a.shape[axis + 1 :]
+    )
+
+
+def copy_kv_heads(params: dict, cfg: ModelConfig, tp: TensorParallel) -> dict:
+    """Stacked (unfused) params with every KV projection widened to one head per device."""
+    copies = tp.kv_copies(cfg)
+    if copies == 1:
+        return params
+    layers = dict(params["layers"])
+    for name in KV_HEADS:
+        if name in layers:
+            layers[name] = _copy_kv_heads(layers[name], copies, cfg.head_dim)
+    return {**params, "layers": layers}
+
+
+def _layer_spec(name: str, leaf: jax.Array, fp8_values: bool = False) -> P:
+    """The spec of one layer array; a leading layer axis (stacked layout) stays whole. FP8
+    values are [out, in]: their channel axes swap places with a dense weight's [in, out]."""
+    lead = (None,) * (leaf.ndim - (1 if name.startswith("b") else 2))
+    if name in COLUMN:
+        if name.startswith("b"):
+            return P(*lead, AXIS)
+        return P(*lead, AXIS, None) if fp8_values else P(*lead, None, AXIS)
+    if name in ROW:
+        return P(*lead, None, AXIS) if fp8_values else P(*lead, AXIS, None)
+    return P()
+
+
+def layer_specs(layer: dict) -> dict:
+    """A PartitionSpec per array of a layer dict (the stacked dict or one of the per-layer)."""
+    specs = {}
+    for name, w in layer.items():
+        if isinstance(w, Fp8Weight):
+            lead = (None,) * (w.scales.ndim - 1)
+            specs[name] = Fp8Weight(
+                _layer_spec(name, w.values, fp8_values=True),
+                P(*lead, AXIS) if name in COLUMN else P(),
+            )
+        else:
+            specs[name] = _layer_spec(name, w)
+    return specs
+
+
+def param_specs(params: dict) -> dict:
+    layers = params["layers"]
+    out = {k: P() for k in params if k != "layers"}
+    out["layers"] = (
+        [layer_specs(d) for d in layers] if isinstance(layers, list) else layer_specs(layers)
+    )
+    return out
+
+
+def shard_params(params: dict, tp: TensorParallel) -> dict:
+    """The params placed on the mesh by their specs."""
+    specs = param_specs(params)
+    return jax.tree_util.tree_map(
+        lambda a, s: jax.device_put(a, tp.sharding(s)),
+        params,
+        specs,
+        is_leaf=lambda x: isinstance(x, P),
+    )
+
+
+CACHE_SPEC = P(None, AXIS)  # [L or 1, kv_heads, blocks, block_size, head_dim]: split by KV head

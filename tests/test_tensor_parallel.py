@@ -1,0 +1,155 @@
+"""Tensor parallelism (issue #19) on simulated CPU devices: the model split over N devices
+generates the same greedy tokens as on one, with its weights and KV cache really split."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from paxengine import LLM
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SMALL = dict(
+    max_model_len=128,
+    max_num_seqs=4,
+    max_num_batched_tokens=32,
+    token_buckets=[16, 32],
+    seq_buckets=[4],
+    num_kv_blocks=64,
+    attention_backend="xla",
+)
+PROMPTS = ["The capital of France is", "def fib(n):", "word " * 30]  # the last in two chunks
+
+
+def run_on_devices(n: int, runs: list[dict], cache_dir: str) -> list[dict]:
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={n}"
+    env["PAXENGINE_CACHE"] = cache_dir  # a store and weights cache of this test's own
+    for r in runs:
+        r["engine"].setdefault("compilation_cache_dir", os.path.join(cache_dir, "jax"))
+    proc = subprocess.run(
+        [sys.executable, os.path.join(HERE, "tp_worker.py"), json.dumps(runs)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    return json.loads(lines[-1][len("RESULT ") :])
+
+
+@pytest.fixture(scope="module")
+def smollm_runs(tmp_path_factory):
+    """SmolLM2 (9 query heads, 3 KV heads) on 3 devices: TP=1 and TP=3, per-layer (fused) and
+    stacked layouts, FP8 weights + FP8 KV, and a restart of TP=3 from the executable store."""
+    cache = str(tmp_path_factory.mktemp("tp3"))
+    runs = [
+        {"engine": dict(SMALL, layer_loop="unroll"), "prompts": PROMPTS, "max_tokens": 10},
+        {"engine": dict(SMALL, layer_loop="unroll", tensor_parallel_size=3)},
+        {"engine": dict(SMALL, layer_loop="scan", tensor_parallel_size=3)},
+        {"engine": dict(SMALL, layer_loop="unroll", tensor_parallel_size=3)},  # from the store
+        {"engine": dict(SMALL, layer_loop="unroll", quantization="fp8", kv_cache_dtype="fp8")},
+        {
+            "engine": dict(
+                SMALL,
+                layer_loop="unroll",
+                quantization="fp8",
+                kv_cache_dtype="fp8",
+                tensor_parallel_size=3,
+            )
+        },
+        # one device again, from the store: a stored one-device step must not claim every
+        # device of the process when it is loaded (it did: "Expected 3 shards, got 1")
+        {"engine": dict(SMALL, layer_loop="unroll")},
+    ]
+    for r in runs:
+        r.setdefault("prompts", PROMPTS)
+        r.setdefault("max_tokens", 10)
+    return run_on_devices(3, runs, cache)
+
+
+def test_tp3_generates_what_one_device_does(smollm_runs):
+    one, unrolled, stacked, restarted = smollm_runs[:4]
+    assert one["devices"] == 3 and one["cache"]["devices"] == 1
+    assert unrolled["tokens"] == one["tokens"]
+    assert stacked["tokens"] == one["tokens"]
+    assert restarted["tokens"] == one["tokens"] and restarted["store_hits"] > 0
+
+
+def test_a_one_device_step_reloads_from_the_store_on_a_multi_device_host(smollm_runs):
+    one, again = smollm_runs[0], smollm_runs[6]
+    assert again["store_hits"] > 0 and again["tokens"] == one["tokens"]
+
+
+def test_tp3_splits_weights_and_cache_over_the_devices(smollm_runs):
+    one, tp = smollm_runs[0], smollm_runs[1]
+    # the KV cache [1, kv_heads=3, blocks, 16, 64]: one KV head a device
+    assert tp["cache"]["devices"] == 3 and tp["cache"]["spec"] == [None, "tp"]
+    assert tp["cache"]["shape"] == one["cache"]["shape"]
+    assert tp["cache"]["shard_shape"][1] == 1
+    # fused q/k/v [576, (9 + 3 + 3) * 64] by columns, o [576, 576] by rows
+    assert tp["qkv"]["shard_shape"] == [576, 15 * 64 // 3]
+    assert tp["qkv"]["spec"] == [None, "tp"] and tp["wo"]["spec"] == ["tp", None]
+    assert tp["wo"]["shard_shape"] == [576 // 3, 576]
+
+
+def test_tp3_with_fp8_weights_and_kv(smollm_runs):
+    one, tp = smollm_runs[4], smollm_runs[5]
+    assert tp["tokens"] == one["tokens"]
+    # FP8 values are [out, in]: q/k/v split along their output channels (the first axis)
+    assert tp["qkv"]["shard_shape"] == [15 * 64 // 3, 576] and tp["qkv"]["devices"] == 3
+
+
+@pytest.fixture(scope="module")
+def tiny_config(tmp_path_factory):
+    """A tiny random Llama: 8 query heads, `kv` KV heads."""
+
+    def write(kv: int) -> str:
+        d = tmp_path_factory.mktemp(f"tiny_kv{kv}")
+        cfg = {
+            "architectures": ["LlamaForCausalLM"],
+            "vocab_size": 256,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 8,
+            "num_key_value_heads": kv,
+            "head_dim": 8,
+            "max_position_embeddings": 256,
+            "rms_norm_eps": 1e-5,
+        }
+        (d / "config.json").write_text(json.dumps(cfg))
+        return f"dummy:{d / 'config.json'}"
+
+    return write
+
+
+def test_tp2_with_4_kv_heads_and_tp4_with_fewer_kv_heads_than_devices(tiny_config, tmp_path):
+    prompts = [[1, 2, 3, 4, 5], [9, 8, 7], list(range(20, 60))]
+    runs = []
+    for model, tp in (
+        (tiny_config(4), 1),
+        (tiny_config(4), 2),
+        (tiny_config(2), 1),
+        (tiny_config(2), 4),  # each of the 2 KV heads on two devices
+    ):
+        engine = dict(SMALL, model=model, dtype="float32", tensor_parallel_size=tp)
+        runs.append({"engine": engine, "prompts": prompts, "max_tokens": 8})
+    kv4_one, kv4_tp2, kv2_one, kv2_tp4 = run_on_devices(4, runs, str(tmp_path))
+    assert kv4_tp2["tokens"] == kv4_one["tokens"]
+    assert kv4_tp2["cache"]["shard_shape"][1] == 2  # 4 KV heads over 2 devices
+    assert kv2_tp4["tokens"] == kv2_one["tokens"]
+    # 2 KV heads copied to 4 (one a device): the cache holds 4 heads, one per shard
+    assert kv2_tp4["cache"]["shape"][1] == 4 and kv2_tp4["cache"]["shard_shape"][1] == 1
+
+
+def test_clear_errors(tiny_config):
+    with pytest.raises(ValueError, match=r"does not divide the attention heads \(9\)"):
+        LLM(tensor_parallel_size=2, show_progress=False, **SMALL)  # SmolLM2: 9 query heads
+    with pytest.raises(ValueError, match="needs 2 devices; this process sees 1"):
+        LLM(model=tiny_config(2), tensor_parallel_size=2, show_progress=False, **SMALL)
+    with pytest.raises(ValueError, match="must be >= 1"):
+        LLM(tensor_parallel_size=0, show_progress=False, **SMALL)
