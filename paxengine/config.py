@@ -38,6 +38,10 @@ class EngineConfig:
     # devices one model is split over (Megatron-style, paxengine/parallel.py): must divide the
     # attention heads and the intermediate size; KV heads are copied when there are fewer
     tensor_parallel_size: int = 1
+    # replicas of the model behind one AsyncEngine-like client (paxengine/data_parallel.py), each
+    # on its own tensor_parallel_size devices; requests go where their prefix is cached
+    data_parallel_size: int = 1
+    first_device: int = 0  # this engine's first device (replica r: r * tensor_parallel_size)
     dispatch_thread: bool = False  # launch steps from a worker thread (see EngineCore.step)
     seed: int = 0
     served_model_name: str | None = None

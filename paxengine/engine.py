@@ -63,6 +63,12 @@ class EngineCore:
             else (config or EngineConfig())
         )
         self.config = cfg
+        if cfg.data_parallel_size != 1:
+            raise ValueError(
+                "an EngineCore (and LLM) runs one replica: data_parallel_size > 1 is served by "
+                "paxengine.data_parallel.DataParallelEngine (`paxengine serve "
+                "--data-parallel-size N`)"
+            )
         on_gpu = jax.default_backend() == "gpu"
         dtype = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if on_gpu else "float32")
         if dtype not in _DTYPES or dtype == "fp8":
@@ -128,7 +134,9 @@ class EngineCore:
             layers = {**params["layers"], "kv_scale": jnp.asarray(self.kv_scales)}
             params = {**params, "layers": layers}
             log.info("fp8 KV cache, %s scales: %s", scales_from, kv_scales.describe(self.kv_scales))
-        tp = parallel.make_tensor_parallel(cfg.tensor_parallel_size, loaded.config)
+        tp = parallel.make_tensor_parallel(
+            cfg.tensor_parallel_size, loaded.config, cfg.first_device
+        )
         if tp is not None:
             params = parallel.copy_kv_heads(params, loaded.config, tp)
         if resolve_layer_loop(cfg.layer_loop) == "unroll":
@@ -156,6 +164,7 @@ class EngineCore:
             num_kv_blocks=cfg.num_kv_blocks,
             kv_cache_memory_bytes=cfg.kv_cache_memory_bytes,
             gpu_memory_utilization=cfg.gpu_memory_utilization,
+            device=tp.mesh.devices.flat[0] if tp is not None else None,
         )
         self.kv = KVCacheManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         tb = cfg.token_buckets or token_buckets(max_tokens)

@@ -129,6 +129,21 @@ class KVCacheManager:
             return None
         return e
 
+    def cached_prefix_blocks(self, token_ids) -> int:
+        """How many leading full blocks of `token_ids` this cache holds, by key only: a routing
+        hint for another thread (reads the index, changes nothing; `find_cached_prefix` is the
+        checked lookup the scheduler uses)."""
+        if not self.enable_prefix_caching:
+            return 0
+        w = self.block_size
+        buf, parent, n = token_bytes(list(token_ids)[: len(token_ids) // w * w]), ROOT_HASH, 0
+        for i in range(len(token_ids) // w):
+            parent = hash_block(parent, buf[4 * w * i : 4 * w * (i + 1)])
+            if self.cached.get(parent) is None:
+                break
+            n += 1
+        return n
+
     def find_cached_prefix(self, req: Request) -> list[int]:
         """Blocks holding the longest cached prefix of the request (at least one token is always
         left to compute, so the step still produces logits). A block whose key matches is taken

@@ -59,11 +59,15 @@ class TensorParallel:
         return jax.lax.psum(x, AXIS)
 
 
-def make_tensor_parallel(size: int, cfg: ModelConfig) -> TensorParallel | None:
-    """None for size 1; else the mesh over the first `size` devices, or a clear error."""
+def make_tensor_parallel(
+    size: int, cfg: ModelConfig, first_device: int = 0
+) -> TensorParallel | None:
+    """The mesh over devices [first_device, first_device + size), or a clear error; None for
+    one device at index 0 (the plain single-device path). A one-device mesh elsewhere is how a
+    data-parallel replica is pinned to its device."""
     if size < 1:
         raise ValueError(f"tensor_parallel_size must be >= 1, got {size}")
-    if size == 1:
+    if size == 1 and first_device == 0:
         return None
     for what, n in (
         ("attention heads", cfg.num_heads),
@@ -77,15 +81,17 @@ def make_tensor_parallel(size: int, cfg: ModelConfig) -> TensorParallel | None:
             f"tensor_parallel_size={size} and the KV heads ({kv}): one must divide the other"
         )
     devices = jax.devices()
-    if size > len(devices):
+    if first_device + size > len(devices):
         raise ValueError(
-            f"tensor_parallel_size={size} needs {size} devices; this process sees "
-            f"{len(devices)} ({devices[0].platform})"
+            f"tensor_parallel_size={size} from device {first_device} needs "
+            f"{first_device + size} devices; this process sees {len(devices)} "
+            f"({devices[0].platform})"
         )
-    kinds = sorted({d.device_kind for d in devices[:size]})
+    mine = devices[first_device : first_device + size]
+    kinds = sorted({d.device_kind for d in mine})
     if len(kinds) > 1:
         raise ValueError(f"tensor parallelism over mixed device kinds {kinds} is not supported")
-    return TensorParallel(Mesh(np.array(devices[:size]), (AXIS,)), size)
+    return TensorParallel(Mesh(np.array(mine), (AXIS,)), size)
 
 
 def _copy_kv_heads(w, copies: int, head_dim: int):

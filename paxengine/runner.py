@@ -146,6 +146,9 @@ class Runner:
         (params prepared by `parallel.copy_kv_heads` and fused per shard); they and the cache
         are placed on its mesh here."""
         self.tp = tp
+        # where the steps run, in every executable's key: the same shapes on other devices (a
+        # data-parallel replica) or under other shardings need executables of their own
+        self.placement = tuple(d.id for d in tp.mesh.devices.flat) if tp is not None else ()
         self.cfg = cfg
         self.params = parallel.shard_params(params, tp) if tp is not None else params
         self.block_size = block_size
@@ -193,8 +196,14 @@ class Runner:
         return i32(T), i32(T), md, i32(S), i32(T), i32(self.max_rows)
 
     def _sampler_key(self, S: int, flags) -> tuple:
-        tp = self.tp.size if self.tp is not None else 1
-        return (S, self.cfg.vocab_size, self.history_len, self.max_rows, tuple(flags), tp)
+        return (
+            S,
+            self.cfg.vocab_size,
+            self.history_len,
+            self.max_rows,
+            tuple(flags),
+            self.placement,
+        )
 
     def _lower_sampler(self, S: int, flags):
         max_rows = self.max_rows
@@ -261,8 +270,7 @@ class Runner:
 
     def _forward_job(self, T: int, S: int):
         args = (self.params, self.kv_cache, *self._abstract_inputs(T, S))
-        tp = self.tp.size if self.tp is not None else 1  # same shapes, other shardings
-        static = (self.cfg, self.backend, self.max_blocks_per_seq, self.max_rows, tp)
+        static = (self.cfg, self.backend, self.max_blocks_per_seq, self.max_rows, self.placement)
         key = self.store.key("forward", static, args) if self.store is not None else None
         return key, lambda: self._forward.lower(*args)
 
@@ -329,14 +337,16 @@ def plan_num_blocks(
     num_kv_blocks: int | None,
     kv_cache_memory_bytes: int | None,
     gpu_memory_utilization: float,
+    device=None,
 ) -> int:
-    """The pool size: explicit, from a byte budget, or from free device memory."""
+    """The pool size: explicit, from a byte budget, or from free memory of `device` (default
+    the first)."""
     if num_kv_blocks:
         return int(num_kv_blocks)
     per_block = kv_bytes_per_block(cfg, block_size, kv_dtype)
     if kv_cache_memory_bytes:
         return max(1, int(kv_cache_memory_bytes // per_block))
-    dev = jax.devices()[0]
+    dev = device if device is not None else jax.devices()[0]
     stats = dev.memory_stats() if hasattr(dev, "memory_stats") else None
     if dev.platform == "gpu" and stats and "bytes_limit" in stats:
         reserve = int(os.environ.get("PAXENGINE_ACTIVATION_RESERVE", 4 << 30))

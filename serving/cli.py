@@ -64,6 +64,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     e.add_argument("--quantization", choices=["fp8"])
     e.add_argument(
+        "--data-parallel-size",
+        "-dp",
+        type=int,
+        help="replicas of the model, each on its own --tensor-parallel-size devices; requests "
+        "go to the replica holding their prefix",
+    )
+    e.add_argument(
         "--tensor-parallel-size",
         "-tp",
         type=int,
@@ -167,12 +174,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     import uvicorn
 
     from paxengine.async_engine import AsyncEngine
+    from paxengine.data_parallel import DataParallelEngine
     from serving.app import build_app
 
     log.info("engine config: %s", ecfg)
     t0 = time.perf_counter()
     try:
-        engine = AsyncEngine(ecfg)  # loads the model and compiles the buckets
+        # loads the model and compiles the buckets (each replica's)
+        engine = DataParallelEngine(ecfg) if ecfg.data_parallel_size > 1 else AsyncEngine(ecfg)
     except (ValueError, FileNotFoundError, NotImplementedError) as e:
         log.error("cannot start the engine: %s", e)
         return 2

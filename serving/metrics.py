@@ -87,14 +87,16 @@ class _EngineStatsCollector:
         except Exception:  # a scrape must never fail because the engine is unwell
             stats = {}
         names, values = list(self.labels), list(self.labels.values())
-        for name, key, doc in _GAUGES:
-            g = GaugeMetricFamily(f"{self.prefix}:{name}", doc, labels=names)
-            g.add_metric(values, float(stats.get(key, 0) or 0))
-            yield g
-        for name, key, doc in _COUNTERS:
-            c = CounterMetricFamily(f"{self.prefix}:{name}", doc, labels=names)
-            c.add_metric(values, float(stats.get(key, 0) or 0))
-            yield c
+        rows = [(values, stats)]
+        if "replicas" in stats:  # data-parallel replicas: a series each, labelled as vLLM does
+            names = names + ["engine"]
+            rows = [(values + [str(i)], s) for i, s in enumerate(stats["replicas"])]
+        for family, specs in ((GaugeMetricFamily, _GAUGES), (CounterMetricFamily, _COUNTERS)):
+            for name, key, doc in specs:
+                m = family(f"{self.prefix}:{name}", doc, labels=names)
+                for vals, st in rows:
+                    m.add_metric(vals, float(st.get(key, 0) or 0))
+                yield m
 
 
 class ServerMetrics:

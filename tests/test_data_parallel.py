@@ -1,0 +1,65 @@
+"""Data-parallel replicas (issue #19) on 2 simulated CPU devices: each replica on its own device,
+both serve, a shared prefix stays on the replica that cached it, and per-replica metrics."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from paxengine import LLM
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SMALL = dict(
+    max_model_len=256,
+    max_num_seqs=4,
+    max_num_batched_tokens=64,
+    token_buckets=[16, 64],
+    seq_buckets=[4],
+    num_kv_blocks=64,
+    attention_backend="xla",
+)
+
+
+@pytest.fixture(scope="module")
+def dp(tmp_path_factory):
+    cache = str(tmp_path_factory.mktemp("dp"))
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2"
+    env["PAXENGINE_CACHE"] = cache
+    small = dict(SMALL, compilation_cache_dir=os.path.join(cache, "jax"))
+    proc = subprocess.run(
+        [sys.executable, os.path.join(HERE, "dp_worker.py"), json.dumps(small)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    return json.loads(lines[-1][len("RESULT ") :])
+
+
+def test_each_replica_runs_on_its_own_device(dp):
+    assert dp["devices"] == [[0], [1]]
+
+
+def test_a_shared_prefix_stays_on_the_replica_that_cached_it(dp):
+    # the first request went to one replica; the three sharing its prefix followed it
+    assert dp["routed_prefix"] == [2, 3, 4] and dp["by_prefix"] == 3
+
+
+def test_both_replicas_serve_and_answer_as_one_engine(dp):
+    assert all(n > 0 for n in dp["routed"]) and sum(dp["routed"]) == 8
+    assert dp["texts"] == dp["single"]
+
+
+def test_metrics_per_replica(dp):
+    engines = sorted(ln.split('engine="')[1].split('"')[0] for ln in dp["metrics"])
+    assert engines == ["0", "1"]
+
+
+def test_one_engine_core_refuses_data_parallel():
+    with pytest.raises(ValueError, match="runs one replica"):
+        LLM(data_parallel_size=2, show_progress=False)
