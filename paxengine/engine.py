@@ -19,7 +19,7 @@ from paxengine.errors import InvalidRequest
 from paxengine.executables import ExecutableStore
 from paxengine.kv_cache import KVCacheManager
 from paxengine.models.loader import load_model
-from paxengine.models.quant import GEMV_MAX_ROWS, W8A8_MIN_ROWS, weight_dtype
+from paxengine.models.quant import GEMV_MAX_ROWS, W8A8_MIN_ROWS, fp8_units, weight_dtype
 from paxengine.models.weights import unstack_layers
 from paxengine.output import RequestGroup, SequenceOutput
 from paxengine.outputs import RequestOutput
@@ -141,7 +141,13 @@ class EngineCore:
             params = parallel.copy_kv_heads(params, loaded.config, tp)
         if resolve_layer_loop(cfg.layer_loop) == "unroll":
             params = unstack_layers(params, shards=tp.size if tp is not None else 1)
-        if weight_dtype(params) == "fp8_e4m3":  # quantized at load, or an FP8 checkpoint's
+        if weight_dtype(params) == "fp8_e4m3" and on_gpu and not fp8_units():
+            log.warning(
+                "fp8 weights on %s, which has no FP8 tensor cores: every matmul upcasts them "
+                "(half the weight memory, not faster)",
+                jax.devices()[0].device_kind,
+            )
+        elif weight_dtype(params) == "fp8_e4m3":  # quantized at load, or an FP8 checkpoint's
             log.info(
                 "%s weights (%s): e4m3 projections with per-output-channel scales; buckets of "
                 ">= %d tokens run FP8 GEMMs with per-token activation scales, %s%s",

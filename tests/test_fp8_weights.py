@@ -19,6 +19,7 @@ from paxengine.models.quant import (
     concat_out,
     dequantize,
     fp8_path,
+    fp8_units,
     linear,
     matmul_fp8,
     quantize_fp8,
@@ -95,6 +96,9 @@ def test_each_bucket_size_takes_the_measured_path():
     assert fp8_path(GEMV_MAX_ROWS + 1, on_gpu=True) == "w8a16"  # XLA's upcast wins there
     assert fp8_path(W8A8_MIN_ROWS - 1, on_gpu=True) == "w8a16"
     assert fp8_path(1, on_gpu=False) == "w8a16"  # the Pallas GEMV is for GPUs
+    # a GPU without FP8 units (an A100) upcasts every matmul; the CPU keeps the FP8 math
+    assert {fp8_path(m, True, has_fp8_units=False) for m in (1, 16, 64, 512)} == {"w8a16"}
+    assert not fp8_units()  # this CPU
     with pytest.raises(ValueError, match="unknown fp8 matmul path"):
         matmul_fp8(jnp.ones((1, 4)), quantize_fp8(jnp.ones((4, 4))), "w4a4")
 
@@ -123,7 +127,7 @@ def pin_path(monkeypatch):
     """Every matmul of an Fp8Weight through one path, whatever its row count."""
 
     def pin(path: str):
-        monkeypatch.setattr(quant, "fp8_path", lambda rows, on_gpu: path)
+        monkeypatch.setattr(quant, "fp8_path", lambda *args: path)
         jax.clear_caches()  # executables traced under another path must not be reused
 
     yield pin
@@ -194,3 +198,32 @@ def test_engine_with_fp8_weights_matches_its_oracle(smollm, fp8_params, pin_path
 def test_unknown_quantization_is_refused_by_name():
     with pytest.raises(ValueError, match="'int4' is not supported"):
         LLM(quantization="int4", show_progress=False)
+
+
+def test_fp8_weights_and_kv_survive_preemption_and_prefix_hits():
+    """FP8 weights and KV with a pool too small for the batch (preemption and recompute) and
+    prefix caching on: the same greedy tokens as a roomy engine, and cached prefixes reused."""
+    kw = dict(
+        quantization="fp8",
+        kv_cache_dtype="fp8",
+        max_model_len=128,
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
+        token_buckets=[16, 32],
+        seq_buckets=[4],
+        show_progress=False,
+        attention_backend="xla",
+    )
+    # a shared preamble of more than one 16-token block: the second run hits the cache
+    preamble = "You are a helpful assistant. Answer in one short sentence and be precise. "
+    prompts = [preamble + p for p in PROMPTS[:4]]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    roomy = LLM(num_kv_blocks=64, **kw)
+    want = [o.outputs[0].token_ids for o in roomy.generate(prompts, params, use_tqdm=False)]
+    tight = LLM(num_kv_blocks=9, **kw)
+    got = [o.outputs[0].token_ids for o in tight.generate(prompts, params, use_tqdm=False)]
+    assert tight.engine.scheduler.num_preemptions > 0
+    assert got == want
+    hits = roomy.engine.kv.prefix_hits  # (the tight pool has evicted them by now)
+    again = [o.outputs[0].token_ids for o in roomy.generate(prompts[:1], params, use_tqdm=False)]
+    assert again == want[:1] and roomy.engine.kv.prefix_hits > hits

@@ -82,8 +82,21 @@ GEMV_MAX_ROWS = 1
 W8A8_MIN_ROWS = 64
 
 
-def fp8_path(rows: int, on_gpu: bool) -> str:
-    """ "w8a8" | "gemv" | "w8a16" for a matmul of `rows` activation rows."""
+def fp8_units(device=None) -> bool:
+    """Whether the GPU has FP8 tensor cores and fp8 loads (NVIDIA compute capability 8.9+:
+    Ada, Hopper, Blackwell). An A100 (8.0) has neither."""
+    d = device if device is not None else jax.devices()[0]
+    try:
+        return d.platform == "gpu" and float(d.compute_capability) >= 8.9
+    except (AttributeError, TypeError, ValueError):
+        return False
+
+
+def fp8_path(rows: int, on_gpu: bool, has_fp8_units: bool = True) -> str:
+    """ "w8a8" | "gemv" | "w8a16" for a matmul of `rows` activation rows. A GPU without FP8
+    units upcasts every matmul (the CPU still takes the FP8 paths' math, so tests cover it)."""
+    if on_gpu and not has_fp8_units:
+        return "w8a16"
     if rows >= W8A8_MIN_ROWS:
         return "w8a8"
     if on_gpu and rows <= GEMV_MAX_ROWS:
@@ -122,7 +135,8 @@ def matmul_fp8(x: jax.Array, w: Fp8Weight, path: str) -> jax.Array:
 def linear(x: jax.Array, w) -> jax.Array:
     """x [M, in] @ w for a plain [in, out] weight or an Fp8Weight."""
     if isinstance(w, Fp8Weight):
-        return matmul_fp8(x, w, fp8_path(x.shape[0], jax.default_backend() == "gpu"))
+        on_gpu = jax.default_backend() == "gpu"
+        return matmul_fp8(x, w, fp8_path(x.shape[0], on_gpu, on_gpu and fp8_units()))
     return x @ w
 
 
