@@ -42,6 +42,11 @@ class EngineConfig:
     # on its own tensor_parallel_size devices; requests go where their prefix is cached
     data_parallel_size: int = 1
     first_device: int = 0  # this engine's first device (replica r: r * tensor_parallel_size)
+    # several hosts, one process each (the names of jax.distributed.initialize); every process
+    # runs the same LLM script over one mesh of all their devices (offline, SPMD)
+    coordinator_address: str | None = None
+    num_processes: int = 1
+    process_id: int = 0
     dispatch_thread: bool = False  # launch steps from a worker thread (see EngineCore.step)
     seed: int = 0
     served_model_name: str | None = None

@@ -69,6 +69,7 @@ class EngineCore:
                 "paxengine.data_parallel.DataParallelEngine (`paxengine serve "
                 "--data-parallel-size N`)"
             )
+        parallel.init_distributed(cfg.coordinator_address, cfg.num_processes, cfg.process_id)
         on_gpu = jax.default_backend() == "gpu"
         dtype = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if on_gpu else "float32")
         if dtype not in _DTYPES or dtype == "fp8":
@@ -139,6 +140,9 @@ class EngineCore:
         )
         if tp is not None:
             params = parallel.copy_kv_heads(params, loaded.config, tp)
+        if jax.process_count() > 1 and store is not None:
+            log.info("several processes: the executable store is off (one-process executables)")
+            store = None
         if resolve_layer_loop(cfg.layer_loop) == "unroll":
             params = unstack_layers(params, shards=tp.size if tp is not None else 1)
         if weight_dtype(params) == "fp8_e4m3" and on_gpu and not fp8_units():

@@ -59,6 +59,21 @@ class TensorParallel:
         return jax.lax.psum(x, AXIS)
 
 
+def init_distributed(coordinator_address: str | None, num_processes: int, process_id: int) -> None:
+    """One JAX runtime over several processes (hosts), before anything touches a device:
+    `jax.distributed.initialize` with the same names. CPU processes exchange through gloo."""
+    if num_processes <= 1:
+        return
+    if not coordinator_address:
+        raise ValueError("num_processes > 1 needs coordinator_address (host:port of process 0)")
+    if not 0 <= process_id < num_processes:
+        raise ValueError(f"process_id must be in [0, {num_processes}), got {process_id}")
+    if jax.distributed.is_initialized():
+        return
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # the CPU client's only
+    jax.distributed.initialize(coordinator_address, num_processes, process_id)
+
+
 def make_tensor_parallel(
     size: int, cfg: ModelConfig, first_device: int = 0
 ) -> TensorParallel | None:
@@ -163,10 +178,12 @@ def param_specs(params: dict) -> dict:
 
 
 def shard_params(params: dict, tp: TensorParallel) -> dict:
-    """The params placed on the mesh by their specs."""
+    """The params placed on the mesh by their specs. Across processes each one places the same
+    host copy (every process loaded the same checkpoint), keeping its own shards."""
     specs = param_specs(params)
+    host = jax.process_count() > 1
     return jax.tree_util.tree_map(
-        lambda a, s: jax.device_put(a, tp.sharding(s)),
+        lambda a, s: jax.device_put(np.asarray(a) if host else a, tp.sharding(s)),
         params,
         specs,
         is_leaf=lambda x: isinstance(x, P),

@@ -159,7 +159,8 @@ class Runner:
         # the last step's samples, on device (every device of a tensor-parallel group)
         self.prev_tokens = jnp.zeros(self.max_rows, jnp.int32)
         if tp is not None:
-            self.prev_tokens = jax.device_put(self.prev_tokens, tp.sharding(P()))
+            zeros = np.zeros(self.max_rows, np.int32)  # host data: the mesh may span processes
+            self.prev_tokens = jax.device_put(zeros, tp.sharding(P()))
         self.backend = resolve_backend(attention_backend)
         self.layer_loop = "unroll" if is_per_layer(params) else "scan"
         self.kv_cache = allocate_kv_cache(
@@ -320,7 +321,10 @@ class Runner:
     @staticmethod
     def fetch(result) -> tuple[np.ndarray, ...]:
         """The one host transfer of a step."""
-        return tuple(np.asarray(x) for x in jax.device_get(result))
+        if all(x.is_fully_addressable for x in result):
+            return tuple(np.asarray(x) for x in jax.device_get(result))
+        # several processes (one host each): the samples are replicated, this host's copy is all
+        return tuple(np.asarray(x.addressable_data(0)) for x in result)
 
 
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, kv_dtype) -> int:

@@ -178,6 +178,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     from serving.app import build_app
 
     log.info("engine config: %s", ecfg)
+    if ecfg.num_processes > 1:
+        log.error(
+            "cannot start the engine: serving over several processes (num_processes=%d) is not "
+            "implemented yet; run the offline LLM on every host (SPMD), or one server a host "
+            "with --data-parallel-size",
+            ecfg.num_processes,
+        )
+        return 2
     t0 = time.perf_counter()
     try:
         # loads the model and compiles the buckets (each replica's)

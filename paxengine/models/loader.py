@@ -452,7 +452,7 @@ def _write_cache(
                     }
                 )
             )
-        tmp = dst / "params.safetensors.tmp"
+        tmp = dst / f"params.safetensors.tmp{os.getpid()}"  # processes may race
         # Dense weights float32 on disk (exact for every source format; the dtype cast happens
         # on load); FP8 weights as they are: e4m3 values as bytes, float32 scales.
         tensors = {}

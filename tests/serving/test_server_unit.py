@@ -207,6 +207,15 @@ def test_cli_main_exit_codes(capsys):
     assert main(["--performance-mode", "turbo"]) == 2
 
 
+def test_serving_over_several_processes_is_refused_by_name(tmp_path, caplog):
+    from serving.cli import main
+
+    y = tmp_path / "mh.yaml"
+    y.write_text("num_processes: 2\ncoordinator_address: 127.0.0.1:1\n")
+    assert main(["--config", str(y)]) == 2
+    assert "serving over several processes (num_processes=2) is not implemented" in caplog.text
+
+
 def test_cli_main_wires_engine_app_and_uvicorn(monkeypatch, tmp_path, caplog):
     """`paxengine serve` with the engine and uvicorn replaced: flags reach both, start-up is logged."""
     import logging

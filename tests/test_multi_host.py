@@ -1,0 +1,73 @@
+"""Several hosts (issue #19), as three processes with one CPU device each on loopback (gloo
+collectives): one mesh over the three, TP=3, every process running the same LLM script
+(SPMD) gets the tokens one process gets alone."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from paxengine import LLM, SamplingParams
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ENGINE = dict(
+    max_model_len=128,
+    max_num_seqs=4,
+    max_num_batched_tokens=32,
+    token_buckets=[16, 32],
+    seq_buckets=[4],
+    num_kv_blocks=64,
+    attention_backend="xla",
+    layer_loop="unroll",
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_three_processes_tp3_generate_what_one_process_does(tmp_path):
+    engine = dict(ENGINE, weights_cache_dir=str(tmp_path / "weights"))
+    one = LLM(show_progress=False, **engine)  # also fills the weights cache the others read
+    prompts = ["The capital of France is", "def fib(n):", "word " * 30]
+    params = SamplingParams(temperature=0, max_tokens=10)
+    want = [o.outputs[0].token_ids for o in one.generate(prompts, params, use_tqdm=False)]
+    coord = f"127.0.0.1:{_free_port()}"
+    env = dict(os.environ, PAXENGINE_CACHE=str(tmp_path))
+    args = json.dumps(dict(engine, tensor_parallel_size=3))
+    procs = [
+        subprocess.Popen(
+            [sys.executable, os.path.join(HERE, "mp_worker.py"), coord, "3", str(i), args],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(3)
+    ]
+    results = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=600)
+            lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
+            assert p.returncode == 0 and lines, err[-3000:]
+            results.append(json.loads(lines[-1][len("RESULT ") :]))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for r in results:
+        assert (r["processes"], r["devices"], r["local_cache_shards"]) == (3, 3, 1)
+        assert r["tokens"] == want
+
+
+def test_bad_multi_host_settings_are_named():
+    with pytest.raises(ValueError, match="needs coordinator_address"):
+        LLM(num_processes=2, show_progress=False)
+    with pytest.raises(ValueError, match=r"process_id must be in \[0, 2\)"):
+        LLM(num_processes=2, process_id=2, coordinator_address="127.0.0.1:1", show_progress=False)
