@@ -3,42 +3,20 @@ both serve, a shared prefix stays on the replica that cached it, and per-replica
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
+from devices import SMALL, run_worker
 
 from paxengine import LLM
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-SMALL = dict(
-    max_model_len=256,
-    max_num_seqs=4,
-    max_num_batched_tokens=64,
-    token_buckets=[16, 64],
-    seq_buckets=[4],
-    num_kv_blocks=64,
-    attention_backend="xla",
-)
+SMALL_DP = dict(SMALL, max_model_len=256, max_num_batched_tokens=64, token_buckets=[16, 64])
 
 
 @pytest.fixture(scope="module")
 def dp(tmp_path_factory):
     cache = str(tmp_path_factory.mktemp("dp"))
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2"
-    env["PAXENGINE_CACHE"] = cache
-    small = dict(SMALL, compilation_cache_dir=os.path.join(cache, "jax"))
-    proc = subprocess.run(
-        [sys.executable, os.path.join(HERE, "dp_worker.py"), json.dumps(small)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    return json.loads(lines[-1][len("RESULT ") :])
+    small = dict(SMALL_DP, compilation_cache_dir=os.path.join(cache, "jax"))
+    return run_worker("dp_worker.py", [json.dumps(small)], 2, cache)
 
 
 def test_each_replica_runs_on_its_own_device(dp):

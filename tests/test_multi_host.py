@@ -9,20 +9,12 @@ import subprocess
 import sys
 
 import pytest
+from devices import SMALL
 
 from paxengine import LLM, SamplingParams
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ENGINE = dict(
-    max_model_len=128,
-    max_num_seqs=4,
-    max_num_batched_tokens=32,
-    token_buckets=[16, 32],
-    seq_buckets=[4],
-    num_kv_blocks=64,
-    attention_backend="xla",
-    layer_loop="unroll",
-)
+ENGINE = dict(SMALL, layer_loop="unroll")
 
 
 def _free_port() -> int:

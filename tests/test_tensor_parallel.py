@@ -3,42 +3,19 @@ generates the same greedy tokens as on one, with its weights and KV cache really
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
+from devices import SMALL, run_worker
 
 from paxengine import LLM
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-SMALL = dict(
-    max_model_len=128,
-    max_num_seqs=4,
-    max_num_batched_tokens=32,
-    token_buckets=[16, 32],
-    seq_buckets=[4],
-    num_kv_blocks=64,
-    attention_backend="xla",
-)
 PROMPTS = ["The capital of France is", "def fib(n):", "word " * 30]  # the last in two chunks
 
 
 def run_on_devices(n: int, runs: list[dict], cache_dir: str) -> list[dict]:
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={n}"
-    env["PAXENGINE_CACHE"] = cache_dir  # a store and weights cache of this test's own
     for r in runs:
         r["engine"].setdefault("compilation_cache_dir", os.path.join(cache_dir, "jax"))
-    proc = subprocess.run(
-        [sys.executable, os.path.join(HERE, "tp_worker.py"), json.dumps(runs)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    return json.loads(lines[-1][len("RESULT ") :])
+    return run_worker("tp_worker.py", [json.dumps(runs)], n, cache_dir)
 
 
 @pytest.fixture(scope="module")
