@@ -18,6 +18,9 @@ Stages (each in its own process, so each frees the GPU's memory for the next):
   vllm-serve    `vllm serve` + the same bench client and workload
   pax-offline-fp8, vllm-offline-fp8
                 the offline workloads with FP8 weights and an FP8 KV cache (workloads "fp8")
+  pax-offline-tp2, vllm-offline-tp2
+                the offline workloads with the model split over two GPUs (workloads "tp2";
+                run on the nvidia-h200-x2 kind)
   pax-poisson   `paxengine serve` under Poisson arrivals at 4, 8, 16 req/s, lengths drawn
                 around 1024/256 (range ratio 0.9)                                (serving.py)
   vllm-poisson  the same on `vllm serve`
@@ -53,6 +56,8 @@ STAGES = {
     "vllm-offline": offline.stage_vllm_offline,
     "pax-offline-fp8": partial(offline.stage_pax_offline, variant="fp8"),
     "vllm-offline-fp8": partial(offline.stage_vllm_offline, variant="fp8"),
+    "pax-offline-tp2": partial(offline.stage_pax_offline, variant="tp2"),
+    "vllm-offline-tp2": partial(offline.stage_vllm_offline, variant="tp2"),
     "vllm-serve": serving.stage_vllm_serve,
     "pax-poisson": serving.stage_pax_poisson,
     "vllm-poisson": serving.stage_vllm_poisson,

@@ -113,7 +113,8 @@ def summary_rows(merged: dict) -> list[tuple[str, ...]]:
             ):
                 cell = (lambda r: f(r.get(a), fmt)) if b is None else (lambda r: pair(r, a, b, fmt))
                 rows.append((f"Poisson {rate:g} req/s {label}", cell(p), cell(v), "-", ""))
-    rows += fp8_rows(merged, f)
+    rows += variant_rows(merged, f, "fp8", "FP8", VLLM_PEER_FP8)
+    rows += variant_rows(merged, f, "tp2", "TP=2", {})
     sc = pax_s.get("server_compile_metrics_delta")
     pax_c = f(pax_o.get("jax_compiles_during_timed_runs"), "d") + " offline"
     if sc:
@@ -131,19 +132,20 @@ def summary_rows(merged: dict) -> list[tuple[str, ...]]:
     return rows
 
 
-def fp8_rows(merged: dict, f) -> list[tuple[str, ...]]:
-    """The FP8 stages' rows (FP8 weights and KV in both engines), when they ran."""
+def variant_rows(merged: dict, f, variant: str, label: str, ref: dict) -> list[tuple[str, ...]]:
+    """The rows of a variant's offline stages (pax-offline-<variant>, vllm-offline-<variant>),
+    when they ran: "fp8" (FP8 weights and KV in both engines), "tp2" (two GPUs)."""
     st = merged["stages"]
-    pax, vl = st.get("pax-offline-fp8") or {}, st.get("vllm-offline-fp8") or {}
+    pax, vl = st.get(f"pax-offline-{variant}") or {}, st.get(f"vllm-offline-{variant}") or {}
     if not pax and not vl:
         return []
-    ref = VLLM_PEER_FP8 if merged["spec"].get("preset") == "llama-3.1-8b" else {}
+    ref = ref if merged["spec"].get("preset") == "llama-3.1-8b" else {}
     rows = []
     for b in merged["spec"]["itl"]["batches"]:
         k = f"itl_batch{b}_ms"
         rows.append(
             (
-                f"FP8 batch-{b} ITL (ms)",
+                f"{label} batch-{b} ITL (ms)",
                 f(pax.get(k), ".2f"),
                 f(vl.get(k), ".2f"),
                 ref.get(k, "-"),
@@ -156,7 +158,7 @@ def fp8_rows(merged: dict, f) -> list[tuple[str, ...]]:
             f(((r.get("offline") or {}).get(n) or {}).get("output_tok_s"), ",.0f")
             for r in (pax, vl)
         ]
-        rows.append((f"FP8 offline {n} output tok/s", *cells, ref.get(f"offline {n}", "-"), ""))
+        rows.append((f"{label} offline {n} output tok/s", *cells, ref.get(f"offline {n}", "-"), ""))
     return rows
 
 

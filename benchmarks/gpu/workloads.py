@@ -54,6 +54,11 @@ FULL = {
         "pax_engine": {"quantization": "fp8", "kv_cache_dtype": "fp8"},
         "vllm_engine": {"quantization": "fp8", "kv_cache_dtype": "fp8"},
     },
+    # the two-GPU stages (issue #19; device kind nvidia-h200-x2): the same model split in two
+    "tp2": {
+        "pax_engine": {"tensor_parallel_size": 2},
+        "vllm_engine": {"tensor_parallel_size": 2},
+    },
     "copy_mib": 2048,
     "matmul_n": 8192,
     "iters": 20,
@@ -105,6 +110,10 @@ QUICK = {
     "fp8": {
         "pax_engine": {"quantization": "fp8", "kv_cache_dtype": "fp8"},
         "vllm_engine": {"quantization": "fp8", "kv_cache_dtype": "fp8"},
+    },
+    "tp2": {  # the tiny preset's 4 heads, 2 KV heads and 128 channels split in two
+        "pax_engine": {"tensor_parallel_size": 2},
+        "vllm_engine": {"tensor_parallel_size": 2},
     },
     "copy_mib": 16,
     "matmul_n": 256,

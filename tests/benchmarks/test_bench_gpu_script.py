@@ -4,6 +4,7 @@ the shell scripts, the HF stage on CPU; and the kernel benchmarks' CPU-runnable 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -287,3 +288,36 @@ def test_kernels_compare_brackets_fa3(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "| a | 100.0 / 120.0 | 110.0 | 1.00x (0.92-1.10) |" in r.stdout
     assert json.loads((tmp_path / "cmp.json").read_text())["rows"][0]["name"] == "a"
+
+
+def test_fp8_and_two_device_stages_run_and_report(tmp_path):
+    """The stages the next GPU leases run (FP8 weights + KV; the model over two devices), at
+    CPU size with two simulated devices: both finish, and the report has their rows."""
+    env = dict(os.environ, PAXENGINE_CACHE=str(tmp_path / "cache"))
+    env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2"
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.gpu.main",
+            "--quick",
+            "--stages",
+            "pax-offline-fp8,pax-offline-tp2",
+            "--out",
+            str(tmp_path / "out"),
+            "--work",
+            str(tmp_path / "work"),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert r.returncode == 0, r.stderr[-3000:] + r.stdout[-3000:]
+    merged = json.loads((tmp_path / "out" / "gpu_bench.json").read_text())
+    for stage in ("pax-offline-fp8", "pax-offline-tp2"):
+        assert merged["stages"][stage]["ok"], merged["stages"][stage]
+        assert merged["stages"][stage]["jax_compiles_during_timed_runs"] == 0
+    table = report.markdown_table(merged)
+    assert "| FP8 batch-1 ITL (ms) |" in table and "| TP=2 offline 8x(32,8) output tok/s |" in table
