@@ -26,7 +26,7 @@ from paxengine.outputs import RequestOutput
 from paxengine.request import Request
 from paxengine.runner import (
     Runner,
-    compile_count,
+    compiles_after_warmup,
     enable_persistent_cache,
     plan_num_blocks,
     resolve_layer_loop,
@@ -260,7 +260,7 @@ class EngineCore:
             "prompt_tokens": self.prompt_tokens_total,
             "generation_tokens": self.generation_tokens_total,
             "steps": self.steps,
-            "xla_compiles_after_warmup": compile_count() - self.runner.compiles_after_warmup,
+            "xla_compiles_after_warmup": compiles_after_warmup(),
         }
 
     # -- requests -------------------------------------------------------------------------------

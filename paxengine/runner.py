@@ -32,6 +32,7 @@ from paxengine.models.weights import is_per_layer
 from paxengine.sampling import ALL_FLAGS, SamplingTensors, abstract_sampling_tensors, sample
 
 _compile_count = 0
+_warm_at = 0  # the count when the latest runner of this process finished warming up
 _SAMPLERS: dict[tuple, object] = {}  # (S, V, history, rows, flags) -> compiled, per process
 
 
@@ -47,6 +48,12 @@ jax.monitoring.register_event_duration_secs_listener(_count_compiles)
 def compile_count() -> int:
     """XLA backend compiles in this process so far (tests assert it stays flat after warm-up)."""
     return _compile_count
+
+
+def compiles_after_warmup() -> int:
+    """Compiles since the last runner of this process was warm: one replica's warm-up is not
+    another's recompile (data-parallel replicas share the process and the counter)."""
+    return _compile_count - _warm_at
 
 
 def enable_persistent_cache(path: str | None) -> Path | None:
@@ -172,7 +179,8 @@ class Runner:
         self.compile_seconds = self.trace_seconds = 0.0
         self.store = store
         self._compile_all(show_progress)
-        self.compiles_after_warmup = compile_count()
+        global _warm_at
+        _warm_at = compile_count()
 
     # -- the jitted step: a forward per (T, S) bucket, then a sampler per (S, flags) ------------
     def _forward_fn(

@@ -46,6 +46,9 @@ def main() -> None:
         assert not bad, bad
         res["texts"] = {p: o["choices"][0]["text"] for p, o in zip(prompts, outs)}
         res["routed"] = list(engine.routed)
+        res["compiles_after_warmup"] = [
+            r["xla_compiles_after_warmup"] for r in engine.stats()["replicas"]
+        ]
         res["metrics"] = [
             ln for ln in c.get("/metrics").text.splitlines() if "num_requests_running{" in ln
         ]

@@ -33,6 +33,10 @@ def test_both_replicas_serve_and_answer_as_one_engine(dp):
     assert dp["texts"] == dp["single"]
 
 
+def test_no_replica_counts_another_replicas_warm_up_as_a_recompile(dp):
+    assert dp["compiles_after_warmup"] == [0, 0]
+
+
 def test_metrics_per_replica(dp):
     engines = sorted(ln.split('engine="')[1].split('"')[0] for ln in dp["metrics"])
     assert engines == ["0", "1"]
