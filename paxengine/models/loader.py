@@ -104,10 +104,11 @@ def _to_device(params: dict, dtype: str) -> dict:
     return put("", params)
 
 
-def _has_dense_linear(params: dict) -> bool:
+def _dense_linear(params: dict) -> list[str]:
+    """The projections (of the first layer) that are not FP8 yet."""
     layers = params["layers"]
     first = layers[0] if isinstance(layers, list) else layers
-    return any(k in LINEAR_WEIGHTS and not isinstance(v, Fp8Weight) for k, v in first.items())
+    return [k for k, v in first.items() if k in LINEAR_WEIGHTS and not isinstance(v, Fp8Weight)]
 
 
 def load_model(
@@ -162,9 +163,8 @@ def load_model(
         meta = {"kv_scales": None, "prequantized": None}
     else:
         cfg, params, meta = _load_hf(path, progress)
-    if (quantization == "fp8" or meta["prequantized"]) and _has_dense_linear(params):
-        dense = [k for k, v in params["layers"].items() if k in LINEAR_WEIGHTS]
-        dense = [k for k in dense if not isinstance(params["layers"][k], Fp8Weight)]
+    dense = _dense_linear(params)
+    if (quantization == "fp8" or meta["prequantized"]) and dense:
         log.info("fp8: quantizing %s online (per output channel)", ", ".join(dense))
         params = quantize_params(params)
     check_shapes(params, cfg)
