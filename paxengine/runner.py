@@ -70,6 +70,22 @@ def enable_persistent_cache(path: str | None) -> Path | None:
     return d
 
 
+def xla_compile_options() -> dict | None:
+    """XLA options for every step's forward, from PAXENGINE_XLA_OPTIONS (a JSON object, e.g.
+    '{"xla_gpu_autotune_level": 0}'): for measuring what an option costs at compile and run
+    time on the GPU (benchmarks.profile.fp8_compile) without a rebuild. Part of the executable
+    store's key."""
+    raw = os.environ.get("PAXENGINE_XLA_OPTIONS", "").strip()
+    if not raw:
+        return None
+    import json
+
+    opts = json.loads(raw)
+    if not isinstance(opts, dict):
+        raise ValueError(f"PAXENGINE_XLA_OPTIONS must be a JSON object, got {raw!r}")
+    return opts
+
+
 def resolve_backend(name: str) -> str:
     """auto: the Pallas kernel on GPUs, the tiled XLA attention elsewhere."""
     if name not in ("auto", "reference", "pallas", "xla"):
@@ -262,7 +278,8 @@ class Runner:
                     t = time.perf_counter()
                     lowered = lower()
                     self.trace_seconds += time.perf_counter() - t
-                    futures[name] = (store_key, pool.submit(lowered.compile))
+                    opts = xla_compile_options() if name[0] == "fwd" else None
+                    futures[name] = (store_key, pool.submit(lowered.compile, opts))
                 else:
                     self._keep(name, exe)
                     bar.update(1)
@@ -280,6 +297,8 @@ class Runner:
     def _forward_job(self, T: int, S: int):
         args = (self.params, self.kv_cache, *self._abstract_inputs(T, S))
         static = (self.cfg, self.backend, self.max_blocks_per_seq, self.max_rows, self.placement)
+        if xla_compile_options():
+            static += (tuple(sorted(xla_compile_options().items())),)
         key = self.store.key("forward", static, args) if self.store is not None else None
         return key, lambda: self._forward.lower(*args)
 
