@@ -27,6 +27,7 @@ from paxengine import parallel
 from paxengine.batch import StepArrays, bucket_pairs, pick
 from paxengine.executables import ExecutableStore, bypassing_jax_cache
 from paxengine.models.config import ModelConfig
+from paxengine.models import quant
 from paxengine.models.llama import compute_logits, forward_hidden
 from paxengine.models.weights import is_per_layer
 from paxengine.sampling import ALL_FLAGS, SamplingTensors, abstract_sampling_tensors, sample
@@ -186,6 +187,7 @@ class Runner:
             self.prev_tokens = jax.device_put(zeros, tp.sharding(P()))
         self.backend = resolve_backend(attention_backend)
         self.layer_loop = "unroll" if is_per_layer(params) else "scan"
+        self.fp8 = quant.weight_dtype(params) == "fp8_e4m3"
         self.kv_cache = allocate_kv_cache(
             cfg, num_blocks, block_size, kv_dtype, self.layer_loop, tp
         )
@@ -278,7 +280,7 @@ class Runner:
                     t = time.perf_counter()
                     lowered = lower()
                     self.trace_seconds += time.perf_counter() - t
-                    opts = xla_compile_options() if name[0] == "fwd" else None
+                    opts = self._xla_options(name[1]) if name[0] == "fwd" else None
                     futures[name] = (store_key, pool.submit(lowered.compile, opts))
                 else:
                     self._keep(name, exe)
@@ -297,10 +299,16 @@ class Runner:
     def _forward_job(self, T: int, S: int):
         args = (self.params, self.kv_cache, *self._abstract_inputs(T, S))
         static = (self.cfg, self.backend, self.max_blocks_per_seq, self.max_rows, self.placement)
-        if xla_compile_options():
-            static += (tuple(sorted(xla_compile_options().items())),)
+        if self._xla_options(T):
+            static += (tuple(sorted(self._xla_options(T).items())),)
         key = self.store.key("forward", static, args) if self.store is not None else None
         return key, lambda: self._forward.lower(*args)
+
+    def _xla_options(self, T: int) -> dict | None:
+        """XLA options for the forward of a T-token bucket: FP8 weights' own (quant.xla_options),
+        then PAXENGINE_XLA_OPTIONS."""
+        opts = quant.xla_options(T) if self.fp8 else {}
+        return {**opts, **(xla_compile_options() or {})} or None
 
     def _sampler_job(self, S: int, flags):
         static = self._sampler_key(S, flags)

@@ -104,6 +104,21 @@ def fp8_path(rows: int, on_gpu: bool, has_fp8_units: bool = True) -> str:
     return "w8a16"
 
 
+def xla_options(rows: int) -> dict:
+    """XLA options for compiling a step of `rows` token rows with FP8 weights on the GPU. XLA
+    autotunes every fp8 x fp8 dot against its Triton GEMMs, and that grows with M: on the H200
+    (jax 0.11.2, `benchmarks.profile.fp8_compile`, 2 layers of Llama-3.1-8B) a 2048-row bucket
+    compiled in 52 s, and a whole 8B engine's 65 executables did not finish in 7 minutes. With
+    XLA's Triton GEMMs off the W8A8 buckets take cuBLASLt's FP8 GEMM as before, at the same step
+    time (64 / 320 / 2048 rows: 0.42 / 1.21 / 2.45 ms either way), compiled in 2-4 s. The W8A16
+    buckets keep them on: there the upcast fuses into a Triton GEMM (16 rows 0.25 ms; without it
+    0.90 ms)."""
+    on_gpu = jax.default_backend() == "gpu"
+    if on_gpu and fp8_path(rows, on_gpu, fp8_units()) == "w8a8":
+        return {"xla_gpu_enable_triton_gemm": False}
+    return {}
+
+
 def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Dynamic per-token activation scales: x [M, K] -> (e4m3 values, [M] f32 scales)."""
     xf = x.astype(jnp.float32)
