@@ -2,7 +2,9 @@
 reads the Perfetto trace it writes, and sums the device's kernel time per step by kind (matmul,
 our attention, KV write, other fusions, sampling sorts) and by kernel name.
 
-  python -m benchmarks.profile.trace [PRESET]      (GPU: llama-3.1-8b; CPU: tiny, host ops only)
+  [PROFILE_QUANT=fp8] python -m benchmarks.profile.trace [PRESET]
+      (GPU: llama-3.1-8b; CPU: tiny, host ops only; PROFILE_QUANT=fp8: FP8 weights and KV, and a
+      1-token bucket for the batch-1 step as the engine has)
 
 Three steps are traced: an 8,192-token prefill (8 prompts of 1,024), a 256-row decode at ~1k
 context (where the offline and serving benchmarks spend their time) and a batch-1 decode at ~140
@@ -12,6 +14,7 @@ and writes profile_trace.json to $OUT when set.
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 import time
@@ -80,19 +83,23 @@ def main() -> int:
     on_gpu = jax.default_backend() == "gpu"
     preset = sys.argv[1] if len(sys.argv) > 1 else ("llama-3.1-8b" if on_gpu else "tiny")
     prompt_len, rows, chunk = (1024, 256, 8192) if on_gpu else (64, 8, 256)
+    quant = os.environ.get("PROFILE_QUANT") or None
+    extra = {"quantization": quant, "kv_cache_dtype": quant} if quant else {}
     llm = LLM(
         model=f"dummy:{preset}",
         dtype="bfloat16" if on_gpu else "float32",
         max_model_len=2 * prompt_len + 64,
         max_num_seqs=rows,
         max_num_batched_tokens=chunk,
-        token_buckets=[16, rows, chunk],
+        token_buckets=[1, 16, rows, chunk] if quant else [16, rows, chunk],
         seq_buckets=[8, rows],
         num_kv_blocks=rows * (2 * prompt_len + 64) // 16,
         show_progress=False,
+        **extra,
     )
     eng = llm.engine
     res = {"preset": preset, "backend": jax.default_backend(), "jax": jax.__version__}
+    res["quantization"] = quant
     k = 0
 
     def prompt(i: int) -> list[int]:  # a distinct prompt per request: no prefix-cache hits
@@ -142,7 +149,7 @@ def main() -> int:
             print(f"  {kind:12s} {ms:8.2f} ms  {r['launches_per_step'][kind]:6.0f} launches")
         for kname, ms, kind, cnt in r["top_kernels_ms_per_step"][:20]:
             print(f"    {ms:8.3f} ms  x{cnt:<5.0f} {kind:10s} {kname[:80]}")
-    write_to_out(res, "profile_trace", quiet=True)
+    write_to_out(res, f"profile_trace_{quant}" if quant else "profile_trace", quiet=True)
     return 0
 
 
