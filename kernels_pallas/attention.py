@@ -110,7 +110,7 @@ def _rpa_kernel(
     row_ok = (tok < q_len) & (g < G)
     q_rows = jnp.where(row_ok, (q_start + tok) * Hq + h * G + jnp.minimum(g, G - 1), 0)
     q = q_ref[q_rows]  # [M, D]
-    q = jnp.where(row_ok[:, None], q, 0).astype(compute_dtype)
+    q = quantize_kv(jnp.where(row_ok[:, None], q, 0), compute_dtype)  # (fp16: clamped)
     q_pos = pos0 + tok  # [M]
 
     # KV range of the tile: causal end at its last query, sliding-window start at its first.
@@ -237,6 +237,19 @@ def _rpa_kernel(
         plt.store(l_ref.at[part_rows], l_i, mask=row_ok)
 
 
+def compute_dtype_for(q_dtype, kv_dtype):
+    """The dtype of the kernel's dot operands: f32 for f32 queries, fp16 over fp8 pages, else the
+    queries' own. An e4m3 value converts to fp16 in one instruction per pair (sm89+: cvt
+    f16x2.e4m3x2) but to bf16 only through f32: on the H200 the bf16 path read fp8 pages at
+    ~1.5 TB/s where bf16 pages go at ~4 (gpu_2026-12-01_fp8_engine). fp16 holds every e4m3
+    value exactly, and bf16 queries beyond its range are clamped (layout.quantize_kv)."""
+    if jnp.dtype(q_dtype) == jnp.float32:
+        return jnp.dtype(jnp.float32)
+    if jnp.dtype(kv_dtype).itemsize == 1:
+        return jnp.dtype(jnp.float16)
+    return jnp.dtype(q_dtype)
+
+
 def triton_attention(
     q,
     k_cache,
@@ -284,7 +297,7 @@ def triton_attention(
         sm_scale=float(sm_scale),
         sliding_window=None if sliding_window is None else int(sliding_window),
         soft_cap=None if soft_cap is None else float(soft_cap),
-        compute_dtype=jnp.float32 if q.dtype == jnp.float32 else q.dtype,
+        compute_dtype=compute_dtype_for(q.dtype, k_cache.dtype),
         pv_split=bool(tun.pv_split),
         split_mask=bool(tun.split_mask),
         reverse_tiles=bool(tun.reverse_tiles),

@@ -117,14 +117,23 @@ def main() -> int:
     a = p.parse_args()
     buckets = [tuple(int(x) for x in b.split("x")) for b in a.buckets.split(",")]
     if a._child:
-        print("RESULT " + json.dumps(child(a._child, a.layers, a.per_bucket_s, buckets)), flush=True)
+        print(
+            "RESULT " + json.dumps(child(a._child, a.layers, a.per_bucket_s, buckets)), flush=True
+        )
         return 0
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     results = []
     for name in a.variants.split(","):
         cmd = [sys.executable, "-m", "benchmarks.profile.fp8_compile", "--_child", name]
-        cmd += ["--layers", str(a.layers), "--per-bucket-s", str(a.per_bucket_s), "--buckets", a.buckets]
+        cmd += [
+            "--layers",
+            str(a.layers),
+            "--per-bucket-s",
+            str(a.per_bucket_s),
+            "--buckets",
+            a.buckets,
+        ]
         t = time.perf_counter()
         try:
             r = subprocess.run(cmd, capture_output=True, text=True, timeout=a.variant_timeout)
@@ -146,7 +155,10 @@ def main() -> int:
     (out / "fp8_compile.json").write_text(json.dumps(doc, indent=1))
     print(f"\n{'variant':22s} " + " ".join(f"{T}x{S}".rjust(16) for T, S in buckets))
     for r in results:
-        cells = {(b["T"], b["S"]): f"{b['compile_s']:.0f}s/{b['step_ms']:.2f}ms" for b in r.get("buckets", [])}
+        cells = {
+            (b["T"], b["S"]): f"{b['compile_s']:.0f}s/{b['step_ms']:.2f}ms"
+            for b in r.get("buckets", [])
+        }
         print(f"{r['variant']:22s} " + " ".join(cells.get(k, "-").rjust(16) for k in buckets))
     return 0
 
