@@ -2,7 +2,9 @@
 8 rows) and what XLA made of that step (the forward's optimized HLO, and its kernels per
 layer by kind). Run it once per variant (XLA_FLAGS, code) in separate processes and compare.
 
-  [PROFILE_TAG=name] python -m benchmarks.profile.batch1 [PRESET]      (GPU: llama-3.1-8b)
+  [PROFILE_TAG=name] [PROFILE_QUANT=fp8] python -m benchmarks.profile.batch1 [PRESET]
+      (GPU: llama-3.1-8b; PROFILE_QUANT=fp8: FP8 weights and KV, stepping in the engine's 1-token
+      bucket, where the projections take the Pallas FP8 GEMV)
 
 Writes $OUT/profile_b1_<tag>.json and $OUT/b1_forward_<tag>.hlo.txt when $OUT is set.
 """
@@ -40,6 +42,8 @@ def main() -> int:
     on_gpu = jax.default_backend() == "gpu"
     preset = sys.argv[1] if len(sys.argv) > 1 else ("llama-3.1-8b" if on_gpu else "tiny")
     tag = os.environ.get("PROFILE_TAG", "default")
+    quant = os.environ.get("PROFILE_QUANT") or None
+    extra = {"quantization": quant, "kv_cache_dtype": quant} if quant else {}
     t0 = time.perf_counter()
     llm = LLM(
         model=f"dummy:{preset}",
@@ -47,16 +51,18 @@ def main() -> int:
         max_model_len=1024,
         max_num_seqs=8,
         max_num_batched_tokens=16,
-        token_buckets=[16],
+        token_buckets=[1, 16] if quant else [16],
         seq_buckets=[8],
         num_kv_blocks=512,
         show_progress=False,
+        **extra,
     )
     eng = llm.engine
     res = {
         "tag": tag,
         "preset": preset,
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "quantization": quant,
         "jax": jax.__version__,
         "startup_s": time.perf_counter() - t0,
     }
@@ -72,10 +78,12 @@ def main() -> int:
     for _ in range(n):
         eng.step()
     res["itl_ms"] = (time.perf_counter() - t) / n * 1e3
-    hlo = eng.runner.compiled[(16, 8)].as_text()
+    hlo = eng.runner.compiled[(1, 8) if quant else (16, 8)].as_text()
     kinds = fusion_kinds(hlo)
     layers = eng.model_config.num_layers
     res["kernels_per_step"] = sum(kinds.values())
+    # kernels XLA launches as CUDA graphs (its command buffers) vs one by one
+    res["command_buffer_calls"] = hlo.count("command_buffer")
     res["kernels_by_kind"] = dict(kinds.most_common())
     res["kernels_per_layer"] = {k: v / layers for k, v in kinds.most_common() if v >= layers}
     print(
