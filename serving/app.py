@@ -161,6 +161,8 @@ def build_app(
     # ------------------------------------------------------------------ operations
     @app.get("/health", response_model=HealthResponse)
     async def health():
+        if state.drain.draining:  # first: an orchestrator stops routing here at once
+            return state.draining_error().response()
         if not engine.is_healthy():
             return ApiError(503, "the engine is not healthy", code="engine_unhealthy").response()
         return HealthResponse(status="ok")

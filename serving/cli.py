@@ -113,6 +113,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--api-key", help="require 'Authorization: Bearer KEY' on /v1 (or $PAXENGINE_API_KEY)"
     )
     s.add_argument("--metrics-prefix", help="metric name prefix: paxengine (default) or vllm")
+    s.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        help="on SIGTERM/SIGINT, seconds requests in flight may run on before they are aborted "
+        "(default 30; new requests get 503 meanwhile; a second signal aborts at once)",
+    )
     s.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"])
     return p
 
@@ -171,8 +177,6 @@ def main(argv: Optional[list[str]] = None) -> int:
         level=scfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
 
-    import uvicorn
-
     from paxengine.async_engine import AsyncEngine
     from paxengine.data_parallel import DataParallelEngine
     from serving.app import build_app
@@ -195,19 +199,29 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 2
     app = build_app(engine, scfg)
     log.info("ready in %.1f s: serving %s", time.perf_counter() - t0, describe(engine, scfg))
+    return serve(app, engine, scfg)
+
+
+def serve(app, engine: EngineClient, scfg: ServerConfig) -> int:
+    """Run the app until a stop signal has drained it (serving.drain); the exit status."""
+    from serving.drain import draining_server
+
+    server = draining_server(
+        app,
+        engine,
+        app.state.serving.drain,
+        host=scfg.host,
+        port=scfg.port,
+        log_level=scfg.log_level,
+        timeout_graceful_shutdown=5,
+    )
     try:
-        uvicorn.run(
-            app,
-            host=scfg.host,
-            port=scfg.port,
-            log_level=scfg.log_level,
-            timeout_graceful_shutdown=5,
-        )
+        server.run()
     except KeyboardInterrupt:
         pass
     except SystemExit as e:  # uvicorn's start-up failure (e.g. the port is taken)
         return int(e.code or 0)
-    return 0
+    return 0 if server.started else 1
 
 
 if __name__ == "__main__":

@@ -33,6 +33,8 @@ class ServerConfig:
     performance_mode: str = "balanced"
     log_level: str = "info"
     retry_after_s: int = 1  # Retry-After when the waiting queue is full
+    # on SIGTERM / SIGINT, how long requests in flight may run before they are aborted
+    shutdown_timeout: float = 30.0
 
     def __post_init__(self):
         self.metrics_prefix = (self.metrics_prefix or "paxengine").rstrip(":")
@@ -53,6 +55,14 @@ class ServerConfig:
             raise ValueError(f"port: must be an integer in [0, 65535], got {self.port!r}")
         if not isinstance(self.host, str) or not self.host:
             raise ValueError(f"host: must be a non-empty string, got {self.host!r}")
+        if (
+            isinstance(self.shutdown_timeout, bool)
+            or not isinstance(self.shutdown_timeout, (int, float))
+            or not self.shutdown_timeout >= 0
+        ):
+            raise ValueError(
+                f"shutdown_timeout: must be a number of seconds >= 0, got {self.shutdown_timeout!r}"
+            )
         if self.api_key is not None and not isinstance(self.api_key, str):
             raise ValueError("api_key: must be a string")
 

@@ -23,6 +23,7 @@ from paxengine.errors import EngineDead, EngineError, EngineOverloaded, InvalidR
 from paxengine.sampling_params import SamplingParams
 from paxengine.validation import check_token_ids
 from serving.config import ServerConfig
+from serving.drain import Drain
 from serving.errors import ApiError
 from serving.metrics import ServerMetrics
 
@@ -35,13 +36,22 @@ class ServerState:
     config: ServerConfig
     info: ModelInfo
     metrics: ServerMetrics
+    drain: Drain
     _bg: set = field(default_factory=set)
 
     @classmethod
     def create(cls, engine: EngineClient, config: ServerConfig) -> "ServerState":
         info = engine.model_info()
         metrics = ServerMetrics(config.metrics_prefix, info.name, engine.stats, info.max_model_len)
-        return cls(engine, config, info, metrics)
+        return cls(engine, config, info, metrics, Drain(config.shutdown_timeout))
+
+    def draining_error(self) -> ApiError:
+        return ApiError(
+            503,
+            "the server is shutting down; retry on another replica",
+            code="server_draining",
+            headers={"Retry-After": str(self.config.retry_after_s)},
+        )
 
     @property
     def model_name(self) -> str:
@@ -118,19 +128,25 @@ class Job:
 
 
 def start_jobs(state: ServerState, jobs: list[Job]) -> None:
-    """Hand every job to the engine, or none: a refusal aborts the ones already started."""
+    """Hand every job to the engine, or none: a refusal aborts the ones already started. While
+    the server drains, none."""
+    if state.drain.draining:
+        state.metrics.rejected("draining")
+        raise state.draining_error()
     for i, job in enumerate(jobs):
         try:
             job.stream = state.engine.generate(job.request_id, job.prompt_ids, job.params)
         except EngineError as e:
             abort_unfinished(state, jobs[:i], count=False)
             raise state.api_error(e) from None
+        state.drain.track(job.request_id)
 
 
 def abort_unfinished(state: ServerState, jobs: list[Job], count: bool = True) -> None:
     for job in jobs:
         if job.stream is not None and not job.finished:
             job.finished = True
+            state.drain.untrack(job.request_id)
             state.spawn_abort(job.request_id)
             if count:
                 for _ in range(job.params.n):
@@ -161,6 +177,7 @@ async def _tracked(state: ServerState, job: Job) -> AsyncIterator:
                 last_t, last_n = now, ntok
             if out.finished:
                 job.finished = True
+                state.drain.untrack(job.request_id)
                 m.observe_request(
                     out.metrics, len(job.prompt_ids), sum(len(o.token_ids) for o in out.outputs)
                 )

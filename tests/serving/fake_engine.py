@@ -139,7 +139,11 @@ class FakeEngine:
             m.first_scheduled_time = time.monotonic()
             while not all(o.finish_reason for o in outs):
                 await asyncio.sleep(self.step_s)
-                if request_id not in self.running:
+                if request_id not in self.running:  # aborted: a last output, as AsyncEngine
+                    for o in outs:
+                        o.finish_reason = o.finish_reason or "abort"
+                    m.finished_time = time.monotonic()
+                    yield RequestOutput(request_id, None, ids, [_copy(o) for o in outs], True, m)
                     return
                 for o, rng in zip(outs, rngs):
                     if o.finish_reason:

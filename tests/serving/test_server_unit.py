@@ -217,12 +217,12 @@ def test_serving_over_several_processes_is_refused_by_name(tmp_path, caplog):
 
 
 def test_cli_main_wires_engine_app_and_uvicorn(monkeypatch, tmp_path, caplog):
-    """`paxengine serve` with the engine and uvicorn replaced: flags reach both, start-up is logged."""
+    """`paxengine serve` with the engine and the server loop replaced: flags reach both, start-up
+    is logged."""
     import logging
 
-    import uvicorn
-
     import paxengine.async_engine
+    import serving.cli
 
     seen = {}
 
@@ -230,11 +230,12 @@ def test_cli_main_wires_engine_app_and_uvicorn(monkeypatch, tmp_path, caplog):
         seen["engine_config"] = cfg
         return FakeEngine(cfg)
 
-    def fake_run(app, **kw):
-        seen["app"], seen["uvicorn"] = app, kw
+    def fake_serve(app, engine, scfg):
+        seen["app"], seen["server_config"] = app, scfg
+        return 0
 
     monkeypatch.setattr(paxengine.async_engine, "AsyncEngine", fake_engine)
-    monkeypatch.setattr(uvicorn, "run", fake_run)
+    monkeypatch.setattr(serving.cli, "serve", fake_serve)
     from serving.cli import main
 
     with caplog.at_level(logging.INFO, logger="serving"):
@@ -256,6 +257,6 @@ def test_cli_main_wires_engine_app_and_uvicorn(monkeypatch, tmp_path, caplog):
     assert rc == 0
     cfg = seen["engine_config"]
     assert cfg.max_num_seqs == 3 and cfg.max_num_batched_tokens == 512 and cfg.model is None
-    assert seen["uvicorn"]["port"] == 8123 and seen["uvicorn"]["host"] == "127.0.0.1"
+    assert seen["server_config"].port == 8123 and seen["server_config"].host == "127.0.0.1"
     assert seen["app"].state.serving.config.metrics_prefix == "vllm"
     assert "url=http://127.0.0.1:8123/v1" in caplog.text and "model=m" in caplog.text
