@@ -17,7 +17,7 @@ from typing import AsyncIterator, Sequence
 from paxengine.client import ModelInfo
 from paxengine.config import EngineConfig
 from paxengine.engine import EngineCore
-from paxengine.errors import EngineDead, EngineOverloaded, InvalidRequest
+from paxengine.errors import EngineDead, EngineOverloaded, InvalidRequest, StepFailed
 from paxengine.outputs import RequestOutput
 from paxengine.sampling_params import SamplingParams
 
@@ -180,8 +180,12 @@ class AsyncEngine:
                 except queue.Empty:
                     pass
                 if self.core.has_unfinished():
-                    outputs = self.core.step()
-                    self._deliver_all((out.request_id, out) for out in outputs)
+                    failed: list = []
+                    try:
+                        outputs = self.core.step()
+                    except StepFailed as e:  # contained: its requests end with it, the rest run
+                        outputs, failed = e.outputs, [(rid, e) for rid in e.request_ids]
+                    self._deliver_all([(out.request_id, out) for out in outputs] + failed)
         except BaseException as e:  # a dead loop must be visible, and nobody left waiting
             self.error = e
             log.exception("engine loop died")

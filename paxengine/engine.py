@@ -15,7 +15,7 @@ from paxengine import kv_scales, parallel
 from paxengine.batch import build_step, seq_buckets, token_buckets
 from paxengine.client import ModelInfo, served_name
 from paxengine.config import EngineConfig
-from paxengine.errors import InvalidRequest
+from paxengine.errors import InvalidRequest, StepFailed
 from paxengine.executables import ExecutableStore
 from paxengine.kv_cache import KVCacheManager
 from paxengine.models.loader import load_model
@@ -44,6 +44,19 @@ _DTYPES = {
     "float16": jnp.float16,
     "fp8": jnp.float8_e4m3fn,
 }
+
+
+# A step failure is contained (its requests end, the rest are recomputed) unless more than
+# MAX_FAILURES happen within FAILURE_WINDOW_S: then the engine gives up (its loop ends, and a
+# server exits non-zero for its orchestrator to restart it).
+MAX_FAILURES = 3
+FAILURE_WINDOW_S = 60.0
+
+
+class _DeviceFailure(Exception):
+    def __init__(self, cause: BaseException, blame: SchedulerOutput):
+        super().__init__(repr(cause))
+        self.cause, self.blame = cause, blame
 
 
 @dataclass
@@ -228,6 +241,9 @@ class EngineCore:
         self.steps = 0
         self.overlapped_steps = 0  # steps dispatched before the previous one was read
         self.inflight: _InFlight | None = None
+        self.failed_steps = 0
+        self._failures: list[float] = []  # monotonic times of recent step failures
+        self._partial: list[RequestOutput] = []
         # XLA:GPU launches a step's kernels on the calling thread (with the GIL released): from a
         # worker, that launch overlaps the host's reading and processing of the previous step.
         self._dispatcher = (
@@ -260,6 +276,7 @@ class EngineCore:
             "prompt_tokens": self.prompt_tokens_total,
             "generation_tokens": self.generation_tokens_total,
             "steps": self.steps,
+            "failed_steps": self.failed_steps,
             "xla_compiles_after_warmup": compiles_after_warmup(),
         }
 
@@ -331,6 +348,59 @@ class EngineCore:
 
     # -- one step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One engine iteration (see `_step`). A failure on the device (a kernel error, device
+        OOM: anything the runner raises) ends the requests of the step it hit and raises
+        StepFailed after the engine has restored its device state (`_recover`); any other
+        exception is a host-side bug and propagates as it is."""
+        self._partial: list[RequestOutput] = []
+        try:
+            return self._step()
+        except _DeviceFailure as f:
+            return self._recover(f)
+
+    def _device(self, blame: SchedulerOutput, fn, *args):
+        try:
+            return fn(*args)
+        except Exception as e:
+            raise _DeviceFailure(e, blame) from e
+
+    def _recover(self, f: "_DeviceFailure"):
+        now = time.monotonic()
+        self._failures = [t for t in self._failures if now - t < FAILURE_WINDOW_S] + [now]
+        reqs = f.blame.requests
+        log.error(
+            "a step failed on the device (%d tokens of %d requests): %s: %s",
+            f.blame.total_tokens,
+            len(reqs),
+            type(f.cause).__name__,
+            f.cause,
+        )
+        if len(self._failures) > MAX_FAILURES:
+            raise RuntimeError(
+                f"{len(self._failures)} steps failed within {FAILURE_WINDOW_S:.0f} s; giving up"
+            ) from f.cause
+        self.inflight = None
+        if self._dispatcher is not None:  # a launch still queued would write the old cache back
+            self._dispatcher.submit(lambda: None).result()
+        self.runner.reset_device_state()
+        failed = []
+        for req in reqs:
+            group = self.seq_of.get(req.request_id, (None,))[0]
+            if group is not None and group.request_id not in failed:
+                failed.append(group.request_id)
+        for rid in failed:
+            self.abort(rid)
+        self.scheduler.requeue_all()
+        self.kv.reset_prefix_cache()  # every cached block's KV went with the old cache
+        self.failed_steps += 1
+        raise StepFailed(
+            f"the device step running this request failed ({type(f.cause).__name__}); the "
+            "engine recovered: retry the request",
+            failed,
+            self._partial,
+        ) from f.cause
+
+    def _step(self) -> list[RequestOutput]:
         """One engine iteration, overlapped with the device: schedule, build and dispatch step N+1
         while step N runs, then read N's samples and process N's outputs, so the device always
         has the next step queued while the host works.
@@ -343,7 +413,7 @@ class EngineCore:
         With `dispatch_thread`, N+1's launch (XLA:GPU enqueues its kernels on the calling thread)
         runs on a worker and is waited for only when N+1 is read, so it overlaps this bookkeeping.
         """
-        outputs: list[RequestOutput] = []
+        outputs = self._partial
         if self.inflight is not None and self._needs_sync():
             outputs += self._finish_inflight()
         out = self.scheduler.schedule()
@@ -360,7 +430,7 @@ class EngineCore:
             if self._dispatcher is not None:
                 result = self._dispatcher.submit(self.runner.execute, arrays, st)
             else:
-                result = self.runner.execute(arrays, st)
+                result = self._device(out, self.runner.execute, arrays, st)
             rows = {
                 r.request_id: i for i, r in enumerate(out.requests) if r.request_id in out.sampling
             }
@@ -382,8 +452,12 @@ class EngineCore:
 
     def _finish_inflight(self) -> list[RequestOutput]:
         step, self.inflight = self.inflight, None
-        result = step.result.result() if isinstance(step.result, Future) else step.result
-        tokens, lps, ranks, top_ids, top_lps = self.runner.fetch(result)  # the one sync
+        if isinstance(step.result, Future):
+            result = self._device(step.out, step.result.result)
+        else:
+            result = step.result
+        # the one sync
+        tokens, lps, ranks, top_ids, top_lps = self._device(step.out, self.runner.fetch, result)
         sampled = {rid: [int(tokens[i])] for rid, i in step.rows.items()}
         touched: dict[str, RequestGroup] = {}
         for req in self.scheduler.update_from_output(step.out, sampled):

@@ -22,3 +22,13 @@ class EngineOverloaded(EngineError):
 
 class EngineDead(EngineError):
     """The engine loop has stopped (a 503): no request can run until it is restarted."""
+
+
+class StepFailed(EngineError):
+    """The device step a request was in failed (a 500): that request ended; the engine restored
+    its device state, re-queued the others by recompute and runs on. `request_ids`: the requests
+    (groups) that ended; `outputs`: what the step call had produced before it failed."""
+
+    def __init__(self, message: str, request_ids: list[str], outputs: list | None = None):
+        super().__init__(message)
+        self.request_ids, self.outputs = request_ids, outputs or []

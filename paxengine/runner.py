@@ -188,9 +188,8 @@ class Runner:
         self.backend = resolve_backend(attention_backend)
         self.layer_loop = "unroll" if is_per_layer(params) else "scan"
         self.fp8 = quant.weight_dtype(params) == "fp8_e4m3"
-        self.kv_cache = allocate_kv_cache(
-            cfg, num_blocks, block_size, kv_dtype, self.layer_loop, tp
-        )
+        self._kv_args = (cfg, num_blocks, block_size, kv_dtype, self.layer_loop, tp)
+        self.kv_cache = allocate_kv_cache(*self._kv_args)
         self._forward = jax.jit(self._forward_fn, donate_argnums=(1,))
         self.compiled: dict[tuple[int, int], object] = {}  # (T, S) -> forward
         self.samplers: dict[tuple, object] = {}  # (S, flags) -> sampler
@@ -320,6 +319,17 @@ class Runner:
             self.compiled[name[1:]] = exe
         else:
             _SAMPLERS[self._sampler_key(*name[1:])] = exe
+
+    def reset_device_state(self) -> None:
+        """After a failed step: a fresh KV cache (the old one was donated to the step, and may
+        be gone or half written) and no previous samples. The compiled steps stay."""
+        for leaf in jax.tree_util.tree_leaves(self.kv_cache):
+            try:
+                leaf.delete()
+            except Exception:  # already deleted (donated)
+                pass
+        self.kv_cache = allocate_kv_cache(*self._kv_args)
+        self.prev_tokens = jnp.zeros_like(self.prev_tokens)
 
     # -- running a step -------------------------------------------------------------------------
     def bucket_for(self, num_tokens: int, num_seqs: int) -> tuple[int, int]:

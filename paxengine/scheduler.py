@@ -178,6 +178,21 @@ class Scheduler:
             del out.num_scheduled_tokens[req.request_id]
             out.requests.remove(req)
 
+    def requeue_all(self) -> None:
+        """After a failed step, whose device state is lost: every running request starts over by
+        recompute (its blocks freed, its unread samples dropped), in order, ahead of the
+        waiting ones. The tokens the host knows are kept."""
+        for req in reversed(self.running):
+            self.kv.free_request(req)
+            req.num_computed_tokens = 0
+            req.status = Status.PREEMPTED
+            req.num_preemptions += 1
+            self.num_preemptions += 1
+            self.waiting.appendleft(req)
+        self.running.clear()
+        for req in self.waiting:
+            req.num_pending_tokens = 0
+
     # -- after the step -------------------------------------------------------------------------
     def update_from_output(
         self, out: SchedulerOutput, sampled: dict[str, list[int]]

@@ -221,7 +221,7 @@ def serve(app, engine: EngineClient, scfg: ServerConfig) -> int:
         pass
     except SystemExit as e:  # uvicorn's start-up failure (e.g. the port is taken)
         return int(e.code or 0)
-    return 0 if server.started else 1
+    return server.exit_code if server.started else 1
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@ stops routing here), new generation requests get 503 with Retry-After, and the r
 flight run to their end for up to `shutdown_timeout` seconds. Those still running then are
 aborted through the engine, so each response still ends properly (`finish_reason: "abort"`, the
 final SSE event and `[DONE]`), never by a cut connection. Then uvicorn stops and the process
-exits 0. A second signal aborts what is left at once.
+exits 0. A second signal aborts what is left at once. An engine that dies takes the process
+down with status 1 the same way (`draining_server`'s watch).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ log = logging.getLogger("serving")
 
 # after the aborts, how long the aborted responses get to send their last events
 FLUSH_S = 5.0
+WATCH_S = 0.5  # how often the server checks that its engine is alive
 
 
 class Drain:
@@ -84,10 +86,26 @@ def draining_server(app, engine, drain: Drain, **uvicorn_kw):
     class DrainingServer(uvicorn.Server):
         _drain_task = None
         _loop = None
+        exit_code = 0
 
         async def startup(self, sockets=None):
             self._loop = asyncio.get_running_loop()
             await super().startup(sockets=sockets)
+            self._watch_task = self._loop.create_task(self._watch())
+
+        async def _watch(self):
+            """An engine that died (its loop ended on an error it could not contain) takes the
+            process down with a non-zero status, for the orchestrator to restart it: never a
+            server that answers 503 forever."""
+            while not self.should_exit:
+                if not engine.is_healthy():
+                    log.error("the engine is not running; exiting with status 1")
+                    self.exit_code = 1
+                    drain.timeout_s = 0.0
+                    if self._drain_task is None:
+                        self._drain_task = self._loop.create_task(drain.run(engine, self._stop))
+                    return
+                await asyncio.sleep(WATCH_S)
 
         def handle_exit(self, sig, frame):
             # Not uvicorn's own: that stops at once and re-raises the signal after shutdown, so

@@ -49,6 +49,12 @@ _COUNTERS = [
     ("prompt_tokens", "prompt_tokens", "Number of prefill tokens processed."),
     ("generation_tokens", "generation_tokens", "Number of generation tokens processed."),
     (
+        "failed_steps",
+        "failed_steps",
+        "Engine steps that failed on the device: their requests ended with an error, the others "
+        "were recomputed.",
+    ),
+    (
         "xla_compiles_after_warmup",
         "xla_compiles_after_warmup",
         "XLA compiles since the step buckets were compiled at start-up (must stay 0).",

@@ -17,12 +17,15 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 class Server:
-    def __init__(self, shutdown_timeout: float, step_s: float):
+    def __init__(self, shutdown_timeout: float, step_s: float, die_after_s: float | None = None):
         self.port = _free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         args = [sys.executable, os.path.join(HERE, "drain_app.py"), str(self.port)]
+        args += [str(shutdown_timeout), str(step_s)]
+        if die_after_s is not None:
+            args.append(str(die_after_s))
         self.proc = subprocess.Popen(
-            args + [str(shutdown_timeout), str(step_s)],
+            args,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -130,5 +133,16 @@ def test_second_signal_aborts_at_once():
         assert time.monotonic() - t0 < 8
         assert results == [(200, ["abort"], True)] * 2
         assert srv.proc.wait(15) == 0
+    finally:
+        srv.stop()
+
+
+def test_a_dead_engine_ends_the_process_with_status_1():
+    srv = Server(shutdown_timeout=30, step_s=0.2, die_after_s=2.0)
+    try:
+        threads, results = srv.start_streams(1, max_tokens=100)
+        _wait(threads, 15)
+        assert results == [(200, ["abort"], True)]  # ended in-band, not cut
+        assert srv.proc.wait(15) == 1
     finally:
         srv.stop()
