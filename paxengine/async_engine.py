@@ -25,8 +25,36 @@ log = logging.getLogger("paxengine")
 
 
 def _put_all(items) -> None:
-    for q, item in items:
-        q.put_nowait(item)
+    for box, item in items:
+        box.put(item)
+
+
+class _Mailbox:
+    """One request's undelivered outputs, on its event loop. Outputs are cumulative, so an
+    unread one is replaced by the next: a consumer that reads slowly (a slow SSE client) holds
+    at most one output here, however many steps ran meanwhile, and reads the latest. The final
+    output (cumulative too), or an error, ends the stream."""
+
+    def __init__(self):
+        self._latest = None
+        self._end = None
+        self._ready = asyncio.Event()
+
+    def put(self, item) -> None:
+        if isinstance(item, BaseException) or item.finished:  # it supersedes an unread one
+            self._end, self._latest = self._end or item, None
+        else:
+            self._latest = item
+        self._ready.set()
+
+    async def get(self):
+        while self._latest is None and self._end is None:
+            self._ready.clear()
+            await self._ready.wait()
+        if self._latest is not None:
+            item, self._latest = self._latest, None
+            return item
+        return self._end
 
 
 class AsyncEngine:
@@ -36,7 +64,7 @@ class AsyncEngine:
         self.core = EngineCore(config, **overrides)
         self.config = self.core.config
         self._inbox: queue.Queue = queue.Queue()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, _Mailbox]] = {}
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._posted = 0  # adds posted to the inbox and not yet taken by the loop
@@ -84,12 +112,12 @@ class AsyncEngine:
         if request_id in self._streams:
             raise InvalidRequest(f"request id {request_id!r} is already in use")
         self._admit(params.n)
-        q: asyncio.Queue = asyncio.Queue()
+        q = _Mailbox()
         self._streams[request_id] = (asyncio.get_running_loop(), q)
         self._inbox.put(("add", request_id, ({"prompt": text, "prompt_token_ids": ids}, params)))
         return self._outputs(request_id, q)
 
-    async def _outputs(self, request_id: str, q: asyncio.Queue) -> AsyncIterator[RequestOutput]:
+    async def _outputs(self, request_id: str, q: _Mailbox) -> AsyncIterator[RequestOutput]:
         finished = False
         try:
             while True:

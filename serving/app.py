@@ -34,6 +34,7 @@ from serving.protocol import (
     VersionResponse,
     schema_of,
 )
+from serving.request_ids import RequestIdMiddleware
 
 log = logging.getLogger("serving")
 
@@ -67,6 +68,7 @@ def build_app(
 
     app = FastAPI(title="paxengine OpenAI-compatible server", version=_version(), lifespan=lifespan)
     app.state.serving = state
+    app.add_middleware(RequestIdMiddleware)
     install_error_handlers(app)
 
     def require_key(request: Request) -> None:

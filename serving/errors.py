@@ -151,5 +151,13 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):
-        log.exception("unhandled error in %s %s", request.method, request.url.path)
-        return ApiError(500, f"internal server error: {type(exc).__name__}: {exc}").response()
+        return internal_error(exc, request).response()
+
+
+def internal_error(exc: BaseException, request: Request | None = None) -> ApiError:
+    """A bug's 500: the details (message, stack) go to the log under the request's X-Request-Id;
+    the body names only that id (an exception's text can hold paths and internals)."""
+    rid = getattr(request.state, "request_id", None) if request is not None else None
+    where = f"{request.method} {request.url.path}" if request is not None else "a stream"
+    log.error("unhandled error in %s (x-request-id %s)", where, rid, exc_info=exc)
+    return ApiError(500, f"internal server error (x-request-id {rid}); see the server log")

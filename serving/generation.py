@@ -187,21 +187,23 @@ async def _tracked(state: ServerState, job: Job) -> AsyncIterator:
 
 
 async def run_requests(state: ServerState, jobs: list[Job]) -> AsyncIterator[tuple[int, object]]:
-    """Run started jobs concurrently; yield (job index, cumulative RequestOutput) as they come."""
-    queue: asyncio.Queue = asyncio.Queue()
+    """Run started jobs concurrently; yield (job index, cumulative RequestOutput) as they come.
+    The queue is bounded: while the consumer waits (a slow client), the pumps wait too and the
+    engine's outputs coalesce in its mailbox (AsyncEngine), so memory stays bounded."""
+    queue: asyncio.Queue = asyncio.Queue(maxsize=len(jobs))
     _DONE = object()
 
     async def pump(i: int, job: Job):
         try:
             async with aclosing(_tracked(state, job)) as it:
                 async for out in it:
-                    queue.put_nowait((i, out))
+                    await queue.put((i, out))
         except asyncio.CancelledError:
             raise
         except BaseException as e:  # handed to the consumer
-            queue.put_nowait((i, e))
+            await queue.put((i, e))
             return
-        queue.put_nowait((i, _DONE))
+        await queue.put((i, _DONE))
 
     tasks = [asyncio.get_running_loop().create_task(pump(i, j)) for i, j in enumerate(jobs)]
     try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import uuid
 from contextlib import aclosing
 from typing import AsyncIterator, Optional
@@ -15,7 +16,7 @@ from starlette.responses import StreamingResponse
 
 from paxengine.outputs import Logprob
 from paxengine.sampling_params import MAX_LOGPROBS, SamplingParams
-from serving.errors import ApiError, bad_request
+from serving.errors import ApiError, bad_request, internal_error
 from serving.generation import (
     ClientDisconnected,
     Job,
@@ -41,6 +42,8 @@ from serving.protocol import (
     TopLogprob,
     Usage,
 )
+
+log = logging.getLogger("serving")
 
 
 class SSEResponse(StreamingResponse):
@@ -288,6 +291,17 @@ async def prepare(state: ServerState, kind: str, req) -> _Call:
 
 async def respond(state: ServerState, kind: str, request: Request, req) -> Response:
     call = await prepare(state, kind, req)
+    call.request = request  # for the log line of an error in its stream
+    # one line a request, without its text (X-Request-Id ties it to the client's and proxy's logs)
+    log.info(
+        "%s x-request-id=%s prompts=%d n=%d max_tokens=%s stream=%s",
+        call.id,
+        getattr(request.state, "request_id", None),
+        len(call.prompts),
+        call.n,
+        call.params.max_tokens,
+        bool(req.stream),
+    )
     close = lambda: abort_unfinished(state, call.jobs)  # noqa: E731
     if req.stream:
         return SSEResponse(_stream(call), on_close=close)
@@ -428,5 +442,5 @@ async def _stream(call: _Call) -> AsyncIterator[str]:
     except ApiError as e:
         yield sse(e.body())
     except Exception as e:  # the stream has started: report in-band, keep the server alive
-        yield sse(ApiError(500, f"internal server error: {type(e).__name__}: {e}").body())
+        yield sse(internal_error(e, getattr(call, "request", None)).body())
     yield "data: [DONE]\n\n"

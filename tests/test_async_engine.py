@@ -19,6 +19,27 @@ def engine():
     )
 
 
+def test_a_slow_reader_holds_one_output(engine):
+    """Nobody reads while the request runs to its end: its outputs coalesce (memory stays
+    bounded for a slow client), and the reader then gets the final one alone."""
+
+    async def main():
+        await engine.start()
+        params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+        gen = engine.generate("slow", "Count: 1, 2,", params)
+        seen = False
+        for _ in range(600):  # until the engine has taken the request and finished it
+            seen = seen or "slow" in engine.core.groups
+            if seen and "slow" not in engine.core.groups:
+                break
+            await asyncio.sleep(0.02)
+        outs = [out async for out in gen]
+        assert len(outs) == 1 and outs[0].finished
+        assert len(outs[0].outputs[0].token_ids) == 24
+
+    asyncio.run(main())
+
+
 def test_stream_abort_and_dead_loop(engine):
     async def main():
         await engine.start()

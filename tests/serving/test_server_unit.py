@@ -260,3 +260,36 @@ def test_cli_main_wires_engine_app_and_uvicorn(monkeypatch, tmp_path, caplog):
     assert seen["server_config"].port == 8123 and seen["server_config"].host == "127.0.0.1"
     assert seen["app"].state.serving.config.metrics_prefix == "vllm"
     assert "url=http://127.0.0.1:8123/v1" in caplog.text and "model=m" in caplog.text
+
+
+def test_x_request_id_is_echoed_or_made(fake):
+    _, client = fake
+    body = {"prompt": "hi", "max_tokens": 2}
+    r = client.post("/v1/completions", json=body, headers={"X-Request-Id": "trace-42"})
+    assert r.status_code == 200 and r.headers["x-request-id"] == "trace-42"
+    made = client.get("/health").headers["x-request-id"]
+    bad = client.get("/health", headers={"X-Request-Id": "has space"}).headers["x-request-id"]
+    assert len(made) == 32 and len(bad) == 32 and bad != made
+    with client.stream(
+        "POST",
+        "/v1/completions",
+        json={**body, "stream": True},
+        headers={"X-Request-Id": "s-1"},
+    ) as s:
+        assert s.headers["x-request-id"] == "s-1" and "data: [DONE]" in list(s.iter_lines())
+
+
+def test_a_bug_answers_500_without_its_internals(monkeypatch, caplog):
+    import serving.openai_api
+
+    def broken(*a, **k):
+        raise RuntimeError("secret detail at /opt/internal/path.py")
+
+    monkeypatch.setattr(serving.openai_api, "prepare", broken)
+    app = build_app(FakeEngine(), ServerConfig())
+    with TestClient(app, raise_server_exceptions=False) as client:
+        r = client.post("/v1/completions", json={"prompt": "hi"}, headers={"X-Request-Id": "b-1"})
+    _err(r, 500)
+    assert "b-1" in r.json()["error"]["message"]
+    assert "secret" not in r.text and "/opt" not in r.text
+    assert "secret detail" in caplog.text  # the log has it
