@@ -68,6 +68,7 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._posted = 0  # adds posted to the inbox and not yet taken by the loop
+        self._posted_tokens = 0  # and their prompt tokens
         self._posted_lock = threading.Lock()
         self.error: BaseException | None = None
 
@@ -111,7 +112,7 @@ class AsyncEngine:
         self.validate(ids, params)  # bad input fails here, alone
         if request_id in self._streams:
             raise InvalidRequest(f"request id {request_id!r} is already in use")
-        self._admit(params.n)
+        self._admit(params.n, len(ids) * params.n)
         q = _Mailbox()
         self._streams[request_id] = (asyncio.get_running_loop(), q)
         self._inbox.put(("add", request_id, ({"prompt": text, "prompt_token_ids": ids}, params)))
@@ -147,18 +148,27 @@ class AsyncEngine:
         if not self.is_healthy():
             raise EngineDead(f"the engine loop is not running ({self.error!r})")
 
-    def _admit(self, num_seqs: int) -> None:
+    def _admit(self, num_seqs: int, num_tokens: int) -> None:
         """The one admission check: a request is refused while the waiting queue (and what is on
-        its way there) is at max_waiting_requests. Its n sequences may overshoot the bound: a
-        valid request is never refused for good."""
-        bound = self.config.max_waiting_requests
+        its way there) is at max_waiting_requests, or its prompts at max_waiting_tokens. The
+        request itself may overshoot a bound: a valid request is never refused for good."""
+        bound, token_bound = self.config.max_waiting_requests, self.config.max_waiting_tokens
         with self._posted_lock:
             waiting = len(self.core.scheduler.waiting) + self._posted
             if waiting >= bound:
                 raise EngineOverloaded(
                     f"{waiting} requests are waiting (bound {bound}); retry later"
                 )
+            if token_bound is not None:
+                tokens = self._posted_tokens + sum(
+                    r.num_prompt_tokens for r in list(self.core.scheduler.waiting)
+                )
+                if tokens and tokens + num_tokens > token_bound:
+                    raise EngineOverloaded(
+                        f"{tokens} prompt tokens are waiting (bound {token_bound}); retry later"
+                    )
             self._posted += num_seqs
+            self._posted_tokens += num_tokens
 
     # -- the engine thread ----------------------------------------------------------------------
     def _deliver(self, request_id: str, item) -> None:
@@ -185,6 +195,7 @@ class AsyncEngine:
             finally:
                 with self._posted_lock:
                     self._posted -= params.n
+                    self._posted_tokens -= len(prompt["prompt_token_ids"]) * params.n
         elif kind == "abort":
             out = self.core.abort(rid)
             if out is not None:

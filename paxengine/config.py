@@ -58,6 +58,9 @@ class EngineConfig:
     token_buckets: list[int] | None = None  # derived from max_num_batched_tokens when None
     seq_buckets: list[int] | None = None  # derived from max_num_seqs when None
     max_waiting_requests: int = 1024  # AsyncEngine refuses requests (503) while this many wait
+    # ... or while the prompts waiting hold this many tokens (None: no bound): a burst of long
+    # prompts is refused early instead of queueing minutes of prefill
+    max_waiting_tokens: int | None = None
     show_progress: bool = True
 
     @classmethod

@@ -93,14 +93,14 @@ def build_app(
     # ------------------------------------------------------------------ OpenAI
     @app.post("/v1/completions", dependencies=auth, openapi_extra=schema_of(CompletionRequest))
     async def completions(request: Request):
-        req = await parse_body(request, CompletionRequest)
+        req = await parse_body(request, CompletionRequest, cfg.max_request_body_bytes)
         return await respond(state, "completion", request, req)
 
     @app.post(
         "/v1/chat/completions", dependencies=auth, openapi_extra=schema_of(ChatCompletionRequest)
     )
     async def chat_completions(request: Request):
-        req = await parse_body(request, ChatCompletionRequest)
+        req = await parse_body(request, ChatCompletionRequest, cfg.max_request_body_bytes)
         return await respond(state, "chat", request, req)
 
     def model_card() -> ModelCard:
@@ -132,7 +132,7 @@ def build_app(
         openapi_extra=schema_of(TokenizeRequest),
     )
     async def tokenize(request: Request):
-        req = await parse_body(request, TokenizeRequest)
+        req = await parse_body(request, TokenizeRequest, cfg.max_request_body_bytes)
         state.check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("give exactly one of `prompt` or `messages`", "prompt")
@@ -155,7 +155,7 @@ def build_app(
         openapi_extra=schema_of(DetokenizeRequest),
     )
     async def detokenize(request: Request):
-        req = await parse_body(request, DetokenizeRequest)
+        req = await parse_body(request, DetokenizeRequest, cfg.max_request_body_bytes)
         state.check_model(req.model)
         state.check_tokens(req.tokens, "tokens")
         return DetokenizeResponse(prompt=state.tokenizer.decode(req.tokens))

@@ -102,6 +102,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="bound of the waiting queue; beyond it requests get 503 + Retry-After",
     )
     e.add_argument(
+        "--max-waiting-tokens",
+        type=int,
+        help="bound of the prompt tokens waiting; beyond it requests get 503 + Retry-After",
+    )
+    e.add_argument(
         "--performance-mode",
         choices=sorted(PERFORMANCE_MODES),
         help="presets of max-num-seqs / max-num-batched-tokens (flags and YAML win)",
@@ -113,6 +118,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--api-key", help="require 'Authorization: Bearer KEY' on /v1 (or $PAXENGINE_API_KEY)"
     )
     s.add_argument("--metrics-prefix", help="metric name prefix: paxengine (default) or vllm")
+    s.add_argument(
+        "--max-request-body-bytes",
+        type=int,
+        help="larger request bodies get 413 without being read (default 32 MiB)",
+    )
     s.add_argument(
         "--shutdown-timeout",
         type=float,

@@ -35,6 +35,7 @@ class ServerConfig:
     retry_after_s: int = 1  # Retry-After when the waiting queue is full
     # on SIGTERM / SIGINT, how long requests in flight may run before they are aborted
     shutdown_timeout: float = 30.0
+    max_request_body_bytes: int = 32 * 1024 * 1024  # larger bodies get 413, unread
 
     def __post_init__(self):
         self.metrics_prefix = (self.metrics_prefix or "paxengine").rstrip(":")
@@ -62,6 +63,15 @@ class ServerConfig:
         ):
             raise ValueError(
                 f"shutdown_timeout: must be a number of seconds >= 0, got {self.shutdown_timeout!r}"
+            )
+        if (
+            isinstance(self.max_request_body_bytes, bool)
+            or not isinstance(self.max_request_body_bytes, int)
+            or self.max_request_body_bytes < 1
+        ):
+            raise ValueError(
+                "max_request_body_bytes: must be a positive integer, got "
+                f"{self.max_request_body_bytes!r}"
             )
         if self.api_key is not None and not isinstance(self.api_key, str):
             raise ValueError("api_key: must be a string")

@@ -113,9 +113,22 @@ def validation_error(errors: list[dict]) -> ApiError:
     return bad_request(msg, param)
 
 
-async def parse_body(request: Request, model: type[M]) -> M:
-    """Read and validate a JSON body; every failure is a shaped 400."""
-    raw = await request.body()
+async def parse_body(request: Request, model: type[M], max_bytes: int | None = None) -> M:
+    """Read and validate a JSON body; every failure is a shaped 400, a body over `max_bytes` a
+    413 (read no further than that: a huge upload cannot grow the server's memory)."""
+    if max_bytes is not None:
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > max_bytes:
+            raise _too_large(max_bytes)
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_bytes:
+                raise _too_large(max_bytes)
+            chunks.append(chunk)
+        raw = b"".join(chunks)
+    else:
+        raw = await request.body()
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
@@ -132,6 +145,10 @@ async def parse_body(request: Request, model: type[M]) -> M:
         return model.model_validate_json(text)
     except ValidationError as e:
         raise validation_error(e.errors(include_url=False)) from None
+
+
+def _too_large(max_bytes: int) -> ApiError:
+    return ApiError(413, f"request body is larger than {max_bytes} bytes", code="request_too_large")
 
 
 def install_error_handlers(app: FastAPI) -> None:

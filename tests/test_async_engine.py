@@ -40,6 +40,21 @@ def test_a_slow_reader_holds_one_output(engine):
     asyncio.run(main())
 
 
+def test_waiting_prompt_tokens_are_bounded(engine):
+    from paxengine import EngineOverloaded
+
+    engine.config.max_waiting_tokens = 150
+    try:
+        engine._admit(1, 100)  # nothing waits: admitted even over the bound
+        with pytest.raises(EngineOverloaded, match="prompt tokens are waiting"):
+            engine._admit(1, 100)
+        engine._admit(1, 50)  # fits beside the first
+    finally:
+        engine._posted -= 2
+        engine._posted_tokens -= 150
+        engine.config.max_waiting_tokens = None
+
+
 def test_stream_abort_and_dead_loop(engine):
     async def main():
         await engine.start()

@@ -293,3 +293,21 @@ def test_a_bug_answers_500_without_its_internals(monkeypatch, caplog):
     assert "b-1" in r.json()["error"]["message"]
     assert "secret" not in r.text and "/opt" not in r.text
     assert "secret detail" in caplog.text  # the log has it
+
+
+def test_a_body_over_the_limit_is_413_unread():
+    app = build_app(FakeEngine(), ServerConfig(max_request_body_bytes=1000))
+    with TestClient(app) as client:
+        ok = client.post("/v1/completions", json={"prompt": "x" * 100, "max_tokens": 2})
+        assert ok.status_code == 200
+        _err(client.post("/v1/completions", json={"prompt": "x" * 2000}), 413)
+
+        def chunked():  # no Content-Length: the limit holds while reading
+            yield b'{"prompt": "'
+            for _ in range(20):
+                yield b"x" * 100
+            yield b'"}'
+
+        r = client.post("/v1/completions", content=chunked())
+        _err(r, 413)
+        assert r.json()["error"]["code"] == "request_too_large"
