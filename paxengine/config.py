@@ -61,6 +61,9 @@ class EngineConfig:
     # ... or while the prompts waiting hold this many tokens (None: no bound): a burst of long
     # prompts is refused early instead of queueing minutes of prefill
     max_waiting_tokens: int | None = None
+    # "fcfs": arrival order; "priority": requests' `priority` (lower first, then arrival), and
+    # when KV blocks run out the lowest-priority running request is preempted first
+    scheduling_policy: str = "fcfs"
     show_progress: bool = True
 
     @classmethod

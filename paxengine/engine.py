@@ -33,7 +33,7 @@ from paxengine.runner import (
 )
 from paxengine.sampling import build_sampling_tensors
 from paxengine.sampling_params import SamplingParams
-from paxengine.scheduler import Scheduler, SchedulerOutput
+from paxengine.scheduler import POLICIES, Scheduler, SchedulerOutput
 from paxengine.validation import validate_request
 
 log = logging.getLogger("paxengine")
@@ -92,6 +92,10 @@ class EngineCore:
             raise ValueError(
                 f"quantization {cfg.quantization!r} is not supported: none or fp8 (online, "
                 "per-output-channel e4m3 weights)"
+            )
+        if cfg.scheduling_policy not in POLICIES:
+            raise ValueError(
+                f"scheduling_policy must be one of {POLICIES}, got {cfg.scheduling_policy!r}"
             )
         self.dtype = dtype
         cache_dir = enable_persistent_cache(cfg.compilation_cache_dir)
@@ -206,6 +210,7 @@ class EngineCore:
             tb,
             self.eos_token_ids,
             decode_step_token_budget=budget,
+            policy=cfg.scheduling_policy,
         )
         self.runner = Runner(
             loaded.config,
@@ -302,6 +307,13 @@ class EngineCore:
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         validate_request(prompt_token_ids, params, self.info.limits)
+        if params.priority != 0 and self.config.scheduling_policy != "priority":
+            raise InvalidRequest(
+                f"priority: {params.priority} asks for priority scheduling, which this engine "
+                "does not run (start it with scheduling_policy 'priority', "
+                "--scheduling-policy priority)",
+                param="priority",
+            )
 
     def add_request(
         self,

@@ -33,6 +33,9 @@ class SamplingParams:
     )
     logit_bias: dict[int, float] = field(default_factory=dict)
     skip_special_tokens: bool = True
+    # scheduling, not sampling: lower runs first (vLLM's convention); needs the engine's
+    # scheduling_policy "priority"
+    priority: int = 0
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -91,6 +94,10 @@ class SamplingParams:
             not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_LOGPROBS
         ):
             bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if isinstance(self.priority, bool) or not isinstance(self.priority, int):
+            bad("priority", f"must be an integer, got {self.priority!r}")
+        if not -(2**31) <= self.priority < 2**31:
+            bad("priority", f"must fit in 32 bits, got {self.priority}")
         if self.seed is not None and not isinstance(self.seed, int):
             bad("seed", f"must be an integer, got {self.seed!r}")
         if not all(isinstance(s, str) and s for s in self.stop):

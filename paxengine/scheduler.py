@@ -21,6 +21,13 @@ from dataclasses import dataclass, field
 from paxengine.kv_cache import KVCacheManager
 from paxengine.request import Request, Status
 
+POLICIES = ("fcfs", "priority")
+
+
+def _rank(req: Request) -> tuple:
+    """Priority order: lower priority value first, then earlier arrival."""
+    return (req.params.priority, req.arrival_time)
+
 
 @dataclass
 class SchedulerOutput:
@@ -47,7 +54,11 @@ class Scheduler:
         token_buckets: list[int] | None = None,
         eos_token_ids: list[int] = (),
         decode_step_token_budget: int | None = None,
+        policy: str = "fcfs",
     ):
+        if policy not in POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {POLICIES}, got {policy!r}")
+        self.policy = policy
         self.kv = kv
         self.decode_step_token_budget = decode_step_token_budget
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -61,7 +72,25 @@ class Scheduler:
 
     # -- admission ------------------------------------------------------------------------------
     def add(self, req: Request) -> None:
-        self.waiting.append(req)
+        self._enqueue(req, front=False)
+
+    def _enqueue(self, req: Request, front: bool) -> None:
+        """fcfs: at the back, or at the front (a preempted request goes on before new ones);
+        priority: in rank order, wherever it came from."""
+        if self.policy == "priority":
+            keys = [_rank(r) for r in self.waiting]
+            self.waiting.insert(bisect.bisect_right(keys, _rank(req)), req)
+        elif front:
+            self.waiting.appendleft(req)
+        else:
+            self.waiting.append(req)
+
+    def _victim(self) -> Request:
+        """Whom to preempt when blocks run out: the newest running request (fcfs), or the
+        lowest-ranked one (priority)."""
+        if self.policy == "priority":
+            return max(self.running, key=_rank)
+        return self.running[-1]
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -122,7 +151,7 @@ class Scheduler:
             if req.status != Status.RUNNING or n <= 0 or self._ends_with_pending(req):
                 continue  # preempted above as a victim, or nothing to compute now
             while not self.kv.allocate(req, n):
-                victim = self.running[-1]  # newest first
+                victim = self._victim()
                 self._preempt(victim, out)
                 if victim is req:
                     return budget, True  # it preempted itself: nothing more fits
@@ -172,7 +201,7 @@ class Scheduler:
         req.status = Status.PREEMPTED
         req.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(req)
+        self._enqueue(req, front=True)
         out.preempted.append(req)
         if req.request_id in out.num_scheduled_tokens:
             del out.num_scheduled_tokens[req.request_id]
@@ -188,7 +217,7 @@ class Scheduler:
             req.status = Status.PREEMPTED
             req.num_preemptions += 1
             self.num_preemptions += 1
-            self.waiting.appendleft(req)
+            self._enqueue(req, front=True)
         self.running.clear()
         for req in self.waiting:
             req.num_pending_tokens = 0

@@ -107,6 +107,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="bound of the prompt tokens waiting; beyond it requests get 503 + Retry-After",
     )
     e.add_argument(
+        "--scheduling-policy",
+        choices=["fcfs", "priority"],
+        help="fcfs: arrival order; priority: the requests' `priority` (lower first), the "
+        "lowest preempted first when KV blocks run out",
+    )
+    e.add_argument(
         "--performance-mode",
         choices=sorted(PERFORMANCE_MODES),
         help="presets of max-num-seqs / max-num-batched-tokens (flags and YAML win)",

@@ -115,6 +115,7 @@ def sampling_params(
         logprobs=logprobs,
         logit_bias=bias,
         skip_special_tokens=req.skip_special_tokens,
+        priority=req.priority,
     )
 
 

@@ -101,7 +101,6 @@ _SHARED_UNIMPLEMENTED = {
     "return_token_ids": _NoOp(False),
     # serving
     "cache_salt": _NoOp(),  # per-tenant prefix-cache isolation: ignoring it would share KV
-    "priority": _NoOp(0),
     "request_id": _NoOp(),
     "kv_transfer_params": _NoOp(),
     "vllm_xargs": _NoOp(),
@@ -201,6 +200,7 @@ class _SamplingFields(_Request):
     ignore_eos: bool = False
     min_tokens: int = 0
     skip_special_tokens: bool = True
+    priority: int = 0  # vLLM's: lower first, under --scheduling-policy priority
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     # Accepted and unused: metadata about the caller, or a routing hint, that changes no output.

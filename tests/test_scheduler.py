@@ -1,6 +1,8 @@
 """Scheduler unit tests: a step is shortened to a compiled token bucket when that is cheaper
 than padding, and the deferred prompt tokens follow in the next step."""
 
+import pytest
+
 from paxengine.kv_cache import KVCacheManager
 from paxengine.request import Request
 from paxengine.sampling_params import SamplingParams
@@ -78,3 +80,41 @@ def test_block_array_follows_allocation_and_free():
     assert kv.allocate(req, 36)
     assert len(req.block_ids) == 3 and req.block_ids != before
     assert req.block_array().tolist() == req.block_ids
+
+
+def _prio(name: str, priority: int, prompt_len: int = 16) -> Request:
+    params = SamplingParams(max_tokens=64, priority=priority)
+    return Request(name, list(range(1, prompt_len + 1)), params, seed=0)
+
+
+def test_priority_policy_orders_waiting_and_preempts_the_lowest():
+    kv = KVCacheManager(6, 16, enable_prefix_caching=False)  # 6 blocks of 16 tokens
+    sched = Scheduler(
+        kv, max_num_seqs=2, max_num_batched_tokens=64, max_model_len=256, policy="priority"
+    )
+    for name, p in [("low", 5), ("high", -1), ("mid", 0), ("high2", -1)]:
+        sched.add(_prio(name, p))
+    assert [r.request_id for r in sched.waiting] == ["high", "high2", "mid", "low"]
+    out = sched.schedule()  # two sequences at most: the two high ones
+    assert [r.request_id for r in out.requests] == ["high", "high2"]
+    decode_step(sched, out)
+    sched.add(_prio("urgent", -9))  # waits (2 seqs run) but heads the queue
+    assert sched.waiting[0].request_id == "urgent"
+    # grow both until blocks run out: the victim is the lower-ranked running one (high2,
+    # same priority as high, later arrival), which goes back in rank order
+    while not sched.waiting or sched.waiting[1].request_id != "high2":
+        out = sched.schedule()
+        decode_step(sched, out)
+        assert len(out.requests) >= 1
+    assert [r.request_id for r in sched.running] == ["high"]
+    assert [r.request_id for r in sched.waiting][:3] == ["urgent", "high2", "mid"]
+
+
+def test_fcfs_policy_keeps_arrival_order():
+    kv = KVCacheManager(16, 16, enable_prefix_caching=False)
+    sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=256, max_model_len=256)
+    for name, p in [("low", 5), ("high", -1)]:
+        sched.add(_prio(name, p))
+    assert [r.request_id for r in sched.waiting] == ["low", "high"]
+    with pytest.raises(ValueError, match="scheduling_policy"):
+        Scheduler(kv, 8, 256, 256, policy="lottery")

@@ -52,6 +52,8 @@ COMPLETION_CASES = [
     ({"stop": 12}, "stop"),
     ({"seed": "abc"}, "seed"),
     ({"stream": "true"}, "stream"),
+    ({"priority": 5}, "priority"),  # this server schedules fcfs
+    ({"priority": 1.5}, "priority"),
 ]
 
 
