@@ -34,6 +34,7 @@ from paxengine.runner import (
 from paxengine.sampling import build_sampling_tensors
 from paxengine.sampling_params import SamplingParams
 from paxengine.scheduler import Scheduler, SchedulerOutput
+from paxengine.structured import GrammarCompiler
 from paxengine.validation import validate_request
 
 log = logging.getLogger("paxengine")
@@ -220,6 +221,9 @@ class EngineCore:
             loaded_exe,
             r.trace_seconds,
         )
+        self.grammars = GrammarCompiler(
+            self.tokenizer, loaded.config.vocab_size, self.eos_token_ids
+        )
         self.groups: dict[str, RequestGroup] = {}
         self.seq_of: dict[str, tuple[RequestGroup, SequenceOutput]] = {}
         self.rng = np.random.default_rng(cfg.seed)
@@ -284,7 +288,12 @@ class EngineCore:
         )
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Also compiles a structured-output constraint (cached by its text): a grammar that does
+        not compile is refused here, and the step loop only ever copies compiled ones. Thread
+        safe: the server runs it in a worker thread before `generate` validates again."""
         validate_request(prompt_token_ids, params, self.info.limits)
+        if params.structured_outputs is not None:
+            self.grammars.compile(params.structured_outputs)
 
     def add_request(
         self,
@@ -307,6 +316,8 @@ class EngineCore:
         for i in range(params.n):
             seq_id = request_id if params.n == 1 else f"{request_id}#{i}"
             req = Request(seq_id, ids, params, seed=base_seed + 7919 * i, arrival_time=now)
+            if params.structured_outputs is not None:  # a copy of the compiled (cached) matcher
+                req.grammar = self.grammars.new_state(params.structured_outputs)
             seq = SequenceOutput(req, i, self.tokenizer)
             group.seqs.append(seq)
             self.seq_of[seq_id] = (group, seq)
@@ -339,7 +350,8 @@ class EngineCore:
         until N is read; step N+1 takes the id on the device. A request that N finishes (EOS,
         stop) may also be in N+1: that one wasted row writes KV only into its own last, partial
         (never hashed) block, and its sample is dropped. Penalties need exact token history on
-        the host, so while a running request uses one, N is read first.
+        the host, and a grammar's mask for N+1 depends on N's token, so while a running request
+        uses either, N is read first (unconstrained batches keep the overlap).
         With `dispatch_thread`, N+1's launch (XLA:GPU enqueues its kernels on the calling thread)
         runs on a worker and is waited for only when N+1 is read, so it overlaps this bookkeeping.
         """
@@ -355,7 +367,12 @@ class EngineCore:
                 out, self.kv.block_size, T, S, self.runner.max_blocks_per_seq, prev_rows
             )
             st = build_sampling_tensors(
-                out.requests, S, self.runner.history_len, self.eos_token_ids
+                out.requests,
+                S,
+                self.runner.history_len,
+                self.eos_token_ids,
+                self.grammars,
+                self.model_config.vocab_size,
             )
             if self._dispatcher is not None:
                 result = self._dispatcher.submit(self.runner.execute, arrays, st)
@@ -374,7 +391,8 @@ class EngineCore:
 
     def _needs_sync(self) -> bool:
         return any(
-            r.params.presence_penalty
+            r.grammar is not None
+            or r.params.presence_penalty
             or r.params.frequency_penalty
             or r.params.repetition_penalty != 1.0
             for r in self.scheduler.running

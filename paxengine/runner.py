@@ -243,7 +243,7 @@ class Runner:
         sharding = self.tp.sharding(P()) if self.tp is not None else None
         logits = jax.ShapeDtypeStruct((S, self.cfg.vocab_size), jnp.float32, sharding=sharding)
         return jax.jit(sample_step).lower(
-            logits, abstract_sampling_tensors(S, self.history_len, flags)
+            logits, abstract_sampling_tensors(S, self.history_len, flags, self.cfg.vocab_size)
         )
 
     def _compile_all(self, show_progress: bool) -> None:
