@@ -355,9 +355,11 @@ class EngineCore:
         With `dispatch_thread`, N+1's launch (XLA:GPU enqueues its kernels on the calling thread)
         runs on a worker and is waited for only when N+1 is read, so it overlaps this bookkeeping.
         """
-        outputs: list[RequestOutput] = []
+        read = None
         if self.inflight is not None and self._needs_sync():
-            outputs += self._finish_inflight()
+            # N's tokens reach the scheduler (and the grammars) before N+1 is built; its outputs
+            # (detokenizing, stop strings) are processed after N+1 is dispatched, as below
+            read = self._read_inflight()
         out = self.scheduler.schedule()
         dispatched = None
         if out:
@@ -385,9 +387,9 @@ class EngineCore:
             self.steps += 1
         if self.inflight is not None:
             self.overlapped_steps += bool(out)
-            outputs += self._finish_inflight()
+            read = self._read_inflight()
         self.inflight = dispatched
-        return outputs
+        return self._process_outputs(*read) if read is not None else []
 
     def _needs_sync(self) -> bool:
         return any(
@@ -398,13 +400,23 @@ class EngineCore:
             for r in self.scheduler.running
         )
 
-    def _finish_inflight(self) -> list[RequestOutput]:
+    def _read_inflight(self):
+        """The one sync: the in-flight step's samples, handed to the scheduler (which appends
+        them, stops, advances grammars). -> what `_process_outputs` needs."""
         step, self.inflight = self.inflight, None
         result = step.result.result() if isinstance(step.result, Future) else step.result
-        tokens, lps, ranks, top_ids, top_lps = self.runner.fetch(result)  # the one sync
+        tokens, lps, ranks, top_ids, top_lps = self.runner.fetch(result)
         sampled = {rid: [int(tokens[i])] for rid, i in step.rows.items()}
+        updated = self.scheduler.update_from_output(step.out, sampled)
+        return step, updated, (lps, ranks, top_ids, top_lps)
+
+    def _process_outputs(self, step: _InFlight, updated, logprobs) -> list[RequestOutput]:
+        """Text, logprobs and stop strings of the requests a read step updated. A stop string
+        may end a request that the step dispatched since already holds: its row is wasted and
+        its sample dropped, as for any request that ends while a step is in flight."""
+        lps, ranks, top_ids, top_lps = logprobs
         touched: dict[str, RequestGroup] = {}
-        for req in self.scheduler.update_from_output(step.out, sampled):
+        for req in updated:
             group, seq = self.seq_of[req.request_id]
             i = step.rows[req.request_id]
             stop = seq.update([(lps[i], ranks[i], top_ids[i], top_lps[i])])

@@ -3,9 +3,9 @@
 Order as in vLLM: penalties (repetition, presence, frequency) -> min_tokens stop-token ban ->
 logit_bias -> temperature -> top-k / top-p / min-p -> sample with the row's own PRNG key
 (seed + number of generated tokens, so the same seed gives the same text whatever its batch
-mates). Logprobs are those of the raw model output (as vLLM reports them), except that a grammar's token
-mask (structured output) comes first of all: a constrained row's logprobs are those of the
-masked distribution, the one its token is drawn from.
+mates). Logprobs are those of the raw model output (as vLLM reports them), except that a
+grammar's token mask (structured output) comes first of all: a constrained row's logprobs are
+those of the masked distribution, the one its token is drawn from.
 """
 
 from __future__ import annotations

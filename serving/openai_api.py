@@ -422,7 +422,9 @@ def _final_response(call: _Call, finals: dict):
             idx = call.index(pi, o.index)
             if call.kind == "chat":
                 lp = chat_logprobs(state, o, 0, call.k) if call.k is not None else None
-                content, calls, finish = _tool_calls(call.tools, o.text, o.finish_reason)
+                content, calls, finish = _tool_calls(
+                    call.tools, o.text, o.finish_reason, call.req.parallel_tool_calls is not False
+                )
                 choices.append(
                     ChatChoice(
                         index=idx,
@@ -464,12 +466,14 @@ def _final_response(call: _Call, finals: dict):
     return cls(id=call.id, model=state.model_name, choices=choices, usage=call.usage(finals))
 
 
-def _tool_calls(mode: Optional[str], text: str, finish: Optional[str]):
-    """(content, calls, finish_reason) of a finished chat output."""
+def _tool_calls(mode: Optional[str], text: str, finish: Optional[str], parallel: bool = True):
+    """(content, calls, finish_reason) of a finished chat output. parallel=False keeps the first
+    call the model wrote (a forced one has a grammar of one call already)."""
     if mode is None:
         return text, [], finish
     if mode == "auto":
         content, calls = tools.parse_tool_calls(text)
+        calls = calls if parallel else calls[:1]
         return content, calls, ("tool_calls" if calls and finish == "stop" else finish)
     calls = tools.forced_calls(text, mode) if finish == "stop" else None
     if calls is None:  # cut short (length, a stop string): what was written, as text
@@ -482,15 +486,15 @@ def _tool_calls(mode: Optional[str], text: str, finish: Optional[str]):
 class _ToolDeltas:
     """A streamed chat choice's deltas when tools are on: content and OpenAI tool-call deltas."""
 
-    def __init__(self, mode: str):
-        self.mode, self.n_calls = mode, 0
+    def __init__(self, mode: str, parallel: bool):
+        self.mode, self.n_calls, self.parallel = mode, 0, parallel
         self.auto = tools.ToolCallStream() if mode == "auto" else None
         self.text = ""  # a forced call's output so far
         self.named_id = None
 
     def _call_deltas(self, calls) -> list[DeltaToolCall]:
         out = []
-        for c in calls:
+        for c in calls if self.parallel else calls[: max(0, 1 - self.n_calls)]:
             out.append(
                 DeltaToolCall(
                     index=self.n_calls,
@@ -525,8 +529,6 @@ class _ToolDeltas:
         first = self.named_id is None
         if first:
             self.named_id = tools.Call(self.mode, "").id
-        if finish == "stop":
-            finish = "stop" if tools.forced_calls(self.text, self.mode) else finish
         piece = DeltaToolCall(
             index=0,
             id=self.named_id if first else None,
@@ -587,8 +589,13 @@ async def _stream(call: _Call) -> AsyncIterator[str]:
                         lp = chat_logprobs(state, o, n0, call.k) if call.k is not None else None
                         message = DeltaMessage(content=delta)
                         if call.tools is not None:
-                            td = tool_deltas.setdefault(idx, _ToolDeltas(call.tools))
+                            td = tool_deltas.setdefault(
+                                idx,
+                                _ToolDeltas(call.tools, call.req.parallel_tool_calls is not False),
+                            )
                             message, finish = td.step(delta, finish)
+                            if finish is None and call.k is None and not message.model_dump():
+                                continue  # held back (a call not yet complete): nothing to send
                         c = ChatStreamChoice(
                             index=idx,
                             delta=message,
