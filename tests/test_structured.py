@@ -222,3 +222,25 @@ def test_tool_messages_through_smollm_template(smollm):
     assert text.startswith("<|im_start|>system\n# Tools") and '"name": "get_weather"' in text
     assert '<tool_call>\n{"name": "get_weather", "arguments": {}}\n</tool_call>' in text
     assert "<|im_start|>user\n<tool_response>\nsunny\n</tool_response><|im_end|>" in text
+
+
+def test_streamed_auto_tool_call_deltas_in_openai_shape():
+    """The server's per-choice deltas for tool_choice auto on crafted model text: content first,
+    then each call whole (index, id, type, name, arguments), finish_reason tool_calls."""
+    from serving.openai_api import _ToolDeltas
+
+    td = _ToolDeltas("auto", parallel=True)
+    text = "\n\nChecking." + CALL + CALL.replace("Paris", "Rome")
+    deltas = [td.step(text[i : i + 5], None) for i in range(0, len(text), 5)]
+    deltas.append(td.step("", "stop"))
+    content = "".join(d.content or "" for d, _ in deltas)
+    calls = [c for d, _ in deltas for c in d.tool_calls or []]
+    assert content == "Checking." and deltas[-1][1] == "tool_calls"
+    assert [(c.index, c.type, c.function.name) for c in calls] == [
+        (0, "function", "get_weather"),
+        (1, "function", "get_weather"),
+    ]
+    assert json.loads(calls[1].function.arguments) == {"city": "Rome"} and calls[0].id
+    one = _ToolDeltas("auto", parallel=False)
+    got = [c for d, _ in [one.step(text, "stop")] for c in d.tool_calls or []]
+    assert len(got) == 1
