@@ -31,7 +31,7 @@ from paxengine.runner import (
     plan_num_blocks,
     resolve_layer_loop,
 )
-from paxengine.sampling import build_sampling_tensors
+from paxengine.sampling import ALL_FLAGS, build_sampling_tensors
 from paxengine.sampling_params import SamplingParams
 from paxengine.scheduler import Scheduler, SchedulerOutput
 from paxengine.structured import GrammarCompiler
@@ -208,6 +208,9 @@ class EngineCore:
             show_progress=cfg.show_progress,
             store=store,
             tp=tp,
+            sampler_flags=ALL_FLAGS
+            if cfg.structured_outputs
+            else [f for f in ALL_FLAGS if not f[3]],
         )
         r = self.runner
         n_exe = len(r.compiled) + len(r.samplers)
@@ -293,6 +296,11 @@ class EngineCore:
         safe: the server runs it in a worker thread before `generate` validates again."""
         validate_request(prompt_token_ids, params, self.info.limits)
         if params.structured_outputs is not None:
+            if not self.config.structured_outputs:
+                raise InvalidRequest(
+                    "structured output is off on this server (structured_outputs: false)",
+                    param="structured_outputs",
+                )
             self.grammars.compile(params.structured_outputs)
 
     def add_request(
@@ -375,6 +383,7 @@ class EngineCore:
                 self.eos_token_ids,
                 self.grammars,
                 self.model_config.vocab_size,
+                self.runner.sampler_flags,
             )
             if self._dispatcher is not None:
                 result = self._dispatcher.submit(self.runner.execute, arrays, st)
