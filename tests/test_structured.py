@@ -244,3 +244,29 @@ def test_streamed_auto_tool_call_deltas_in_openai_shape():
     one = _ToolDeltas("auto", parallel=False)
     got = [c for d, _ in [one.step(text, "stop")] for c in d.tool_calls or []]
     assert len(got) == 1
+
+
+def test_template_that_renders_tools_gets_them():
+    """A template naming `tools` (Qwen's, Llama 3.1's) renders them itself: it gets the OpenAI
+    tool list and messages, the calls' arguments as objects (as transformers passes them)."""
+    from paxengine.tokenizer import _compile_template
+
+    source = (
+        "{% for t in tools %}[{{ t.function.name }}]{% endfor %}"
+        "{% for m in messages %}<{{ m.role }}>{{ m.content }}"
+        "{% for c in m.tool_calls or [] %}{{ c.function.arguments.city }}{% endfor %}"
+        "{% endfor %}"
+    )
+    assert tools.template_renders_tools(source)
+    fn = {"type": "function", "function": {"name": "get_weather"}}
+    call = {"id": "c", "type": "function", "function": {"name": "get_weather"}}
+    call["function"]["arguments"] = '{"city": "Oslo"}'
+    msgs = [
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "content": "rain", "tool_call_id": "c"},
+    ]
+    m, extra = tools.template_inputs(msgs, [fn], source)
+    assert _compile_template(source).render(messages=m, **extra) == (
+        "[get_weather]<user>q<assistant>Oslo<tool>rain"
+    )
