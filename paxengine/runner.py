@@ -26,8 +26,8 @@ from kernels_pallas.xla_attention import xla_ragged_paged_attention
 from paxengine import parallel
 from paxengine.batch import StepArrays, bucket_pairs, pick
 from paxengine.executables import ExecutableStore, bypassing_jax_cache
-from paxengine.models.config import ModelConfig
 from paxengine.models import quant
+from paxengine.models.config import ModelConfig
 from paxengine.models.llama import compute_logits, forward_hidden
 from paxengine.models.weights import is_per_layer
 from paxengine.sampling import ALL_FLAGS, SamplingTensors, abstract_sampling_tensors, sample
