@@ -6,6 +6,7 @@ from paxengine.client import EngineClient, ModelInfo
 from paxengine.config import EngineConfig
 from paxengine.errors import EngineDead, EngineError, EngineOverloaded, InvalidRequest
 from paxengine.sampling_params import SamplingParams
+from paxengine.structured import StructuredOutputs
 
 
 def __getattr__(name):
@@ -28,6 +29,7 @@ __all__ = [
     "ModelInfo",
     "EngineConfig",
     "SamplingParams",
+    "StructuredOutputs",
     "EngineError",
     "InvalidRequest",
     "EngineOverloaded",

@@ -56,7 +56,12 @@ class DataParallelEngine:
         return self.replicas[0].model_info()  # every replica runs the same model and limits
 
     def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
-        self.replicas[0].validate(prompt_token_ids, params)
+        # a structured-output constraint compiles on every replica (each caches its own): the
+        # server validates in a worker thread, so `generate` then finds it compiled wherever the
+        # request is routed and never compiles on the event loop
+        constrained = getattr(params, "structured_outputs", None) is not None
+        for r in self.replicas if constrained else self.replicas[:1]:
+            r.validate(prompt_token_ids, params)
 
     def is_healthy(self) -> bool:
         return all(r.is_healthy() for r in self.replicas)

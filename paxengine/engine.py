@@ -31,9 +31,10 @@ from paxengine.runner import (
     plan_num_blocks,
     resolve_layer_loop,
 )
-from paxengine.sampling import build_sampling_tensors
+from paxengine.sampling import ALL_FLAGS, build_sampling_tensors
 from paxengine.sampling_params import SamplingParams
 from paxengine.scheduler import POLICIES, Scheduler, SchedulerOutput
+from paxengine.structured import GrammarCompiler
 from paxengine.validation import validate_request
 
 log = logging.getLogger("paxengine")
@@ -225,6 +226,9 @@ class EngineCore:
             show_progress=cfg.show_progress,
             store=store,
             tp=tp,
+            sampler_flags=ALL_FLAGS
+            if cfg.structured_outputs
+            else [f for f in ALL_FLAGS if not f[3]],
         )
         r = self.runner
         n_exe = len(r.compiled) + len(r.samplers)
@@ -237,6 +241,9 @@ class EngineCore:
             r.compile_seconds,
             loaded_exe,
             r.trace_seconds,
+        )
+        self.grammars = GrammarCompiler(
+            self.tokenizer, loaded.config.vocab_size, self.eos_token_ids
         )
         self.groups: dict[str, RequestGroup] = {}
         self.seq_of: dict[str, tuple[RequestGroup, SequenceOutput]] = {}
@@ -306,6 +313,9 @@ class EngineCore:
         )
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Also compiles a structured-output constraint (cached by its text): a grammar that does
+        not compile is refused here, and the step loop only ever copies compiled ones. Thread
+        safe: the server runs it in a worker thread before `generate` validates again."""
         validate_request(prompt_token_ids, params, self.info.limits)
         if params.priority != 0 and self.config.scheduling_policy != "priority":
             raise InvalidRequest(
@@ -314,6 +324,13 @@ class EngineCore:
                 "--scheduling-policy priority)",
                 param="priority",
             )
+        if params.structured_outputs is not None:
+            if not self.config.structured_outputs:
+                raise InvalidRequest(
+                    "structured output is off on this server (structured_outputs: false)",
+                    param="structured_outputs",
+                )
+            self.grammars.compile(params.structured_outputs)
 
     def add_request(
         self,
@@ -336,6 +353,8 @@ class EngineCore:
         for i in range(params.n):
             seq_id = request_id if params.n == 1 else f"{request_id}#{i}"
             req = Request(seq_id, ids, params, seed=base_seed + 7919 * i, arrival_time=now)
+            if params.structured_outputs is not None:  # a copy of the compiled (cached) matcher
+                req.grammar = self.grammars.new_state(params.structured_outputs)
             seq = SequenceOutput(req, i, self.tokenizer)
             group.seqs.append(seq)
             self.seq_of[seq_id] = (group, seq)
@@ -421,13 +440,24 @@ class EngineCore:
         until N is read; step N+1 takes the id on the device. A request that N finishes (EOS,
         stop) may also be in N+1: that one wasted row writes KV only into its own last, partial
         (never hashed) block, and its sample is dropped. Penalties need exact token history on
-        the host, so while a running request uses one, N is read first.
+        the host, and a grammar's mask for N+1 depends on N's token, so while a running request
+        uses either, N is read first (unconstrained batches keep the overlap).
         With `dispatch_thread`, N+1's launch (XLA:GPU enqueues its kernels on the calling thread)
         runs on a worker and is waited for only when N+1 is read, so it overlaps this bookkeeping.
         """
-        outputs = self._partial
+        read = None
         if self.inflight is not None and self._needs_sync():
-            outputs += self._finish_inflight()
+            # N's tokens reach the scheduler (and the grammars) before N+1 is built; its outputs
+            # (detokenizing, stop strings) are processed after N+1 is dispatched, as below
+            read = self._read_inflight()
+        try:
+            return self._dispatch_and_read(read)
+        except _DeviceFailure:
+            if read is not None:  # N was read whole before N+1 failed: its outputs stand
+                self._partial = self._process_outputs(*read)
+            raise
+
+    def _dispatch_and_read(self, read) -> list[RequestOutput]:
         out = self.scheduler.schedule()
         dispatched = None
         if out:
@@ -437,7 +467,13 @@ class EngineCore:
                 out, self.kv.block_size, T, S, self.runner.max_blocks_per_seq, prev_rows
             )
             st = build_sampling_tensors(
-                out.requests, S, self.runner.history_len, self.eos_token_ids
+                out.requests,
+                S,
+                self.runner.history_len,
+                self.eos_token_ids,
+                self.grammars,
+                self.model_config.vocab_size,
+                self.runner.sampler_flags,
             )
             if self._dispatcher is not None:
                 result = self._dispatcher.submit(self.runner.execute, arrays, st)
@@ -450,29 +486,39 @@ class EngineCore:
             self.steps += 1
         if self.inflight is not None:
             self.overlapped_steps += bool(out)
-            outputs += self._finish_inflight()
+            read = self._read_inflight()
         self.inflight = dispatched
-        return outputs
+        return self._process_outputs(*read) if read is not None else []
 
     def _needs_sync(self) -> bool:
         return any(
-            r.params.presence_penalty
+            r.grammar is not None
+            or r.params.presence_penalty
             or r.params.frequency_penalty
             or r.params.repetition_penalty != 1.0
             for r in self.scheduler.running
         )
 
-    def _finish_inflight(self) -> list[RequestOutput]:
+    def _read_inflight(self):
+        """The one sync: the in-flight step's samples, handed to the scheduler (which appends
+        them, stops, advances grammars). -> what `_process_outputs` needs."""
         step, self.inflight = self.inflight, None
         if isinstance(step.result, Future):
             result = self._device(step.out, step.result.result)
         else:
             result = step.result
-        # the one sync
         tokens, lps, ranks, top_ids, top_lps = self._device(step.out, self.runner.fetch, result)
         sampled = {rid: [int(tokens[i])] for rid, i in step.rows.items()}
+        updated = self.scheduler.update_from_output(step.out, sampled)
+        return step, updated, (lps, ranks, top_ids, top_lps)
+
+    def _process_outputs(self, step: _InFlight, updated, logprobs) -> list[RequestOutput]:
+        """Text, logprobs and stop strings of the requests a read step updated. A stop string
+        may end a request that the step dispatched since already holds: its row is wasted and
+        its sample dropped, as for any request that ends while a step is in flight."""
+        lps, ranks, top_ids, top_lps = logprobs
         touched: dict[str, RequestGroup] = {}
-        for req in self.scheduler.update_from_output(step.out, sampled):
+        for req in updated:
             group, seq = self.seq_of[req.request_id]
             i = step.rows[req.request_id]
             stop = seq.update([(lps[i], ranks[i], top_ids[i], top_lps[i])])

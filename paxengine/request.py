@@ -45,6 +45,9 @@ class Request:
     finished_time: float | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    # structured output: this sequence's place in its grammar (structured.GrammarState), advanced
+    # by the scheduler once per accepted token; None when unconstrained
+    grammar: object = field(default=None, repr=False)
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -164,6 +164,7 @@ class Runner:
         show_progress: bool = True,
         store: ExecutableStore | None = None,
         tp: parallel.TensorParallel | None = None,
+        sampler_flags: list[tuple] = ALL_FLAGS,
     ):
         """params: stacked layers (scanned) or a list of per-layer dicts (unrolled), see
         `weights.unstack_layers`; the KV cache takes the same layout. tp: tensor parallelism
@@ -195,6 +196,7 @@ class Runner:
         self.samplers: dict[tuple, object] = {}  # (S, flags) -> sampler
         self.compile_seconds = self.trace_seconds = 0.0
         self.store = store
+        self.sampler_flags = list(sampler_flags)  # the variants compiled (sampling.choose_flags)
         self._compile_all(show_progress)
         global _warm_at
         _warm_at = compile_count()
@@ -242,7 +244,7 @@ class Runner:
         sharding = self.tp.sharding(P()) if self.tp is not None else None
         logits = jax.ShapeDtypeStruct((S, self.cfg.vocab_size), jnp.float32, sharding=sharding)
         return jax.jit(sample_step).lower(
-            logits, abstract_sampling_tensors(S, self.history_len, flags)
+            logits, abstract_sampling_tensors(S, self.history_len, flags, self.cfg.vocab_size)
         )
 
     def _compile_all(self, show_progress: bool) -> None:
@@ -252,7 +254,7 @@ class Runner:
         process with the same shapes."""
         t0 = time.perf_counter()
         pairs = bucket_pairs(self.token_buckets, self.seq_buckets)
-        sampler_keys = [(S, f) for S in self.seq_buckets for f in ALL_FLAGS]
+        sampler_keys = [(S, f) for S in self.seq_buckets for f in self.sampler_flags]
         workers = max(1, min(len(pairs), (os.cpu_count() or 1) // 2, 8))
         bar = tqdm(
             total=len(pairs) + len(sampler_keys),

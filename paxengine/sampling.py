@@ -3,7 +3,9 @@
 Order as in vLLM: penalties (repetition, presence, frequency) -> min_tokens stop-token ban ->
 logit_bias -> temperature -> top-k / top-p / min-p -> sample with the row's own PRNG key
 (seed + number of generated tokens, so the same seed gives the same text whatever its batch
-mates). Logprobs are those of the raw model output (as vLLM reports them).
+mates). Logprobs are those of the raw model output (as vLLM reports them), except that a
+grammar's token mask (structured output) comes first of all: a constrained row's logprobs are
+those of the masked distribution, the one its token is drawn from.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ MAX_STOP_IDS = 16  # stop ids banned while min_tokens is not reached (EOS + stop
 class SamplingTensors:
     """Per-row sampling parameters, [S] unless noted.
 
-    The three flags are static (part of the pytree's structure, not traced): the runner keeps one
+    The flags are static (part of the pytree's structure, not traced): the runner keeps one
     compiled sampler per flag combination and picks it on the host. A data-dependent `lax.cond`
     would do the same on the device, but XLA:GPU reads a conditional's predicate back to the host
     and blocks until everything queued before it has run, which stalls the next step's launch.
@@ -46,28 +48,42 @@ class SamplingTensors:
     history: jax.Array | None  # [S, H] i32: prompt + output token ids, -1 padded; None unless
     # `penalties`
     num_prompt: jax.Array  # [S] i32: how many of history are prompt tokens
+    mask: jax.Array | None = None  # [S, ceil(V/32)] i32 allowed-token bits; None unless `grammar`
     penalties: bool = False  # static: some row has a penalty (the [S, V] scatters)
     top: bool = False  # static: some row uses top-k / top-p (the [S, V] sort)
     logprobs: bool = False  # static: some row asks for logprobs (the top-20 search)
+    grammar: bool = False  # static: some row is constrained by a grammar (the token mask)
 
     @property
-    def flags(self) -> tuple[bool, bool, bool]:
-        return (self.penalties, self.top, self.logprobs)
+    def flags(self) -> tuple[bool, bool, bool, bool]:
+        return (self.penalties, self.top, self.logprobs, self.grammar)
 
 
-_DATA_FIELDS = [
-    f.name
-    for f in dataclasses.fields(SamplingTensors)
-    if f.name not in ("penalties", "top", "logprobs")
-]
+_META_FIELDS = ["penalties", "top", "logprobs", "grammar"]
+_DATA_FIELDS = [f.name for f in dataclasses.fields(SamplingTensors) if f.name not in _META_FIELDS]
 jax.tree_util.register_dataclass(
-    SamplingTensors, data_fields=_DATA_FIELDS, meta_fields=["penalties", "top", "logprobs"]
+    SamplingTensors, data_fields=_DATA_FIELDS, meta_fields=_META_FIELDS
 )
-ALL_FLAGS = [(p, t, l) for p in (False, True) for t in (False, True) for l in (False, True)]
+# The compiled sampler variants, (penalties, top, logprobs, grammar). Every combination without a
+# grammar (8), and only three with one: a batch runs the cheapest compiled variant that has every
+# flag it needs (`choose_flags`; a flag on for rows that do not use it changes nothing for them),
+# so a constrained batch with penalties or logprobs runs the all-on sampler instead of 8 more
+# executables per sequence bucket compiling at start-up.
+_PLAIN_FLAGS = [
+    (p, t, l, False) for p in (False, True) for t in (False, True) for l in (False, True)
+]
+GRAMMAR_FLAGS = [(False, False, False, True), (False, True, False, True), (True, True, True, True)]
+ALL_FLAGS = _PLAIN_FLAGS + GRAMMAR_FLAGS
+
+
+def choose_flags(needed: tuple[bool, ...], available=ALL_FLAGS) -> tuple[bool, ...]:
+    """The compiled variant with the fewest flags on that has every flag `needed` has."""
+    fits = [f for f in available if all(a or not n for a, n in zip(f, needed))]
+    return min(fits, key=sum)
 
 
 def abstract_sampling_tensors(
-    num_rows: int, history_len: int, flags: tuple[bool, bool, bool]
+    num_rows: int, history_len: int, flags: tuple[bool, bool, bool, bool], vocab_size: int
 ) -> SamplingTensors:
     """Shapes and dtypes of `build_sampling_tensors`' output, for ahead-of-time compiles."""
     s = num_rows
@@ -89,8 +105,25 @@ def abstract_sampling_tensors(
         spec(f32, s, MAX_LOGIT_BIAS),
         spec(i32, s, history_len) if flags[0] else None,
         spec(i32, s),
+        spec(i32, s, mask_words(vocab_size)) if flags[3] else None,
         *flags,
     )
+
+
+def mask_words(vocab_size: int) -> int:
+    return -(-vocab_size // 32)
+
+
+def apply_token_mask(logits: jax.Array, mask: jax.Array) -> jax.Array:
+    """Disallowed tokens -> -inf. mask: [S, ceil(V/32)] int32, bit t % 32 of word t // 32 is
+    token t (all ones for unconstrained rows). A row with no allowed token at all (a matcher in
+    an error state; the host ends such a request) is left unmasked rather than made all -inf."""
+    v = logits.shape[-1]
+    words = jnp.repeat(mask, 32, axis=1, total_repeat_length=mask.shape[1] * 32)[:, :v]
+    bit = jnp.arange(v, dtype=jnp.int32) % 32
+    allowed = jax.lax.shift_right_logical(words, bit[None, :]) & 1 == 1
+    allowed = allowed | ~jnp.any(allowed, axis=-1, keepdims=True)
+    return jnp.where(allowed, logits, -jnp.inf)
 
 
 def _apply_penalties(logits, st: SamplingTensors):
@@ -178,6 +211,8 @@ def sample(logits: jax.Array, st: SamplingTensors):
     """-> (tokens [S], sampled logprob [S], rank [S], top ids [S, N], top logprobs [S, N]).
     Branch-free on the device: what a batch does not use is left out at trace time (`st`'s
     static flags), and the random draw costs a few passes over [S, V], so it always runs."""
+    if st.grammar:  # before everything: penalties, bias, every sampling mode and logprobs
+        logits = apply_token_mask(logits.astype(jnp.float32), st.mask)
     proc = process_logits(logits, st)
     greedy_tok = jnp.argmax(proc, axis=-1)
     temp = jnp.where(st.temperature > 0, st.temperature, 1.0)
@@ -207,14 +242,23 @@ def sample(logits: jax.Array, st: SamplingTensors):
     tok_lp = jnp.take_along_axis(raw, tokens[:, None], axis=-1)[:, 0]
     rank = jnp.sum(raw > tok_lp[:, None], axis=-1).astype(jnp.int32) + 1
     top_lp, top_ids = jax.lax.top_k(raw, n_top)
+    if st.grammar:  # masked tokens' -inf is not JSON: the floor OpenAI servers report (vLLM's)
+        top_lp = jnp.maximum(top_lp, -9999.0)
     return tokens, tok_lp, rank, top_ids.astype(jnp.int32), top_lp
 
 
 def build_sampling_tensors(
-    rows: list, num_rows: int, history_len: int, eos_ids: list[int]
+    rows: list,
+    num_rows: int,
+    history_len: int,
+    eos_ids: list[int],
+    grammars=None,
+    vocab_size: int = 0,
+    available=ALL_FLAGS,
 ) -> SamplingTensors:
     """rows: (Request) objects for the live rows, right after they were scheduled; the rest is
-    padding. Host-side numpy."""
+    padding. Host-side numpy. grammars: the engine's `structured.GrammarCompiler`, which writes
+    the masks of rows with a grammar (`Request.grammar`); `available`: the compiled variants."""
     s = num_rows
     temperature = np.zeros(s, np.float32)
     top_k = np.zeros(s, np.int32)
@@ -258,6 +302,14 @@ def build_sampling_tensors(
             items = list(p.logit_bias.items())[:MAX_LOGIT_BIAS]
             bias_ids[i, : len(items)] = [k for k, _ in items]
             bias_vals[i, : len(items)] = [v for _, v in items]
+    constrained = [(g, i) for i, r in enumerate(rows) if (g := getattr(r, "grammar", None))]
+    penalties, top, logprobs, grammar = choose_flags(
+        (penalties, top, logprobs, bool(constrained)), available
+    )
+    mask = None
+    if grammar:  # all ones (every token allowed) but in the constrained rows
+        mask = np.full((s, mask_words(vocab_size)), -1, np.int32)
+        grammars.fill_masks(constrained, mask)
     # [S, H] only when a row uses a penalty (no S x max_model_len upload every step otherwise).
     history = None
     if penalties:
@@ -282,7 +334,9 @@ def build_sampling_tensors(
         bias_vals,
         history,
         num_prompt,
+        mask,
         bool(penalties),
         bool(top),
         bool(logprobs),
+        bool(grammar),
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from paxengine.errors import InvalidRequest
+from paxengine.structured import StructuredOutputs
 
 MAX_LOGPROBS = 20
 MAX_N = 64
@@ -36,6 +37,8 @@ class SamplingParams:
     # scheduling, not sampling: lower runs first (vLLM's convention); needs the engine's
     # scheduling_policy "priority"
     priority: int = 0
+    # a JSON schema, regex, choice or Lark grammar the output must follow (structured.py)
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -107,6 +110,10 @@ class SamplingParams:
                 bad("stop_token_ids", f"token id {t!r} is outside the vocabulary [0, {vocab_size})")
         if len(self.logit_bias) > MAX_LOGIT_BIAS:
             bad("logit_bias", f"at most {MAX_LOGIT_BIAS} entries, got {len(self.logit_bias)}")
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputs):
+                bad("structured_outputs", "must be a paxengine.StructuredOutputs")
+            self.structured_outputs.key()  # exactly one constraint, of the right type
         for t, b in self.logit_bias.items():
             if not 0 <= t < vocab_size:
                 bad("logit_bias", f"token id {t} is outside the vocabulary [0, {vocab_size})")

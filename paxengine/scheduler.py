@@ -8,18 +8,22 @@ The scheduler is the one owner of a request's tokens and progress: `schedule` co
 scheduled tokens as computed and a sample as pending, `update_from_output` turns a step's samples
 (1..k+1 per request) into output tokens, applies the token-level stops and max_tokens, and
 `finish` frees the blocks. Stop strings are text: the output processor finds them and calls
-`finish`.
+`finish`. A request's grammar (structured output) advances here too, once per accepted token, and
+a complete grammar ends the request.
 """
 
 from __future__ import annotations
 
 import bisect
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
 
 from paxengine.kv_cache import KVCacheManager
 from paxengine.request import Request, Status
+
+log = logging.getLogger("paxengine")
 
 POLICIES = ("fcfs", "priority")
 
@@ -247,6 +251,11 @@ class Scheduler:
             req.first_token_time = time.monotonic()
         for t in tokens:
             req.output_token_ids.append(t)
+            if req.grammar is not None and not req.grammar.accept(t):
+                # the mask allows only what the grammar takes: this is a bug, never a client's
+                log.error("%s: token %d rejected by its grammar", req.request_id, t)
+                self.finish(req, "abort")
+                return
             reason, stop_reason = self._stop_reason(req, t)
             if reason is not None:  # tokens after a stop are dropped
                 self.finish(req, reason, stop_reason)
@@ -259,6 +268,8 @@ class Scheduler:
                 return "stop", None
             if token in p.stop_token_ids:
                 return "stop", token
+        if req.grammar is not None and req.grammar.is_complete:
+            return "stop", None  # nothing but EOS could follow
         if p.max_tokens is not None and n >= p.max_tokens:
             return "length", None
         if req.num_known_tokens >= self.max_model_len:

@@ -52,6 +52,12 @@ def build_parser() -> argparse.ArgumentParser:
     _bool_pair(e, "dispatch-thread", "launch each step from a worker thread")
     _bool_pair(
         e,
+        "structured-outputs",
+        "JSON schemas, regexes, grammars and forced tool calls (3 more samplers per sequence "
+        "bucket to compile at start-up)",
+    )
+    _bool_pair(
+        e,
         "store-executables",
         "keep compiled steps on disk; a restart loads them instead of compiling",
     )

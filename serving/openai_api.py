@@ -14,8 +14,11 @@ from fastapi import Request
 from fastapi.responses import Response
 from starlette.responses import StreamingResponse
 
+from paxengine.errors import InvalidRequest
 from paxengine.outputs import Logprob
 from paxengine.sampling_params import MAX_LOGPROBS, SamplingParams
+from paxengine.structured import StructuredOutputs
+from serving import tools
 from serving.errors import ApiError, bad_request, internal_error
 from serving.generation import (
     ClientDisconnected,
@@ -38,7 +41,11 @@ from serving.protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    DeltaFunctionCall,
     DeltaMessage,
+    DeltaToolCall,
+    ResponseFunctionCall,
+    ResponseToolCall,
     TopLogprob,
     Usage,
 )
@@ -84,6 +91,76 @@ def sse(obj) -> str:
 
 
 # ----------------------------------------------------------------------------- request -> params
+def constraint(req) -> Optional[StructuredOutputs]:
+    """The request's structured-output constraint: OpenAI's response_format, vLLM's
+    structured_outputs or its legacy guided_* fields (at most one of them)."""
+    found = []
+    rf = req.response_format
+    if rf is not None and rf.type == "json_object":
+        found.append(("response_format", StructuredOutputs(json_object=True)))
+    elif rf is not None and rf.type == "json_schema":
+        if rf.json_schema is None or rf.json_schema.schema_ is None:
+            raise bad_request(
+                "response_format: type json_schema needs json_schema.schema", "response_format"
+            )
+        found.append(("response_format", StructuredOutputs(json=rf.json_schema.schema_)))
+    so = req.structured_outputs
+    if so is not None:
+        found.append(
+            (
+                "structured_outputs",
+                StructuredOutputs(
+                    json=so.json_,
+                    json_object=bool(so.json_object),
+                    regex=so.regex,
+                    choice=so.choice,
+                    grammar=so.grammar,
+                ),
+            )
+        )
+    for name, field in (("json", "guided_json"), ("regex", "guided_regex")):
+        if getattr(req, field) is not None:
+            found.append((field, StructuredOutputs(**{name: getattr(req, field)})))
+    if req.guided_choice is not None:
+        found.append(("guided_choice", StructuredOutputs(choice=req.guided_choice)))
+    if req.guided_grammar is not None:
+        found.append(("guided_grammar", StructuredOutputs(grammar=req.guided_grammar)))
+    if len(found) > 1:
+        names = ", ".join(n for n, _ in found)
+        raise bad_request(f"{names}: give at most one output constraint", found[1][0])
+    if not found:
+        return None
+    name, spec = found[0]
+    try:
+        spec.key()  # exactly one constraint of the right type, before any engine work
+    except InvalidRequest as e:
+        raise bad_request(f"{name}: {e}", name) from None
+    return spec
+
+
+def tool_mode(req) -> Optional[str]:
+    """None (plain text), "auto", "required", or the name of the function to call."""
+    choice = req.tool_choice
+    if not req.tools:
+        if choice in (None, "none", "auto"):
+            return None
+        raise bad_request("tool_choice: requires tools", "tool_choice")
+    names = [t.function.name for t in req.tools]
+    if len(set(names)) != len(names):
+        raise bad_request("tools: function names must be unique", "tools")
+    if choice == "none":
+        return None
+    if choice is None or choice == "auto":
+        return "auto"
+    if choice == "required":
+        return "required"
+    if choice.function.name not in names:
+        raise bad_request(
+            f"tool_choice: no tool named {choice.function.name!r} in tools", "tool_choice"
+        )
+    return choice.function.name
+
+
 def sampling_params(
     state: ServerState, req, max_tokens: Optional[int], logprobs: Optional[int]
 ) -> SamplingParams:
@@ -116,6 +193,7 @@ def sampling_params(
         logit_bias=bias,
         skip_special_tokens=req.skip_special_tokens,
         priority=req.priority,
+        structured_outputs=constraint(req),
     )
 
 
@@ -139,19 +217,27 @@ def _prompts(state: ServerState, req: CompletionRequest) -> list[tuple[str, list
     return out
 
 
-def chat_prompt(state: ServerState, messages, add_generation_prompt: bool) -> tuple[str, list[int]]:
+def chat_prompt(
+    state: ServerState, messages, add_generation_prompt: bool, tool_defs=None
+) -> tuple[str, list[int]]:
+    """tool_defs: the tools to show the model (OpenAI dicts), or None."""
     # `name` goes to the template as vLLM passes it (templates that know it use it)
     msgs = [
         {
             "role": "system" if m.role == "developer" else m.role,
             "content": m.text(),
             **({"name": m.name} if m.name is not None else {}),
+            **({"tool_calls": [c.model_dump() for c in m.tool_calls]} if m.tool_calls else {}),
+            **({"tool_call_id": m.tool_call_id} if m.tool_call_id is not None else {}),
         }
         for m in messages
     ]
     try:
+        msgs, extra = tools.template_inputs(
+            msgs, tool_defs, getattr(state.tokenizer, "chat_template", None)
+        )
         text = state.tokenizer.apply_chat_template(
-            msgs, add_generation_prompt=add_generation_prompt
+            msgs, add_generation_prompt=add_generation_prompt, **extra
         )
     except Exception as e:  # template errors (role order, ...) are the client's
         raise bad_request(f"messages: the chat template rejected them: {e}", "messages") from None
@@ -238,6 +324,7 @@ class _Call:
         self.id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         self.jobs = [Job(f"{self.id}-{i}", ids, params) for i, (_, ids) in enumerate(prompts)]
         self.n = params.n
+        self.tools = tool_mode(req) if kind == "chat" else None
 
     def index(self, prompt_i: int, out_i: int) -> int:
         return prompt_i * self.n + out_i
@@ -257,6 +344,7 @@ async def _off_loop(size: int, fn, *args):
 
 async def prepare(state: ServerState, kind: str, req) -> _Call:
     state.check_model(req.model)
+    mode = None
     if kind == "chat":
         if req.top_logprobs is not None:
             if not req.logprobs:
@@ -267,9 +355,19 @@ async def prepare(state: ServerState, kind: str, req) -> _Call:
                     f"got {req.top_logprobs}",
                     "top_logprobs",
                 )
+        mode = tool_mode(req)
+        if mode is not None and constraint(req) is not None:
+            raise bad_request(
+                "response_format: an output constraint cannot be combined with tools "
+                "(tool_choice auto, required or a function); set tool_choice to none",
+                "response_format",
+            )
+        tool_defs = [t.model_dump(exclude_none=True) for t in req.tools] if mode else None
         size = sum(len(m.text()) for m in req.messages)
         prompts = [
-            await _off_loop(size, chat_prompt, state, req.messages, req.add_generation_prompt)
+            await _off_loop(
+                size, chat_prompt, state, req.messages, req.add_generation_prompt, tool_defs
+            )
         ]
         k = (req.top_logprobs or 0) if req.logprobs else None
         max_tokens = (
@@ -285,6 +383,15 @@ async def prepare(state: ServerState, kind: str, req) -> _Call:
         if max_tokens is None:
             max_tokens = max(1, state.max_model_len - max(len(ids) for _, ids in prompts))
     params = sampling_params(state, req, max_tokens, k)
+    if kind == "chat" and mode not in (None, "auto"):  # a forced call: its grammar
+        parallel = req.parallel_tool_calls is not False
+        params.structured_outputs = tools.forced_constraint(tool_defs, mode, parallel)
+    if params.structured_outputs is not None:
+        # compiles the grammar (cached by its text) off the event loop: a bad one is a 400 here
+        try:
+            await asyncio.to_thread(state.engine.validate, prompts[0][1], params)
+        except InvalidRequest as e:
+            raise state.api_error(e) from None
     call = _Call(state, kind, req, prompts, params, k)
     start_jobs(state, call.jobs)  # the engine validates and admits: refusals are 4xx/503 here
     return call
@@ -330,12 +437,26 @@ def _final_response(call: _Call, finals: dict):
             idx = call.index(pi, o.index)
             if call.kind == "chat":
                 lp = chat_logprobs(state, o, 0, call.k) if call.k is not None else None
+                content, calls, finish = _tool_calls(
+                    call.tools, o.text, o.finish_reason, call.req.parallel_tool_calls is not False
+                )
                 choices.append(
                     ChatChoice(
                         index=idx,
-                        message=ChatResponseMessage(content=o.text),
+                        message=ChatResponseMessage(
+                            content=content,
+                            tool_calls=[
+                                ResponseToolCall(
+                                    id=c.id,
+                                    function=ResponseFunctionCall(
+                                        name=c.name, arguments=c.arguments
+                                    ),
+                                )
+                                for c in calls
+                            ],
+                        ),
                         logprobs=lp,
-                        finish_reason=o.finish_reason,
+                        finish_reason=finish,
                         stop_reason=o.stop_reason,
                     )
                 )
@@ -360,11 +481,84 @@ def _final_response(call: _Call, finals: dict):
     return cls(id=call.id, model=state.model_name, choices=choices, usage=call.usage(finals))
 
 
+def _tool_calls(mode: Optional[str], text: str, finish: Optional[str], parallel: bool = True):
+    """(content, calls, finish_reason) of a finished chat output. parallel=False keeps the first
+    call the model wrote (a forced one has a grammar of one call already)."""
+    if mode is None:
+        return text, [], finish
+    if mode == "auto":
+        content, calls = tools.parse_tool_calls(text)
+        calls = calls if parallel else calls[:1]
+        return content, calls, ("tool_calls" if calls and finish == "stop" else finish)
+    calls = tools.forced_calls(text, mode) if finish == "stop" else None
+    if calls is None:  # cut short (length, a stop string): what was written, as text
+        return text, [], finish
+    # OpenAI's finish_reason: "tool_calls" when the model chose to call, "stop" when forced to
+    # call one named function
+    return None, calls, ("tool_calls" if mode == "required" else "stop")
+
+
+class _ToolDeltas:
+    """A streamed chat choice's deltas when tools are on: content and OpenAI tool-call deltas."""
+
+    def __init__(self, mode: str, parallel: bool):
+        self.mode, self.n_calls, self.parallel = mode, 0, parallel
+        self.auto = tools.ToolCallStream() if mode == "auto" else None
+        self.text = ""  # a forced call's output so far
+        self.named_id = None
+
+    def _call_deltas(self, calls) -> list[DeltaToolCall]:
+        out = []
+        for c in calls if self.parallel else calls[: max(0, 1 - self.n_calls)]:
+            out.append(
+                DeltaToolCall(
+                    index=self.n_calls,
+                    id=c.id,
+                    type="function",
+                    function=DeltaFunctionCall(name=c.name, arguments=c.arguments),
+                )
+            )
+            self.n_calls += 1
+        return out
+
+    def step(self, delta: str, finish: Optional[str]) -> tuple[DeltaMessage, Optional[str]]:
+        if self.auto is not None:
+            content, calls = self.auto.feed(delta)
+            if finish is not None:
+                more, last = self.auto.finish()
+                content, calls = content + more, calls + last
+            if finish == "stop" and self.auto.calls:
+                finish = "tool_calls"
+            return DeltaMessage(
+                content=content or None, tool_calls=self._call_deltas(calls) or None
+            ), finish
+        self.text += delta
+        if self.mode == "required":  # an array of calls: sent whole, when it is complete
+            if finish is None:
+                return DeltaMessage(), None
+            _, calls, finish = _tool_calls(self.mode, self.text, finish)
+            if not calls:
+                return DeltaMessage(content=self.text), finish
+            return DeltaMessage(tool_calls=self._call_deltas(calls)), finish
+        # a named function: its arguments stream as they come
+        first = self.named_id is None
+        if first:
+            self.named_id = tools.Call(self.mode, "").id
+        piece = DeltaToolCall(
+            index=0,
+            id=self.named_id if first else None,
+            type="function" if first else None,
+            function=DeltaFunctionCall(name=self.mode if first else None, arguments=delta),
+        )
+        return DeltaMessage(tool_calls=[piece]), finish
+
+
 async def _stream(call: _Call) -> AsyncIterator[str]:
     state, req, chat = call.state, call.req, call.kind == "chat"
     usage_on = bool(req.stream_options and req.stream_options.include_usage)
     sent_text: dict[int, int] = {}
     sent_tok: dict[int, int] = {}
+    tool_deltas: dict[int, _ToolDeltas] = {}
     done: set[int] = set()
     finals: dict = {}
 
@@ -408,9 +602,18 @@ async def _stream(call: _Call) -> AsyncIterator[str]:
                         done.add(idx)
                     if chat:
                         lp = chat_logprobs(state, o, n0, call.k) if call.k is not None else None
+                        message = DeltaMessage(content=delta)
+                        if call.tools is not None:
+                            td = tool_deltas.setdefault(
+                                idx,
+                                _ToolDeltas(call.tools, call.req.parallel_tool_calls is not False),
+                            )
+                            message, finish = td.step(delta, finish)
+                            if finish is None and call.k is None and not message.model_dump():
+                                continue  # held back (a call not yet complete): nothing to send
                         c = ChatStreamChoice(
                             index=idx,
-                            delta=DeltaMessage(content=delta),
+                            delta=message,
                             logprobs=lp,
                             finish_reason=finish,
                             stop_reason=o.stop_reason,

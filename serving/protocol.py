@@ -78,15 +78,9 @@ class _Request(BaseModel):
 
 # Both endpoints. OpenAI's and vLLM's names; vLLM-only ones would otherwise be "unknown".
 _SHARED_UNIMPLEMENTED = {
-    # structured output
-    "response_format": _NoOp({"type": "text"}),
-    "structured_outputs": _NoOp(),
-    "guided_json": _NoOp(),
-    "guided_regex": _NoOp(),
-    "guided_choice": _NoOp(),
-    "guided_grammar": _NoOp(),
+    # structured output: JSON is compact with fixed separators (paxengine/structured.py)
     "guided_whitespace_pattern": _NoOp(),
-    "guided_decoding_backend": _NoOp(),
+    "guided_decoding_backend": _NoOp("auto", "llguidance", "guidance"),  # the one we have
     # sampling and decoding
     "best_of": _NoOp(test=_best_of_is_n),
     "use_beam_search": _NoOp(False),
@@ -110,10 +104,7 @@ _SHARED_UNIMPLEMENTED = {
 
 _CHAT_UNIMPLEMENTED = {
     **_SHARED_UNIMPLEMENTED,
-    # tool calling: with no tools, "none" and "auto" both mean plain text
-    "tools": _NoOp([]),
-    "tool_choice": _NoOp("none", "auto"),
-    "parallel_tool_calls": _NoOp(True),
+    # the legacy (pre-tools) function calling
     "functions": _NoOp([]),
     "function_call": _NoOp("none", "auto"),
     # other outputs and models' options
@@ -141,8 +132,6 @@ _COMPLETION_UNIMPLEMENTED = {
 
 # Fields of a message that a client replaying an earlier answer sends as null or empty.
 _MESSAGE_UNIMPLEMENTED = {
-    "tool_calls": _NoOp([]),
-    "tool_call_id": _NoOp(),
     "function_call": _NoOp(),
     "refusal": _NoOp(),
     "annotations": _NoOp([]),
@@ -180,6 +169,32 @@ class Usage(BaseModel):
     total_tokens: int = 0
 
 
+# ----------------------------------------------------------------------------- structured output
+class JsonSchemaFormat(_Request):
+    name: str
+    description: Optional[str] = None
+    schema_: Optional[dict[str, Any]] = Field(default=None, alias="schema")
+    # strict or not, the schema is enforced (a token mask); strict asks for nothing more
+    strict: Optional[bool] = None
+
+
+class ResponseFormat(_Request):
+    """OpenAI's `response_format`: text, json_object, or json_schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchemaFormat] = None
+
+
+class StructuredOutputsRequest(_Request):
+    """vLLM's `structured_outputs` (exactly one of these)."""
+
+    json_: Optional[Union[dict[str, Any], str]] = Field(default=None, alias="json")
+    json_object: Optional[bool] = None
+    regex: Optional[str] = None
+    choice: Optional[list[str]] = None
+    grammar: Optional[str] = None  # Lark, as llguidance takes it
+
+
 class _SamplingFields(_Request):
     """Fields common to /v1/completions and /v1/chat/completions."""
 
@@ -203,6 +218,13 @@ class _SamplingFields(_Request):
     priority: int = 0  # vLLM's: lower first, under --scheduling-policy priority
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
+    # structured output (one of them; serving/openai_api.constraint)
+    response_format: Optional[ResponseFormat] = None
+    structured_outputs: Optional[StructuredOutputsRequest] = None
+    guided_json: Optional[Union[dict[str, Any], str]] = None  # vLLM's legacy names
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
+    guided_grammar: Optional[str] = None
     # Accepted and unused: metadata about the caller, or a routing hint, that changes no output.
     user: Optional[str] = None
     safety_identifier: Optional[str] = None  # OpenAI's successor of `user`
@@ -251,11 +273,24 @@ class TextContentPart(_Request):
     text: str
 
 
+class FunctionCall(_Request):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Request):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Request):
     unimplemented = _MESSAGE_UNIMPLEMENTED
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[TextContentPart], None] = None
     name: Optional[str] = None
+    tool_calls: Optional[list[ToolCall]] = None  # an assistant's earlier calls
+    tool_call_id: Optional[str] = None  # a tool's result answers this call
 
     def text(self) -> str:
         if self.content is None:
@@ -265,9 +300,33 @@ class ChatMessage(_Request):
         return "".join(part.text for part in self.content)
 
 
+class FunctionDefinition(_Request):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None  # a JSON schema
+    strict: Optional[bool] = None  # forced calls are enforced whatever it says
+
+
+class ChatTool(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(_SamplingFields):
     unimplemented = _CHAT_UNIMPLEMENTED
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: Optional[list[ChatTool]] = None
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
+    parallel_tool_calls: Optional[bool] = None
     max_tokens: Optional[int] = None
     max_completion_tokens: Optional[int] = None
     logprobs: bool = False
@@ -289,9 +348,41 @@ class ChatLogprobs(BaseModel):
     content: Optional[list[ChatTokenLogprob]] = None
 
 
+class ResponseFunctionCall(BaseModel):
+    name: str
+    arguments: str
+
+
+class ResponseToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: ResponseFunctionCall
+
+
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: Optional[str] = None
+    tool_calls: list[ResponseToolCall] = Field(default_factory=list)
+
+
+class _DropNone(BaseModel):
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler):  # a delta carries only what changed
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class DeltaFunctionCall(_DropNone):
+    name: Optional[str] = None
+    arguments: Optional[str] = None
+
+
+class DeltaToolCall(_DropNone):
+    """One piece of a streamed tool call: the first has its id, type and name."""
+
+    index: int
+    id: Optional[str] = None
+    type: Optional[Literal["function"]] = None
+    function: Optional[DeltaFunctionCall] = None
 
 
 class ChatChoice(BaseModel):
@@ -311,13 +402,10 @@ class ChatCompletionResponse(BaseModel):
     usage: Optional[Usage] = None
 
 
-class DeltaMessage(BaseModel):
+class DeltaMessage(_DropNone):
     role: Optional[str] = None
     content: Optional[str] = None
-
-    @model_serializer(mode="wrap")
-    def _drop_none(self, handler):  # a delta carries only what changed
-        return {k: v for k, v in handler(self).items() if v is not None}
+    tool_calls: Optional[list[DeltaToolCall]] = None
 
 
 class ChatStreamChoice(BaseModel):

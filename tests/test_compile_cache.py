@@ -48,11 +48,11 @@ def _start(cache: Path, store: bool = True) -> dict:
 def test_restart_loads_every_step_from_the_store(tmp_path):
     cache = tmp_path / "cache"
     first = _start(cache)
-    assert first["executables"] == 9  # 1 forward + 8 samplers
-    assert first["store_misses"] == 9 and first["store_hits"] == 0
-    assert len(list((cache / "executables").glob("*.exe"))) == 9
+    assert first["executables"] == 12  # 1 forward + 8 samplers + 3 with a grammar mask
+    assert first["store_misses"] == 12 and first["store_hits"] == 0
+    assert len(list((cache / "executables").glob("*.exe"))) == 12
     second = _start(cache)
-    assert second["store_hits"] == 9 and second["store_misses"] == 0
+    assert second["store_hits"] == 12 and second["store_misses"] == 0
     assert second["jax_misses"] == 0  # the eager rest of start-up hits JAX's cache
     assert second["tokens"] == first["tokens"] and len(first["tokens"]) == 8
     assert second["compiles_while_serving"] == first["compiles_while_serving"] == 0
@@ -64,7 +64,7 @@ def test_unreadable_entry_is_compiled_again(tmp_path):
     victim = sorted((cache / "executables").glob("*.exe"))[0]
     victim.write_bytes(victim.read_bytes()[:100])  # truncated, as by a crash mid-write
     second = _start(cache)
-    assert second["store_hits"] == 8 and second["store_misses"] == 1
+    assert second["store_hits"] == 11 and second["store_misses"] == 1
     assert second["tokens"] == first["tokens"]
     assert len(victim.read_bytes()) > 100  # rewritten
 
@@ -86,9 +86,9 @@ def test_store_written_after_a_run_through_jax_cache_still_runs(tmp_path):
     cache = tmp_path / "cache"
     plain = _start(cache, store=False)
     writes = _start(cache)
-    assert writes["store_misses"] == 9
+    assert writes["store_misses"] == 12
     loads = _start(cache)
-    assert loads["store_hits"] == 9
+    assert loads["store_hits"] == 12
     assert plain["tokens"] == writes["tokens"] == loads["tokens"]
 
 

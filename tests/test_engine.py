@@ -1,6 +1,8 @@
 """The engine against the oracle on the real SmolLM2: batching, chunked prefill, preemption,
 prefix caching, compile guard, and that every ending gives its blocks back."""
 
+import json
+
 import numpy as np
 import pytest
 from prompts import PROMPTS
@@ -219,6 +221,23 @@ def test_batch_mates_flags_leave_other_rows_alone(llm_chunked):
     assert mates[0].outputs[0].logprobs is not None and mates[1].outputs[0].logprobs is None
 
 
+def test_grammar_mates_leave_other_rows_alone(llm_chunked):
+    """Next to a constrained mate a plain row runs in a sampler with the token mask (its row all
+    ones) and draws the same tokens as alone."""
+    from paxengine import StructuredOutputs
+
+    p = SamplingParams(temperature=1.0, max_tokens=12, seed=78)
+    alone = llm_chunked.generate("The weather today", p, use_tqdm=False)[0].outputs[0].token_ids
+    spec = StructuredOutputs(choice=["sunny", "rainy"])
+    mates = llm_chunked.generate(
+        ["The weather today", "Weather:"],
+        [p, SamplingParams(temperature=1.0, max_tokens=4, seed=1, structured_outputs=spec)],
+        use_tqdm=False,
+    )
+    assert mates[0].outputs[0].token_ids == alone
+    assert mates[1].outputs[0].text in ("sunny", "rainy")
+
+
 def test_logprobs_match_oracle_log_softmax(llm_chunked, smollm):
     prompt = "The three primary colors are"
     out = llm_chunked.generate(
@@ -303,3 +322,46 @@ def test_penalties_take_the_exact_history_path(llm_chunked):
     # a token generated twice must have been penalised below any never-seen alternative: with a
     # frequency penalty of 2 per use, greedy decoding repeats no token more than a few times
     assert max(a.count(t) for t in set(a)) <= 3
+
+
+def test_structured_outputs_offline_under_preemption(llm_tight, oracle):
+    """Constrained and unconstrained requests in one batch on the preempting engine: constrained
+    outputs follow their grammars (across preemption and recompute), the unconstrained ones
+    still match the oracle (their all-ones mask rows change nothing), and nothing recompiles."""
+    import re
+
+    import jsonschema
+
+    from paxengine import StructuredOutputs
+
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 8}, "ok": {"type": "boolean"}},
+        "required": ["name", "ok"],
+        "additionalProperties": False,
+    }
+    plain = MIXED[:6]
+    json_spec = StructuredOutputs(json=schema)
+    cons = [
+        SamplingParams(temperature=1.0, seed=i, max_tokens=32, structured_outputs=json_spec)
+        for i in range(4)
+    ] + [
+        SamplingParams(
+            temperature=0, max_tokens=8, structured_outputs=StructuredOutputs(regex=r"[0-9]{4}")
+        )
+    ]
+    before, preempted = compile_count(), llm_tight.engine.scheduler.num_preemptions
+    outs = llm_tight.generate(
+        plain + ["Describe a person as JSON:"] * len(cons),
+        [SamplingParams(temperature=0, max_tokens=MAX_TOKENS)] * len(plain) + cons,
+        use_tqdm=False,
+    )
+    for p, o in zip(plain, outs):
+        assert o.outputs[0].token_ids == oracle[p], p
+    for o in outs[len(plain) : len(plain) + 4]:
+        assert o.outputs[0].finish_reason == "stop", o.outputs[0]
+        jsonschema.validate(json.loads(o.outputs[0].text), schema)
+    assert re.fullmatch(r"[0-9]{4}", outs[-1].outputs[0].text)
+    assert llm_tight.engine.scheduler.num_preemptions > preempted
+    assert compile_count() == before
+    assert_pool_empty(llm_tight)

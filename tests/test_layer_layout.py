@@ -65,6 +65,6 @@ def test_compiled_step_has_no_device_conditionals():
         show_progress=False,
     )
     runner = llm.engine.runner
-    assert len(runner.samplers) == 8  # penalties x top-k/p x logprobs
+    assert len(runner.samplers) == 11  # penalties x top-k/p x logprobs, 3 with a grammar mask
     for name, exe in [*runner.compiled.items(), *runner.samplers.items()]:
         assert "conditional(" not in exe.as_text(), name

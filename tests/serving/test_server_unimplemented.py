@@ -19,12 +19,6 @@ FUNCTION = {"type": "function", "function": {"name": "f", "parameters": {"type":
 
 # A value that asks for something, for every listed field.
 SHARED = {
-    "response_format": {"type": "json_object"},
-    "structured_outputs": {"json": {"type": "object"}},
-    "guided_json": {"type": "object"},
-    "guided_regex": "[a-z]+",
-    "guided_choice": ["yes", "no"],
-    "guided_grammar": 'root ::= "a"',
     "guided_whitespace_pattern": r"\s*",
     "guided_decoding_backend": "xgrammar",
     "best_of": 3,
@@ -46,9 +40,6 @@ SHARED = {
     "service_tier": "flex",
 }
 CHAT_ONLY = {
-    "tools": [FUNCTION],
-    "tool_choice": "required",
-    "parallel_tool_calls": False,
     "functions": [FUNCTION["function"]],
     "function_call": {"name": "f"},
     "modalities": ["text", "audio"],
@@ -67,8 +58,6 @@ CHAT_ONLY = {
 }
 COMPLETION_ONLY = {"suffix": " the end", "prompt_embeds": "AAAA"}
 MESSAGE = {
-    "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}],
-    "tool_call_id": "c1",
     "function_call": {"name": "f", "arguments": "{}"},
     "refusal": "no",
     "annotations": [{"type": "url_citation"}],
@@ -148,9 +137,12 @@ def test_unknown_field_is_refused_as_unknown(client, route, base):
 
 
 def test_several_fields_are_all_named(client):
-    r = client.post(CHAT[0], json={**CHAT[1], "tools": [FUNCTION], "tool_choice": "required"})
-    _refused(r, "tools")
-    assert "`tool_choice`" in r.json()["error"]["message"]
+    r = client.post(
+        CHAT[0],
+        json={**CHAT[1], "functions": [FUNCTION["function"]], "function_call": {"name": "f"}},
+    )
+    _refused(r, "functions")
+    assert "`function_call`" in r.json()["error"]["message"]
     # a field we lack is reported before a bad value elsewhere: it is what the client counts on
     _refused(
         client.post(
@@ -158,10 +150,10 @@ def test_several_fields_are_all_named(client):
             json={
                 **COMPLETION[1],
                 "temperature": "hot",
-                "response_format": {"type": "json_object"},
+                "use_beam_search": True,
             },
         ),
-        "response_format",
+        "use_beam_search",
     )
 
 

@@ -1,0 +1,249 @@
+"""Tool calling: tools into the prompt, the grammar of a forced call, and calls out of the text.
+
+- `tool_choice: "auto"`: the model writes calls in its own format, Hermes-style
+  `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (Qwen 2.5/3, SmolLM2, Hermes),
+  parsed here into `message.tool_calls` (`parse_tool_calls`; `ToolCallStream` while streaming).
+- `"required"` / a named function: a grammar (a JSON schema) forces the call: for a named
+  function the output is its arguments; for "required" a JSON array of {name, arguments} objects
+  (one of the tools each). `forced_calls` reads them back.
+- `"none"` (or no tools): plain text, the tools are not shown to the model.
+
+A chat template that renders `tools` itself (it names the variable) gets them and the OpenAI
+messages; one that does not (SmolLM2's) gets Hermes' system prompt and messages rewritten in
+Hermes' shape: an assistant's calls as `<tool_call>` blocks, a tool's result as a user turn in
+`<tool_response>` tags (as Qwen's template renders them).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+
+from paxengine.structured import StructuredOutputs
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+_HERMES_SYSTEM = """# Tools
+
+You may call one or more functions to assist with the user query.
+
+You are provided with function signatures within <tools></tools> XML tags:
+<tools>
+{tools}
+</tools>
+
+For each function call, return a json object with function name and arguments within \
+<tool_call></tool_call> XML tags:
+<tool_call>
+{{"name": <function-name>, "arguments": <args-json-object>}}
+</tool_call>"""
+
+
+@dataclass
+class Call:
+    name: str
+    arguments: str  # JSON text
+    id: str = ""
+
+    def __post_init__(self):
+        self.id = self.id or f"call_{uuid.uuid4().hex[:24]}"
+
+
+def template_renders_tools(template: str | None) -> bool:
+    return bool(template) and re.search(r"\btools\b", template) is not None
+
+
+def _arguments(text: str):
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def template_inputs(messages: list[dict], tools: list[dict] | None, template: str | None):
+    """(messages, extra template variables) for the chat template. messages: OpenAI-shaped dicts
+    (role, content, and tool_calls / tool_call_id where given); tools: OpenAI tool dicts to show
+    the model, or None."""
+    if template_renders_tools(template):
+        msgs = []
+        for m in messages:
+            m = dict(m)
+            if m.get("tool_calls"):
+                m["tool_calls"] = [
+                    {
+                        **c,
+                        "function": {
+                            **c["function"],
+                            "arguments": _arguments(c["function"]["arguments"]),
+                        },
+                    }
+                    for c in m["tool_calls"]
+                ]
+            msgs.append(m)
+        return msgs, ({"tools": tools} if tools else {})
+    msgs = []
+    for m in messages:
+        role, content = m["role"], m.get("content") or ""
+        if role == "assistant" and m.get("tool_calls"):
+            blocks = [
+                f"{OPEN}\n"
+                + json.dumps(
+                    {
+                        "name": c["function"]["name"],
+                        "arguments": _arguments(c["function"]["arguments"]),
+                    }
+                )
+                + f"\n{CLOSE}"
+                for c in m["tool_calls"]
+            ]
+            content = "\n".join(([content] if content else []) + blocks)
+        elif role == "tool":
+            role, content = "user", f"<tool_response>\n{content}\n</tool_response>"
+        msgs.append(
+            {
+                **{k: v for k, v in m.items() if k not in ("tool_calls", "tool_call_id")},
+                "role": role,
+                "content": content,
+            }
+        )
+    if tools:
+        prompt = _HERMES_SYSTEM.format(tools="\n".join(json.dumps(t) for t in tools))
+        if msgs and msgs[0]["role"] == "system":
+            msgs[0] = {**msgs[0], "content": msgs[0]["content"] + "\n\n" + prompt}
+        else:
+            msgs.insert(0, {"role": "system", "content": prompt})
+    return msgs, {}
+
+
+# ----------------------------------------------------------------------------- forced calls
+def _parameters(fn: dict) -> dict:
+    return fn.get("parameters") or {"type": "object"}
+
+
+def forced_constraint(tools: list[dict], choice, parallel: bool) -> StructuredOutputs:
+    """The grammar of a forced call. choice: "required" or a function's name."""
+    if choice != "required":
+        fn = next(t["function"] for t in tools if t["function"]["name"] == choice)
+        return StructuredOutputs(json=_parameters(fn))
+    one_of = [
+        {
+            "type": "object",
+            "properties": {
+                "name": {"const": t["function"]["name"]},
+                "arguments": _parameters(t["function"]),
+            },
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        for t in tools
+    ]
+    schema = {
+        "type": "array",
+        "minItems": 1,
+        "items": one_of[0] if len(one_of) == 1 else {"anyOf": one_of},
+    }
+    if not parallel:
+        schema["maxItems"] = 1
+    return StructuredOutputs(json=schema)
+
+
+def forced_calls(text: str, choice) -> list[Call] | None:
+    """The calls in a forced call's output, or None if it is not complete JSON (cut by
+    max_tokens)."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    if choice != "required":
+        return [Call(choice, json.dumps(value))]
+    return [Call(c["name"], json.dumps(c["arguments"])) for c in value]
+
+
+# ----------------------------------------------------------------------------- the model's own calls
+def _parse_block(body: str) -> Call | None:
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    return Call(obj["name"], args if isinstance(args, str) else json.dumps(args))
+
+
+def parse_tool_calls(text: str) -> tuple[str | None, list[Call]]:
+    """(content, calls) of a finished output in Hermes' format. Content is the text outside the
+    call blocks (None if only whitespace). A block that is not a JSON call stays in the content
+    (the client sees what the model wrote); an unclosed last block counts if its JSON is whole."""
+    calls, content, pos = [], [], 0
+    while True:
+        i = text.find(OPEN, pos)
+        if i < 0:
+            content.append(text[pos:])
+            break
+        j = text.find(CLOSE, i)
+        end = len(text) if j < 0 else j + len(CLOSE)
+        call = _parse_block(text[i + len(OPEN) : j if j >= 0 else len(text)])
+        content.append(text[pos:i] if call else text[pos:end])
+        if call:
+            calls.append(call)
+        pos = end
+        if j < 0:
+            break
+    rest = "".join(content).strip()
+    return (rest or None), calls
+
+
+class ToolCallStream:
+    """Hermes' format while streaming: text outside call blocks goes out as content at once,
+    except what might be the start of `<tool_call>`; a block goes out as one tool call when it
+    closes (or at the end)."""
+
+    def __init__(self):
+        self.buf = ""  # text not yet sent: a possible partial OPEN, or an open block
+        self.calls: list[Call] = []
+        self.sent_content = False
+
+    def feed(self, delta: str) -> tuple[str, list[Call]]:
+        self.buf += delta
+        out, calls = "", []
+        while True:
+            i = self.buf.find(OPEN)
+            if i < 0:
+                keep = _partial_suffix(self.buf, OPEN)
+                out += self.buf[: len(self.buf) - keep]
+                self.buf = self.buf[len(self.buf) - keep :]
+                break
+            j = self.buf.find(CLOSE, i)
+            if j < 0:
+                out += self.buf[:i]
+                self.buf = self.buf[i:]
+                break
+            call = _parse_block(self.buf[i + len(OPEN) : j])
+            out += self.buf[:i] if call else self.buf[: j + len(CLOSE)]
+            if call:
+                calls.append(call)
+            self.buf = self.buf[j + len(CLOSE) :]
+        return self._content(out, calls), calls
+
+    def finish(self) -> tuple[str, list[Call]]:
+        rest, calls = parse_tool_calls(self.buf) if self.buf.startswith(OPEN) else (self.buf, [])
+        self.buf = ""
+        return self._content(rest or "", calls), calls
+
+    def _content(self, out: str, calls: list[Call]) -> str:
+        self.calls += calls
+        if not self.sent_content:  # text before a call is usually a newline or two
+            out = out.lstrip()
+            self.sent_content = bool(out)
+        return out
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """Length of the longest suffix of text that is a proper prefix of tag."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:n]):
+            return n
+    return 0

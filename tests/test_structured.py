@@ -1,0 +1,272 @@
+"""Structured output without a server: the token mask against the grammar on random walks, the
+mask on the device, the sampler variants, and Hermes tool-call parsing on crafted text."""
+
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from paxengine.errors import InvalidRequest
+from paxengine.request import Request
+from paxengine.sampling import (
+    ALL_FLAGS,
+    apply_token_mask,
+    build_sampling_tensors,
+    choose_flags,
+    sample,
+)
+from paxengine.sampling_params import SamplingParams
+from paxengine.structured import GrammarCompiler, StructuredOutputs, allowed_tokens
+from serving import tools
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 8},
+        "n": {"type": "integer", "minimum": 0, "maximum": 99},
+        "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 2},
+    },
+    "required": ["name", "n"],
+    "additionalProperties": False,
+}
+SPECS = [
+    StructuredOutputs(json=SCHEMA),
+    StructuredOutputs(json_object=True),
+    StructuredOutputs(regex=r"(yes|no)-[0-9]{2,3}"),
+    StructuredOutputs(choice=["red", "green", "blue"]),
+    StructuredOutputs(grammar='start: "(" item ("," item)* ")"\nitem: /[a-c]+/'),
+]
+
+
+@pytest.fixture(scope="module")
+def compiler(smollm):
+    return GrammarCompiler(smollm.tokenizer, smollm.config.vocab_size, smollm.eos_token_ids)
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.kind())
+def test_mask_matches_the_grammar_on_random_walks(compiler, smollm, spec):
+    """At every step of random walks through the grammar, every token the mask allows is
+    accepted by the matcher and every token it masks is rejected (on a random sample of the
+    vocabulary and all allowed ids); EOS is allowed exactly where the grammar can end."""
+    V, eos = smollm.config.vocab_size, smollm.eos_token_ids[0]
+    rng = np.random.default_rng(0)
+    mask = np.zeros((2, -(-V // 32)), np.int32)
+    for _walk in range(2):
+        state = compiler.new_state(spec)
+        for _ in range(24):
+            mask[:] = 0
+            compiler.fill_masks([(state, 1)], mask)
+            assert not mask[0].any()  # other rows untouched
+            allowed = allowed_tokens(mask[1], V)
+            ids = np.flatnonzero(allowed)
+            assert len(ids) > 0
+            probe = np.union1d(rng.choice(V, 300, replace=False), ids[:300])
+            for t in probe:
+                ok = state.matcher.validate_tokens([int(t)]) == 1
+                assert ok == bool(allowed[t]), (t, smollm.tokenizer.decode([int(t)]))
+            assert allowed[eos] == state.matcher.is_accepting()
+            non_eos = ids[ids != eos]
+            if len(non_eos) == 0:
+                break
+            t = int(rng.choice(non_eos))
+            assert state.accept(t) and not state.is_error
+            if state.is_complete:
+                break
+
+
+def test_bad_constraints_are_invalid_requests(compiler):
+    bad = [
+        (StructuredOutputs(json={"type": "strin"}), "json_schema"),
+        (StructuredOutputs(json={"type": "object", "dependentSchemas": {}}), "json_schema"),
+        (StructuredOutputs(regex="(a"), "regex"),
+        (StructuredOutputs(grammar="start: foo"), "grammar"),
+        (StructuredOutputs(choice=[]), "choice"),
+        (StructuredOutputs(regex="a", choice=["a"]), "structured_outputs"),
+    ]
+    for spec, param in bad:
+        with pytest.raises(InvalidRequest) as e:
+            compiler.compile(spec)
+        assert e.value.param == param, (spec, e.value)
+    # GBNF converts; a cached compile is the same matcher
+    gbnf = StructuredOutputs(grammar='root ::= "a" | "b"')
+    assert compiler.compile(gbnf) is compiler.compile(gbnf)
+
+
+def test_device_mask_and_sampler_never_pick_a_masked_token():
+    rng = np.random.default_rng(1)
+    S, V = 4, 100
+    mask = rng.integers(-(2**31), 2**31, (S, -(-V // 32)), dtype=np.int64).astype(np.int32)
+    mask[3] = -1  # an unconstrained row
+    logits = rng.normal(size=(S, V)).astype(np.float32) * 5
+    masked = np.asarray(apply_token_mask(jnp.asarray(logits), jnp.asarray(mask)))
+    for i in range(S):
+        ok = allowed_tokens(mask[i], V)
+        np.testing.assert_array_equal(np.isfinite(masked[i]), ok)
+        np.testing.assert_array_equal(masked[i][ok], logits[i][ok])
+
+    class Row:  # a Request's view for build_sampling_tensors, with a fixed mask
+        def __init__(self, p, grammar):
+            self.params, self.grammar, self.seed = p, grammar, 3
+            self.num_output_tokens, self.num_prompt_tokens, self.all_token_ids = 1, 1, [0]
+
+    class Fixed:
+        def fill_masks(self, rows, out):
+            for _, i in rows:
+                out[i] = mask[i]
+
+    params = [
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=1.5),
+        SamplingParams(temperature=1.0, top_k=5, top_p=0.9, logprobs=3, presence_penalty=1),
+        SamplingParams(temperature=1.0),
+    ]
+    rows = [Row(p, object() if i < 3 else None) for i, p in enumerate(params)]
+    st = build_sampling_tensors(rows, S, 8, [0], Fixed(), V)
+    assert st.flags == (True, True, True, True)  # penalties + logprobs: the all-on variant
+    for step in range(20):
+        st2 = st.__class__(**{**st.__dict__, "steps": jnp.full_like(st.steps, step)})
+        tokens, lp, _, _, top_lp = sample(jnp.asarray(logits), st2)
+        for i in range(3):
+            assert allowed_tokens(mask[i], V)[int(tokens[i])]
+        assert np.isfinite(np.asarray(top_lp)).all()
+
+
+def test_sampler_variants():
+    plain = [f for f in ALL_FLAGS if not f[3]]
+    assert len(plain) == 8 and len(ALL_FLAGS) == 11
+    for f in plain:  # an unconstrained batch runs exactly its own variant
+        assert choose_flags(f) == f
+    assert choose_flags((False, False, False, True)) == (False, False, False, True)
+    assert choose_flags((False, True, False, True)) == (False, True, False, True)
+    assert choose_flags((False, False, True, True)) == (True, True, True, True)
+
+
+def test_request_grammar_ends_the_request(compiler):
+    """The scheduler advances the grammar once per token and ends a complete one with stop."""
+    from paxengine.kv_cache import KVCacheManager
+    from paxengine.scheduler import Scheduler
+
+    sched = Scheduler(KVCacheManager(16, 4), 4, 64, 64, eos_token_ids=[2])
+    spec = StructuredOutputs(choice=["ab"])
+    req = Request("r", [5, 6], SamplingParams(max_tokens=10, structured_outputs=spec), seed=0)
+    req.grammar = compiler.new_state(spec)
+    sched.add(req)
+    ids = compiler._hf.encode("ab", add_special_tokens=False)
+    for t in ids:
+        out = sched.schedule()
+        sched.update_from_output(out, {"r": [t]})
+    assert req.is_finished and req.finish_reason == "stop" and req.output_token_ids == ids
+
+
+# ----------------------------------------------------------------------------- tool calls
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+def test_parse_hermes_tool_calls():
+    content, calls = tools.parse_tool_calls("Let me check.\n" + CALL + "\n" + CALL)
+    assert content == "Let me check."
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [
+        ("get_weather", {"city": "Paris"})
+    ] * 2
+    assert calls[0].id != calls[1].id and calls[0].id.startswith("call_")
+    assert tools.parse_tool_calls("no calls here") == ("no calls here", [])
+    # not JSON: stays text; an unclosed last block with whole JSON counts
+    assert tools.parse_tool_calls("<tool_call>oops</tool_call>")[1] == []
+    content, calls = tools.parse_tool_calls('<tool_call>{"name": "f", "arguments": {}}')
+    assert content is None and calls[0].name == "f" and calls[0].arguments == "{}"
+
+
+@pytest.mark.parametrize("size", [1, 3, 7, 50])
+def test_streamed_tool_calls_equal_parsed(size):
+    text = "Sure <b>.\n" + CALL + " then " + CALL.replace("Paris", "Rome")
+    stream = tools.ToolCallStream()
+    content, calls = "", []
+    for i in range(0, len(text), size):
+        c, k = stream.feed(text[i : i + size])
+        content, calls = content + c, calls + k
+    c, k = stream.finish()
+    content, calls = content + c, calls + k
+    want_content, want = tools.parse_tool_calls(text)
+    assert content.split() == want_content.split()
+    assert [(c.name, c.arguments) for c in calls] == [(c.name, c.arguments) for c in want]
+
+
+def test_forced_call_grammar_and_parse():
+    fns = [
+        {"type": "function", "function": {"name": "f", "parameters": SCHEMA}},
+        {"type": "function", "function": {"name": "g"}},
+    ]
+    spec = tools.forced_constraint(fns, "required", parallel=False)
+    assert spec.json["maxItems"] == 1 and len(spec.json["items"]["anyOf"]) == 2
+    assert tools.forced_constraint(fns, "f", True).json == SCHEMA
+    calls = tools.forced_calls('[{"name": "g", "arguments": {"x": 1}}]', "required")
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("g", {"x": 1})]
+    assert tools.forced_calls('{"name": "a"', "f") is None  # cut short
+
+
+def test_tool_messages_through_smollm_template(smollm):
+    """SmolLM2's template knows no tools: they go in a Hermes system prompt, an assistant's
+    calls as <tool_call> blocks and a tool's result as a <tool_response> turn."""
+    tok = smollm.tokenizer
+    assert not tools.template_renders_tools(tok.chat_template)
+    fn = {"type": "function", "function": {"name": "get_weather", "parameters": {}}}
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
+    msgs = [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "content": "sunny", "tool_call_id": "c1"},
+    ]
+    m, extra = tools.template_inputs(msgs, [fn], tok.chat_template)
+    text = tok.apply_chat_template(m, **extra)
+    assert text.startswith("<|im_start|>system\n# Tools") and '"name": "get_weather"' in text
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {}}\n</tool_call>' in text
+    assert "<|im_start|>user\n<tool_response>\nsunny\n</tool_response><|im_end|>" in text
+
+
+def test_streamed_auto_tool_call_deltas_in_openai_shape():
+    """The server's per-choice deltas for tool_choice auto on crafted model text: content first,
+    then each call whole (index, id, type, name, arguments), finish_reason tool_calls."""
+    from serving.openai_api import _ToolDeltas
+
+    td = _ToolDeltas("auto", parallel=True)
+    text = "\n\nChecking." + CALL + CALL.replace("Paris", "Rome")
+    deltas = [td.step(text[i : i + 5], None) for i in range(0, len(text), 5)]
+    deltas.append(td.step("", "stop"))
+    content = "".join(d.content or "" for d, _ in deltas)
+    calls = [c for d, _ in deltas for c in d.tool_calls or []]
+    assert content == "Checking." and deltas[-1][1] == "tool_calls"
+    assert [(c.index, c.type, c.function.name) for c in calls] == [
+        (0, "function", "get_weather"),
+        (1, "function", "get_weather"),
+    ]
+    assert json.loads(calls[1].function.arguments) == {"city": "Rome"} and calls[0].id
+    one = _ToolDeltas("auto", parallel=False)
+    got = [c for d, _ in [one.step(text, "stop")] for c in d.tool_calls or []]
+    assert len(got) == 1
+
+
+def test_template_that_renders_tools_gets_them():
+    """A template naming `tools` (Qwen's, Llama 3.1's) renders them itself: it gets the OpenAI
+    tool list and messages, the calls' arguments as objects (as transformers passes them)."""
+    from paxengine.tokenizer import _compile_template
+
+    source = (
+        "{% for t in tools %}[{{ t.function.name }}]{% endfor %}"
+        "{% for m in messages %}<{{ m.role }}>{{ m.content }}"
+        "{% for c in m.tool_calls or [] %}{{ c.function.arguments.city }}{% endfor %}"
+        "{% endfor %}"
+    )
+    assert tools.template_renders_tools(source)
+    fn = {"type": "function", "function": {"name": "get_weather"}}
+    call = {"id": "c", "type": "function", "function": {"name": "get_weather"}}
+    call["function"]["arguments"] = '{"city": "Oslo"}'
+    msgs = [
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "content": "rain", "tool_call_id": "c"},
+    ]
+    m, extra = tools.template_inputs(msgs, [fn], source)
+    assert _compile_template(source).render(messages=m, **extra) == (
+        "[get_weather]<user>q<assistant>Oslo<tool>rain"
+    )
