@@ -198,14 +198,18 @@ class Scheduler:
         if n > excess and excess < upper - total:
             out.num_scheduled_tokens[last.request_id] = n - excess
 
-    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
-        self.running.remove(req)
+    def _send_back(self, req: Request) -> None:
+        """A running request gives up its blocks and waits to be recomputed."""
         self.kv.free_request(req)
         req.num_computed_tokens = 0
         req.status = Status.PREEMPTED
         req.num_preemptions += 1
         self.num_preemptions += 1
         self._enqueue(req, front=True)
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        self.running.remove(req)
+        self._send_back(req)
         out.preempted.append(req)
         if req.request_id in out.num_scheduled_tokens:
             del out.num_scheduled_tokens[req.request_id]
@@ -216,12 +220,7 @@ class Scheduler:
         recompute (its blocks freed, its unread samples dropped), in order, ahead of the
         waiting ones. The tokens the host knows are kept."""
         for req in reversed(self.running):
-            self.kv.free_request(req)
-            req.num_computed_tokens = 0
-            req.status = Status.PREEMPTED
-            req.num_preemptions += 1
-            self.num_preemptions += 1
-            self._enqueue(req, front=True)
+            self._send_back(req)
         self.running.clear()
         for req in self.waiting:
             req.num_pending_tokens = 0

@@ -106,29 +106,18 @@ def test_sigterm_refuses_new_work_lets_streams_finish_and_exits_0():
         srv.stop()
 
 
-def test_shutdown_timeout_aborts_streams_with_a_final_event():
-    srv = Server(shutdown_timeout=0.5, step_s=0.2)
+@pytest.mark.parametrize("second_signal", [False, True], ids=["timeout", "second_signal"])
+def test_in_flight_streams_are_aborted_with_a_final_event(second_signal):
+    """After the shutdown timeout, or at once on a second signal (the timeout is long then)."""
+    srv = Server(shutdown_timeout=120 if second_signal else 0.5, step_s=0.2)
     try:
         threads, results = srv.start_streams(2, max_tokens=100)  # ~20 s each
+        srv.signal()
+        if second_signal:
+            time.sleep(0.5)
+            assert not any(results)  # the first signal waits for them
+            srv.signal()
         t0 = time.monotonic()
-        srv.signal()
-        _wait(threads, 15)
-        assert time.monotonic() - t0 < 8
-        assert results == [(200, ["abort"], True)] * 2
-        assert srv.proc.wait(15) == 0
-    finally:
-        srv.stop()
-
-
-def test_second_signal_aborts_at_once():
-    srv = Server(shutdown_timeout=120, step_s=0.2)
-    try:
-        threads, results = srv.start_streams(2, max_tokens=100)
-        srv.signal()
-        time.sleep(0.5)
-        assert not any(results)  # the first signal waits for them
-        t0 = time.monotonic()
-        srv.signal()
         _wait(threads, 15)
         assert time.monotonic() - t0 < 8
         assert results == [(200, ["abort"], True)] * 2
