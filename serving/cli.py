@@ -136,6 +136,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="larger request bodies get 413 without being read (default 32 MiB)",
     )
     s.add_argument(
+        "--request-timeout",
+        type=float,
+        help="seconds a request may run before it is aborted (finish_reason abort; default: "
+        "no limit)",
+    )
+    s.add_argument(
         "--shutdown-timeout",
         type=float,
         help="on SIGTERM/SIGINT, seconds requests in flight may run on before they are aborted "

@@ -36,6 +36,9 @@ class ServerConfig:
     # on SIGTERM / SIGINT, how long requests in flight may run before they are aborted
     shutdown_timeout: float = 30.0
     max_request_body_bytes: int = 32 * 1024 * 1024  # larger bodies get 413, unread
+    # seconds a request may run before the server aborts it (finish_reason "abort"); None: no
+    # limit
+    request_timeout: Optional[float] = None
 
     def __post_init__(self):
         self.metrics_prefix = (self.metrics_prefix or "paxengine").rstrip(":")
@@ -72,6 +75,14 @@ class ServerConfig:
             raise ValueError(
                 "max_request_body_bytes: must be a positive integer, got "
                 f"{self.max_request_body_bytes!r}"
+            )
+        if self.request_timeout is not None and (
+            isinstance(self.request_timeout, bool)
+            or not isinstance(self.request_timeout, (int, float))
+            or not self.request_timeout > 0
+        ):
+            raise ValueError(
+                f"request_timeout: must be a number of seconds > 0, got {self.request_timeout!r}"
             )
         if self.api_key is not None and not isinstance(self.api_key, str):
             raise ValueError("api_key: must be a string")

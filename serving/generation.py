@@ -205,7 +205,18 @@ async def run_requests(state: ServerState, jobs: list[Job]) -> AsyncIterator[tup
             return
         await queue.put((i, _DONE))
 
-    tasks = [asyncio.get_running_loop().create_task(pump(i, j)) for i, j in enumerate(jobs)]
+    loop = asyncio.get_running_loop()
+    tasks = [loop.create_task(pump(i, j)) for i, j in enumerate(jobs)]
+    # --request-timeout: the engine aborts what is still running then, and each job ends with
+    # its last output (finish_reason "abort"), as a client's own abort would
+    limit = state.config.request_timeout
+    timer = (
+        loop.call_later(
+            limit, lambda: [state.spawn_abort(j.request_id) for j in jobs if not j.finished]
+        )
+        if limit
+        else None
+    )
     try:
         remaining = len(tasks)
         while remaining:
@@ -219,6 +230,8 @@ async def run_requests(state: ServerState, jobs: list[Job]) -> AsyncIterator[tup
             else:
                 yield i, item
     finally:
+        if timer is not None:
+            timer.cancel()
         for t in tasks:
             t.cancel()
 

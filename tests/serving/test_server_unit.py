@@ -311,3 +311,19 @@ def test_a_body_over_the_limit_is_413_unread():
         r = client.post("/v1/completions", content=chunked())
         _err(r, 413)
         assert r.json()["error"]["code"] == "request_too_large"
+
+
+def test_request_timeout_aborts_with_what_was_made():
+    app = build_app(FakeEngine(step_s=0.05), ServerConfig(request_timeout=0.3))
+    body = {"prompt": "hi", "max_tokens": 100}  # ~5 s at this pace
+    with TestClient(app) as client:
+        r = client.post("/v1/completions", json=body)
+        choice = r.json()["choices"][0]
+        assert r.status_code == 200 and choice["finish_reason"] == "abort"
+        assert 0 < len(choice["text"]) < 100
+        with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as s:
+            lines = [x for x in s.iter_lines() if x.startswith("data: ")]
+        assert lines[-1] == "data: [DONE]"
+        assert json.loads(lines[-2][6:])["choices"][0]["finish_reason"] == "abort"
+        short = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        assert short.json()["choices"][0]["finish_reason"] == "length"
