@@ -327,3 +327,14 @@ def test_request_timeout_aborts_with_what_was_made():
         assert json.loads(lines[-2][6:])["choices"][0]["finish_reason"] == "abort"
         short = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
         assert short.json()["choices"][0]["finish_reason"] == "length"
+
+
+def test_no_cors_headers_by_default(fake):
+    _, client = fake
+    origin = {"Origin": "https://evil.example"}
+    r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1}, headers=origin)
+    assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
+    pre = client.options(
+        "/v1/completions", headers={**origin, "Access-Control-Request-Method": "POST"}
+    )
+    assert "access-control-allow-origin" not in pre.headers
