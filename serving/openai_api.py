@@ -438,7 +438,11 @@ def _final_response(call: _Call, finals: dict):
             if call.kind == "chat":
                 lp = chat_logprobs(state, o, 0, call.k) if call.k is not None else None
                 content, calls, finish = _tool_calls(
-                    call.tools, o.text, o.finish_reason, call.req.parallel_tool_calls is not False
+                    call.tools,
+                    o.text,
+                    o.finish_reason,
+                    call.req.parallel_tool_calls is not False,
+                    _call_format(state),
                 )
                 choices.append(
                     ChatChoice(
@@ -481,13 +485,20 @@ def _final_response(call: _Call, finals: dict):
     return cls(id=call.id, model=state.model_name, choices=choices, usage=call.usage(finals))
 
 
-def _tool_calls(mode: Optional[str], text: str, finish: Optional[str], parallel: bool = True):
+def _tool_calls(
+    mode: Optional[str],
+    text: str,
+    finish: Optional[str],
+    parallel: bool = True,
+    fmt: str = tools.HERMES,
+):
     """(content, calls, finish_reason) of a finished chat output. parallel=False keeps the first
-    call the model wrote (a forced one has a grammar of one call already)."""
+    call the model wrote (a forced one has a grammar of one call already); fmt: the model's
+    tool-call format (tools.call_format)."""
     if mode is None:
         return text, [], finish
     if mode == "auto":
-        content, calls = tools.parse_tool_calls(text)
+        content, calls = tools.parse_tool_calls(text, fmt)
         calls = calls if parallel else calls[:1]
         return content, calls, ("tool_calls" if calls and finish == "stop" else finish)
     calls = tools.forced_calls(text, mode) if finish == "stop" else None
@@ -498,12 +509,16 @@ def _tool_calls(mode: Optional[str], text: str, finish: Optional[str], parallel:
     return None, calls, ("tool_calls" if mode == "required" else "stop")
 
 
+def _call_format(state: ServerState) -> str:
+    return tools.call_format(getattr(state.tokenizer, "chat_template", None))
+
+
 class _ToolDeltas:
     """A streamed chat choice's deltas when tools are on: content and OpenAI tool-call deltas."""
 
-    def __init__(self, mode: str, parallel: bool):
+    def __init__(self, mode: str, parallel: bool, fmt: str = tools.HERMES):
         self.mode, self.n_calls, self.parallel = mode, 0, parallel
-        self.auto = tools.ToolCallStream() if mode == "auto" else None
+        self.auto = tools.call_stream(fmt) if mode == "auto" else None
         self.text = ""  # a forced call's output so far
         self.named_id = None
 
@@ -606,7 +621,11 @@ async def _stream(call: _Call) -> AsyncIterator[str]:
                         if call.tools is not None:
                             td = tool_deltas.setdefault(
                                 idx,
-                                _ToolDeltas(call.tools, call.req.parallel_tool_calls is not False),
+                                _ToolDeltas(
+                                    call.tools,
+                                    call.req.parallel_tool_calls is not False,
+                                    _call_format(state),
+                                ),
                             )
                             message, finish = td.step(delta, finish)
                             if finish is None and call.k is None and not message.model_dump():

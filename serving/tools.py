@@ -1,8 +1,11 @@
 """Tool calling: tools into the prompt, the grammar of a forced call, and calls out of the text.
 
-- `tool_choice: "auto"`: the model writes calls in its own format, Hermes-style
-  `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (Qwen 2.5/3, SmolLM2, Hermes),
-  parsed here into `message.tool_calls` (`parse_tool_calls`; `ToolCallStream` while streaming).
+- `tool_choice: "auto"`: the model writes calls in its own format, parsed here into
+  `message.tool_calls` (`parse_tool_calls`; `call_stream` while streaming). The format follows
+  from the chat template (`call_format`): Hermes-style
+  `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (Qwen 2.5/3, SmolLM2, Hermes), or
+  Llama 3.1's JSON: the whole message is `{"name": ..., "parameters": {...}}` (several joined by
+  `;`), after an optional `<|python_tag|>`.
 - `"required"` / a named function: a grammar (a JSON schema) forces the call: for a named
   function the output is its arguments; for "required" a JSON array of {name, arguments} objects
   (one of the tools each). `forced_calls` reads them back.
@@ -24,6 +27,15 @@ from dataclasses import dataclass
 from paxengine.structured import StructuredOutputs
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
+PYTHON_TAG = "<|python_tag|>"  # Llama 3.1's tool-call start
+HERMES, LLAMA3_JSON = "hermes", "llama3_json"
+
+
+def call_format(template: str | None) -> str:
+    """The tool-call format the model of this chat template writes: Llama 3.1's templates
+    mention its `<|python_tag|>`; every other one is taken as Hermes'."""
+    return LLAMA3_JSON if template and PYTHON_TAG in template else HERMES
+
 
 _HERMES_SYSTEM = """# Tools
 
@@ -162,21 +174,58 @@ def forced_calls(text: str, choice) -> list[Call] | None:
 
 
 # ----------------------------------------------------------------------------- the model's own calls
-def _parse_block(body: str) -> Call | None:
-    try:
-        obj = json.loads(body)
-    except ValueError:
-        return None
+def _call_of(obj) -> Call | None:
+    """A call from `{"name": ..., "arguments" | "parameters": {...}}`, else None."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
     return Call(obj["name"], args if isinstance(args, str) else json.dumps(args))
 
 
-def parse_tool_calls(text: str) -> tuple[str | None, list[Call]]:
-    """(content, calls) of a finished output in Hermes' format. Content is the text outside the
-    call blocks (None if only whitespace). A block that is not a JSON call stays in the content
-    (the client sees what the model wrote); an unclosed last block counts if its JSON is whole."""
+def _parse_block(body: str) -> Call | None:
+    try:
+        return _call_of(json.loads(body))
+    except ValueError:
+        return None
+
+
+def _llama3_body(text: str) -> str | None:
+    """The JSON part of a Llama 3.1 call message, or None when the message is not one."""
+    s = text.strip()
+    if s.startswith(PYTHON_TAG):
+        s = s[len(PYTHON_TAG) :].lstrip()
+    return s if s.startswith("{") else None
+
+
+def _parse_llama3(text: str) -> tuple[str | None, list[Call]]:
+    """Llama 3.1: the message is calls alone, JSON objects joined by `;`; anything else (or
+    JSON that is not calls) is content, as the model wrote it."""
+    s = _llama3_body(text)
+    as_text = (text.strip() or None), []
+    if s is None:
+        return as_text
+    decoder, calls, pos = json.JSONDecoder(), [], 0
+    while pos < len(s):
+        try:
+            obj, pos = decoder.raw_decode(s, pos)
+        except ValueError:
+            return as_text
+        call = _call_of(obj)
+        if call is None:
+            return as_text
+        calls.append(call)
+        while pos < len(s) and s[pos] in " \t\n;":
+            pos += 1
+    return None, calls
+
+
+def parse_tool_calls(text: str, fmt: str = HERMES) -> tuple[str | None, list[Call]]:
+    """(content, calls) of a finished output in the model's format (`call_format`). Hermes:
+    content is the text outside the call blocks (None if only whitespace); a block that is not
+    a JSON call stays in the content (the client sees what the model wrote); an unclosed last
+    block counts if its JSON is whole."""
+    if fmt == LLAMA3_JSON:
+        return _parse_llama3(text)
     calls, content, pos = [], [], 0
     while True:
         i = text.find(OPEN, pos)
@@ -247,3 +296,37 @@ def _partial_suffix(text: str, tag: str) -> int:
         if text.endswith(tag[:n]):
             return n
     return 0
+
+
+class Llama3CallStream:
+    """Llama 3.1's format while streaming: a message that starts as a call (`{` or
+    `<|python_tag|>`) is held and parsed whole at the end; any other goes out as content."""
+
+    def __init__(self):
+        self.buf, self.mode = "", None  # mode: None (undecided), "content" or "call"
+        self.calls: list[Call] = []
+
+    def feed(self, delta: str) -> tuple[str, list[Call]]:
+        self.buf += delta
+        if self.mode is None:
+            head = self.buf.lstrip()
+            if not head or (len(head) < len(PYTHON_TAG) and PYTHON_TAG.startswith(head)):
+                return "", []  # too early to tell
+            self.mode = "call" if head.startswith((PYTHON_TAG, "{")) else "content"
+        if self.mode == "content":
+            out, self.buf = self.buf, ""
+            return out, []
+        return "", []
+
+    def finish(self) -> tuple[str, list[Call]]:
+        text, self.buf = self.buf, ""
+        if self.mode == "content":
+            return text, []
+        content, calls = _parse_llama3(text)
+        self.calls += calls
+        return content or "", calls
+
+
+def call_stream(fmt: str):
+    """The streaming parser of a tool-call format (`call_format`)."""
+    return Llama3CallStream() if fmt == LLAMA3_JSON else ToolCallStream()

@@ -192,6 +192,44 @@ def test_streamed_tool_calls_equal_parsed(size):
     assert [(c.name, c.arguments) for c in calls] == [(c.name, c.arguments) for c in want]
 
 
+LLAMA3_TEMPLATE = "{{- '<|python_tag|>' + tool_call.name }} ... {{ tools }}"  # as 3.1's names it
+
+
+def test_parse_llama3_json_tool_calls():
+    assert tools.call_format(LLAMA3_TEMPLATE) == tools.LLAMA3_JSON
+    assert tools.call_format("{{ messages }}") == tools.call_format(None) == tools.HERMES
+    fmt = tools.LLAMA3_JSON
+    one = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
+    for text in (one, "<|python_tag|>" + one, "\n " + one + "\n"):
+        content, calls = tools.parse_tool_calls(text, fmt)
+        assert content is None and [(c.name, json.loads(c.arguments)) for c in calls] == [
+            ("get_weather", {"city": "Paris"})
+        ]
+    content, calls = tools.parse_tool_calls(one + "; " + one.replace("Paris", "Rome"), fmt)
+    assert content is None and [json.loads(c.arguments)["city"] for c in calls] == ["Paris", "Rome"]
+    # not calls: the text as the model wrote it
+    for text in ("It is sunny.", '{"city": "Paris"}', one[:-3], one + " and more"):
+        assert tools.parse_tool_calls(text, fmt) == (text.strip(), [])
+
+
+@pytest.mark.parametrize("size", [1, 4, 50])
+def test_streamed_llama3_calls_equal_parsed(size):
+    for text in (
+        '<|python_tag|>{"name": "f", "parameters": {"x": 1}}',
+        "<|pyth but not a call",
+        "Plain {text}",
+    ):
+        stream, content, calls = tools.call_stream(tools.LLAMA3_JSON), "", []
+        for i in range(0, len(text), size):
+            c, k = stream.feed(text[i : i + size])
+            content, calls = content + c, calls + k
+        c, k = stream.finish()
+        content, calls = content + c, calls + k
+        want_content, want = tools.parse_tool_calls(text, tools.LLAMA3_JSON)
+        assert (content or None) == want_content
+        assert [(c.name, c.arguments) for c in calls] == [(c.name, c.arguments) for c in want]
+
+
 def test_forced_call_grammar_and_parse():
     fns = [
         {"type": "function", "function": {"name": "f", "parameters": SCHEMA}},
