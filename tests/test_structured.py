@@ -265,9 +265,9 @@ def test_tool_messages_through_smollm_template(smollm):
 def test_streamed_auto_tool_call_deltas_in_openai_shape():
     """The server's per-choice deltas for tool_choice auto on crafted model text: content first,
     then each call whole (index, id, type, name, arguments), finish_reason tool_calls."""
-    from serving.openai_api import _ToolDeltas
+    from serving.tool_responses import ToolDeltas
 
-    td = _ToolDeltas("auto", parallel=True)
+    td = ToolDeltas("auto", parallel=True)
     text = "\n\nChecking." + CALL + CALL.replace("Paris", "Rome")
     deltas = [td.step(text[i : i + 5], None) for i in range(0, len(text), 5)]
     deltas.append(td.step("", "stop"))
@@ -279,7 +279,7 @@ def test_streamed_auto_tool_call_deltas_in_openai_shape():
         (1, "function", "get_weather"),
     ]
     assert json.loads(calls[1].function.arguments) == {"city": "Rome"} and calls[0].id
-    one = _ToolDeltas("auto", parallel=False)
+    one = ToolDeltas("auto", parallel=False)
     got = [c for d, _ in [one.step(text, "stop")] for c in d.tool_calls or []]
     assert len(got) == 1
 
