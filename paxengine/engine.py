@@ -33,7 +33,7 @@ from paxengine.runner import (
 )
 from paxengine.sampling import ALL_FLAGS, build_sampling_tensors
 from paxengine.sampling_params import SamplingParams
-from paxengine.scheduler import POLICIES, Scheduler, SchedulerOutput
+from paxengine.scheduler import Scheduler, SchedulerOutput, check_policy
 from paxengine.structured import GrammarCompiler
 from paxengine.validation import validate_request
 
@@ -58,6 +58,7 @@ class _DeviceFailure(Exception):
     def __init__(self, cause: BaseException, blame: SchedulerOutput):
         super().__init__(repr(cause))
         self.cause, self.blame = cause, blame
+        self.outputs: list[RequestOutput] = []  # what the step call made before it failed
 
 
 @dataclass
@@ -94,10 +95,7 @@ class EngineCore:
                 f"quantization {cfg.quantization!r} is not supported: none or fp8 (online, "
                 "per-output-channel e4m3 weights)"
             )
-        if cfg.scheduling_policy not in POLICIES:
-            raise ValueError(
-                f"scheduling_policy must be one of {POLICIES}, got {cfg.scheduling_policy!r}"
-            )
+        check_policy(cfg.scheduling_policy)  # before the model loads
         self.dtype = dtype
         cache_dir = enable_persistent_cache(cfg.compilation_cache_dir)
         store = (
@@ -255,7 +253,6 @@ class EngineCore:
         self.inflight: _InFlight | None = None
         self.failed_steps = 0
         self._failures: list[float] = []  # monotonic times of recent step failures
-        self._partial: list[RequestOutput] = []
         # XLA:GPU launches a step's kernels on the calling thread (with the GIL released): from a
         # worker, that launch overlaps the host's reading and processing of the previous step.
         self._dispatcher = (
@@ -383,7 +380,6 @@ class EngineCore:
         OOM: anything the runner raises) ends the requests of the step it hit and raises
         StepFailed after the engine has restored its device state (`_recover`); any other
         exception is a host-side bug and propagates as it is."""
-        self._partial: list[RequestOutput] = []
         try:
             return self._step()
         except _DeviceFailure as f:
@@ -428,7 +424,7 @@ class EngineCore:
             f"the device step running this request failed ({type(f.cause).__name__}); the "
             "engine recovered: retry the request",
             failed,
-            self._partial,
+            f.outputs,
         ) from f.cause
 
     def _step(self) -> list[RequestOutput]:
@@ -452,9 +448,9 @@ class EngineCore:
             read = self._read_inflight()
         try:
             return self._dispatch_and_read(read)
-        except _DeviceFailure:
+        except _DeviceFailure as f:
             if read is not None:  # N was read whole before N+1 failed: its outputs stand
-                self._partial = self._process_outputs(*read)
+                f.outputs = self._process_outputs(*read)
             raise
 
     def _dispatch_and_read(self, read) -> list[RequestOutput]:

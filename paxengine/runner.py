@@ -261,7 +261,7 @@ class Runner:
             desc="compiling step buckets",
             disable=not show_progress,
         )
-        jobs = [(("fwd", T, S), self._forward_job(T, S)) for T, S in pairs]
+        jobs = [(("fwd", T, S), self._forward_job(T, S)) for T, S in pairs]  # (key, lower, opts)
         jobs += [
             (("smp", S, f), self._sampler_job(S, f))
             for S, f in sampler_keys
@@ -273,15 +273,14 @@ class Runner:
             stored = {}
             if self.store is not None:
                 kernels_pallas.prepare_runtime()  # before any stored kernel is loaded
-                stored = {name: pool.submit(self.store.load, key) for name, (key, _) in jobs}
+                stored = {name: pool.submit(self.store.load, key) for name, (key, _, _) in jobs}
             futures = {}
-            for name, (store_key, lower) in jobs:
+            for name, (store_key, lower, opts) in jobs:
                 exe = stored[name].result() if name in stored else None
                 if exe is None:
                     t = time.perf_counter()
                     lowered = lower()
                     self.trace_seconds += time.perf_counter() - t
-                    opts = self._xla_options(name[1]) if name[0] == "fwd" else None
                     futures[name] = (store_key, pool.submit(lowered.compile, opts))
                 else:
                     self._keep(name, exe)
@@ -300,10 +299,11 @@ class Runner:
     def _forward_job(self, T: int, S: int):
         args = (self.params, self.kv_cache, *self._abstract_inputs(T, S))
         static = (self.cfg, self.backend, self.max_blocks_per_seq, self.max_rows, self.placement)
-        if self._xla_options(T):
-            static += (tuple(sorted(self._xla_options(T).items())),)
+        opts = self._xla_options(T)
+        if opts:
+            static += (tuple(sorted(opts.items())),)
         key = self.store.key("forward", static, args) if self.store is not None else None
-        return key, lambda: self._forward.lower(*args)
+        return key, lambda: self._forward.lower(*args), opts
 
     def _xla_options(self, T: int) -> dict | None:
         """XLA options for the forward of a T-token bucket: FP8 weights' own (quant.xla_options),
@@ -314,7 +314,7 @@ class Runner:
     def _sampler_job(self, S: int, flags):
         static = self._sampler_key(S, flags)
         key = self.store.key("sampler", static, ()) if self.store is not None else None
-        return key, lambda: self._lower_sampler(S, flags)
+        return key, lambda: self._lower_sampler(S, flags), None
 
     def _keep(self, name: tuple, exe) -> None:
         if name[0] == "fwd":

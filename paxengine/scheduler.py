@@ -28,6 +28,11 @@ log = logging.getLogger("paxengine")
 POLICIES = ("fcfs", "priority")
 
 
+def check_policy(policy: str) -> None:
+    if policy not in POLICIES:
+        raise ValueError(f"scheduling_policy must be one of {POLICIES}, got {policy!r}")
+
+
 def _rank(req: Request) -> tuple:
     """Priority order: lower priority value first, then earlier arrival."""
     return (req.params.priority, req.arrival_time)
@@ -60,8 +65,7 @@ class Scheduler:
         decode_step_token_budget: int | None = None,
         policy: str = "fcfs",
     ):
-        if policy not in POLICIES:
-            raise ValueError(f"scheduling_policy must be one of {POLICIES}, got {policy!r}")
+        check_policy(policy)
         self.policy = policy
         self.kv = kv
         self.decode_step_token_budget = decode_step_token_budget
@@ -82,8 +86,7 @@ class Scheduler:
         """fcfs: at the back, or at the front (a preempted request goes on before new ones);
         priority: in rank order, wherever it came from."""
         if self.policy == "priority":
-            keys = [_rank(r) for r in self.waiting]
-            self.waiting.insert(bisect.bisect_right(keys, _rank(req)), req)
+            bisect.insort_right(self.waiting, req, key=_rank)
         elif front:
             self.waiting.appendleft(req)
         else:
