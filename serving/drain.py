@@ -102,8 +102,7 @@ def draining_server(app, engine, drain: Drain, **uvicorn_kw):
                     log.error("the engine is not running; exiting with status 1")
                     self.exit_code = 1
                     drain.timeout_s = 0.0
-                    if self._drain_task is None:
-                        self._drain_task = self._loop.create_task(drain.run(engine, self._stop))
+                    self._begin_drain()
                     return
                 await asyncio.sleep(WATCH_S)
 
@@ -113,9 +112,13 @@ def draining_server(app, engine, drain: Drain, **uvicorn_kw):
             if self._loop is None:  # still starting: nothing in flight yet
                 self.should_exit = True
             elif self._drain_task is None:
-                self._drain_task = self._loop.create_task(drain.run(engine, self._stop))
+                self._begin_drain()
             else:
                 drain.hurry()
+
+        def _begin_drain(self):
+            if self._drain_task is None:
+                self._drain_task = self._loop.create_task(drain.run(engine, self._stop))
 
         def _stop(self):
             self.should_exit = True

@@ -113,22 +113,19 @@ def validation_error(errors: list[dict]) -> ApiError:
     return bad_request(msg, param)
 
 
-async def parse_body(request: Request, model: type[M], max_bytes: int | None = None) -> M:
+async def parse_body(request: Request, model: type[M], max_bytes: int) -> M:
     """Read and validate a JSON body; every failure is a shaped 400, a body over `max_bytes` a
     413 (read no further than that: a huge upload cannot grow the server's memory)."""
-    if max_bytes is not None:
-        declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > max_bytes:
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > max_bytes:
+        raise _too_large(max_bytes)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
             raise _too_large(max_bytes)
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > max_bytes:
-                raise _too_large(max_bytes)
-            chunks.append(chunk)
-        raw = b"".join(chunks)
-    else:
-        raw = await request.body()
+        chunks.append(chunk)
+    raw = b"".join(chunks)
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:

@@ -18,7 +18,7 @@ from paxengine.errors import InvalidRequest
 from paxengine.outputs import Logprob
 from paxengine.sampling_params import MAX_LOGPROBS, SamplingParams
 from paxengine.structured import StructuredOutputs
-from serving import tool_responses, tools
+from serving import constraints, tool_responses, tools
 from serving.errors import ApiError, bad_request, internal_error
 from serving.generation import (
     ClientDisconnected,
@@ -89,80 +89,15 @@ def sse(obj) -> str:
 
 
 # ----------------------------------------------------------------------------- request -> params
-def constraint(req) -> Optional[StructuredOutputs]:
-    """The request's structured-output constraint: OpenAI's response_format, vLLM's
-    structured_outputs or its legacy guided_* fields (at most one of them)."""
-    found = []
-    rf = req.response_format
-    if rf is not None and rf.type == "json_object":
-        found.append(("response_format", StructuredOutputs(json_object=True)))
-    elif rf is not None and rf.type == "json_schema":
-        if rf.json_schema is None or rf.json_schema.schema_ is None:
-            raise bad_request(
-                "response_format: type json_schema needs json_schema.schema", "response_format"
-            )
-        found.append(("response_format", StructuredOutputs(json=rf.json_schema.schema_)))
-    so = req.structured_outputs
-    if so is not None:
-        found.append(
-            (
-                "structured_outputs",
-                StructuredOutputs(
-                    json=so.json_,
-                    json_object=bool(so.json_object),
-                    regex=so.regex,
-                    choice=so.choice,
-                    grammar=so.grammar,
-                ),
-            )
-        )
-    for name, field in (("json", "guided_json"), ("regex", "guided_regex")):
-        if getattr(req, field) is not None:
-            found.append((field, StructuredOutputs(**{name: getattr(req, field)})))
-    if req.guided_choice is not None:
-        found.append(("guided_choice", StructuredOutputs(choice=req.guided_choice)))
-    if req.guided_grammar is not None:
-        found.append(("guided_grammar", StructuredOutputs(grammar=req.guided_grammar)))
-    if len(found) > 1:
-        names = ", ".join(n for n, _ in found)
-        raise bad_request(f"{names}: give at most one output constraint", found[1][0])
-    if not found:
-        return None
-    name, spec = found[0]
-    try:
-        spec.key()  # exactly one constraint of the right type, before any engine work
-    except InvalidRequest as e:
-        raise bad_request(f"{name}: {e}", name) from None
-    return spec
-
-
-def tool_mode(req) -> Optional[str]:
-    """None (plain text), "auto", "required", or the name of the function to call."""
-    choice = req.tool_choice
-    if not req.tools:
-        if choice in (None, "none", "auto"):
-            return None
-        raise bad_request("tool_choice: requires tools", "tool_choice")
-    names = [t.function.name for t in req.tools]
-    if len(set(names)) != len(names):
-        raise bad_request("tools: function names must be unique", "tools")
-    if choice == "none":
-        return None
-    if choice is None or choice == "auto":
-        return "auto"
-    if choice == "required":
-        return "required"
-    if choice.function.name not in names:
-        raise bad_request(
-            f"tool_choice: no tool named {choice.function.name!r} in tools", "tool_choice"
-        )
-    return choice.function.name
-
-
 def sampling_params(
-    state: ServerState, req, max_tokens: Optional[int], logprobs: Optional[int]
+    state: ServerState,
+    req,
+    max_tokens: Optional[int],
+    logprobs: Optional[int],
+    structured_outputs: Optional[StructuredOutputs] = None,
 ) -> SamplingParams:
-    """The request's fields as SamplingParams; their values are checked by the engine."""
+    """The request's fields as SamplingParams; their values are checked by the engine.
+    structured_outputs: the request's constraint (constraints.constraint)."""
     bias = {}
     for k, v in (req.logit_bias or {}).items():
         try:
@@ -191,7 +126,7 @@ def sampling_params(
         logit_bias=bias,
         skip_special_tokens=req.skip_special_tokens,
         priority=req.priority,
-        structured_outputs=constraint(req),
+        structured_outputs=structured_outputs,
     )
 
 
@@ -309,7 +244,14 @@ class _Call:
     """One API call: its prompts, engine jobs, and what has been sent so far (for deltas)."""
 
     def __init__(
-        self, state: ServerState, kind: str, req, prompts, params: SamplingParams, k: Optional[int]
+        self,
+        state: ServerState,
+        kind: str,
+        req,
+        prompts,
+        params: SamplingParams,
+        k: Optional[int],
+        tools: Optional[str] = None,
     ):
         self.state, self.kind, self.req, self.prompts, self.params, self.k = (
             state,
@@ -322,7 +264,7 @@ class _Call:
         self.id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         self.jobs = [Job(f"{self.id}-{i}", ids, params) for i, (_, ids) in enumerate(prompts)]
         self.n = params.n
-        self.tools = tool_mode(req) if kind == "chat" else None
+        self.tools = tools  # the tool-call mode (constraints.tool_mode), None without tools
 
     def index(self, prompt_i: int, out_i: int) -> int:
         return prompt_i * self.n + out_i
@@ -342,7 +284,7 @@ async def _off_loop(size: int, fn, *args):
 
 async def prepare(state: ServerState, kind: str, req) -> _Call:
     state.check_model(req.model)
-    mode = None
+    mode, spec = None, constraints.constraint(req)
     if kind == "chat":
         if req.top_logprobs is not None:
             if not req.logprobs:
@@ -353,8 +295,8 @@ async def prepare(state: ServerState, kind: str, req) -> _Call:
                     f"got {req.top_logprobs}",
                     "top_logprobs",
                 )
-        mode = tool_mode(req)
-        if mode is not None and constraint(req) is not None:
+        mode = constraints.tool_mode(req)
+        if mode is not None and spec is not None:
             raise bad_request(
                 "response_format: an output constraint cannot be combined with tools "
                 "(tool_choice auto, required or a function); set tool_choice to none",
@@ -380,7 +322,7 @@ async def prepare(state: ServerState, kind: str, req) -> _Call:
         k, max_tokens = req.logprobs, req.max_tokens
         if max_tokens is None:
             max_tokens = max(1, state.max_model_len - max(len(ids) for _, ids in prompts))
-    params = sampling_params(state, req, max_tokens, k)
+    params = sampling_params(state, req, max_tokens, k, spec)
     if kind == "chat" and mode not in (None, "auto"):  # a forced call: its grammar
         parallel = req.parallel_tool_calls is not False
         params.structured_outputs = tools.forced_constraint(tool_defs, mode, parallel)
@@ -390,7 +332,7 @@ async def prepare(state: ServerState, kind: str, req) -> _Call:
             await asyncio.to_thread(state.engine.validate, prompts[0][1], params)
         except InvalidRequest as e:
             raise state.api_error(e) from None
-    call = _Call(state, kind, req, prompts, params, k)
+    call = _Call(state, kind, req, prompts, params, k, mode)
     start_jobs(state, call.jobs)  # the engine validates and admits: refusals are 4xx/503 here
     return call
 

@@ -218,7 +218,7 @@ class _SamplingFields(_Request):
     priority: int = 0  # vLLM's: lower first, under --scheduling-policy priority
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
-    # structured output (one of them; serving/openai_api.constraint)
+    # structured output (one of them; serving/constraints.constraint)
     response_format: Optional[ResponseFormat] = None
     structured_outputs: Optional[StructuredOutputsRequest] = None
     guided_json: Optional[Union[dict[str, Any], str]] = None  # vLLM's legacy names

@@ -1,0 +1,79 @@
+"""What a chat or completion request asks its output to follow: a structured-output constraint
+(OpenAI's `response_format`, vLLM's `structured_outputs` or legacy `guided_*`) and the tool-call
+mode (`tools` / `tool_choice`). Bad combinations are 400s naming the field, before any engine
+work."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from paxengine.errors import InvalidRequest
+from paxengine.structured import StructuredOutputs
+from serving.errors import bad_request
+
+
+def constraint(req) -> Optional[StructuredOutputs]:
+    """The request's structured-output constraint: OpenAI's response_format, vLLM's
+    structured_outputs or its legacy guided_* fields (at most one of them)."""
+    found = []
+    rf = req.response_format
+    if rf is not None and rf.type == "json_object":
+        found.append(("response_format", StructuredOutputs(json_object=True)))
+    elif rf is not None and rf.type == "json_schema":
+        if rf.json_schema is None or rf.json_schema.schema_ is None:
+            raise bad_request(
+                "response_format: type json_schema needs json_schema.schema", "response_format"
+            )
+        found.append(("response_format", StructuredOutputs(json=rf.json_schema.schema_)))
+    so = req.structured_outputs
+    if so is not None:
+        found.append(
+            (
+                "structured_outputs",
+                StructuredOutputs(
+                    json=so.json_,
+                    json_object=bool(so.json_object),
+                    regex=so.regex,
+                    choice=so.choice,
+                    grammar=so.grammar,
+                ),
+            )
+        )
+    for name in ("json", "regex", "choice", "grammar"):  # vLLM's legacy guided_* fields
+        value = getattr(req, f"guided_{name}")
+        if value is not None:
+            found.append((f"guided_{name}", StructuredOutputs(**{name: value})))
+    if len(found) > 1:
+        names = ", ".join(n for n, _ in found)
+        raise bad_request(f"{names}: give at most one output constraint", found[1][0])
+    if not found:
+        return None
+    name, spec = found[0]
+    try:
+        spec.key()  # exactly one constraint of the right type, before any engine work
+    except InvalidRequest as e:
+        raise bad_request(f"{name}: {e}", name) from None
+    return spec
+
+
+def tool_mode(req) -> Optional[str]:
+    """None (plain text), "auto", "required", or the name of the function to call."""
+    choice = req.tool_choice
+    if not req.tools:
+        if choice in (None, "none", "auto"):
+            return None
+        raise bad_request("tool_choice: requires tools", "tool_choice")
+    names = [t.function.name for t in req.tools]
+    if len(set(names)) != len(names):
+        raise bad_request("tools: function names must be unique", "tools")
+    if choice == "none":
+        return None
+    if choice is None or choice == "auto":
+        return "auto"
+    if choice == "required":
+        return "required"
+    if choice.function.name not in names:
+        raise bad_request(
+            f"tool_choice: no tool named {choice.function.name!r} in tools", "tool_choice"
+        )
+    return choice.function.name
