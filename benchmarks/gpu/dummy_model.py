@@ -8,10 +8,11 @@ import json
 from pathlib import Path
 
 
-def write_dummy_model_dir(preset: str, path: Path) -> Path:
+def write_dummy_model_dir(preset: str, path: Path, tokenizer: str = "word") -> Path:
     """config.json with the preset's shapes (an HF LlamaForCausalLM/Qwen3 config, so vLLM can load
-    it with load_format=dummy and our loader with dummy:<dir>/config.json) and a word-level
-    tokenizer of exactly vocab_size tokens "t0".."t{V-1}" that round-trips any id."""
+    it with load_format=dummy and our loader with dummy:<dir>/config.json) and a tokenizer of
+    exactly vocab_size tokens: "word", the words "t0".."t{V-1}" that round-trip any id; or "bpe"
+    (`byte_level_bpe`), one that spells any text, which grammars (structured output) need."""
     from paxengine.models.config import PRESETS
 
     cfg = PRESETS[preset]
@@ -45,6 +46,19 @@ def write_dummy_model_dir(preset: str, path: Path) -> Path:
     if cfg.rope_scaling:
         hf["rope_scaling"] = dict(cfg.rope_scaling)
     (path / "config.json").write_text(json.dumps(hf, indent=1))
+    if tokenizer == "bpe" and not (path / "tokenizer.json").is_file():
+        byte_level_bpe(cfg.vocab_size).save(str(path / "tokenizer.json"))
+        (path / "tokenizer_config.json").write_text(
+            json.dumps(
+                {
+                    "tokenizer_class": "PreTrainedTokenizerFast",
+                    "bos_token": "<s>",
+                    "eos_token": "</s>",
+                    "model_max_length": cfg.max_position_embeddings,
+                    "chat_template": CHAT_TEMPLATE,
+                }
+            )
+        )
     if not (path / "tokenizer.json").is_file():
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
@@ -64,3 +78,43 @@ def write_dummy_model_dir(preset: str, path: Path) -> Path:
             )
         )
     return path
+
+
+# a plain template, so the chat route works on the dummy model (the soak sends chat requests)
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def byte_level_bpe(vocab_size: int, seed: int = 0):
+    """A byte-level BPE tokenizer of exactly `vocab_size` tokens: <s> (id 0) and </s> (id 1), the
+    256 bytes, then merges of random pairs of earlier tokens (short ones first, as trained merges
+    grow), so every id decodes to some text and any text encodes: the shape of a real 128k
+    vocabulary for grammar masks, without a model hub."""
+    import random
+
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    rng = random.Random(seed)
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {"<s>": 0, "</s>": 1}
+    for ch in alphabet:
+        vocab[ch] = len(vocab)
+    # merges over printable ASCII (space is "Ġ" in byte-level form), as text-trained merges are
+    tokens = [ch for ch in alphabet if ch == "Ġ" or (ch.isascii() and ch.isprintable())]
+    merges = []
+    while len(vocab) < vocab_size:
+        # short parts more often: lengths spread like a trained vocabulary's (8 bytes on average, at most 12)
+        a = tokens[min(len(tokens) - 1, int(rng.random() ** 3 * len(tokens)))]
+        b = tokens[int(rng.random() ** 3 * len(tokens))]
+        if a + b in vocab or len(a + b) > 12:
+            continue
+        vocab[a + b] = len(vocab)
+        tokens.append(a + b)
+        merges.append((a, b))
+    tok = Tokenizer(models.BPE(vocab, merges))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken("<s>", special=True), AddedToken("</s>", special=True)])
+    return tok

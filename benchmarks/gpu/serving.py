@@ -219,6 +219,14 @@ def _scrape_compiles(base: str) -> dict:
 def stage_pax_serve(spec: dict, out: Path, workload: str = "serve") -> dict:
     """`paxengine serve` (serving.cli) with the spec's engine settings."""
     d = write_dummy_model_dir(spec["preset"], out.parent / "dummy_model")
+    cmd = pax_serve_cmd(spec, d, _free_port(), spec[workload].get("pax_engine", {}))
+    return serve_stage(spec, out, cmd, "pax", dict(os.environ), workload)
+
+
+def pax_serve_cmd(spec: dict, model_dir: Path, port: int, extra: dict) -> list[str]:
+    """The `paxengine serve` command on the dummy model (its tokenizer from `model_dir`) with the
+    spec's engine settings and `extra` serving-only flags."""
+    d = model_dir
     e = spec["engine"]
     cmd = [
         sys.executable,
@@ -239,7 +247,7 @@ def stage_pax_serve(spec: dict, out: Path, workload: str = "serve") -> dict:
         "--max-model-len",
         str(e["max_model_len"]),
         "--port",
-        str(_free_port()),
+        str(port),
         "--host",
         "127.0.0.1",
         "--log-level",
@@ -252,9 +260,9 @@ def stage_pax_serve(spec: dict, out: Path, workload: str = "serve") -> dict:
             cmd += [f"--{key.replace('_', '-')}", ",".join(map(str, e[key]))]
     if "gpu_memory_utilization" in e:
         cmd += ["--gpu-memory-utilization", str(e["gpu_memory_utilization"])]
-    for key, value in spec[workload].get("pax_engine", {}).items():  # serving-only settings
+    for key, value in extra.items():
         cmd += [f"--{key.replace('_', '-')}", str(value)]
-    return serve_stage(spec, out, cmd, "pax", dict(os.environ), workload)
+    return cmd
 
 
 def stage_vllm_serve(spec: dict, out: Path, workload: str = "serve") -> dict:
