@@ -57,7 +57,9 @@ class StepArrays:
     seq_lens: np.ndarray  # [S]
     query_start_loc: np.ndarray  # [S+1]
     num_seqs: np.ndarray  # [1]
-    logits_indices: np.ndarray  # [S]: the last token of each row
+    # [S]: the tokens whose logits are sampled: each row's last token, or in a verify step a
+    # speculating row's last k + 1 (its last known token and its k drafts), rows packed in order
+    logits_indices: np.ndarray
     prev_index: np.ndarray  # [T]: row of the previous step whose sampled token goes here, or -1
 
 
@@ -80,9 +82,10 @@ def build_step(
     qsl = np.zeros(S + 1, np.int32)
     logits_idx = np.zeros(S, np.int32)
     prev_index = np.full(T, -1, np.int32)
-    t = 0
+    t = r = 0  # tokens, sampled positions so far
     for row, req in enumerate(out.requests):
         n = out.num_scheduled_tokens[req.request_id]
+        drafts = out.drafts.get(req.request_id, ())
         end = req.num_computed_tokens  # schedule() already counted the n as computed
         start = end - n
         known = min(end, req.num_known_tokens)  # past it: the previous step's sample
@@ -95,16 +98,19 @@ def build_step(
         else:
             pos = np.arange(start, end, dtype=np.int32)
             tokens[t : t + known - start] = req.token_slice(start, known)
+            if drafts:  # the scheduled tokens past the known ones are the drafts
+                tokens[t + n - len(drafts) : t + n] = drafts
             positions[t : t + n] = pos
             slots[t : t + n] = blocks[pos // block_size] * block_size + pos % block_size
         tables[row, : len(blocks)] = blocks
-        if known < end:
+        if known < end and not drafts:
             assert known == end - 1, (req.request_id, known, end)
             prev_index[t + n - 1] = prev_rows[req.request_id]
         seq_lens[row] = end
         t += n
         qsl[row + 1] = t
-        logits_idx[row] = t - 1
+        logits_idx[r : r + len(drafts) + 1] = np.arange(t - 1 - len(drafts), t)
+        r += len(drafts) + 1
     qsl[len(out.requests) + 1 :] = t
     return StepArrays(
         tokens,

@@ -27,11 +27,18 @@ def _generate(argv: list[str]) -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--seed", type=int)
+    ap.add_argument(
+        "--speculative-config",
+        metavar="JSON",
+        help='e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'',
+    )
     a = ap.parse_args(argv)
     raw = load_yaml(a.config) if a.config else {}
     cfg = EngineConfig.from_dict({k: v for k, v in raw.items() if k in EngineConfig.fields()})
     if a.model:
         cfg = cfg.replace(model=a.model)
+    if a.speculative_config:
+        cfg = cfg.replace(speculative_config=a.speculative_config)
     llm = LLM(cfg)
     params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, seed=a.seed)
     if a.chat:

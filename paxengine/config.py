@@ -68,6 +68,10 @@ class EngineConfig:
     # "fcfs": arrival order; "priority": requests' `priority` (lower first, then arrival), and
     # when KV blocks run out the lowest-priority running request is preempted first
     scheduling_policy: str = "fcfs"
+    # speculative decoding, vLLM's keys (paxengine/spec_decode): {"method": "ngram",
+    # "num_speculative_tokens": k, "prompt_lookup_min": 1, "prompt_lookup_max": 4,
+    # "disable_by_batch_size": 16}; a dict or its JSON text; None: off
+    speculative_config: dict | str | None = None
     show_progress: bool = True
 
     @classmethod

@@ -71,7 +71,9 @@ class DataParallelEngine:
         total = {}
         for k in per[0]:
             vals = [s[k] for s in per]
-            if k in _MEAN:
+            if isinstance(vals[0], list):  # per-position counters
+                total[k] = [sum(x) for x in zip(*vals)]
+            elif k in _MEAN:
                 total[k] = sum(vals) / len(vals)
             elif k in _MAX:
                 total[k] = max(vals)

@@ -31,9 +31,10 @@ from paxengine.runner import (
     plan_num_blocks,
     resolve_layer_loop,
 )
-from paxengine.sampling import ALL_FLAGS, build_sampling_tensors
+from paxengine.sampling import ALL_FLAGS, build_sampling_tensors, spec_flags
 from paxengine.sampling_params import SamplingParams
 from paxengine.scheduler import Scheduler, SchedulerOutput, check_policy
+from paxengine.spec_decode import parse_speculative_config
 from paxengine.structured import GrammarCompiler
 from paxengine.validation import validate_request
 
@@ -96,6 +97,7 @@ class EngineCore:
                 "per-output-channel e4m3 weights)"
             )
         check_policy(cfg.scheduling_policy)  # before the model loads
+        self.spec = parse_speculative_config(cfg.speculative_config)
         self.dtype = dtype
         cache_dir = enable_persistent_cache(cfg.compilation_cache_dir)
         store = (
@@ -210,7 +212,12 @@ class EngineCore:
             self.eos_token_ids,
             decode_step_token_budget=budget,
             policy=cfg.scheduling_policy,
+            spec=self.spec,
+            max_sample_rows=max(sb),
         )
+        flags = ALL_FLAGS if cfg.structured_outputs else [f for f in ALL_FLAGS if not f[3]]
+        if self.spec is not None:  # the verify samplers: 3 more per sequence bucket
+            flags = flags + spec_flags(cfg.structured_outputs)
         self.runner = Runner(
             loaded.config,
             params,
@@ -224,9 +231,7 @@ class EngineCore:
             show_progress=cfg.show_progress,
             store=store,
             tp=tp,
-            sampler_flags=ALL_FLAGS
-            if cfg.structured_outputs
-            else [f for f in ALL_FLAGS if not f[3]],
+            sampler_flags=flags,
         )
         r = self.runner
         n_exe = len(r.compiled) + len(r.samplers)
@@ -287,6 +292,7 @@ class EngineCore:
             "steps": self.steps,
             "failed_steps": self.failed_steps,
             "xla_compiles_after_warmup": compiles_after_warmup(),
+            **self.scheduler.spec_stats.as_dict(),
         }
 
     # -- requests -------------------------------------------------------------------------------
@@ -458,7 +464,9 @@ class EngineCore:
         dispatched = None
         if out:
             prev_rows = self.inflight.rows if self.inflight is not None else None
-            T, S = self.runner.bucket_for(out.total_tokens, len(out.requests))
+            # a verify step samples more positions than it has sequences: its sequence bucket
+            # holds them (never more than the largest, see Scheduler._propose)
+            T, S = self.runner.bucket_for(out.total_tokens, out.num_sample_rows)
             arrays = build_step(
                 out, self.kv.block_size, T, S, self.runner.max_blocks_per_seq, prev_rows
             )
@@ -470,14 +478,13 @@ class EngineCore:
                 self.grammars,
                 self.model_config.vocab_size,
                 self.runner.sampler_flags,
+                [out.drafts.get(r.request_id, []) for r in out.requests] if out.drafts else None,
             )
             if self._dispatcher is not None:
                 result = self._dispatcher.submit(self.runner.execute, arrays, st)
             else:
                 result = self._device(out, self.runner.execute, arrays, st)
-            rows = {
-                r.request_id: i for i, r in enumerate(out.requests) if r.request_id in out.sampling
-            }
+            rows = {rid: i for rid, i in out.sample_rows().items() if rid in out.sampling}
             dispatched = _InFlight(result, out, rows)
             self.steps += 1
         if self.inflight is not None:
@@ -487,6 +494,11 @@ class EngineCore:
         return self._process_outputs(*read) if read is not None else []
 
     def _needs_sync(self) -> bool:
+        """Read the step in flight before scheduling the next when its tokens decide the next:
+        penalties' history, a grammar's mask, and speculative decoding (drafts continue the
+        known tokens, and a verify step's row count per request is only known once read)."""
+        if self.inflight.out.drafts or self.scheduler.speculating():
+            return True
         return any(
             r.grammar is not None
             or r.params.presence_penalty
@@ -503,8 +515,17 @@ class EngineCore:
             result = self._device(step.out, step.result.result)
         else:
             result = step.result
-        tokens, lps, ranks, top_ids, top_lps = self._device(step.out, self.runner.fetch, result)
-        sampled = {rid: [int(tokens[i])] for rid, i in step.rows.items()}
+        fetched = self._device(step.out, self.runner.fetch, result)
+        tokens, lps, ranks, top_ids, top_lps = fetched[:5]
+        if step.out.drafts:  # a verify step: the accepted drafts, then the row that rejected
+            sampled = {}
+            for rid, i in step.rows.items():
+                k, a = len(step.out.drafts.get(rid, ())), 0
+                while a < k and fetched[5][i + a]:
+                    a += 1
+                sampled[rid] = tokens[i : i + a + 1].tolist()
+        else:
+            sampled = {rid: [int(tokens[i])] for rid, i in step.rows.items()}
         updated = self.scheduler.update_from_output(step.out, sampled)
         return step, updated, (lps, ranks, top_ids, top_lps)
 
@@ -516,9 +537,12 @@ class EngineCore:
         touched: dict[str, RequestGroup] = {}
         for req in updated:
             group, seq = self.seq_of[req.request_id]
-            i = step.rows[req.request_id]
-            stop = seq.update([(lps[i], ranks[i], top_ids[i], top_lps[i])])
-            self.generation_tokens_total += 1
+            i = step.rows[req.request_id]  # its first sampled position; its next ones follow
+            new = len(req.output_token_ids) - seq.num_seen
+            stop = seq.update(
+                [(lps[j], ranks[j], top_ids[j], top_lps[j]) for j in range(i, i + new)]
+            )
+            self.generation_tokens_total += new
             if stop is not None:
                 self.scheduler.finish(req, "stop", stop)
             if req.is_finished:

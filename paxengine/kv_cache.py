@@ -253,6 +253,21 @@ class KVCacheManager:
         req.block_ids.extend(self._pop_free() for _ in range(max(need, 0)))
         return True
 
+    def trim(self, req: Request, num_tokens: int) -> None:
+        """Free the request's blocks past the first `num_tokens` tokens (speculative decoding:
+        blocks that held only rejected drafts). Such blocks were never published (they hold no
+        known token), so they go back to the front of the free list: reused first."""
+        keep = self.blocks_needed(num_tokens)
+        if len(req.block_ids) <= keep:
+            return
+        for b in reversed(req.block_ids[keep:]):
+            self.ref_counts[b] -= 1
+            if self.ref_counts[b] == 0:
+                self.free[b] = None
+                self.free.move_to_end(b, last=False)
+        del req.block_ids[keep:]
+        req._block_array = None  # a re-grown list of the same length must not meet a stale copy
+
     def free_request(self, req: Request) -> None:
         # Reverse order: a request's tail blocks are evicted before its (more shareable) head.
         for b in reversed(req.block_ids):

@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 
 from paxengine.kv_cache import KVCacheManager
 from paxengine.request import Request, Status
+from paxengine.spec_decode import SpeculativeConfig, propose_ngram
+from paxengine.spec_decode.metrics import SpecDecodeStats
 
 log = logging.getLogger("paxengine")
 
@@ -44,10 +46,27 @@ class SchedulerOutput:
     requests: list[Request] = field(default_factory=list)  # in batch order
     preempted: list[Request] = field(default_factory=list)
     sampling: set[str] = field(default_factory=set)  # ids of the requests this step samples for
+    # speculative decoding: request id -> the draft tokens this step verifies (scheduled after
+    # its last known token; each has a sampled position of its own)
+    drafts: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def total_tokens(self) -> int:
         return sum(self.num_scheduled_tokens.values())
+
+    @property
+    def num_sample_rows(self) -> int:
+        """Sampled positions: one per request, one more per draft."""
+        return len(self.requests) + sum(len(d) for d in self.drafts.values())
+
+    def sample_rows(self) -> dict[str, int]:
+        """Request id -> its first sampled position (its others follow), as build_step packs
+        them."""
+        rows, r = {}, 0
+        for req in self.requests:
+            rows[req.request_id] = r
+            r += len(self.drafts.get(req.request_id, ())) + 1
+        return rows
 
     def __bool__(self) -> bool:
         return bool(self.requests)
@@ -64,8 +83,16 @@ class Scheduler:
         eos_token_ids: list[int] = (),
         decode_step_token_budget: int | None = None,
         policy: str = "fcfs",
+        spec: SpeculativeConfig | None = None,
+        max_sample_rows: int | None = None,
     ):
+        """spec: speculative decoding (n-gram drafts for decoding requests while at most
+        spec.disable_by_batch_size run); max_sample_rows: the sampled positions a step may have
+        (the largest sequence bucket: each draft takes a row of its own)."""
         check_policy(policy)
+        self.spec = spec
+        self.max_sample_rows = max_sample_rows or max_num_seqs
+        self.spec_stats = SpecDecodeStats(spec.num_speculative_tokens if spec else 0)
         self.policy = policy
         self.kv = kv
         self.decode_step_token_budget = decode_step_token_budget
@@ -112,7 +139,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         decoding = [r for r in self.running if r.num_computed_tokens >= r.num_prompt_tokens]
         prefilling = [r for r in self.running if r.num_computed_tokens < r.num_prompt_tokens]
-        budget, full = self._schedule_running(decoding, out, budget)
+        budget, full = self._schedule_running(decoding, out, budget, self.speculating())
         if out.requests and self.decode_step_token_budget is not None:
             budget = min(budget, self.decode_step_token_budget - out.total_tokens)
         if not full:
@@ -122,6 +149,7 @@ class Scheduler:
             self.waiting
             and budget > 0
             and len(self.running) < self.max_num_seqs
+            and len(self.running) + self._num_drafts(out) < self.max_sample_rows  # drafts' rows
             and not out.preempted
         ):
             req = self.waiting[0]
@@ -147,16 +175,57 @@ class Scheduler:
         self._count_scheduled(out)
         return out
 
-    def _schedule_running(self, reqs: list[Request], out: SchedulerOutput, budget: int):
+    def speculating(self) -> bool:
+        """Whether the next step proposes drafts: speculation is on and few enough run (above
+        disable_by_batch_size a verify step costs more than it saves). The engine then reads
+        the step in flight first, so every decoding request's last token is on the host."""
+        return self.spec is not None and 0 < len(self.running) <= self.spec.disable_by_batch_size
+
+    @staticmethod
+    def _num_drafts(out: SchedulerOutput) -> int:
+        return sum(len(d) for d in out.drafts.values())
+
+    def _propose(self, req: Request, out: SchedulerOutput, budget: int) -> list[int]:
+        """Drafts for a decoding request whose tokens are all on the host, within the token
+        budget, the sample rows, max_tokens and the context. A constrained request does not
+        speculate (its mask for each draft position would need the grammar advanced through
+        the drafts before they are verified)."""
+        if (
+            req.num_pending_tokens
+            or req.grammar is not None
+            or req.num_tokens - req.num_computed_tokens != 1
+        ):
+            return []
+        k = min(
+            self.spec.num_speculative_tokens,
+            budget - 1,
+            self.max_model_len - req.num_tokens,
+            self.max_sample_rows - len(self.running) - self._num_drafts(out),
+        )
+        if req.params.max_tokens is not None:  # the last draft's bonus token ends the request
+            k = min(k, req.params.max_tokens - req.num_output_tokens - 1)
+        if k < 1:
+            return []
+        spec = self.spec
+        return propose_ngram(req.all_token_ids, spec.prompt_lookup_min, spec.prompt_lookup_max, k)
+
+    def _schedule_running(
+        self, reqs: list[Request], out: SchedulerOutput, budget: int, speculate: bool = False
+    ):
         """Schedule what each request needs next, in order, preempting the newest running
         request when blocks run out. Returns the budget left and whether the pool is full
-        (a request had to preempt itself)."""
+        (a request had to preempt itself). speculate: decoding requests also take their drafts
+        when their blocks fit (drafts never preempt anyone)."""
         for req in reqs:
             if budget <= 0:
                 break
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             if req.status != Status.RUNNING or n <= 0 or self._ends_with_pending(req):
                 continue  # preempted above as a victim, or nothing to compute now
+            drafts = self._propose(req, out, budget) if speculate else []
+            if drafts and self.kv.allocate(req, n + len(drafts)):
+                n += len(drafts)
+                out.drafts[req.request_id] = drafts
             while not self.kv.allocate(req, n):
                 victim = self._victim()
                 self._preempt(victim, out)
@@ -181,7 +250,9 @@ class Scheduler:
         the cache gets a sample, pending until update_from_output."""
         for req in out.requests:
             req.num_computed_tokens += out.num_scheduled_tokens[req.request_id]
-            if req.num_computed_tokens == req.num_tokens:
+            # past num_tokens: the drafts, computed until update_from_output rolls back the
+            # rejected ones
+            if req.num_computed_tokens >= req.num_tokens:
                 req.num_pending_tokens += 1
                 out.sampling.add(req.request_id)
 
@@ -197,6 +268,8 @@ class Scheduler:
         lower, upper = self.token_buckets[i - 1], self.token_buckets[i]
         excess = total - lower
         last = out.requests[-1]
+        if last.request_id in out.drafts:  # a verify row is not a prompt chunk to shorten
+            return
         n = out.num_scheduled_tokens[last.request_id]
         if n > excess and excess < upper - total:
             out.num_scheduled_tokens[last.request_id] = n - excess
@@ -217,6 +290,7 @@ class Scheduler:
         if req.request_id in out.num_scheduled_tokens:
             del out.num_scheduled_tokens[req.request_id]
             out.requests.remove(req)
+            out.drafts.pop(req.request_id, None)
 
     def requeue_all(self) -> None:
         """After a failed step, whose device state is lost: every running request starts over by
@@ -242,11 +316,22 @@ class Scheduler:
             tokens = sampled.get(req.request_id)
             if tokens is not None:
                 req.num_pending_tokens -= 1
+                drafts = out.drafts.get(req.request_id)
+                if drafts is not None:  # tokens: the accepted drafts and one more
+                    self._settle_drafts(req, len(drafts), len(tokens) - 1)
                 self._append(req, tokens)
                 updated.append(req)
             if not req.is_finished:
                 self.kv.cache_computed_blocks(req)
         return updated
+
+    def _settle_drafts(self, req: Request, num_drafts: int, num_accepted: int) -> None:
+        """The rejected drafts' KV is not the sequence's: they no longer count as computed, and
+        blocks that hold only rejected slots go back to the pool (the kept slots are overwritten
+        by the next tokens, and attention never reads past seq_lens)."""
+        req.num_computed_tokens -= num_drafts - num_accepted
+        self.kv.trim(req, req.num_computed_tokens)
+        self.spec_stats.record(num_drafts, num_accepted)
 
     def _append(self, req: Request, tokens: list[int]) -> None:
         if req.first_token_time is None:

@@ -7,6 +7,7 @@ YAML keys < explicit flags (see serving.config.resolve_configs).
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 import time
@@ -119,6 +120,14 @@ def build_parser() -> argparse.ArgumentParser:
         "lowest preempted first when KV blocks run out",
     )
     e.add_argument(
+        "--speculative-config",
+        type=_speculative_config,
+        metavar="JSON",
+        help='speculative decoding, as vLLM\'s: \'{"method": "ngram", "num_speculative_tokens": '
+        '4, "prompt_lookup_max": 4}\' (n-gram prompt lookup; "disable_by_batch_size": N stops '
+        "speculating above N running requests)",
+    )
+    e.add_argument(
         "--performance-mode",
         choices=sorted(PERFORMANCE_MODES),
         help="presets of max-num-seqs / max-num-batched-tokens (flags and YAML win)",
@@ -149,6 +158,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"])
     return p
+
+
+def _speculative_config(text: str) -> dict:
+    """The JSON object, checked now so a bad one fails before the model loads."""
+    from paxengine.spec_decode import parse_speculative_config
+
+    try:
+        parse_speculative_config(text)
+        return json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _int_list(text: str) -> list[int]:

@@ -59,7 +59,19 @@ _COUNTERS = [
         "xla_compiles_after_warmup",
         "XLA compiles since the step buckets were compiled at start-up (must stay 0).",
     ),
+    ("spec_decode_num_drafts", "spec_decode_num_drafts", "Number of spec decoding drafts."),
+    (
+        "spec_decode_num_draft_tokens",
+        "spec_decode_num_draft_tokens",
+        "Number of draft tokens.",
+    ),
+    (
+        "spec_decode_num_accepted_tokens",
+        "spec_decode_num_accepted_tokens",
+        "Number of accepted tokens.",
+    ),
 ]
+_PER_POS = "spec_decode_num_accepted_tokens_per_pos"  # a list in stats: one series a position
 
 # vLLM's buckets
 # fmt: off
@@ -103,6 +115,15 @@ class _EngineStatsCollector:
                 for vals, st in rows:
                     m.add_metric(vals, float(st.get(key, 0) or 0))
                 yield m
+        m = CounterMetricFamily(
+            f"{self.prefix}:{_PER_POS}",
+            "Accepted draft tokens, by their position in the draft.",
+            labels=names + ["position"],
+        )
+        for vals, st in rows:
+            for pos, count in enumerate(st.get(_PER_POS) or []):
+                m.add_metric(vals + [str(pos)], float(count))
+        yield m
 
 
 class ServerMetrics:

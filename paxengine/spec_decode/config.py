@@ -1,0 +1,83 @@
+"""`speculative_config`: vLLM's keys, checked before the model loads."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+MAX_SPECULATIVE_TOKENS = 16
+# Methods vLLM has that we do not run yet (issue #20's later slices): refused by name.
+_NOT_YET = ("draft", "eagle", "eagle3", "medusa", "mlp_speculator", "deepseek_mtp")
+# Above this many running sequences the engine stops speculating: a verify step costs more than
+# it saves once the batch is compute-bound. 16 is a placeholder awaiting the H200 measurement
+# (issue #20: the batch size where the off switch should sit).
+DEFAULT_DISABLE_BY_BATCH_SIZE = 16
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str = "ngram"
+    num_speculative_tokens: int = 4  # k: drafts per sequence and step (at most)
+    prompt_lookup_min: int = 1  # shortest suffix n-gram that may match
+    prompt_lookup_max: int = 4  # longest, tried first
+    disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
+
+
+def parse_speculative_config(raw) -> SpeculativeConfig | None:
+    """A dict (or its JSON text) -> SpeculativeConfig; None/{} -> None. Raises ValueError with
+    the offending key on anything we cannot run."""
+    if raw is None or isinstance(raw, SpeculativeConfig):
+        return raw
+    if isinstance(raw, str):
+        try:
+            raw = json.loads(raw)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"speculative_config: not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"speculative_config: expected a JSON object, got {type(raw).__name__}")
+    if not raw:
+        return None
+    raw = dict(raw)
+    method = raw.pop("method", None)
+    if method is None:
+        # vLLM infers ngram from prompt_lookup_*; a draft model from `model`
+        method = "draft" if "model" in raw else "ngram"
+    if method in _NOT_YET or (method != "ngram" and "model" in raw):
+        raise ValueError(
+            f"speculative_config: method {method!r} is not implemented yet (only 'ngram', "
+            "prompt lookup, is)"
+        )
+    if method != "ngram":
+        raise ValueError(f"speculative_config: unknown method {method!r} (supported: 'ngram')")
+    known = {
+        "num_speculative_tokens",
+        "prompt_lookup_min",
+        "prompt_lookup_max",
+        "disable_by_batch_size",
+    }
+    unknown = set(raw) - known
+    if unknown:
+        raise ValueError(f"speculative_config: unknown keys {sorted(unknown)} for method 'ngram'")
+    for key, value in raw.items():
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"speculative_config: {key} must be an integer, got {value!r}")
+    if "num_speculative_tokens" not in raw:
+        raise ValueError("speculative_config: num_speculative_tokens is required")
+    k = raw["num_speculative_tokens"]
+    if not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+        raise ValueError(
+            f"speculative_config: num_speculative_tokens must be in [1, "
+            f"{MAX_SPECULATIVE_TOKENS}], got {k}"
+        )
+    lo = raw.get("prompt_lookup_min", 1)
+    hi = raw.get("prompt_lookup_max", max(lo, 4))
+    if lo < 1:
+        raise ValueError(f"speculative_config: prompt_lookup_min must be >= 1, got {lo}")
+    if lo > hi:
+        raise ValueError(
+            f"speculative_config: prompt_lookup_min ({lo}) must be <= prompt_lookup_max ({hi})"
+        )
+    disable = raw.get("disable_by_batch_size", DEFAULT_DISABLE_BY_BATCH_SIZE)
+    if disable < 1:
+        raise ValueError(f"speculative_config: disable_by_batch_size must be >= 1, got {disable}")
+    return SpeculativeConfig("ngram", k, lo, hi, disable)

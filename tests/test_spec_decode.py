@@ -1,0 +1,358 @@
+"""Speculative decoding with the n-gram proposer: config errors, the proposer, the rejection
+sampler's distribution (chi-square), exact counters and block rollback in the scheduler, and on
+the real SmolLM2: greedy outputs equal to non-speculative ones, seeded sampling reproducible, no
+leaked blocks after rejections, aborts and preemption, nothing compiled while serving."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy.stats import chisquare
+
+from paxengine import LLM, SamplingParams
+from paxengine.kv_cache import KVCacheManager
+from paxengine.request import Request
+from paxengine.sampling import MAX_LOGIT_BIAS, MAX_STOP_IDS, SamplingTensors, sample
+from paxengine.scheduler import Scheduler
+from paxengine.spec_decode import parse_speculative_config, propose_ngram
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
+
+# -- config -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "raw, match",
+    [
+        ({"method": "eagle3", "num_speculative_tokens": 3}, "'eagle3' is not implemented yet"),
+        ({"method": "eagle", "num_speculative_tokens": 3}, "'eagle' is not implemented yet"),
+        ({"method": "draft", "num_speculative_tokens": 3}, "'draft' is not implemented yet"),
+        ({"model": "x", "num_speculative_tokens": 3}, "'draft' is not implemented yet"),
+        ({"method": "magic", "num_speculative_tokens": 3}, "unknown method 'magic'"),
+        ({"method": "ngram", "num_speculative_tokens": 0}, r"must be in \[1, 16\], got 0"),
+        ({"method": "ngram", "num_speculative_tokens": 17}, r"must be in \[1, 16\], got 17"),
+        ({"method": "ngram"}, "num_speculative_tokens is required"),
+        (
+            {
+                "method": "ngram",
+                "num_speculative_tokens": 2,
+                "prompt_lookup_min": 5,
+                "prompt_lookup_max": 3,
+            },
+            r"prompt_lookup_min \(5\) must be <= prompt_lookup_max \(3\)",
+        ),
+        ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 0}, ">= 1"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "typo": 1}, r"unknown keys \['typo'\]"),
+        ({"method": "ngram", "num_speculative_tokens": "4"}, "must be an integer"),
+        ("{not json", "not valid JSON"),
+    ],
+)
+def test_bad_configs_are_refused(raw, match):
+    with pytest.raises(ValueError, match=match):
+        parse_speculative_config(raw)
+
+
+def test_bad_config_fails_before_the_model_loads():
+    with pytest.raises(ValueError, match="'eagle3' is not implemented yet"):
+        LLM(
+            model="/no/such/model",
+            speculative_config={"method": "eagle3", "num_speculative_tokens": 2},
+        )
+
+
+def test_config_defaults_and_json():
+    c = parse_speculative_config('{"method": "ngram", "num_speculative_tokens": 3}')
+    assert (c.num_speculative_tokens, c.prompt_lookup_min, c.prompt_lookup_max) == (3, 1, 4)
+    assert c.disable_by_batch_size == 16
+    assert parse_speculative_config(None) is None and parse_speculative_config({}) is None
+
+
+# -- the proposer -------------------------------------------------------------------------------
+
+
+def test_ngram_proposes_what_followed_the_longest_earlier_match():
+    assert propose_ngram([1, 2, 3, 4, 5, 1, 2, 3], 1, 3, 3) == [4, 5, 1]
+    assert propose_ngram([1, 2, 3, 4, 5, 1, 2, 3], 1, 3, 10) == [4, 5, 1, 2, 3]
+    # the longest n-gram wins over a shorter, earlier one: [9, 2] matches at 3, [2] at 0
+    assert propose_ngram([2, 7, 0, 9, 2, 8, 9, 2], 1, 2, 1) == [8]
+    assert propose_ngram([2, 7, 0, 9, 2, 8, 9, 2], 1, 1, 1) == [7]  # earliest match of [2]
+    assert propose_ngram([1, 2, 3], 1, 3, 2) == []  # nothing repeats
+    assert propose_ngram([1, 2, 1], 2, 2, 2) == []  # below prompt_lookup_min
+    assert propose_ngram([4], 1, 3, 2) == []
+
+
+# -- the rejection sampler, called directly ------------------------------------------------------
+
+
+def _tensors(n, temperature, draft, top_k=0, seed0=0):
+    f32 = lambda v: jnp.full(n, v, jnp.float32)  # noqa: E731
+    i32 = lambda v: jnp.full(n, v, jnp.int32)  # noqa: E731
+    return SamplingTensors(
+        f32(temperature), i32(top_k), f32(1.0), f32(0.0), f32(0.0), f32(0.0), f32(1.0),
+        jnp.arange(seed0, seed0 + n, dtype=jnp.uint32), i32(0), jnp.zeros(n, bool),
+        jnp.full((n, MAX_STOP_IDS), -1, jnp.int32), jnp.full((n, MAX_LOGIT_BIAS), -1, jnp.int32),
+        jnp.zeros((n, MAX_LOGIT_BIAS), jnp.float32), None, i32(0), None, i32(draft),
+        False, top_k > 0, False, False, True,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("draft, top_k", [(2, 0), (0, 0), (5, 0), (1, 4)])
+def test_rejection_sampler_keeps_the_target_distribution(draft, top_k):
+    """Whatever the draft (likely, unlikely, or cut by top-k), the emitted token is distributed
+    as the target: chi-square over 40k draws on an 8-token vocabulary."""
+    n, logits = 40_000, jnp.log(jnp.asarray([0.05, 0.1, 0.3, 0.02, 0.2, 0.13, 0.15, 0.05]))
+    p = np.asarray(jax.nn.softmax(logits), np.float64)
+    if top_k:
+        p = np.where(p >= np.sort(p)[-top_k], p, 0.0)
+        p /= p.sum()
+    st = _tensors(n, 1.0, draft, top_k)
+    tokens, *_, accepted = jax.jit(sample)(jnp.broadcast_to(logits, (n, 8)), st)
+    tokens, accepted = np.asarray(tokens), np.asarray(accepted)
+    assert np.all(tokens[accepted] == draft) and not np.any(tokens[~accepted] == draft)
+    assert abs(accepted.mean() - p[draft]) < 0.01  # accepted with probability p(draft)
+    counts = np.bincount(tokens, minlength=8)
+    keep = p > 0
+    assert counts[~keep].sum() == 0
+    expected = n * p[keep] / p[keep].sum()
+    assert chisquare(counts[keep], expected).pvalue > 1e-3
+
+
+def test_rejection_sampler_greedy_is_exact_and_seeds_reproduce():
+    logits = jnp.asarray([[0.0, 3.0, 1.0, 2.0]] * 3)
+    st = dataclasses.replace(_tensors(3, 0.0, 0), draft=jnp.asarray([1, 3, -1], jnp.int32))
+    tokens, *_, accepted = sample(logits, st)
+    assert np.asarray(accepted).tolist() == [True, False, False]
+    assert np.asarray(tokens).tolist() == [1, 1, 1]  # the draft, then the argmax twice
+    hot = _tensors(64, 1.0, 2, seed0=5)
+    a = jax.jit(sample)(jnp.zeros((64, 4)), hot)
+    b = jax.jit(sample)(jnp.zeros((64, 4)), hot)
+    assert np.array_equal(a[0], b[0]) and np.array_equal(a[-1], b[-1])
+
+
+# -- the scheduler: counters and rollback, with crafted samples ---------------------------------
+
+
+def test_counters_and_rollback_exact_on_a_crafted_case():
+    kv = KVCacheManager(64, 4, enable_prefix_caching=True)
+    spec = parse_speculative_config({"method": "ngram", "num_speculative_tokens": 4})
+    sched = Scheduler(kv, 8, 64, 256, spec=spec, max_sample_rows=8)
+    prompt = [5, 6, 7, 8, 9, 10, 11, 5, 6]  # "5 6" occurred: drafts 7 8 9 10
+    req = Request("r", prompt, SamplingParams(max_tokens=50), seed=0)
+    sched.add(req)
+    out = sched.schedule()  # the prompt
+    assert not out.drafts
+    sched.update_from_output(out, {"r": [7]})  # tokens ... 5 6 7: "6 7" -> drafts 8 9 10 11
+    out = sched.schedule()
+    assert out.drafts == {"r": [8, 9, 10, 11]} and out.num_scheduled_tokens == {"r": 5}
+    assert out.num_sample_rows == 5 and out.sample_rows() == {"r": 0}
+    assert req.num_computed_tokens == 14 and len(req.block_ids) == 4  # 14 slots: 4 blocks
+    sched.update_from_output(out, {"r": [8, 9, 3]})  # two accepted, the third corrected
+    s = sched.spec_stats
+    assert (s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens) == (1, 4, 2)
+    assert s.accepted_per_pos == [1, 1, 0, 0]
+    assert req.output_token_ids == [7, 8, 9, 3]
+    # KV kept for the prompt, 7, 8, 9 (12 tokens: 3 blocks); the block of rejected slots is free
+    assert req.num_computed_tokens == 12 and req.num_tokens == 13
+    assert len(req.block_ids) == 3 and kv.num_free_blocks == 61
+    out = sched.schedule()  # "9 3" never occurred, nor "3": a plain decode
+    assert not out.drafts and out.num_scheduled_tokens == {"r": 1}
+    sched.update_from_output(out, {"r": [5]})  # ... 3 5: "5" -> 6 7 8 9, all accepted
+    out = sched.schedule()
+    assert out.drafts == {"r": [6, 7, 8, 9]}
+    sched.update_from_output(out, {"r": [6, 7, 8, 9, 1]})
+    assert (s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens) == (2, 8, 6)
+    assert s.accepted_per_pos == [2, 2, 1, 1]
+    assert req.num_computed_tokens == 18 and req.num_tokens == 19
+    sched.finish(req, "abort")
+    assert kv.num_free_blocks == kv.num_blocks
+
+
+def test_drafts_respect_max_tokens_budget_and_disable_by_batch_size():
+    kv = KVCacheManager(64, 4, enable_prefix_caching=False)
+    spec = parse_speculative_config(
+        {"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": 1}
+    )
+    sched = Scheduler(kv, 8, 64, 256, spec=spec, max_sample_rows=8)
+    prompt = [1, 2, 3, 4, 5, 6, 1, 2]
+    a = Request("a", prompt, SamplingParams(max_tokens=3), seed=0)
+    sched.add(a)
+    sched.update_from_output(sched.schedule(), {"a": [3]})
+    out = sched.schedule()  # 1 output so far, max_tokens 3: one draft and its bonus token
+    assert out.drafts == {"a": [4]}
+    sched.update_from_output(out, {"a": [4, 5]})
+    assert a.is_finished and a.finish_reason == "length"
+    b, c = (Request(x, prompt, SamplingParams(max_tokens=20), seed=0) for x in "bc")
+    sched.add(b)
+    sched.add(c)
+    sched.update_from_output(sched.schedule(), {"b": [3], "c": [3]})
+    assert not sched.schedule().drafts  # two running, disable_by_batch_size 1
+
+
+# -- the engine on SmolLM2 -------------------------------------------------------------------------
+
+COPY = [
+    "Repeat this sentence exactly: the quick brown fox jumps over the lazy dog. the quick brown "
+    "fox jumps over the lazy dog. the quick brown fox",
+    "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n",
+    "1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2,",
+]
+FREE = ["Describe a cat.", "x", "The capital of France is"]
+MAX_TOKENS = 24
+
+
+def _llm(**kw):
+    base = dict(
+        max_model_len=256,
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        block_size=16,
+        show_progress=False,
+        store_executables=False,
+    )
+    return LLM(**{**base, **kw})
+
+
+@pytest.fixture(scope="module")
+def plain(smollm):
+    return _llm()
+
+
+@pytest.fixture(scope="module")
+def spec(smollm):
+    return _llm(speculative_config=NGRAM)
+
+
+def _assert_pool_empty(llm):
+    kv = llm.engine.kv
+    assert kv.num_free_blocks == kv.num_blocks and all(c == 0 for c in kv.ref_counts)
+    assert not llm.engine.scheduler.running and not llm.engine.scheduler.waiting
+
+
+def test_greedy_identical_with_and_without_speculation(plain, spec):
+    prompts = COPY + FREE
+    params = [SamplingParams(temperature=0, max_tokens=MAX_TOKENS)] * len(prompts)
+    params[1] = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, repetition_penalty=1.2)
+    ref = plain.generate(prompts, params, use_tqdm=False)
+    before = spec.engine.stats()
+    out = spec.generate(prompts, params, use_tqdm=False)
+    for p, a, b in zip(prompts, ref, out):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids, p
+        assert a.outputs[0].text == b.outputs[0].text
+    st = spec.engine.stats()
+    assert st["spec_decode_num_drafts"] > before["spec_decode_num_drafts"]
+    accepted = st["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"]
+    drafted = st["spec_decode_num_draft_tokens"] - before["spec_decode_num_draft_tokens"]
+    assert 0 < accepted < drafted  # some accepted, some rejected (rolled back)
+    assert st["generation_tokens"] - before["generation_tokens"] == sum(
+        len(o.outputs[0].token_ids) for o in out
+    )
+    assert st["xla_compiles_after_warmup"] == 0
+    _assert_pool_empty(spec)
+
+
+def test_counters_match_a_replay_of_the_proposer(spec):
+    """One greedy request alone: every verify step's drafts and acceptance follow from its
+    final tokens (the proposer on the tokens known then, accepted while they match)."""
+    prompt = COPY[0]
+    before = spec.engine.stats()
+    out = spec.generate(
+        prompt,
+        SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
+        use_tqdm=False,
+    )[0]
+    toks = out.prompt_token_ids + out.outputs[0].token_ids
+    n_known, drafts = len(out.prompt_token_ids) + 1, [0, 0, 0]
+    per_pos = [0] * 4
+    while n_known < len(toks):
+        k = min(4, MAX_TOKENS - (n_known - len(out.prompt_token_ids)) - 1)
+        d = propose_ngram(toks[:n_known], 1, 3, k) if k >= 1 else []
+        a = 0
+        while a < len(d) and d[a] == toks[n_known + a]:
+            a += 1
+        if d:
+            drafts = [drafts[0] + 1, drafts[1] + len(d), drafts[2] + a]
+            per_pos = [c + (i < a) for i, c in enumerate(per_pos)]
+        n_known += a + 1
+    st = spec.engine.stats()
+    got = [
+        st[k] - before[k]
+        for k in (
+            "spec_decode_num_drafts",
+            "spec_decode_num_draft_tokens",
+            "spec_decode_num_accepted_tokens",
+        )
+    ]
+    assert got == drafts and drafts[2] > 0
+    got_pos = [
+        x - y
+        for x, y in zip(
+            st["spec_decode_num_accepted_tokens_per_pos"],
+            before["spec_decode_num_accepted_tokens_per_pos"],
+        )
+    ]
+    assert got_pos == per_pos
+
+
+def test_seeded_sampling_reproducible_and_logprobs(plain, spec):
+    p = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=MAX_TOKENS, seed=11)
+    alone = spec.generate(COPY[2], p, use_tqdm=False)[0].outputs[0].token_ids
+    mates = spec.generate([COPY[0], COPY[2], FREE[0]], p, use_tqdm=False)[1].outputs[0].token_ids
+    assert alone == mates
+    lp = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=2)
+    a = plain.generate(COPY[2], lp, use_tqdm=False)[0].outputs[0]
+    b = spec.generate(COPY[2], lp, use_tqdm=False)[0].outputs[0]
+    assert a.token_ids == b.token_ids and len(b.logprobs) == len(b.token_ids)
+    for x, y, t in zip(a.logprobs, b.logprobs, b.token_ids):
+        assert y[t].rank == x[t].rank and abs(y[t].logprob - x[t].logprob) < 1e-3
+    _assert_pool_empty(spec)
+
+
+def test_abort_mid_speculation_frees_every_block(spec):
+    eng = spec.engine
+    eng.add_request("ab", COPY[0], SamplingParams(temperature=0, max_tokens=200))
+    eng.add_request("keep", COPY[1], SamplingParams(temperature=0, max_tokens=8))
+    for _ in range(40):
+        eng.step()
+        if eng.inflight is not None and "ab" in eng.inflight.out.drafts:
+            break
+    assert "ab" in eng.inflight.out.drafts  # a verify step of it is on the device
+    eng.abort("ab")
+    while eng.has_unfinished():
+        eng.step()
+    _assert_pool_empty(spec)
+
+
+def test_preemption_under_speculation_matches_plain(plain, smollm):
+    """A pool too small for every request: drafts never preempt, but decodes do; the outputs
+    stay those of the plain engine and the pool comes back whole."""
+    tight = _llm(speculative_config=NGRAM, num_kv_blocks=14, enable_prefix_caching=False)
+    prompts = COPY + COPY[:1]
+    p = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    ref = plain.generate(prompts, p, use_tqdm=False)
+    out = tight.generate(prompts, p, use_tqdm=False)
+    assert tight.engine.scheduler.num_preemptions > 0
+    assert tight.engine.stats()["spec_decode_num_accepted_tokens"] > 0
+    for a, b in zip(ref, out):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    _assert_pool_empty(tight)
+
+
+def test_metrics_endpoint_names():
+    from serving.metrics import ServerMetrics
+
+    stats = {
+        "spec_decode_num_drafts": 3,
+        "spec_decode_num_draft_tokens": 12,
+        "spec_decode_num_accepted_tokens": 5,
+        "spec_decode_num_accepted_tokens_per_pos": [3, 2, 0, 0],
+    }
+    text = ServerMetrics("vllm", "m", lambda: stats).render().decode()
+    assert 'vllm:spec_decode_num_drafts_total{model_name="m"} 3.0' in text
+    assert 'vllm:spec_decode_num_draft_tokens_total{model_name="m"} 12.0' in text
+    assert 'vllm:spec_decode_num_accepted_tokens_total{model_name="m"} 5.0' in text
+    assert (
+        'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="1"} 2.0'
+        in text
+    )
