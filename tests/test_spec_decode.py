@@ -231,9 +231,18 @@ def _assert_pool_empty(llm):
 
 
 def test_greedy_identical_with_and_without_speculation(plain, spec):
-    prompts = COPY + FREE
+    """A mixed batch: copy-heavy prompts and free ones, chunked prefill (a 64-token budget),
+    prefix hits, a repetition penalty, min_tokens over EOS, and a constrained row sharing the
+    verify steps (it does not speculate)."""
+    from paxengine import StructuredOutputs
+
+    prompts = COPY + FREE + [COPY[2]]
     params = [SamplingParams(temperature=0, max_tokens=MAX_TOKENS)] * len(prompts)
     params[1] = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, repetition_penalty=1.2)
+    params[4] = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, min_tokens=20)
+    params[6] = SamplingParams(
+        temperature=0, max_tokens=MAX_TOKENS, structured_outputs=StructuredOutputs(regex="[0-9, ]+")
+    )
     ref = plain.generate(prompts, params, use_tqdm=False)
     before = spec.engine.stats()
     out = spec.generate(prompts, params, use_tqdm=False)
