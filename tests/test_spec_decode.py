@@ -14,7 +14,14 @@ from scipy.stats import chisquare
 from paxengine import LLM, SamplingParams
 from paxengine.kv_cache import KVCacheManager
 from paxengine.request import Request
-from paxengine.sampling import MAX_LOGIT_BIAS, MAX_STOP_IDS, SamplingTensors, sample
+from paxengine.sampling import (
+    MAX_LOGIT_BIAS,
+    MAX_STOP_IDS,
+    SamplingTensors,
+    abstract_sampling_tensors,
+    sample,
+    spec_flags,
+)
 from paxengine.scheduler import Scheduler
 from paxengine.spec_decode import parse_speculative_config, propose_ngram
 
@@ -365,3 +372,22 @@ def test_metrics_endpoint_names():
         'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="1"} 2.0'
         in text
     )
+
+
+@pytest.mark.parametrize("flags", spec_flags(True))
+def test_verify_samplers_have_no_device_conditionals(flags):
+    """As every sampler (test_layer_layout): a conditional would make XLA:GPU wait for the
+    stream before the next launch."""
+    logits = jax.ShapeDtypeStruct((8, 64), jnp.float32)
+    exe = jax.jit(sample).lower(logits, abstract_sampling_tensors(8, 32, flags, 64)).compile()
+    assert "conditional(" not in exe.as_text()
+
+
+def test_serve_flag_parses_and_refuses_bad_configs(capsys):
+    from serving.cli import parse
+
+    ecfg, _ = parse(["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'])
+    assert ecfg.speculative_config == {"method": "ngram", "num_speculative_tokens": 3}
+    with pytest.raises(SystemExit):
+        parse(["--speculative-config", '{"method": "eagle3", "num_speculative_tokens": 3}'])
+    assert "'eagle3' is not implemented yet" in capsys.readouterr().err
