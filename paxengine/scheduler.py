@@ -179,7 +179,11 @@ class Scheduler:
         """Whether the next step proposes drafts: speculation is on and few enough run (above
         disable_by_batch_size a verify step costs more than it saves). The engine then reads
         the step in flight first, so every decoding request's last token is on the host."""
-        return self.spec is not None and 0 < len(self.running) <= self.spec.disable_by_batch_size
+        return (
+            self.spec is not None
+            and 0 < len(self.running) <= self.spec.disable_by_batch_size
+            and any(r.grammar is None for r in self.running)  # constrained ones never speculate
+        )
 
     @staticmethod
     def _num_drafts(out: SchedulerOutput) -> int:

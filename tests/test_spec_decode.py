@@ -391,3 +391,55 @@ def test_serve_flag_parses_and_refuses_bad_configs(capsys):
     with pytest.raises(SystemExit):
         parse(["--speculative-config", '{"method": "eagle3", "num_speculative_tokens": 3}'])
     assert "'eagle3' is not implemented yet" in capsys.readouterr().err
+
+
+def test_failed_verify_step_recovers_and_leaks_nothing(monkeypatch):
+    """A verify step that fails on the device (launched from the dispatch thread) ends its
+    requests; the engine runs on with the same greedy results and an empty pool."""
+    from paxengine.engine import EngineCore
+    from paxengine.errors import StepFailed
+
+    core = EngineCore(
+        model="dummy:tiny",
+        max_model_len=128,
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
+        token_buckets=[8, 32],
+        seq_buckets=[4, 8],
+        num_kv_blocks=64,
+        block_size=4,
+        show_progress=False,
+        store_executables=False,
+        dispatch_thread=True,
+        speculative_config=NGRAM,
+    )
+    prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]
+
+    def run():
+        core.add_request("a", {"prompt_token_ids": prompt}, SamplingParams(
+            temperature=0, max_tokens=12, ignore_eos=True))  # fmt: skip
+        texts, failed = {}, []
+        while core.has_unfinished():
+            try:
+                outs = core.step()
+            except StepFailed as e:
+                failed += e.request_ids
+                outs = e.outputs
+            texts.update({o.request_id: o.outputs[0].token_ids for o in outs if o.finished})
+        assert core.kv.usage == 0
+        return texts, failed
+
+    ref, failed = run()
+    assert not failed and len(ref["a"]) == 12
+    original, fired = core.runner.execute, []
+
+    def faulty(arrays, st):
+        if st.spec and not fired:
+            fired.append(True)
+            raise RuntimeError("injected device fault")
+        return original(arrays, st)
+
+    monkeypatch.setattr(core.runner, "execute", faulty)
+    texts, failed = run()
+    assert fired and failed == ["a"] and texts == {}
+    assert run() == (ref, [])
