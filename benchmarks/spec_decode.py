@@ -72,6 +72,7 @@ def main(argv=None):
     ap.add_argument("--result-file", default=None)
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    ap.add_argument("--prompt-lookup-min", type=int, default=1)
     ap.add_argument("--prompt-lookup-max", type=int, default=4)
     a = ap.parse_args(argv)
 
@@ -86,7 +87,7 @@ def main(argv=None):
     spec_cfg = {
         "method": "ngram",
         "num_speculative_tokens": a.k,
-        "prompt_lookup_min": 1,
+        "prompt_lookup_min": a.prompt_lookup_min,
         "prompt_lookup_max": a.prompt_lookup_max,
     }
     engines = {"plain": LLM(**base), "ngram": LLM(**base, speculative_config=spec_cfg)}

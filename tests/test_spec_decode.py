@@ -25,7 +25,12 @@ from paxengine.sampling import (
 from paxengine.scheduler import Scheduler
 from paxengine.spec_decode import parse_speculative_config, propose_ngram
 
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
+NGRAM = {
+    "method": "ngram",
+    "num_speculative_tokens": 4,
+    "prompt_lookup_min": 1,
+    "prompt_lookup_max": 3,
+}
 
 # -- config -------------------------------------------------------------------------------------
 
@@ -71,7 +76,11 @@ def test_bad_config_fails_before_the_model_loads():
 
 def test_config_defaults_and_json():
     c = parse_speculative_config('{"method": "ngram", "num_speculative_tokens": 3}')
-    assert (c.num_speculative_tokens, c.prompt_lookup_min, c.prompt_lookup_max) == (3, 1, 4)
+    assert (c.num_speculative_tokens, c.prompt_lookup_min, c.prompt_lookup_max) == (3, 5, 5)
+    c = parse_speculative_config({"num_speculative_tokens": 2, "prompt_lookup_max": 3})
+    assert (c.method, c.prompt_lookup_min, c.prompt_lookup_max) == ("ngram", 3, 3)  # as vLLM
+    c = parse_speculative_config({"num_speculative_tokens": 2, "prompt_lookup_min": 2})
+    assert (c.prompt_lookup_min, c.prompt_lookup_max) == (2, 2)
     assert c.disable_by_batch_size == 16
     assert parse_speculative_config(None) is None and parse_speculative_config({}) is None
 
@@ -143,7 +152,7 @@ def test_rejection_sampler_greedy_is_exact_and_seeds_reproduce():
 
 def test_counters_and_rollback_exact_on_a_crafted_case():
     kv = KVCacheManager(64, 4, enable_prefix_caching=True)
-    spec = parse_speculative_config({"method": "ngram", "num_speculative_tokens": 4})
+    spec = parse_speculative_config({**NGRAM, "prompt_lookup_max": 2})
     sched = Scheduler(kv, 8, 64, 256, spec=spec, max_sample_rows=8)
     prompt = [5, 6, 7, 8, 9, 10, 11, 5, 6]  # "5 6" occurred: drafts 7 8 9 10
     req = Request("r", prompt, SamplingParams(max_tokens=50), seed=0)
@@ -178,9 +187,7 @@ def test_counters_and_rollback_exact_on_a_crafted_case():
 
 def test_drafts_respect_max_tokens_budget_and_disable_by_batch_size():
     kv = KVCacheManager(64, 4, enable_prefix_caching=False)
-    spec = parse_speculative_config(
-        {"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": 1}
-    )
+    spec = parse_speculative_config({**NGRAM, "disable_by_batch_size": 1})
     sched = Scheduler(kv, 8, 64, 256, spec=spec, max_sample_rows=8)
     prompt = [1, 2, 3, 4, 5, 6, 1, 2]
     a = Request("a", prompt, SamplingParams(max_tokens=3), seed=0)

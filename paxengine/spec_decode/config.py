@@ -18,8 +18,8 @@ DEFAULT_DISABLE_BY_BATCH_SIZE = 16
 class SpeculativeConfig:
     method: str = "ngram"
     num_speculative_tokens: int = 4  # k: drafts per sequence and step (at most)
-    prompt_lookup_min: int = 1  # shortest suffix n-gram that may match
-    prompt_lookup_max: int = 4  # longest, tried first
+    prompt_lookup_min: int = 5  # shortest suffix n-gram that may match (vLLM's default)
+    prompt_lookup_max: int = 5  # longest, tried first
     disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
 
 
@@ -69,8 +69,9 @@ def parse_speculative_config(raw) -> SpeculativeConfig | None:
             f"speculative_config: num_speculative_tokens must be in [1, "
             f"{MAX_SPECULATIVE_TOKENS}], got {k}"
         )
-    lo = raw.get("prompt_lookup_min", 1)
-    hi = raw.get("prompt_lookup_max", max(lo, 4))
+    # vLLM's defaults: both 5; one of them given, the other equals it
+    lo = raw.get("prompt_lookup_min", raw.get("prompt_lookup_max", 5))
+    hi = raw.get("prompt_lookup_max", lo)
     if lo < 1:
         raise ValueError(f"speculative_config: prompt_lookup_min must be >= 1, got {lo}")
     if lo > hi:
