@@ -31,7 +31,7 @@ from paxengine.runner import (
     plan_num_blocks,
     resolve_layer_loop,
 )
-from paxengine.sampling import ALL_FLAGS, build_sampling_tensors, spec_flags
+from paxengine.sampling import ALL_FLAGS, build_sampling_tensors, verify_drafts
 from paxengine.sampling_params import SamplingParams
 from paxengine.scheduler import Scheduler, SchedulerOutput, check_policy
 from paxengine.spec_decode import parse_speculative_config
@@ -215,9 +215,6 @@ class EngineCore:
             spec=self.spec,
             max_sample_rows=max(sb),
         )
-        flags = ALL_FLAGS if cfg.structured_outputs else [f for f in ALL_FLAGS if not f[3]]
-        if self.spec is not None:  # the verify samplers: 3 more per sequence bucket
-            flags = flags + spec_flags(cfg.structured_outputs)
         self.runner = Runner(
             loaded.config,
             params,
@@ -231,7 +228,9 @@ class EngineCore:
             show_progress=cfg.show_progress,
             store=store,
             tp=tp,
-            sampler_flags=flags,
+            sampler_flags=ALL_FLAGS
+            if cfg.structured_outputs
+            else [f for f in ALL_FLAGS if not f[3]],
         )
         r = self.runner
         n_exe = len(r.compiled) + len(r.samplers)
@@ -515,14 +514,12 @@ class EngineCore:
             result = self._device(step.out, step.result.result)
         else:
             result = step.result
-        fetched = self._device(step.out, self.runner.fetch, result)
-        tokens, lps, ranks, top_ids, top_lps = fetched[:5]
-        if step.out.drafts:  # a verify step: the accepted drafts, then the row that rejected
+        tokens, lps, ranks, top_ids, top_lps = self._device(step.out, self.runner.fetch, result)
+        if step.out.drafts:  # a verify step: the rows' samples up to the first rejection
             sampled = {}
             for rid, i in step.rows.items():
-                k, a = len(step.out.drafts.get(rid, ())), 0
-                while a < k and fetched[5][i + a]:
-                    a += 1
+                drafts = step.out.drafts.get(rid, ())
+                a = verify_drafts(tokens[i : i + len(drafts)], drafts)
                 sampled[rid] = tokens[i : i + a + 1].tolist()
         else:
             sampled = {rid: [int(tokens[i])] for rid, i in step.rows.items()}

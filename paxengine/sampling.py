@@ -49,23 +49,17 @@ class SamplingTensors:
     # `penalties`
     num_prompt: jax.Array  # [S] i32: how many of history are prompt tokens
     mask: jax.Array | None = None  # [S, ceil(V/32)] i32 allowed-token bits; None unless `grammar`
-    # speculative decoding: the draft token each row verifies (-1: none, the row samples as
-    # usual); None unless `spec`
-    draft: jax.Array | None = None
     penalties: bool = False  # static: some row has a penalty (the [S, V] scatters)
     top: bool = False  # static: some row uses top-k / top-p (the [S, V] sort)
     logprobs: bool = False  # static: some row asks for logprobs (the top-20 search)
     grammar: bool = False  # static: some row is constrained by a grammar (the token mask)
-    spec: bool = False  # static: a verify step (rows check drafts: `draft`, rejection sampling)
 
     @property
-    def flags(self) -> tuple[bool, ...]:
-        """4 flags; a verify step's sampler has a fifth (spec), so no plain variant changes."""
-        base = (self.penalties, self.top, self.logprobs, self.grammar)
-        return base + (True,) if self.spec else base
+    def flags(self) -> tuple[bool, bool, bool, bool]:
+        return (self.penalties, self.top, self.logprobs, self.grammar)
 
 
-_META_FIELDS = ["penalties", "top", "logprobs", "grammar", "spec"]
+_META_FIELDS = ["penalties", "top", "logprobs", "grammar"]
 _DATA_FIELDS = [f.name for f in dataclasses.fields(SamplingTensors) if f.name not in _META_FIELDS]
 jax.tree_util.register_dataclass(
     SamplingTensors, data_fields=_DATA_FIELDS, meta_fields=_META_FIELDS
@@ -82,32 +76,17 @@ GRAMMAR_FLAGS = [(False, False, False, True), (False, True, False, True), (True,
 ALL_FLAGS = _PLAIN_FLAGS + GRAMMAR_FLAGS
 
 
-def spec_flags(structured_outputs: bool) -> list[tuple[bool, ...]]:
-    """The verify samplers (speculative decoding) compiled per sequence bucket: 3, as for the
-    grammar: plain, top-k/top-p, and all on (penalties, logprobs and, when structured output is
-    on, a grammar row in the batch: such rows do not speculate but may share the step)."""
-    return [
-        (False, False, False, False, True),
-        (False, True, False, False, True),
-        (True, True, True, structured_outputs, True),
-    ]
-
-
 def choose_flags(needed: tuple[bool, ...], available=ALL_FLAGS) -> tuple[bool, ...]:
-    """The compiled variant with the fewest flags on that has every flag `needed` has (a verify
-    step's 5 flags pick among the verify samplers, 4 among the plain ones)."""
-    fits = [
-        f for f in available if len(f) == len(needed) and all(a or not n for a, n in zip(f, needed))
-    ]
+    """The compiled variant with the fewest flags on that has every flag `needed` has."""
+    fits = [f for f in available if all(a or not n for a, n in zip(f, needed))]
     return min(fits, key=sum)
 
 
 def abstract_sampling_tensors(
-    num_rows: int, history_len: int, flags: tuple[bool, ...], vocab_size: int
+    num_rows: int, history_len: int, flags: tuple[bool, bool, bool, bool], vocab_size: int
 ) -> SamplingTensors:
     """Shapes and dtypes of `build_sampling_tensors`' output, for ahead-of-time compiles."""
     s = num_rows
-    verify = len(flags) > 4
     spec = lambda dt, *shape: jax.ShapeDtypeStruct(shape, dt)
     f32, i32 = jnp.float32, jnp.int32
     return SamplingTensors(
@@ -127,9 +106,7 @@ def abstract_sampling_tensors(
         spec(i32, s, history_len) if flags[0] else None,
         spec(i32, s),
         spec(i32, s, mask_words(vocab_size)) if flags[3] else None,
-        spec(i32, s) if verify else None,
-        *flags[:4],
-        verify,
+        *flags,
     )
 
 
@@ -230,32 +207,10 @@ def inverse_cdf(probs: jax.Array, u: jax.Array) -> jax.Array:
     return (j * b + k).astype(jnp.int32)
 
 
-def _verify(probs, greedy_tok, key, st: SamplingTensors):
-    """Rejection sampling of one draft token per row (speculative decoding, Leviathan et al.).
-    An n-gram draft has no distribution of its own: it is a point mass q = 1 on the draft d (as
-    in vLLM), so d is accepted with probability min(1, p(d) / q(d)) = p(d), and a rejected row
-    samples from max(p - q, 0) renormalized: p with d removed. Greedy rows accept d exactly when
-    it is the argmax. p is the target after every sampling parameter (temperature, top-k/top-p,
-    min-p), so the emitted token is distributed as the plain sampler's. -> (accepted [S], probs
-    with the draft removed)."""
-    d = st.draft
-    has = d >= 0
-    p_d = jnp.take_along_axis(probs, jnp.maximum(d, 0)[:, None], axis=-1)[:, 0]
-    p_d = p_d / jnp.sum(probs, axis=-1)  # min-p leaves the row unnormalized
-    # a second uniform of the row's own key: the token draw keeps the plain sampler's
-    u_acc = jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, 1), ()))(key)
-    accepted = has & jnp.where(st.temperature > 0, u_acc < p_d, d == greedy_tok)
-    drop = has[:, None] & (jnp.arange(probs.shape[-1])[None, :] == d[:, None])
-    return accepted, jnp.where(drop, 0.0, probs)
-
-
 def sample(logits: jax.Array, st: SamplingTensors):
-    """-> (tokens [S], sampled logprob [S], rank [S], top ids [S, N], top logprobs [S, N]), and
-    for a verify step (`st.spec`) accepted [S]: the row's draft was accepted (its token is the
-    draft), else its token is the rejection sample (or, for a row without a draft, an ordinary
-    sample). Branch-free on the device: what a batch does not use is left out at trace time
-    (`st`'s static flags), and the random draw costs a few passes over [S, V], so it always
-    runs."""
+    """-> (tokens [S], sampled logprob [S], rank [S], top ids [S, N], top logprobs [S, N]).
+    Branch-free on the device: what a batch does not use is left out at trace time (`st`'s
+    static flags), and the random draw costs a few passes over [S, V], so it always runs."""
     if st.grammar:  # before everything: penalties, bias, every sampling mode and logprobs
         logits = apply_token_mask(logits.astype(jnp.float32), st.mask)
     proc = process_logits(logits, st)
@@ -272,13 +227,7 @@ def sample(logits: jax.Array, st: SamplingTensors):
     # mates never change it), instead of V Gumbel draws: ~10x cheaper on a CPU.
     keys = jax.vmap(lambda s, n: jax.random.fold_in(jax.random.PRNGKey(s), n))(st.seeds, st.steps)
     u = jax.vmap(lambda k: jax.random.uniform(k, ()))(keys)
-    extra = ()
-    if st.spec:
-        accepted, probs = _verify(probs, greedy_tok, keys, st)
-        extra = (accepted,)
     tokens = jnp.where(st.temperature > 0, inverse_cdf(probs, u), greedy_tok).astype(jnp.int32)
-    if st.spec:  # logprobs below are those of the token the row emits
-        tokens = jnp.where(accepted, st.draft, tokens)
     s = logits.shape[0]
     n_top = min(NUM_TOP_LOGPROBS, logits.shape[-1])
     if not st.logprobs:
@@ -288,14 +237,33 @@ def sample(logits: jax.Array, st: SamplingTensors):
             jnp.zeros(s, jnp.int32),
             jnp.zeros((s, n_top), jnp.int32),
             jnp.zeros((s, n_top), jnp.float32),
-        ) + extra
+        )
     raw = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     tok_lp = jnp.take_along_axis(raw, tokens[:, None], axis=-1)[:, 0]
     rank = jnp.sum(raw > tok_lp[:, None], axis=-1).astype(jnp.int32) + 1
     top_lp, top_ids = jax.lax.top_k(raw, n_top)
     if st.grammar:  # masked tokens' -inf is not JSON: the floor OpenAI servers report (vLLM's)
         top_lp = jnp.maximum(top_lp, -9999.0)
-    return (tokens, tok_lp, rank, top_ids.astype(jnp.int32), top_lp) + extra
+    return tokens, tok_lp, rank, top_ids.astype(jnp.int32), top_lp
+
+
+def verify_drafts(tokens, drafts) -> int:
+    """Speculative decoding's rejection sampling for one request: how many of its drafts are
+    accepted, given the tokens its verify rows sampled (row j: the token after draft j - 1).
+
+    An n-gram draft has no distribution of its own: it is a point mass q on the draft d (as in
+    vLLM), and Leviathan et al.'s rule then accepts d with probability min(1, p(d) / q(d)) = p(d)
+    and, on a rejection, samples max(p - q, 0) renormalized: p without d. A row's own target
+    sample x (`sample`: drawn from p, after every sampling parameter, with the row's key) accepted
+    iff x == d is that same rule: P(x = d) = p(d), and x given x != d is distributed as p without
+    d; greedy rows accept d iff it is the argmax. So the tokens emitted are the rows' own samples,
+    up to and including the first that differs from its draft: the device runs the plain sampler
+    (no executable is added), and a seeded request's text does not depend on whether, or what,
+    was drafted."""
+    a = 0
+    while a < len(drafts) and tokens[a] == drafts[a]:
+        a += 1
+    return a
 
 
 def build_sampling_tensors(
@@ -312,18 +280,12 @@ def build_sampling_tensors(
     padding. Host-side numpy. grammars: the engine's `structured.GrammarCompiler`, which writes
     the masks of rows with a grammar (`Request.grammar`); `available`: the compiled variants.
     drafts (a verify step): per request, the draft tokens it verifies; request i then takes
-    1 + len(drafts[i]) consecutive rows, row j sampling the token after draft j - 1 (its step,
-    min_tokens ban and penalty history count the drafts before it) and checking draft j (the
-    last row, none: the bonus token)."""
+    1 + len(drafts[i]) consecutive rows, row j sampling the token after draft j - 1 with the key,
+    min_tokens ban and penalty history of that position (the drafts before it count)."""
     s = num_rows
     entries = [(req, 0, ()) for req in rows]  # (request, draft position, drafts before it)
     if drafts is not None:
         entries = [(r, j, d[:j]) for r, d in zip(rows, drafts) for j in range(len(d) + 1)]
-        draft = np.full(s, -1, np.int32)
-        i = 0
-        for d in drafts:
-            draft[i : i + len(d)] = d
-            i += len(d) + 1
     temperature = np.zeros(s, np.float32)
     top_k = np.zeros(s, np.int32)
     top_p = np.ones(s, np.float32)
@@ -369,8 +331,9 @@ def build_sampling_tensors(
     constrained = [
         (g, i) for i, (r, _, _) in enumerate(entries) if (g := getattr(r, "grammar", None))
     ]
-    needed = (penalties, top, logprobs, bool(constrained)) + ((True,) if drafts is not None else ())
-    penalties, top, logprobs, grammar, *verify = choose_flags(needed, available)
+    penalties, top, logprobs, grammar = choose_flags(
+        (penalties, top, logprobs, bool(constrained)), available
+    )
     mask = None
     if grammar:  # all ones (every token allowed) but in the constrained rows
         mask = np.full((s, mask_words(vocab_size)), -1, np.int32)
@@ -400,10 +363,8 @@ def build_sampling_tensors(
         history,
         num_prompt,
         mask,
-        draft if verify else None,
         bool(penalties),
         bool(top),
         bool(logprobs),
         bool(grammar),
-        bool(verify),
     )
