@@ -5,8 +5,9 @@ bad requests mixed in; then check that nothing leaked and every request is accou
         [--drop 0.3] [--bad 0.05] [--max-tokens 128] [--api-key K] [--server-pid PID] [--out F]
 
 Reports (JSON): requests by outcome; TTFT / TPOT p50 and p99 of the first and the last minute
-(or fifth of the run); the server's RSS (with --server-pid, read from /proc) and the GPU's used
-memory (nvidia-smi, when there is one) at the start and the end; the server's own counters
+(or fifth of the run), and of every such window in order; the server's RSS (with --server-pid,
+read from /proc) and the GPU's used memory (nvidia-smi, when there is one) at the start and the
+end; the server's own counters
 (`/metrics`) before and after: finished requests by reason, running and waiting requests, KV
 cache usage. `check(report)` lists what is wrong (the CI test and the GPU run use the same).
 """
@@ -219,12 +220,23 @@ def soak(
         "errors": [r["error"] for r in records if r["kind"] == "error"][:10],
         "first_window": {"ttft": lat(first, "ttft"), "tpot": lat(first, "tpot")},
         "last_window": {"ttft": lat(last, "ttft"), "tpot": lat(last, "tpot")},
+        # every window in order: a slow trend shows as a series, noise as scatter
+        "windows": [
+            {"start_s": round(w0, 1), "ttft": lat(rs, "ttft"), "tpot": lat(rs, "tpot")}
+            for w0 in _window_starts(seconds, window)
+            for rs in [[r for r in records if w0 <= r["t"] < w0 + window]]
+        ],
         "start": start,
         "end": end,
         "server_finished": finished,
         "server_after": {k: v for k, v in after.items() if k != "finished"},
         "engine_requests": sum(k["n"] for name, k in kinds.items() if name != "bad"),
     }
+
+
+def _window_starts(seconds: float, window: float) -> list[float]:
+    n = max(1, int(seconds // window))
+    return [i * window for i in range(n)]
 
 
 def check(report: dict) -> list[str]:

@@ -20,3 +20,6 @@ def test_soak_leaves_nothing_behind(server):
     assert check(report) == [], report
     kinds = report["requests"]
     assert kinds["dropped"]["n"] and kinds["stream"]["n"] and kinds["bad"]["n"], kinds
+    windows = report["windows"]  # 12 s in windows of 12 / 5 s, each with the requests it began
+    assert len(windows) == 5 and [w["start_s"] for w in windows] == [0, 2.4, 4.8, 7.2, 9.6]
+    assert sum(w["ttft"]["n"] for w in windows) > 0
