@@ -4,6 +4,7 @@ process sessions (they outlive the first call) and the second call collects them
 
     python -m benchmarks.gpu.ops start  --out DIR [--quick]   # server up, structured runs, soak begun
     python -m benchmarks.gpu.ops finish --out DIR             # soak report, drain by SIGTERM, exit code
+    python -m benchmarks.gpu.ops structured --out DIR [--quick]  # the structured runs alone
 
 `start`: `paxengine serve` on the dummy Llama-3.1-8B with a byte-level BPE tokenizer of its 128,256
 tokens (grammars need a vocabulary that spells text; `dummy_model.byte_level_bpe`); then
@@ -219,7 +220,7 @@ def grammar_compile_times(st: dict) -> dict:
     return out
 
 
-def cmd_start(out: Path, quick: bool, hold_until: float | None) -> int:
+def cmd_start(out: Path, quick: bool, hold_until: float | None, soak_too: bool = True) -> int:
     shutil.rmtree(WORK, ignore_errors=True)
     WORK.mkdir(parents=True)
     spec, s = (QUICK if quick else FULL), SETTINGS["quick" if quick else "full"]
@@ -228,6 +229,11 @@ def cmd_start(out: Path, quick: bool, hold_until: float | None) -> int:
     _save(out, server_cmd=" ".join(st["cmd"]), startup_s=st["startup_s"])
     _save(out, grammar_first_request=grammar_compile_times(st))
     _save(out, structured=structured_runs(spec, st, s, out))
+    if not soak_too:
+        drain_s, code = _stop(st)
+        _save(out, sigterm_to_exit_s=round(drain_s, 2), exit_code=code)
+        shutil.copy(WORK / "server.log", out / "server.log")
+        return 0 if code == 0 else 1
     soak = [
         sys.executable,
         "-m",
@@ -262,6 +268,17 @@ def cmd_start(out: Path, quick: bool, hold_until: float | None) -> int:
     return 0
 
 
+def _stop(st: dict) -> tuple[float, int | str]:
+    """The drain, on an idle server: SIGTERM, then how long it took and the exit code."""
+    t = time.perf_counter()
+    os.kill(st["pid"], signal.SIGTERM)
+    rc_file = WORK / "server.rc"
+    while not rc_file.is_file() and time.perf_counter() - t < 60:
+        time.sleep(0.1)
+    drain_s = time.perf_counter() - t
+    return drain_s, int(rc_file.read_text()) if rc_file.is_file() else "still running after 60 s"
+
+
 def cmd_finish(out: Path, timeout_s: float) -> int:
     st = _state()
     deadline = time.monotonic() + timeout_s
@@ -270,14 +287,7 @@ def cmd_finish(out: Path, timeout_s: float) -> int:
     report = (
         json.loads((WORK / "soak.json").read_text()) if (WORK / "soak.json").is_file() else None
     )
-    # the drain, on an idle server: SIGTERM, then the exit code and how long it took
-    t = time.perf_counter()
-    os.kill(st["pid"], signal.SIGTERM)
-    rc_file = WORK / "server.rc"
-    while not rc_file.is_file() and time.perf_counter() - t < 60:
-        time.sleep(0.1)
-    drain_s = time.perf_counter() - t
-    code = int(rc_file.read_text()) if rc_file.is_file() else "still running after 60 s"
+    drain_s, code = _stop(st)
     log_tail = (WORK / "server.log").read_text(errors="replace")[-4000:]
     for name in ("server.log", "soak.log"):
         if (WORK / name).is_file():
@@ -303,7 +313,7 @@ def cmd_finish(out: Path, timeout_s: float) -> int:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("phase", choices=("start", "finish"))
+    p.add_argument("phase", choices=("start", "finish", "structured"))
     p.add_argument("--out", default=os.environ.get("OUT", "/tmp/ops_out"))
     p.add_argument("--quick", action="store_true")
     p.add_argument("--timeout-s", type=float, default=560, help="finish: how long to wait")
@@ -311,11 +321,9 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    return (
-        cmd_start(out, a.quick, a.hold_until)
-        if a.phase == "start"
-        else cmd_finish(out, a.timeout_s)
-    )
+    if a.phase == "finish":
+        return cmd_finish(out, a.timeout_s)
+    return cmd_start(out, a.quick, a.hold_until, soak_too=a.phase == "start")
 
 
 if __name__ == "__main__":
