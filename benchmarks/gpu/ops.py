@@ -318,11 +318,15 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--timeout-s", type=float, default=560, help="finish: how long to wait")
     p.add_argument("--hold-until", type=float, help="start: return at this epoch time, not before")
+    p.add_argument("--concurrency", help="the structured runs' concurrencies, e.g. 32,64")
     a = p.parse_args(argv)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     if a.phase == "finish":
         return cmd_finish(out, a.timeout_s)
+    if a.concurrency:
+        for s in SETTINGS.values():
+            s["concurrency"] = [int(c) for c in a.concurrency.split(",")]
     return cmd_start(out, a.quick, a.hold_until, soak_too=a.phase == "start")
 
 

@@ -1,0 +1,168 @@
+"""Issue #20 on the H200: what a speculative verify step costs against a decode step.
+
+    python3 -m benchmarks.gpu.spec_verify [--quick] [--out DIR]
+
+One engine on the dummy Llama-3.1-8B (the GPU run's engine settings, `workloads.FULL`) with
+n-gram speculation configured, and the proposer replaced by one that always drafts exactly k
+tokens (the last token repeated: random weights accept almost none, so every verify step yields
+about one token per row and its time is the verify step's cost). For each batch size B and
+k = 0..6, B prompts of 1,024 random tokens generate n1 and then n2 tokens; the step time is
+(t(n2) - t(n1)) / (steps(n2) - steps(n1)). k = 0 is the plain engine (speculation off, its
+overlapped decode); k >= 1 runs as the engine speculates (each step read before the next).
+
+From the step times: the acceptance rate at which a verify step of k breaks even (its expected
+tokens, (1 - a^(k+1)) / (1 - a) for a per-position acceptance a, equal its cost in decode steps),
+and the effective ITL at a given acceptance (--acceptance, e.g. the CPU copy-heavy workload's).
+Results: spec_verify_h200.json in --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+from benchmarks.bench.datasets import random_dataset
+from benchmarks.gpu.workloads import FULL, QUICK
+from benchmarks.record import environment
+
+SETTINGS = {
+    "full": {
+        "batches": [1, 8, 64],
+        "ks": [0, 1, 2, 3, 4, 5, 6],
+        "input_len": 1024,
+        "n1": 8,
+        "n2": 40,
+    },
+    "quick": {"batches": [1, 4], "ks": [0, 2], "input_len": 16, "n1": 2, "n2": 6},
+}
+
+
+def expected_tokens(a: float, k: int) -> float:
+    """Tokens a verify step of k drafts yields when each draft is accepted with probability a
+    (until the first rejection), the bonus or correction token included."""
+    return float(k + 1) if a >= 1 else (1 - a ** (k + 1)) / (1 - a)
+
+
+def break_even(cost: float, k: int) -> float | None:
+    """The per-position acceptance at which expected_tokens(a, k) == cost (in decode steps)."""
+    if cost <= 1:
+        return 0.0
+    if cost > k + 1:
+        return None  # never pays
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if expected_tokens(mid, k) < cost else (lo, mid)
+    return round(hi, 4)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--out", default=os.environ.get("OUT", "/tmp/spec_verify"))
+    p.add_argument("--acceptance", type=float, default=None, help="per-position, e.g. from CPU")
+    a = p.parse_args(argv)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    spec, s = (QUICK, SETTINGS["quick"]) if a.quick else (FULL, SETTINGS["full"])
+
+    import paxengine.scheduler as scheduler_mod
+    from benchmarks.bench.throughput import token_prompts
+    from paxengine import LLM, SamplingParams
+    from paxengine.config import EngineConfig
+    from paxengine.models.config import PRESETS
+
+    k_now = {"k": 1}
+    # exactly k drafts whenever the scheduler asks (it caps k by budget and max_tokens itself)
+    scheduler_mod.propose_ngram = lambda tokens, lo, hi, k: [int(tokens[-1])] * min(k, k_now["k"])
+    cfg = EngineConfig(
+        model=f"dummy:{spec['preset']}",
+        dtype=spec["dtype"],
+        **spec["engine"],
+        speculative_config={
+            "method": "ngram",
+            "num_speculative_tokens": max(s["ks"]),
+            "prompt_lookup_min": 1,
+            "prompt_lookup_max": 1,
+            "disable_by_batch_size": max(s["batches"]),
+        },
+    )
+    t = time.perf_counter()
+    llm = LLM(config=cfg)
+    startup = time.perf_counter() - t
+    print(f"engine started in {startup:.1f} s", flush=True)
+    sched = llm.engine.scheduler
+    spec_cfg = sched.spec
+    vocab = PRESETS[spec["preset"]].vocab_size
+    seed = [0]
+
+    def timed(b: int, n: int) -> tuple[float, int]:
+        seed[0] += 1
+        reqs = random_dataset(b, s["input_len"], n, vocab_size=vocab, seed=seed[0])
+        params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+        steps = llm.engine.stats()["steps"]
+        t = time.perf_counter()
+        outs = llm.generate(token_prompts(reqs), params, use_tqdm=False)
+        el = time.perf_counter() - t
+        assert sum(len(o.outputs[0].token_ids) for o in outs) == b * n
+        return el, llm.engine.stats()["steps"] - steps
+
+    timed(2, 4)  # warm-up
+    rows = []
+    for b in s["batches"]:
+        base = None
+        for k in s["ks"]:
+            sched.spec = spec_cfg if k else None  # k = 0: the plain, overlapped engine
+            k_now["k"] = k
+            before = llm.engine.stats()
+            t1, st1 = timed(b, s["n1"])
+            t2, st2 = timed(b, s["n2"])
+            after = llm.engine.stats()
+            step_ms = 1e3 * (t2 - t1) / max(st2 - st1, 1)
+            drafts = after["spec_decode_num_draft_tokens"] - before["spec_decode_num_draft_tokens"]
+            accepted = (
+                after["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"]
+            )
+            if k == 0:
+                base = step_ms
+            row = {
+                "batch": b,
+                "k": k,
+                "step_ms": round(step_ms, 3),
+                "vs_decode_step": round(step_ms / base, 3),
+                "steps": st2 - st1,
+                "draft_tokens": drafts,
+                "accepted": accepted,
+            }
+            if k:
+                row["break_even_acceptance"] = break_even(step_ms / base, k)
+                if a.acceptance is not None:
+                    row["effective_itl_vs_plain"] = round(
+                        step_ms / base / expected_tokens(a.acceptance, k), 3
+                    )
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            (out / "spec_verify_h200.json").write_text(
+                json.dumps(
+                    {
+                        "what": __doc__.split("\n")[0],
+                        "command": "python3 -m benchmarks.gpu.spec_verify"
+                        + (" --quick" if a.quick else "")
+                        + (f" --acceptance {a.acceptance}" if a.acceptance is not None else ""),
+                        "settings": s,
+                        "startup_s": startup,
+                        "rows": rows,
+                        "environment": environment(),
+                    },
+                    indent=1,
+                )
+            )
+    sched.spec = spec_cfg
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
