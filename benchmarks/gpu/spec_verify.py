@@ -12,7 +12,8 @@ overlapped decode); k >= 1 runs as the engine speculates (each step read before 
 
 From the step times: the acceptance rate at which a verify step of k breaks even (its expected
 tokens, (1 - a^(k+1)) / (1 - a) for a per-position acceptance a, equal its cost in decode steps),
-and the effective ITL at a given acceptance (--acceptance, e.g. the CPU copy-heavy workload's).
+and the effective ITL for a given mean of accepted drafts per verify step (--accepted-per-step,
+e.g. the CPU copy-heavy workload's): the step's cost over the 1 + that many tokens it yields.
 Results: spec_verify_h200.json in --out.
 """
 
@@ -63,7 +64,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true")
     p.add_argument("--out", default=os.environ.get("OUT", "/tmp/spec_verify"))
-    p.add_argument("--acceptance", type=float, default=None, help="per-position, e.g. from CPU")
+    p.add_argument("--accepted-per-step", type=float, help="mean accepted drafts, e.g. from CPU")
     a = p.parse_args(argv)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -139,10 +140,9 @@ def main(argv=None) -> int:
             }
             if k:
                 row["break_even_acceptance"] = break_even(step_ms / base, k)
-                if a.acceptance is not None:
-                    row["effective_itl_vs_plain"] = round(
-                        step_ms / base / expected_tokens(a.acceptance, k), 3
-                    )
+                if a.accepted_per_step is not None:
+                    tokens = 1 + min(a.accepted_per_step, k)
+                    row["effective_itl_vs_plain"] = round(step_ms / base / tokens, 3)
             rows.append(row)
             print(json.dumps(row), flush=True)
             (out / "spec_verify_h200.json").write_text(
@@ -151,7 +151,11 @@ def main(argv=None) -> int:
                         "what": __doc__.split("\n")[0],
                         "command": "python3 -m benchmarks.gpu.spec_verify"
                         + (" --quick" if a.quick else "")
-                        + (f" --acceptance {a.acceptance}" if a.acceptance is not None else ""),
+                        + (
+                            f" --accepted-per-step {a.accepted_per_step}"
+                            if a.accepted_per_step is not None
+                            else ""
+                        ),
                         "settings": s,
                         "startup_s": startup,
                         "rows": rows,
