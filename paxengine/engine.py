@@ -254,9 +254,6 @@ class EngineCore:
         self.generation_tokens_total = 0
         self.steps = 0
         self.overlapped_steps = 0  # steps dispatched before the previous one was read
-        # steps scheduled and built before the previous one was read, dispatched after (a
-        # grammar's mask or a penalty's history needed its tokens)
-        self.late_read_steps = 0
         self.inflight: _InFlight | None = None
         self.failed_steps = 0
         self._failures: list[float] = []  # monotonic times of recent step failures
@@ -443,34 +440,25 @@ class EngineCore:
         A request that sampled in step N has that sample pending (counted, its id unknown here)
         until N is read; step N+1 takes the id on the device. A request that N finishes (EOS,
         stop) may also be in N+1: that one wasted row writes KV only into its own last, partial
-        (never hashed) block, and its sample is dropped.
-        Two kinds of request need N's tokens on the host before N+1 goes: a grammar (N+1's mask
-        follows N's token) and a penalty (N+1's history holds it). For them N+1 is scheduled and
-        its batch built while N runs, as for any; N is read only then, and N+1's sampling inputs
-        (masks, histories) are built from it before N+1 is dispatched, so the device waits for
-        the read, the grammars and the dispatch but not for the scheduling. Speculative decoding
-        reads N before scheduling (a verify step's drafts continue the known tokens).
+        (never hashed) block, and its sample is dropped. Penalties need exact token history on
+        the host, and a grammar's mask for N+1 depends on N's token, so while a running request
+        uses either, N is read first (unconstrained batches keep the overlap).
         With `dispatch_thread`, N+1's launch (XLA:GPU enqueues its kernels on the calling thread)
         runs on a worker and is waited for only when N+1 is read, so it overlaps this bookkeeping.
         """
-        late = False
         read = None
-        if self.inflight is not None:
-            if self._needs_read_before_schedule():
-                read = self._read_inflight()
-            else:
-                late = self._needs_read_before_sampling()
-        box = [read]  # N, once read (here or in _dispatch_and_read): its outputs stand
+        if self.inflight is not None and self._needs_sync():
+            # N's tokens reach the scheduler (and the grammars) before N+1 is built; its outputs
+            # (detokenizing, stop strings) are processed after N+1 is dispatched, as below
+            read = self._read_inflight()
         try:
-            return self._dispatch_and_read(box, late)
+            return self._dispatch_and_read(read)
         except _DeviceFailure as f:
-            if box[0] is not None:  # N was read whole before N+1 failed: its outputs stand
-                f.outputs = self._process_outputs(*box[0])
+            if read is not None:  # N was read whole before N+1 failed: its outputs stand
+                f.outputs = self._process_outputs(*read)
             raise
 
-    def _dispatch_and_read(self, box: list, late: bool) -> list[RequestOutput]:
-        """box[0]: the step in flight, when already read (else it is read here: before N+1's
-        sampling inputs are built when `late`, after N+1's dispatch otherwise)."""
+    def _dispatch_and_read(self, read) -> list[RequestOutput]:
         out = self.scheduler.schedule()
         dispatched = None
         if out:
@@ -481,9 +469,6 @@ class EngineCore:
             arrays = build_step(
                 out, self.kv.block_size, T, S, self.runner.max_blocks_per_seq, prev_rows
             )
-            if late and self.inflight is not None:
-                self.late_read_steps += 1
-                box[0] = self._read_inflight()
             st = build_sampling_tensors(
                 out.requests,
                 S,
@@ -503,18 +488,16 @@ class EngineCore:
             self.steps += 1
         if self.inflight is not None:
             self.overlapped_steps += bool(out)
-            box[0] = self._read_inflight()
+            read = self._read_inflight()
         self.inflight = dispatched
-        return self._process_outputs(*box[0]) if box[0] is not None else []
+        return self._process_outputs(*read) if read is not None else []
 
-    def _needs_read_before_schedule(self) -> bool:
-        """Speculative decoding: drafts continue the known tokens, and a verify step's row count
-        per request is only known once read."""
-        return bool(self.inflight.out.drafts) or self.scheduler.speculating()
-
-    def _needs_read_before_sampling(self) -> bool:
-        """A running request's next sampling inputs depend on its last token: a grammar's mask,
-        penalties' history."""
+    def _needs_sync(self) -> bool:
+        """Read the step in flight before scheduling the next when its tokens decide the next:
+        penalties' history, a grammar's mask, and speculative decoding (drafts continue the
+        known tokens, and a verify step's row count per request is only known once read)."""
+        if self.inflight.out.drafts or self.scheduler.speculating():
+            return True
         return any(
             r.grammar is not None
             or r.params.presence_penalty

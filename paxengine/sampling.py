@@ -328,12 +328,8 @@ def build_sampling_tensors(
             items = list(p.logit_bias.items())[:MAX_LOGIT_BIAS]
             bias_ids[i, : len(items)] = [k for k, _ in items]
             bias_vals[i, : len(items)] = [v for _, v in items]
-    # a request that finished in the step just read still has its row here (wasted, its sample
-    # dropped): its grammar has ended, so its row stays unconstrained
     constrained = [
-        (g, i)
-        for i, (r, _, _) in enumerate(entries)
-        if (g := getattr(r, "grammar", None)) and not getattr(r, "is_finished", False)
+        (g, i) for i, (r, _, _) in enumerate(entries) if (g := getattr(r, "grammar", None))
     ]
     penalties, top, logprobs, grammar = choose_flags(
         (penalties, top, logprobs, bool(constrained)), available

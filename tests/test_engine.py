@@ -351,7 +351,6 @@ def test_structured_outputs_offline_under_preemption(llm_tight, oracle):
         )
     ]
     before, preempted = compile_count(), llm_tight.engine.scheduler.num_preemptions
-    late = llm_tight.engine.late_read_steps
     outs = llm_tight.generate(
         plain + ["Describe a person as JSON:"] * len(cons),
         [SamplingParams(temperature=0, max_tokens=MAX_TOKENS)] * len(plain) + cons,
@@ -364,7 +363,5 @@ def test_structured_outputs_offline_under_preemption(llm_tight, oracle):
         jsonschema.validate(json.loads(o.outputs[0].text), schema)
     assert re.fullmatch(r"[0-9]{4}", outs[-1].outputs[0].text)
     assert llm_tight.engine.scheduler.num_preemptions > preempted
-    # the constrained steps were scheduled and built while the step before them ran
-    assert llm_tight.engine.late_read_steps > late
     assert compile_count() == before
     assert_pool_empty(llm_tight)
