@@ -4,11 +4,11 @@
 
 One engine on the dummy Llama-3.1-8B (the GPU run's engine settings, `workloads.FULL`) with
 n-gram speculation configured, and the proposer replaced by one that always drafts exactly k
-tokens (the last token repeated: random weights accept almost none, so every verify step yields
-about one token per row and its time is the verify step's cost). For each batch size B and
-k = 0..6, B prompts of 1,024 random tokens generate n1 and then n2 tokens; the step time is
-(t(n2) - t(n1)) / (steps(n2) - steps(n1)). k = 0 is the plain engine (speculation off, its
-overlapped decode); k >= 1 runs as the engine speculates (each step read before the next).
+tokens (the last token repeated; what is accepted does not change a verify step's cost). For each
+batch size B and k = 0..6: B prompts of 1,024 random tokens are prefilled (untimed), then 40
+engine steps in which every row decodes or verifies are timed: ms a step and tokens a step.
+k = 0 is the plain engine (speculation off, its overlapped decode); k >= 1 runs as the engine
+speculates (each step read before the next).
 
 From the step times: the acceptance rate at which a verify step of k breaks even (its expected
 tokens, (1 - a^(k+1)) / (1 - a) for a per-position acceptance a, equal its cost in decode steps),
@@ -34,10 +34,9 @@ SETTINGS = {
         "batches": [1, 8, 64],
         "ks": [0, 1, 2, 3, 4, 5, 6],
         "input_len": 1024,
-        "n1": 8,
-        "n2": 40,
+        "steps": 40,
     },
-    "quick": {"batches": [1, 4], "ks": [0, 2], "input_len": 16, "n1": 2, "n2": 6},
+    "quick": {"batches": [1, 4], "ks": [0, 2], "input_len": 16, "steps": 6},
 }
 
 
@@ -100,18 +99,36 @@ def main(argv=None) -> int:
     vocab = PRESETS[spec["preset"]].vocab_size
     seed = [0]
 
-    def timed(b: int, n: int) -> tuple[float, int]:
+    def decode_steps(b: int, steps: int) -> tuple[float, float]:
+        """B requests, prefilled first (untimed); then `steps` engine steps in which every row
+        decodes (or verifies). -> (ms a step, tokens a step). The requests are aborted after."""
+        eng = llm.engine
         seed[0] += 1
-        reqs = random_dataset(b, s["input_len"], n, vocab_size=vocab, seed=seed[0])
-        params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-        steps = llm.engine.stats()["steps"]
-        t = time.perf_counter()
-        outs = llm.generate(token_prompts(reqs), params, use_tqdm=False)
-        el = time.perf_counter() - t
-        assert sum(len(o.outputs[0].token_ids) for o in outs) == b * n
-        return el, llm.engine.stats()["steps"] - steps
+        reqs = random_dataset(b, s["input_len"], 1, vocab_size=vocab, seed=seed[0])
+        params = SamplingParams(temperature=0, max_tokens=4 * steps + 64, ignore_eos=True)
+        ids = [f"v{seed[0]}_{i}" for i in range(b)]
+        for rid, prompt in zip(ids, token_prompts(reqs)):
+            eng.add_request(rid, prompt, params, final_only=True)
 
-    timed(2, 4)  # warm-up
+        def generated() -> int:
+            return sum(len(eng.seq_of[r][1].req.output_token_ids) for r in ids)
+
+        while eng.scheduler.waiting or any(not eng.seq_of[r][1].req.output_token_ids for r in ids):
+            eng.step()
+        for _ in range(2):  # past the prefill's last mixed step
+            eng.step()
+        before, t = generated(), time.perf_counter()
+        for _ in range(steps):
+            eng.step()
+        el = time.perf_counter() - t
+        tokens = generated() - before
+        for r in ids:
+            eng.abort(r)
+        while eng.has_unfinished():
+            eng.step()
+        return 1e3 * el / steps, tokens / steps
+
+    decode_steps(2, 4)  # warm-up
     rows = []
     for b in s["batches"]:
         base = None
@@ -119,10 +136,8 @@ def main(argv=None) -> int:
             sched.spec = spec_cfg if k else None  # k = 0: the plain, overlapped engine
             k_now["k"] = k
             before = llm.engine.stats()
-            t1, st1 = timed(b, s["n1"])
-            t2, st2 = timed(b, s["n2"])
+            step_ms, tokens_per_step = decode_steps(b, s["steps"])
             after = llm.engine.stats()
-            step_ms = 1e3 * (t2 - t1) / max(st2 - st1, 1)
             drafts = after["spec_decode_num_draft_tokens"] - before["spec_decode_num_draft_tokens"]
             accepted = (
                 after["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"]
@@ -134,7 +149,7 @@ def main(argv=None) -> int:
                 "k": k,
                 "step_ms": round(step_ms, 3),
                 "vs_decode_step": round(step_ms / base, 3),
-                "steps": st2 - st1,
+                "tokens_per_step": round(tokens_per_step, 3),
                 "draft_tokens": drafts,
                 "accepted": accepted,
             }
