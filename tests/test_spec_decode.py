@@ -3,7 +3,6 @@ sampler's distribution (chi-square), exact counters and block rollback in the sc
 the real SmolLM2: greedy outputs equal to non-speculative ones, seeded sampling reproducible, no
 leaked blocks after rejections, aborts and preemption, nothing compiled while serving."""
 
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -447,3 +446,21 @@ def test_failed_verify_step_recovers_and_leaks_nothing(monkeypatch):
     texts, failed = run()
     assert fired and failed == ["a"] and texts == {}
     assert run() == (ref, [])
+
+
+def test_data_parallel_stats_sum_the_per_position_counters():
+    from types import SimpleNamespace
+
+    from paxengine.data_parallel import DataParallelEngine
+
+    def replica(drafts, per_pos):
+        stats = {
+            "spec_decode_num_drafts": drafts,
+            "spec_decode_num_accepted_tokens_per_pos": per_pos,
+        }
+        return SimpleNamespace(stats=lambda: stats)
+
+    fake = SimpleNamespace(replicas=[replica(2, [2, 1]), replica(3, [1, 0])], routed=[0, 0])
+    total = DataParallelEngine.stats(fake)
+    assert total["spec_decode_num_drafts"] == 5
+    assert total["spec_decode_num_accepted_tokens_per_pos"] == [3, 1]
