@@ -33,18 +33,9 @@ from benchmarks.gpu.dummy_model import write_dummy_model_dir
 from benchmarks.gpu.serving import _free_port, pax_serve_cmd
 from benchmarks.gpu.workloads import FULL, QUICK
 from benchmarks.record import environment
+from benchmarks.structured import PERSON  # the schema of the CPU benchmarks
 
 WORK = Path("/tmp/paxengine_ops")  # survives between calls on one warm machine
-PERSON = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 12},
-        "age": {"type": "integer", "minimum": 0, "maximum": 120},
-        "color": {"enum": ["red", "green", "blue"]},
-    },
-    "required": ["name", "age", "color"],
-    "additionalProperties": False,
-}
 # 64 objects do not fit in 128 tokens: the grammar never ends early, every output token is masked
 SCHEMA_BODY = {"structured_outputs": {"json": {"type": "array", "minItems": 64, "items": PERSON}}}
 SETTINGS = {
