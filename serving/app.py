@@ -69,6 +69,17 @@ def build_app(
     app = FastAPI(title="paxengine OpenAI-compatible server", version=_version(), lifespan=lifespan)
     app.state.serving = state
     app.add_middleware(RequestIdMiddleware)
+    if cfg.allowed_origins:  # off by default: no CORS headers at all
+        from fastapi.middleware.cors import CORSMiddleware
+
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=cfg.allowed_origins,
+            allow_methods=cfg.allowed_methods,
+            allow_headers=cfg.allowed_headers,
+            allow_credentials=cfg.allow_credentials,
+            expose_headers=["X-Request-Id"],
+        )
     install_error_handlers(app)
 
     def require_key(request: Request) -> None:

@@ -156,6 +156,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="on SIGTERM/SIGINT, seconds requests in flight may run on before they are aborted "
         "(default 30; new requests get 503 meanwhile; a second signal aborts at once)",
     )
+    s.add_argument(
+        "--allowed-origins",
+        help="CORS: origins browsers may call from (JSON list or comma-separated; default none: "
+        "no CORS headers)",
+    )
+    s.add_argument("--allowed-methods", help="CORS: methods (default GET,POST)")
+    s.add_argument(
+        "--allowed-headers",
+        help="CORS: request headers (default Authorization,Content-Type,X-Request-Id)",
+    )
+    _bool_pair(s, "allow-credentials", "CORS: allow cookies / auth from those origins")
     s.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"])
     return p
 

@@ -7,6 +7,7 @@ explicit command-line flags. YAML keys that are not EngineConfig fields must be 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
 from dataclasses import dataclass
@@ -39,8 +40,28 @@ class ServerConfig:
     # seconds a request may run before the server aborts it (finish_reason "abort"); None: no
     # limit
     request_timeout: Optional[float] = None
+    # CORS, as vLLM's flags name it, but off unless origins are given (vLLM allows every origin
+    # by default): browsers on these origins may call the API
+    allowed_origins: list = dataclasses.field(default_factory=list)
+    allowed_methods: list = dataclasses.field(default_factory=lambda: ["GET", "POST"])
+    allowed_headers: list = dataclasses.field(
+        default_factory=lambda: ["Authorization", "Content-Type", "X-Request-Id"]
+    )
+    allow_credentials: bool = False
 
     def __post_init__(self):
+        for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
+            value = getattr(self, name)
+            if isinstance(value, str):  # a flag or YAML string: JSON list or comma-separated
+                value = _str_list(value, name)
+            if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+                raise ValueError(f"{name}: must be a list of strings, got {value!r}")
+            setattr(self, name, value)
+        if self.allow_credentials and "*" in self.allowed_origins:
+            raise ValueError(
+                "allow_credentials with allowed_origins '*': browsers refuse credentials for "
+                "any origin; list the origins"
+            )
         self.metrics_prefix = (self.metrics_prefix or "paxengine").rstrip(":")
         if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", self.metrics_prefix):
             raise ValueError(
@@ -90,6 +111,16 @@ class ServerConfig:
     @classmethod
     def fields(cls) -> set[str]:
         return {f.name for f in dataclasses.fields(cls)}
+
+
+def _str_list(text: str, name: str) -> list:
+    text = text.strip()
+    if text.startswith("["):
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{name}: not a valid JSON list ({e})") from None
+    return [x.strip() for x in text.split(",") if x.strip()]
 
 
 def resolve_configs(

@@ -329,6 +329,44 @@ def test_request_timeout_aborts_with_what_was_made():
         assert short.json()["choices"][0]["finish_reason"] == "length"
 
 
+def test_cors_for_listed_origins_only():
+    """--allowed-origins turns CORS on for those origins; others get no CORS headers."""
+    _, scfg = parse(["--allowed-origins", "https://app.example, https://b.example"])
+    assert scfg.allowed_origins == ["https://app.example", "https://b.example"]
+    with TestClient(build_app(FakeEngine(), scfg)) as client:
+        ok = {"Origin": "https://app.example", "Access-Control-Request-Method": "POST"}
+        pre = client.options("/v1/completions", headers=ok)
+        assert pre.status_code == 200
+        assert pre.headers["access-control-allow-origin"] == "https://app.example"
+        r = client.post(
+            "/v1/completions",
+            json={"prompt": "hi", "max_tokens": 1},
+            headers={"Origin": "https://app.example"},
+        )
+        assert r.status_code == 200
+        assert r.headers["access-control-allow-origin"] == "https://app.example"
+        assert "x-request-id" in r.headers["access-control-expose-headers"].lower()
+        other = client.options(
+            "/v1/completions",
+            headers={"Origin": "https://evil.example", "Access-Control-Request-Method": "POST"},
+        )
+        assert "access-control-allow-origin" not in other.headers
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--allowed-origins", "*", "--allow-credentials"], "allow_credentials"),
+        (["--allowed-origins", '["a", 3]'], "list of strings"),
+        (["--allowed-origins", "[oops"], "JSON"),
+    ],
+)
+def test_bad_cors_options_refused(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        parse(argv)
+    assert message in capsys.readouterr().err
+
+
 def test_no_cors_headers_by_default(fake):
     _, client = fake
     origin = {"Origin": "https://evil.example"}
