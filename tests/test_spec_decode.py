@@ -336,6 +336,37 @@ def test_seeded_sampling_identical_with_and_without_speculation_and_logprobs(pla
     _assert_pool_empty(spec)
 
 
+def test_random_mix_identical_with_and_without_speculation(plain, spec):
+    """Seeded and greedy requests with every sampling option (top-k/top-p, n=2, stop strings,
+    min_tokens, a penalty, logprobs, ignore_eos, max_tokens from 1) give the plain engine's texts
+    token for token: with seeds the verify rows draw what the plain sampler draws."""
+    rng = np.random.default_rng(3)
+    pool = COPY + FREE + ["a b c a b c a b c a b"]
+    prompts, params = [], []
+    for _ in range(16):
+        kw = {"max_tokens": int(rng.integers(1, 30)), "seed": int(rng.integers(100))}
+        if rng.random() < 0.5:
+            kw.update(temperature=0.8, top_p=float(rng.choice([1.0, 0.9])), top_k=20)
+        else:
+            kw.update(temperature=0)
+        for key, value, prob in (("n", 2, 0.2), ("stop", ["fox", "\n"], 0.2),
+                                 ("repetition_penalty", 1.1, 0.15), ("logprobs", 1, 0.15),
+                                 ("ignore_eos", True, 0.2), ("min_tokens", 1, 0.2)):  # fmt: skip
+            if rng.random() < prob:
+                kw[key] = value
+        prompts.append(str(rng.choice(pool)))
+        params.append(SamplingParams(**kw))
+    before = spec.engine.stats()["spec_decode_num_accepted_tokens"]
+    a = plain.generate(prompts, params, use_tqdm=False)
+    b = spec.generate(prompts, params, use_tqdm=False)
+    for x, y in zip(a, b):
+        for ox, oy in zip(x.outputs, y.outputs):
+            assert (ox.token_ids, ox.text, ox.finish_reason) == (
+                oy.token_ids, oy.text, oy.finish_reason)  # fmt: skip
+    assert spec.engine.stats()["spec_decode_num_accepted_tokens"] > before
+    _assert_pool_empty(spec)
+
+
 def test_abort_mid_speculation_frees_every_block(spec):
     eng = spec.engine
     eng.add_request("ab", COPY[0], SamplingParams(temperature=0, max_tokens=200))
