@@ -39,6 +39,8 @@ class Request:
     )  # full blocks' keys (kv_cache.hash_block)
     num_published_blocks: int = 0  # full blocks already offered to the prefix cache
     _block_array: object = field(default=None, repr=False)  # block_ids as int32 (block_array)
+    _token_buf: object = field(default=None, repr=False)  # known tokens as int32 (token_array)
+    _token_len: int = field(default=0, repr=False)
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
@@ -67,6 +69,26 @@ class Request:
         if arr is None or len(arr) != len(self.block_ids):
             arr = self._block_array = np.asarray(self.block_ids, np.int32)
         return arr
+
+    def token_array(self):
+        """The known tokens (prompt and output) as an int32 numpy view, for the n-gram proposer:
+        kept between calls and extended by the tokens appended since (doubling its buffer), so
+        a speculating request costs O(new tokens) a step, not a conversion of its whole context.
+        Tokens are only ever appended (the scheduler's one path), so the copy stays valid."""
+        n, buf, done = self.num_known_tokens, self._token_buf, self._token_len
+        if buf is None or len(buf) < n:
+            grown = np.empty(max(2 * n, 64), np.int32)
+            if buf is not None:
+                grown[:done] = buf[:done]
+            buf = self._token_buf = grown
+        if done < n:
+            p = len(self.prompt_token_ids)
+            if done < p:
+                buf[done:p] = self.prompt_token_ids[done:]
+                done = p
+            buf[done:n] = self.output_token_ids[done - p :]
+            self._token_len = n
+        return buf[:n]
 
     def token_slice(self, start: int, stop: int) -> list[int]:
         """all_token_ids[start:stop] without building the whole list (a decode step needs one)."""

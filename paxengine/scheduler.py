@@ -211,7 +211,7 @@ class Scheduler:
         if k < 1:
             return []
         spec = self.spec
-        return propose_ngram(req.all_token_ids, spec.prompt_lookup_min, spec.prompt_lookup_max, k)
+        return propose_ngram(req.token_array(), spec.prompt_lookup_min, spec.prompt_lookup_max, k)
 
     def _schedule_running(
         self, reqs: list[Request], out: SchedulerOutput, budget: int, speculate: bool = False

@@ -96,6 +96,37 @@ def test_ngram_proposes_what_followed_the_longest_earlier_match():
     assert propose_ngram([4], 1, 3, 2) == []
 
 
+def _brute_force_ngram(tokens, min_n, max_n, k):
+    """The definition, longest n first: the earliest window equal to the suffix n-gram that has
+    a token after it."""
+    size = len(tokens)
+    for n in range(min(max_n, size - 1), min_n - 1, -1):
+        for i in range(size - n):
+            if tokens[i : i + n] == tokens[size - n :]:
+                return tokens[i + n : i + n + k]
+    return []
+
+
+def test_ngram_matches_its_definition_on_random_sequences():
+    rng = np.random.default_rng(0)
+    for _ in range(400):
+        toks = rng.integers(0, int(rng.integers(2, 6)), int(rng.integers(1, 40))).tolist()
+        lo = int(rng.integers(1, 4))
+        hi = lo + int(rng.integers(0, 3))
+        k = int(rng.integers(1, 6))
+        assert propose_ngram(toks, lo, hi, k) == _brute_force_ngram(toks, lo, hi, k), toks
+
+
+def test_request_token_array_follows_appends():
+    req = Request("t", [1, 2, 3], SamplingParams(), seed=0)
+    assert req.token_array().tolist() == [1, 2, 3]
+    for t in range(100):  # past the first buffer: it grows and keeps what it held
+        req.output_token_ids.append(t)
+        if t % 7 == 0:
+            assert req.token_array().tolist() == req.all_token_ids
+    assert req.token_array().tolist() == req.all_token_ids
+
+
 # -- the rejection sampler, called directly ------------------------------------------------------
 
 

@@ -1,26 +1,34 @@
 """The n-gram proposer (prompt lookup): copy what followed the sequence's latest n-gram the
-last time it occurred. Host-side numpy, O(length x n) per call, no model."""
+last time it occurred. Host-side numpy, no model."""
 
 from __future__ import annotations
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 
 def propose_ngram(tokens, min_n: int, max_n: int, k: int) -> list[int]:
     """Up to k tokens that followed the earliest earlier occurrence of the longest suffix n-gram
     (max_n down to min_n) of `tokens`; [] when none occurred. The earliest occurrence, as vLLM's
     proposer does: in a copy-heavy request it is the source text, which has the longest run of
-    tokens after it."""
-    a = np.asarray(tokens, dtype=np.int64)
+    tokens after it.
+
+    One pass over the sequence finds where its last token occurred before (the candidate ends
+    of a match); each further suffix token only filters those candidates, so a long context
+    costs one vectorized comparison, not one per n (this runs for every speculating request on
+    the critical path of a step: the engine waits for it before dispatching)."""
+    a = np.asarray(tokens)
     size = len(a)
-    if k < 1:
+    if k < 1 or size < 2:
         return []
-    for n in range(min(max_n, size - 1), min_n - 1, -1):
-        # windows that end before the last token, so at least one token follows each
-        windows = sliding_window_view(a[: size - 1], n)
-        hits = np.flatnonzero((windows == a[size - n :]).all(axis=1))
-        if len(hits):
-            start = int(hits[0]) + n
-            return a[start : min(start + k, size)].tolist()
-    return []
+    cand = np.flatnonzero(a[: size - 1] == a[size - 1])  # ends of 1-gram matches, a token after
+    length = 1
+    while length < max_n and len(cand):
+        c = cand[cand >= length]  # room for one more token before the match
+        c = c[a[c - length] == a[size - 1 - length]]
+        if not len(c):
+            break
+        cand, length = c, length + 1
+    if length < min_n or not len(cand):
+        return []
+    start = int(cand[0]) + 1
+    return a[start : start + k].tolist()
