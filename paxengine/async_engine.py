@@ -60,8 +60,10 @@ class _Mailbox:
 class AsyncEngine:
     """An `EngineClient` running EngineCore in this process."""
 
-    def __init__(self, config: EngineConfig | None = None, **overrides):
-        self.core = EngineCore(config, **overrides)
+    def __init__(self, config: EngineConfig | None = None, *, core=None, **overrides):
+        """core: an EngineCore built elsewhere (disaggregated prefill runs its two roles,
+        paxengine/disagg/roles.py, each on an AsyncEngine of its own)."""
+        self.core = core if core is not None else EngineCore(config, **overrides)
         self.config = self.core.config
         self._inbox: queue.Queue = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, _Mailbox]] = {}

@@ -72,6 +72,10 @@ class EngineConfig:
     # "num_speculative_tokens": k, "prompt_lookup_min": 1, "prompt_lookup_max": 4,
     # "disable_by_batch_size": 16}; a dict or its JSON text; None: off
     speculative_config: dict | str | None = None
+    # disaggregated prefill, vLLM's keys (paxengine/disagg): {"kv_role": "kv_both",
+    # "prefill_device": 0, "decode_device": 1, "max_blocks_per_copy": 256}: a prefill engine and
+    # a decode engine in this process, KV pages copied device to device; a dict or its JSON text
+    kv_transfer_config: dict | str | None = None
     show_progress: bool = True
 
     @classmethod

@@ -85,6 +85,12 @@ class EngineCore:
                 "paxengine.data_parallel.DataParallelEngine (`paxengine serve "
                 "--data-parallel-size N`)"
             )
+        if cfg.kv_transfer_config:
+            raise ValueError(
+                "an EngineCore runs prefill and decode together: kv_transfer_config is served by "
+                "paxengine.disagg (LLM(kv_transfer_config=...) or `paxengine serve "
+                "--kv-transfer-config JSON`)"
+            )
         parallel.init_distributed(cfg.coordinator_address, cfg.num_processes, cfg.process_id)
         on_gpu = jax.default_backend() == "gpu"
         dtype = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if on_gpu else "float32")

@@ -14,7 +14,13 @@ from paxengine.sampling_params import SamplingParams
 
 class LLM:
     def __init__(self, config: EngineConfig | None = None, **overrides):
-        self.engine = EngineCore(config, **overrides)
+        cfg = (config or EngineConfig()).replace(**overrides)
+        if cfg.kv_transfer_config:  # a prefill and a decode engine, stepped in turn
+            from paxengine.disagg.roles import DisaggregatedCore
+
+            self.engine = DisaggregatedCore(cfg)
+        else:
+            self.engine = EngineCore(cfg)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 

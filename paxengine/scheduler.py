@@ -104,6 +104,9 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        # called as finish(req, reason) ends a request, before its blocks go back: disaggregated
+        # prefill sends a finished prompt's pages from here (paxengine/disagg/roles.py)
+        self.on_finish = None
 
     # -- admission ------------------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -376,6 +379,8 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+        if self.on_finish is not None:
+            self.on_finish(req, reason)
         self.kv.free_request(req)
         req.num_pending_tokens = 0
         req.status = Status.FINISHED

@@ -128,6 +128,14 @@ def build_parser() -> argparse.ArgumentParser:
         "speculating above N running requests)",
     )
     e.add_argument(
+        "--kv-transfer-config",
+        type=_kv_transfer_config,
+        metavar="JSON",
+        help='disaggregated prefill, as vLLM\'s: \'{"kv_role": "kv_both", "prefill_device": 0, '
+        '"decode_device": 1}\' (a prefill and a decode engine on their own devices, KV pages '
+        "copied device to device; one stream per request)",
+    )
+    e.add_argument(
         "--performance-mode",
         choices=sorted(PERFORMANCE_MODES),
         help="presets of max-num-seqs / max-num-batched-tokens (flags and YAML win)",
@@ -177,6 +185,17 @@ def _speculative_config(text: str) -> dict:
 
     try:
         parse_speculative_config(text)
+        return json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _kv_transfer_config(text: str) -> dict:
+    """The JSON object, checked now so a bad one fails before the model loads."""
+    from paxengine.disagg.config import parse_kv_transfer_config
+
+    try:
+        parse_kv_transfer_config(text)
         return json.loads(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
@@ -252,7 +271,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     t0 = time.perf_counter()
     try:
         # loads the model and compiles the buckets (each replica's)
-        engine = DataParallelEngine(ecfg) if ecfg.data_parallel_size > 1 else AsyncEngine(ecfg)
+        if ecfg.kv_transfer_config:  # a prefill and a decode engine (paxengine/disagg)
+            from paxengine.disagg.front import DisaggregatedEngine
+
+            engine = DisaggregatedEngine(ecfg)
+        elif ecfg.data_parallel_size > 1:
+            engine = DataParallelEngine(ecfg)
+        else:
+            engine = AsyncEngine(ecfg)
     except (ValueError, FileNotFoundError, NotImplementedError) as e:
         log.error("cannot start the engine: %s", e)
         return 2

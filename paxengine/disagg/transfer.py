@@ -1,0 +1,181 @@
+"""KV pages from one runner's cache to another's on other devices, by JAX's own copies.
+
+A transfer is a list of pieces. Each piece gathers up to `max_blocks_per_copy` pages of the
+source cache into one buffer (a compiled gather on the source devices: any set of pages,
+contiguous or not, becomes one contiguous buffer), moves it with one `jax.device_put` onto the
+destination cache's sharding (device to device: NVLink between GPUs of one host, no host copy),
+and a compiled scatter writes it into the destination cache (donated, updated in place). Piece
+sizes are powers of two, so a few executables per side serve every request: n pages go as its
+binary decomposition (63 = 32 + 16 + 8 + 4 + 2 + 1), never padded, never one page per call.
+
+Threads: `send` reads the source cache and must run where its engine steps (the cache is
+donated to every step); `receive` likewise on the destination's. Everything is dispatched
+asynchronously: the device orders the gather after the step that wrote the pages, the copy after
+the gather, the scatter before the next step that reads them.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from paxengine import runner as runner_module
+
+
+class TransferFailed(RuntimeError):
+    """A transfer did not happen (nothing was written on the destination)."""
+
+
+@dataclass
+class Piece:
+    """One copy: pages [start, start + n) of a transfer, on the destination devices."""
+
+    start: int
+    n: int
+    pages: object  # the cache's pytree of [L|1, H, n, block_size, D] arrays
+
+
+@dataclass
+class TransferStats:
+    transfers: int = 0
+    copies: int = 0
+    pages: int = 0  # pages moved
+    pages_skipped: int = 0  # pages the destination already held (its prefix cache)
+    bytes: int = 0
+    seconds: float = 0.0  # copy time, with measure_transfers only
+    failures: int = 0
+
+    def as_dict(self) -> dict:
+        d = {f"kv_transfer_{k}": v for k, v in self.__dict__.items()}
+        if self.seconds:
+            d["kv_transfer_gb_per_s"] = self.bytes / self.seconds / 1e9
+        return d
+
+
+def _sizes(largest: int) -> list[int]:
+    out, s = [], 1
+    while s < largest:
+        out.append(s)
+        s *= 2
+    return out + [largest]
+
+
+def _replicated(leaf: jax.Array):
+    """Where an index vector for this cache lives: every device of the cache."""
+    s = leaf.sharding
+    return NamedSharding(s.mesh, P()) if isinstance(s, NamedSharding) else s
+
+
+def _abstract(tree, num_blocks: int | None = None):
+    def one(a):
+        shape = a.shape if num_blocks is None else (*a.shape[:2], num_blocks, *a.shape[3:])
+        return jax.ShapeDtypeStruct(shape, a.dtype, sharding=a.sharding)
+
+    return jax.tree_util.tree_map(one, tree)
+
+
+def _gather(cache, idx):
+    return jax.tree_util.tree_map(lambda a: jnp.take(a, idx, axis=2), cache)
+
+
+def _scatter(cache, pages, idx):
+    # an index past the pool (a page the destination already holds) is dropped
+    return jax.tree_util.tree_map(lambda c, p: c.at[:, :, idx].set(p, mode="drop"), cache, pages)
+
+
+@dataclass
+class KVTransfer:
+    """Moves pages from `src`'s KV cache to `dst`'s (two `Runner`s of the same model, cache
+    layout and dtype; their devices may differ)."""
+
+    src: object
+    dst: object
+    max_blocks_per_copy: int = 256
+    measure: bool = False
+    stats: TransferStats = field(default_factory=TransferStats)
+    # test-only fault injection: the next this many sends / receives raise TransferFailed
+    fail_sends: int = 0
+    fail_receives: int = 0
+
+    def __post_init__(self):
+        s_leaves = jax.tree_util.tree_leaves(self.src.kv_cache)
+        d_leaves = jax.tree_util.tree_leaves(self.dst.kv_cache)
+        if [(a.shape[:2] + a.shape[3:], a.dtype) for a in s_leaves] != [
+            (a.shape[:2] + a.shape[3:], a.dtype) for a in d_leaves
+        ]:
+            raise ValueError("KV transfer between caches of different layouts or dtypes")
+        self.dst_num_blocks = d_leaves[0].shape[2]
+        self.page_bytes = sum(a.nbytes // a.shape[2] for a in s_leaves)
+        self.sizes = _sizes(self.max_blocks_per_copy)
+        self._src_idx = _replicated(s_leaves[0])
+        self._dst_idx = _replicated(d_leaves[0])
+        self._dst_shardings = jax.tree_util.tree_map(lambda a: a.sharding, self.dst.kv_cache)
+        src_shardings = jax.tree_util.tree_map(lambda a: a.sharding, self.src.kv_cache)
+        gather = jax.jit(_gather, out_shardings=src_shardings)
+        scatter = jax.jit(_scatter, donate_argnums=0, out_shardings=self._dst_shardings)
+        self._gathers, self._scatters = {}, {}
+        for n in self.sizes:  # every shape now: nothing compiles while serving
+            idx = jax.ShapeDtypeStruct((n,), jnp.int32, sharding=self._src_idx)
+            self._gathers[n] = gather.lower(_abstract(self.src.kv_cache), idx).compile()
+            pages = _abstract(self.dst.kv_cache, num_blocks=n)  # n pages, the cache's sharding
+            idx = jax.ShapeDtypeStruct((n,), jnp.int32, sharding=self._dst_idx)
+            self._scatters[n] = scatter.lower(_abstract(self.dst.kv_cache), pages, idx).compile()
+        # these compiles belong to start-up, not to serving (runner.compiles_after_warmup)
+        runner_module._warm_at = runner_module.compile_count()
+
+    def _split(self, n: int) -> list[tuple[int, int]]:
+        """[start, size) pieces covering n pages: the largest sizes first."""
+        out, i = [], 0
+        while i < n:
+            size = max(s for s in self.sizes if s <= n - i)
+            out.append((i, size))
+            i += size
+        return out
+
+    def send(self, src_blocks: list[int]) -> list[Piece]:
+        """Gather these source pages and start their copies onto the destination devices (on
+        the source engine's thread). Raises TransferFailed; the source cache is untouched."""
+        if self.fail_sends:
+            self.fail_sends -= 1
+            self.stats.failures += 1
+            raise TransferFailed("injected send failure (test hook)")
+        t0 = time.perf_counter()
+        pieces = []
+        try:
+            for start, n in self._split(len(src_blocks)):
+                idx = jax.device_put(
+                    np.asarray(src_blocks[start : start + n], np.int32), self._src_idx
+                )
+                pages = self._gathers[n](self.src.kv_cache, idx)
+                pieces.append(Piece(start, n, jax.device_put(pages, self._dst_shardings)))
+            if self.measure:
+                jax.block_until_ready([p.pages for p in pieces])
+                self.stats.seconds += time.perf_counter() - t0
+        except Exception as e:
+            self.stats.failures += 1
+            raise TransferFailed(f"sending {len(src_blocks)} pages failed: {e!r}") from e
+        self.stats.transfers += 1
+        self.stats.copies += len(pieces)
+        self.stats.pages += len(src_blocks)
+        self.stats.bytes += len(src_blocks) * self.page_bytes
+        return pieces
+
+    def receive(self, pieces: list[Piece], dst_blocks: list[int]) -> None:
+        """Write the pieces into the destination cache: page i of the transfer into block
+        dst_blocks[i], or nowhere when that is -1 (the destination holds it already). On the
+        destination engine's thread. TransferFailed: nothing was written."""
+        if self.fail_receives:
+            self.fail_receives -= 1
+            self.stats.failures += 1
+            raise TransferFailed("injected receive failure (test hook)")
+        for p in pieces:
+            ids = np.asarray(dst_blocks[p.start : p.start + p.n], np.int32)
+            ids = np.where(ids < 0, self.dst_num_blocks, ids)
+            idx = jax.device_put(ids, self._dst_idx)
+            self.dst.kv_cache = self._scatters[p.n](self.dst.kv_cache, p.pages, idx)

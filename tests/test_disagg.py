@@ -1,0 +1,131 @@
+"""Disaggregated prefill (issue #23) on 2 simulated CPU devices: a prefill engine on device 0
+hands each prompt's KV pages and first token to a decode engine on device 1; the tokens are one
+engine's, every block comes back on both sides, the decode side's prefix cache saves pages, and
+the server streams one response per request. The worker runs it all (tests/disagg_worker.py)."""
+
+import json
+import os
+
+import pytest
+from devices import SMALL, run_worker
+
+from paxengine import LLM
+from paxengine.disagg.config import parse_kv_transfer_config
+from paxengine.engine import EngineCore
+
+SMALL_PD = dict(SMALL, max_model_len=256, max_num_batched_tokens=64, token_buckets=[16, 64])
+
+
+@pytest.fixture(scope="module")
+def pd(tmp_path_factory):
+    cache = str(tmp_path_factory.mktemp("pd"))
+    small = dict(SMALL_PD, compilation_cache_dir=os.path.join(cache, "jax"))
+    return run_worker("disagg_worker.py", [json.dumps(small)], 2, cache)
+
+
+def test_each_engine_runs_on_its_own_device(pd):
+    assert pd["devices"] == [[0], [1]]
+
+
+def test_split_requests_give_one_engines_tokens(pd):
+    assert pd["pd_greedy"] == pd["one_greedy"]
+    assert pd["pd_seeded"] == pd["one_seeded"]  # same seed, same step: same draws
+
+
+def test_pages_move_in_pieces_not_one_per_copy(pd):
+    copies, pages = pd["copies_pages"]
+    # 8 requests, 10 pages, pieces of <= 2 pages: the 3-page prompt went as 2 + 1
+    assert pages == 10 and copies == 9
+
+
+def test_every_block_comes_back_on_both_sides(pd):
+    for key in (
+        "free_after_finish",
+        "free_after_failures",
+        "free_after_aborts",
+        "free_after_drain",
+    ):
+        for side in ("prefill", "decode"):
+            free, total = pd[key][side]
+            assert free == total, (key, side)
+
+
+def test_a_prefix_the_decode_side_holds_is_not_sent(pd):
+    moved, skipped = pd["prefix_moved_skipped"]
+    assert skipped == 4 and moved == pd["prefix_prompt_blocks"] - 4 == 1
+
+
+def test_a_failed_transfer_recomputes_with_the_same_tokens(pd):
+    send_failed, receive_failed = pd["failed_transfer_tokens"]
+    assert send_failed == receive_failed == pd["one_greedy"][:2]
+    assert pd["recomputed"] == 2
+
+
+def test_abort_while_pages_wait_and_while_decoding(pd):
+    assert pd["parked"] == 1 and pd["running_before_abort"] == 1
+
+
+def test_the_server_streams_one_response_per_request(pd):
+    assert pd["served"] == pd["want_text"]
+    assert pd["streamed"] == pd["want_text"]
+    assert all(n == 8 for n in pd["stream_chunks"])  # the first token's chunk, then 7 decoded
+    assert pd["served_usage"] == [0.0, 0.0] and pd["served_free"] == [True, True]
+    assert pd["served_pages"] > 0 and pd["compiles_after_warmup"] == 0
+    assert pd["metrics_engines"] == ["0", "1"]
+    assert pd["n2_status"] == 400
+
+
+def test_a_dead_decode_engine_fails_requests_and_leaks_nothing(pd):
+    assert pd["dead_peer_status"] == 503 and pd["after_dead_status"] == 503
+    assert not pd["healthy_after_dead"] and pd["prefill_free_after_dead"]
+
+
+@pytest.mark.parametrize(
+    "raw, message",
+    [
+        ({"kv_role": "kv_producer"}, "needs a peer engine in another process"),
+        ({"kv_role": "kv_consumer"}, "needs a peer engine in another process"),
+        ({"kv_role": "prefill"}, "kv_role must be one of"),
+        ({}, None),
+        ({"kv_connector": "NixlConnector", "kv_role": "kv_both"}, "is not implemented"),
+        ({"kv_connector": "Foo", "kv_role": "kv_both"}, "unknown kv_connector"),
+        ({"kv_role": "kv_both", "kv_port": 1234}, "another process"),
+        ({"kv_role": "kv_both", "kv_buffer_device": "cpu"}, "host memory"),
+        ({"kv_role": "kv_both", "typo": 1}, "unknown keys"),
+        ({"kv_role": "kv_both", "decode_device": 0}, "overlap"),
+        ({"kv_role": "kv_both", "max_blocks_per_copy": 0}, "max_blocks_per_copy"),
+        ({"kv_role": "kv_both", "prefill_device": "0"}, "must be an integer"),
+        ("{not json", "not valid JSON"),
+    ],
+)
+def test_bad_kv_transfer_configs_are_refused(raw, message):
+    if message is None:
+        assert parse_kv_transfer_config(raw) is None
+        return
+    with pytest.raises(ValueError, match=message):
+        parse_kv_transfer_config(raw)
+
+
+def test_defaults_and_tensor_parallel_placement():
+    c = parse_kv_transfer_config('{"kv_role": "kv_both"}')
+    assert (c.prefill_device, c.decode_device, c.max_blocks_per_copy) == (0, 1, 256)
+    c = parse_kv_transfer_config({"kv_role": "kv_both"}, tensor_parallel_size=2)
+    assert c.decode_device == 2
+    with pytest.raises(ValueError, match="overlap"):
+        parse_kv_transfer_config({"kv_role": "kv_both", "decode_device": 1}, 2)
+
+
+def test_refused_before_the_model_loads():
+    with pytest.raises(ValueError, match="kv_producer"):
+        LLM(kv_transfer_config={"kv_role": "kv_producer"}, show_progress=False)
+    with pytest.raises(ValueError, match="served by paxengine.disagg"):
+        EngineCore(kv_transfer_config={"kv_role": "kv_both"}, show_progress=False)
+
+
+def test_serve_flag_refuses_a_bad_config():
+    from serving.cli import parse
+
+    ecfg, _ = parse(["--kv-transfer-config", '{"kv_role": "kv_both", "decode_device": 3}'])
+    assert ecfg.kv_transfer_config == {"kv_role": "kv_both", "decode_device": 3}
+    with pytest.raises(SystemExit):
+        parse(["--kv-transfer-config", '{"kv_role": "kv_consumer"}'])
