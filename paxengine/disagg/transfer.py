@@ -145,14 +145,18 @@ class KVTransfer:
             self.fail_sends -= 1
             self.stats.failures += 1
             raise TransferFailed("injected send failure (test hook)")
-        t0 = time.perf_counter()
         pieces = []
         try:
+            gathered = []
             for start, n in self._split(len(src_blocks)):
                 idx = jax.device_put(
                     np.asarray(src_blocks[start : start + n], np.int32), self._src_idx
                 )
-                pages = self._gathers[n](self.src.kv_cache, idx)
+                gathered.append((start, n, self._gathers[n](self.src.kv_cache, idx)))
+            if self.measure:  # time the link alone: not the step in flight, not the gathers
+                jax.block_until_ready([g[2] for g in gathered])
+            t0 = time.perf_counter()
+            for start, n, pages in gathered:
                 pieces.append(Piece(start, n, jax.device_put(pages, self._dst_shardings)))
             if self.measure:
                 jax.block_until_ready([p.pages for p in pieces])
