@@ -78,6 +78,31 @@ def offline(small, res):
     while core.has_unfinished():  # the step in flight when it was aborted is read, dropped
         assert not core.step()
     res["free_after_drain"] = free_blocks(core)
+
+    # launches from a worker thread (the pages are gathered there), logprobs, stop strings under
+    # min_tokens, a grammar carried across: still one engine's output
+    from paxengine.structured import StructuredOutputs
+
+    dt = LLM(show_progress=False, kv_transfer_config=kvt, dispatch_thread=True, **small)
+    cases = [
+        SP(temperature=0, max_tokens=8, logprobs=2),
+        SP(temperature=0, max_tokens=8, stop=[" the"], min_tokens=3),
+        SP(
+            temperature=0,
+            max_tokens=12,
+            structured_outputs=StructuredOutputs(regex="[a-z]+ [0-9]+"),
+        ),
+    ]
+
+    def full(outs):
+        return [(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].logprobs) for o in outs]
+
+    res["variants_equal"] = [
+        full(dt.generate(PROMPTS, c, use_tqdm=False))
+        == full(one.generate(PROMPTS, c, use_tqdm=False))
+        for c in cases
+    ]
+    res["free_dispatch_thread"] = free_blocks(dt.engine)
     return one
 
 

@@ -32,6 +32,13 @@ def test_split_requests_give_one_engines_tokens(pd):
     assert pd["pd_seeded"] == pd["one_seeded"]  # same seed, same step: same draws
 
 
+def test_logprobs_stop_strings_grammars_and_the_dispatch_thread_carry_over(pd):
+    assert pd["variants_equal"] == [True, True, True]
+    for side in ("prefill", "decode"):
+        free, total = pd["free_dispatch_thread"][side]
+        assert free == total
+
+
 def test_pages_move_in_pieces_not_one_per_copy(pd):
     copies, pages = pd["copies_pages"]
     # 8 requests, 10 pages, pieces of <= 2 pages: the 3-page prompt went as 2 + 1
