@@ -79,6 +79,26 @@ def offline(small, res):
         assert not core.step()
     res["free_after_drain"] = free_blocks(core)
 
+    # backpressure: while the decode side holds arrived pages it cannot admit (past
+    # kv_buffer_size), no new prompt starts on the prefill side
+    core.prefill.kv_buffer_size = 1
+    core.decode.scheduler.max_num_seqs = 0
+    core.add_request("bp1", PROMPTS[0], greedy, final_only=True)
+    while "bp1" not in core.decode.groups:
+        core.step()
+    core.add_request("bp2", PROMPTS[1], greedy, final_only=True)
+    for _ in range(4):
+        core.step()
+    bp2 = core.prefill.seq_of["bp2"][1].req
+    res["backpressure"] = [core.decode.waiting_bytes > 0, bp2.num_computed_tokens]
+    core.decode.scheduler.max_num_seqs = small["max_num_seqs"]
+    done = {}
+    while core.has_unfinished():
+        done.update({o.request_id: o.outputs[0].token_ids for o in core.step() if o.finished})
+    res["backpressure_tokens"] = [done["bp1"], done["bp2"]]
+    res["free_after_backpressure"] = free_blocks(core)
+    core.prefill.kv_buffer_size = float("inf")
+
     # launches from a worker thread (the pages are gathered there), logprobs, stop strings under
     # min_tokens, a grammar carried across: still one engine's output
     from paxengine.structured import StructuredOutputs

@@ -39,6 +39,14 @@ def test_logprobs_stop_strings_grammars_and_the_dispatch_thread_carry_over(pd):
         assert free == total
 
 
+def test_backpressure_holds_new_prompts_while_the_decode_side_is_behind(pd):
+    assert pd["backpressure"] == [True, 0]  # pages waiting there; the next prompt not started
+    assert pd["backpressure_tokens"] == pd["one_greedy"][:2]
+    for side in ("prefill", "decode"):
+        free, total = pd["free_after_backpressure"][side]
+        assert free == total
+
+
 def test_pages_move_in_pieces_not_one_per_copy(pd):
     copies, pages = pd["copies_pages"]
     # 8 requests, 10 pages, pieces of <= 2 pages: the 3-page prompt went as 2 + 1
@@ -102,6 +110,7 @@ def test_a_dead_decode_engine_fails_requests_and_leaks_nothing(pd):
         ({"kv_role": "kv_both", "decode_device": 0}, "overlap"),
         ({"kv_role": "kv_both", "max_blocks_per_copy": 0}, "max_blocks_per_copy"),
         ({"kv_role": "kv_both", "prefill_device": "0"}, "must be an integer"),
+        ({"kv_role": "kv_both", "kv_buffer_size": 0}, "kv_buffer_size"),
         ("{not json", "not valid JSON"),
     ],
 )

@@ -37,6 +37,10 @@ class KVTransferConfig:
     # 479 GB/s at 64 MiB, 874 GB/s at 1 GiB on the H200 pair), small ones bound the staging
     # memory. 256 pages of Llama-3.1-8B (16-token blocks) are 512 MiB.
     max_blocks_per_copy: int = 256
+    # bytes of arrived pages the decode engine may hold before it can admit them (device memory
+    # outside its KV pool); past it the prefill engine starts no new prompt (vLLM's key, whose
+    # connectors buffer KV too)
+    kv_buffer_size: float = 4e9
     # wait for every copy to land and time it (bytes / seconds in stats): for benchmarks; it
     # stalls the prefill engine's thread for the copy, which otherwise overlaps its next step
     measure_transfers: bool = False
@@ -101,6 +105,9 @@ def parse_kv_transfer_config(raw, tensor_parallel_size: int = 1) -> KVTransferCo
         v = raw.get(key)
         if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
             raise ValueError(f"kv_transfer_config: {key} must be an integer, got {v!r}")
+    size = raw.get("kv_buffer_size", KVTransferConfig.kv_buffer_size)
+    if isinstance(size, bool) or not isinstance(size, (int, float)) or not size > 0:
+        raise ValueError(f"kv_transfer_config: kv_buffer_size must be bytes > 0, got {size!r}")
     if not isinstance(raw.get("measure_transfers", False), bool):
         raise ValueError("kv_transfer_config: measure_transfers must be true or false")
     prefill = raw.get("prefill_device", 0)
@@ -121,5 +128,6 @@ def parse_kv_transfer_config(raw, tensor_parallel_size: int = 1) -> KVTransferCo
         prefill_device=prefill,
         decode_device=decode,
         max_blocks_per_copy=copy,
+        kv_buffer_size=float(size),
         measure_transfers=raw.get("measure_transfers", False),
     )

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -140,12 +141,25 @@ class PrefillCore(EngineCore):
         super().__init__(config, **overrides)
         self.scheduler.on_finish = self._on_finish
         self.transfer: KVTransfer | None = None  # set by link()
-        self.peer_kv = None  # the decode engine's KVCacheManager (its prefix index, read only)
+        self.peer: DecodeCore | None = None  # its prefix index and backlog, read only here
+        self.kv_buffer_size = float("inf")
+        self._max_num_seqs = self.scheduler.max_num_seqs
         self._goes_on: dict[str, SamplingParams] = {}  # requests the decode engine continues
         self.handoffs: dict[str, Handoff] = {}  # finished here, for the caller to take
 
-    def link(self, transfer: KVTransfer, peer_kv) -> None:
-        self.transfer, self.peer_kv = transfer, peer_kv
+    def link(self, transfer: KVTransfer, peer: DecodeCore, kv_buffer_size: float) -> None:
+        self.transfer, self.peer, self.kv_buffer_size = transfer, peer, kv_buffer_size
+
+    def step(self):
+        """While the decode engine holds more arrived pages than kv_buffer_size (device memory
+        outside its KV pool: it cannot admit them yet), no new prompt starts here; the running
+        ones finish. Backpressure instead of an out-of-memory on the decode device."""
+        sched = self.scheduler
+        backed_up = self.peer is not None and self.peer.waiting_bytes >= self.kv_buffer_size
+        sched.max_num_seqs = len(sched.running) if backed_up else self._max_num_seqs
+        if backed_up and not sched.running and self.inflight is None:
+            time.sleep(0.001)  # nothing to run until the decode side admits: do not spin
+        return super().step()
 
     def add_request(self, request_id, prompt, params=None, final_only=False) -> None:
         params = params or SamplingParams()
@@ -169,7 +183,7 @@ class PrefillCore(EngineCore):
             return
         bs, n = self.kv.block_size, req.num_prompt_tokens
         num_blocks = self.kv.blocks_needed(n)
-        held = min(self.peer_kv.cached_prefix_blocks(req.prompt_token_ids), n // bs)
+        held = min(self.peer.kv.cached_prefix_blocks(req.prompt_token_ids), n // bs)
         blocks = req.block_ids[held:num_blocks]
         if self._dispatcher is not None:  # read the cache after the launches queued there
             pieces = self._dispatcher.submit(self.transfer.send, blocks)
@@ -205,6 +219,7 @@ class DecodeCore(EngineCore):
         super().__init__(config, **overrides)
         self.transfer: KVTransfer | None = None
         self.arrivals: deque[Handoff] = deque()  # received, waiting for a slot and blocks
+        self.waiting_bytes = 0  # their pages on this engine's devices (read by the prefill side)
         self.recomputed = 0  # requests whose pages did not arrive: their prompt ran here
 
     def link(self, transfer: KVTransfer) -> None:
@@ -215,6 +230,7 @@ class DecodeCore(EngineCore):
             **super().stats(),
             "num_requests_waiting": len(self.scheduler.waiting) + len(self.arrivals),
             "kv_transfer_recomputed": self.recomputed,
+            "kv_transfer_waiting_bytes": self.waiting_bytes,
         }
 
     def receive(self, h: Handoff, final_only: bool = False) -> None:
@@ -228,12 +244,14 @@ class DecodeCore(EngineCore):
         self.groups[h.request_id] = group
         self.seq_of[h.request_id] = (group, seq)
         self.arrivals.append(h)
+        self.waiting_bytes += self._bytes(h)
         self._admit_arrivals()
 
     def abort(self, request_id: str):
         for h in self.arrivals:
             if h.request_id == request_id:
                 self.arrivals.remove(h)  # its pages are dropped with it; it holds no block
+                self.waiting_bytes -= self._bytes(h)
                 break
         return super().abort(request_id)
 
@@ -243,7 +261,11 @@ class DecodeCore(EngineCore):
 
     def _admit_arrivals(self) -> None:
         while self.arrivals and self._admit(self.arrivals[0]):
-            self.arrivals.popleft()
+            self.waiting_bytes -= self._bytes(self.arrivals.popleft())
+
+    def _bytes(self, h: Handoff) -> int:
+        pages = h.num_blocks - h.start_block if h.pieces is not None else 0
+        return pages * self.transfer.page_bytes
 
     def _admit(self, h: Handoff) -> bool:
         """False: no slot or blocks yet (it stays first in line)."""
@@ -296,7 +318,7 @@ def build_pair(config, kvt) -> tuple[PrefillCore, DecodeCore, KVTransfer]:
     transfer = KVTransfer(
         prefill.runner, decode.runner, kvt.max_blocks_per_copy, kvt.measure_transfers
     )
-    prefill.link(transfer, decode.kv)
+    prefill.link(transfer, decode, kvt.kv_buffer_size)
     decode.link(transfer)
     return prefill, decode, transfer
 
