@@ -1,8 +1,9 @@
 """KV pages from one runner's cache to another's on other devices, by JAX's own copies.
 
 A transfer is a list of pieces. Each piece gathers up to `max_blocks_per_copy` pages of the
-source cache into one buffer (a compiled gather on the source devices: any set of pages,
-contiguous or not, becomes one contiguous buffer), moves it with one `jax.device_put` onto the
+source cache into one buffer per dtype, every layer's pages stacked (a compiled gather on the
+source devices: any set of pages, contiguous or not, becomes one contiguous buffer; a bf16 cache
+has two, its K pages and its fp16 V pages), moves it with one `jax.device_put` onto the
 destination cache's sharding (device to device: NVLink between GPUs of one host, no host copy),
 and a compiled scatter writes it into the destination cache (donated, updated in place). Piece
 sizes are powers of two, so a few executables per side serve every request: n pages go as its
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -38,7 +40,7 @@ class Piece:
 
     start: int
     n: int
-    pages: object  # the cache's pytree of [L|1, H, n, block_size, D] arrays
+    pages: tuple  # a buffer per dtype group: [layers (K or V), H, n, block_size, D]
 
 
 @dataclass
@@ -72,21 +74,40 @@ def _replicated(leaf: jax.Array):
     return NamedSharding(s.mesh, P()) if isinstance(s, NamedSharding) else s
 
 
-def _abstract(tree, num_blocks: int | None = None):
-    def one(a):
-        shape = a.shape if num_blocks is None else (*a.shape[:2], num_blocks, *a.shape[3:])
-        return jax.ShapeDtypeStruct(shape, a.dtype, sharding=a.sharding)
-
-    return jax.tree_util.tree_map(one, tree)
+def _abstract(tree):
+    return jax.tree_util.tree_map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), tree
+    )
 
 
-def _gather(cache, idx):
-    return jax.tree_util.tree_map(lambda a: jnp.take(a, idx, axis=2), cache)
+def dtype_groups(leaves) -> list[list[int]]:
+    """The cache's arrays by dtype (K pages and, for a bf16 cache, fp16 V pages): a piece is one
+    buffer per group, every layer's pages stacked on the leading axis, so an unrolled cache of
+    32 layers still moves as one or two large copies, not 64 small ones."""
+    groups: dict = {}
+    for i, a in enumerate(leaves):
+        groups.setdefault(a.dtype, []).append(i)
+    return list(groups.values())
 
 
-def _scatter(cache, pages, idx):
-    # an index past the pool (a page the destination already holds) is dropped
-    return jax.tree_util.tree_map(lambda c, p: c.at[:, :, idx].set(p, mode="drop"), cache, pages)
+def _gather(groups, cache, idx):
+    leaves = jax.tree_util.tree_leaves(cache)
+    return tuple(
+        jnp.concatenate([jnp.take(leaves[i], idx, axis=2) for i in g], axis=0) for g in groups
+    )
+
+
+def _scatter(groups, cache, buffers, idx):
+    leaves, tree = jax.tree_util.tree_flatten(cache)
+    new = list(leaves)
+    for g, buf in zip(groups, buffers):
+        start = 0
+        for i in g:
+            n = leaves[i].shape[0]
+            # an index past the pool (a page the destination already holds) is dropped
+            new[i] = leaves[i].at[:, :, idx].set(buf[start : start + n], mode="drop")
+            start += n
+    return jax.tree_util.tree_unflatten(tree, new)
 
 
 @dataclass
@@ -115,17 +136,32 @@ class KVTransfer:
         self.sizes = _sizes(self.max_blocks_per_copy)
         self._src_idx = _replicated(s_leaves[0])
         self._dst_idx = _replicated(d_leaves[0])
-        self._dst_shardings = jax.tree_util.tree_map(lambda a: a.sharding, self.dst.kv_cache)
-        src_shardings = jax.tree_util.tree_map(lambda a: a.sharding, self.src.kv_cache)
-        gather = jax.jit(_gather, out_shardings=src_shardings)
-        scatter = jax.jit(_scatter, donate_argnums=0, out_shardings=self._dst_shardings)
+        groups = dtype_groups(s_leaves)
+        # a piece's buffers: [sum of the group's leading axes, H, n, block_size, D] each, placed
+        # as the group's first cache array is (split by KV head under tensor parallelism)
+        self._dst_shardings = tuple(d_leaves[g[0]].sharding for g in groups)
+        gather = jax.jit(
+            partial(_gather, groups), out_shardings=tuple(s_leaves[g[0]].sharding for g in groups)
+        )
+        dst_cache_shardings = jax.tree_util.tree_map(lambda a: a.sharding, self.dst.kv_cache)
+        scatter = jax.jit(
+            partial(_scatter, groups), donate_argnums=0, out_shardings=dst_cache_shardings
+        )
         self._gathers, self._scatters = {}, {}
         for n in self.sizes:  # every shape now: nothing compiles while serving
             idx = jax.ShapeDtypeStruct((n,), jnp.int32, sharding=self._src_idx)
             self._gathers[n] = gather.lower(_abstract(self.src.kv_cache), idx).compile()
-            pages = _abstract(self.dst.kv_cache, num_blocks=n)  # n pages, the cache's sharding
+            buffers = tuple(
+                jax.ShapeDtypeStruct(
+                    (sum(d_leaves[i].shape[0] for i in g), *d_leaves[g[0]].shape[1:2], n)
+                    + d_leaves[g[0]].shape[3:],
+                    d_leaves[g[0]].dtype,
+                    sharding=sh,
+                )
+                for g, sh in zip(groups, self._dst_shardings)
+            )
             idx = jax.ShapeDtypeStruct((n,), jnp.int32, sharding=self._dst_idx)
-            self._scatters[n] = scatter.lower(_abstract(self.dst.kv_cache), pages, idx).compile()
+            self._scatters[n] = scatter.lower(_abstract(self.dst.kv_cache), buffers, idx).compile()
         # these compiles belong to start-up, not to serving (runner.compiles_after_warmup)
         runner_module._warm_at = runner_module.compile_count()
 
