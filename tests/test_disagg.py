@@ -145,3 +145,23 @@ def test_serve_flag_refuses_a_bad_config():
     assert ecfg.kv_transfer_config == {"kv_role": "kv_both", "decode_device": 3}
     with pytest.raises(SystemExit):
         parse(["--kv-transfer-config", '{"kv_role": "kv_consumer"}'])
+
+
+def test_serve_builds_the_disaggregated_engine_and_refuses_a_bad_yaml(tmp_path, monkeypatch):
+    from paxengine.disagg import front
+    from serving.cli import main
+
+    bad = tmp_path / "pd.yaml"
+    bad.write_text("kv_transfer_config: {kv_role: kv_producer}\n")
+    assert main(["--config", str(bad)]) == 2  # refused before any model loads
+
+    built = []
+
+    class Probe:
+        def __init__(self, cfg):
+            built.append(cfg.kv_transfer_config)
+            raise ValueError("probe: not starting")
+
+    monkeypatch.setattr(front, "DisaggregatedEngine", Probe)
+    assert main(["--kv-transfer-config", '{"kv_role": "kv_both"}']) == 2
+    assert built == [{"kv_role": "kv_both"}]
