@@ -11,8 +11,9 @@ vLLM's (last - first) / (tokens - 1)), output tokens/s, and for P/D the KV pages
 moved. Workloads: long (8192 in / 256 out) and short (1024 / 128) at concurrency 16 and 64.
 
 Each mode runs in a subprocess of its own (a clean device memory for the next) and leaves
-disagg_<mode>.json in --out; `--modes` runs some of them (one device call each: a mode's start-
-up and runs take minutes on the H200) and the report merges whatever modes --out holds. The KV
+disagg_<mode>.json in --out; `--modes` and `--workloads` run some of them (a device call each:
+a mode's start-up and runs take minutes on the H200); runs merge into what --out holds, and the
+report compares whatever both modes have. The KV
 pool is sized explicitly (`num_kv_blocks`) so both modes get the same one. After the P/D runs, the
 transfer of a 512-page (8192-token) prompt is timed alone (`measure_transfers`: the link copy
 only) next to a raw 1 GiB `jax.device_put` from GPU 0 to GPU 1 (the link's peak this lease), so
@@ -139,7 +140,7 @@ def transfer_probe(engine, pages: int) -> dict:
     return {"pages": pages, "bytes": nbytes, "seconds": secs, "gb_per_s": nbytes / secs / 1e9}
 
 
-def run_mode(mode: str, quick: bool) -> dict:
+def run_mode(mode: str, quick: bool, workloads: list[str] | None = None) -> dict:
     """One engine mode: every workload at every concurrency. In its own process."""
     from benchmarks.bench.datasets import random_dataset
     from benchmarks.gpu.workloads import FULL, QUICK
@@ -169,6 +170,8 @@ def run_mode(mode: str, quick: bool) -> dict:
         warm = random_dataset(4, 32, 4, vocab_size=vocab, seed=99)
         await load(engine, [list(r.prompt) for r in warm], 4, 4, "warm")
         for name, (inp, out) in s["workloads"].items():
+            if workloads and name not in workloads:
+                continue
             for c in s["concurrency"]:
                 n = s["requests"](c)
                 reqs = random_dataset(n, inp, out, vocab_size=vocab, seed=c)
@@ -222,12 +225,17 @@ def main(argv=None) -> int:
         default="colocated,disaggregated",
         help="the modes to run now (comma-separated); the others are read from --out",
     )
+    p.add_argument(
+        "--workloads",
+        help="long and/or short (comma-separated; default both); runs merge into --out's files",
+    )
     p.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     if a.mode:  # the child: one mode, its JSON on the last line
-        print("RESULT " + json.dumps(run_mode(a.mode, a.quick)), flush=True)
+        wl = a.workloads.split(",") if a.workloads else None
+        print("RESULT " + json.dumps(run_mode(a.mode, a.quick, wl)), flush=True)
         return 0
     env = dict(os.environ)
     if a.quick:  # XLA_FLAGS must be set before jax starts: another reason for a child each
@@ -240,6 +248,8 @@ def main(argv=None) -> int:
         if mode not in MODES:
             p.error(f"--modes: {mode!r} is not one of {MODES}")
         cmd = [sys.executable, "-m", "benchmarks.gpu.disagg", "--mode", mode, "--out", str(out)]
+        if a.workloads:
+            cmd += ["--workloads", a.workloads]
         proc = subprocess.run(
             cmd + (["--quick"] if a.quick else []), env=env, capture_output=True, text=True
         )
@@ -249,7 +259,10 @@ def main(argv=None) -> int:
             sys.stderr.write(proc.stderr[-5000:])
             return 1
         results[mode] = json.loads(lines[-1][len("RESULT ") :])
-        (out / f"disagg_{mode}{suffix}.json").write_text(json.dumps(results[mode], indent=1))
+        f = out / f"disagg_{mode}{suffix}.json"
+        if f.exists():  # an earlier call's runs (other workloads) are kept
+            results[mode]["runs"] = {**json.loads(f.read_text())["runs"], **results[mode]["runs"]}
+        f.write_text(json.dumps(results[mode], indent=1))
     for mode in MODES:
         f = out / f"disagg_{mode}{suffix}.json"
         if mode not in results and f.exists():
