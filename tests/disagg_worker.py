@@ -2,6 +2,7 @@
 engine on device 0 and a decode engine on device 1, offline (LLM) and behind the server, against
 one engine. Prints one JSON line of what the tests check."""
 
+import asyncio
 import json
 import sys
 
@@ -126,6 +127,41 @@ def offline(small, res):
     return one
 
 
+async def front_aborts(engine) -> dict:
+    """Through the EngineClient: abort() right after the first token (between the engines),
+    and a consumer that stops reading while the decode engine runs it. Both sides end idle
+    with every block free."""
+    from paxengine import SamplingParams
+
+    await engine.start()
+    p = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    outs = []
+    async for out in engine.generate("ab1", PROMPTS[2], p):
+        outs.append(out)
+        if len(outs) == 1:
+            await engine.abort("ab1")
+    first = [outs[-1].outputs[0].finish_reason, len(outs[-1].outputs[0].token_ids)]
+    stream = engine.generate("ab2", PROMPTS[2], p)
+    n = 0
+    async for _ in stream:
+        n += 1
+        if n == 3:
+            break
+    await stream.aclose()
+    for _ in range(200):  # the aborts are handled between steps, on the engines' threads
+        cores = (engine.prefill.core, engine.decode.core)
+        if not any(c.has_unfinished() for c in cores):
+            break
+        await asyncio.sleep(0.02)
+    free = [c.kv.num_free_blocks == c.kv.num_blocks for c in cores]
+    return {
+        "abort_after_first": first,
+        "closed_after": n,
+        "idle": not any(c.has_unfinished() for c in cores),
+        "free": free,
+    }
+
+
 def serving(small, res, one):
     from fastapi.testclient import TestClient
 
@@ -137,6 +173,7 @@ def serving(small, res, one):
 
     cfg = EngineConfig(show_progress=False, kv_transfer_config={"kv_role": "kv_both"}, **small)
     engine = DisaggregatedEngine(cfg)
+    res["front_aborts"] = asyncio.run(front_aborts(engine))
     body = {"model": engine.model_info().name, "max_tokens": 8, "temperature": 0}
     want = [
         o.outputs[0].text

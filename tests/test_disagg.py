@@ -90,6 +90,12 @@ def test_the_server_streams_one_response_per_request(pd):
     assert pd["n2_status"] == 400
 
 
+def test_aborts_through_the_front_free_both_sides(pd):
+    f = pd["front_aborts"]
+    assert f["abort_after_first"] == ["abort", 1]  # aborted before the decode engine took it
+    assert f["closed_after"] == 3 and f["idle"] and f["free"] == [True, True]
+
+
 def test_a_dead_decode_engine_fails_requests_and_leaks_nothing(pd):
     assert pd["dead_peer_status"] == 503 and pd["after_dead_status"] == 503
     assert not pd["healthy_after_dead"] and pd["prefill_free_after_dead"]

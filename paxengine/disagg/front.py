@@ -118,6 +118,7 @@ class DisaggregatedEngine:
 
     # -- one request ----------------------------------------------------------------------------
     async def _stream(self, request_id: str, prefill_outputs) -> AsyncIterator[RequestOutput]:
+        decode_outputs = None
         try:
             last = None
             async for out in prefill_outputs:
@@ -134,9 +135,15 @@ class DisaggregatedEngine:
             if request_id in self._aborted:
                 yield _aborted(first)
                 return
-            async for out in self.decode.resume(request_id, handoff):
+            decode_outputs = self.decode.resume(request_id, handoff)
+            async for out in decode_outputs:
                 yield out
         finally:
+            # a consumer that went away: each engine's stream, closed now, aborts its request
+            # there (not whenever the garbage collector finalizes it)
+            await prefill_outputs.aclose()
+            if decode_outputs is not None:
+                await decode_outputs.aclose()
             self._live.discard(request_id)
             self._aborted.discard(request_id)
             self.prefill.core.handoffs.pop(request_id, None)
