@@ -173,6 +173,9 @@ def serving(small, res, one):
 
     cfg = EngineConfig(show_progress=False, kv_transfer_config={"kv_role": "kv_both"}, **small)
     engine = DisaggregatedEngine(cfg)
+    from paxengine.client import EngineClient
+
+    res["is_engine_client"] = isinstance(engine, EngineClient)
     res["front_aborts"] = asyncio.run(front_aborts(engine))
     body = {"model": engine.model_info().name, "max_tokens": 8, "temperature": 0}
     want = [

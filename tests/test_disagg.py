@@ -81,6 +81,7 @@ def test_abort_while_pages_wait_and_while_decoding(pd):
 
 
 def test_the_server_streams_one_response_per_request(pd):
+    assert pd["is_engine_client"]
     assert pd["served"] == pd["want_text"]
     assert pd["streamed"] == pd["want_text"]
     assert all(n == 8 for n in pd["stream_chunks"])  # the first token's chunk, then 7 decoded
