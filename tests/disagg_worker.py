@@ -50,6 +50,14 @@ def offline(small, res):
     res["prefix_moved_skipped"] = [st.pages - before[0], st.pages_skipped - before[1]]
     res["prefix_prompt_blocks"] = -(-len(pd.tokenizer.encode(shared + "Name a colour.")) // 16)
 
+    # a prompt longer than a step's tokens: its first chunk's pages go before it finishes
+    long_prompt = "one two three four " * 25  # ~100 tokens: chunks of 64 and the rest
+    before = (st.transfers, st.pages)
+    got = tokens(pd.generate([long_prompt], greedy, use_tqdm=False))
+    res["chunked"] = [st.transfers - before[0], st.pages - before[1]]
+    res["chunked_equal"] = got == tokens(one.generate([long_prompt], greedy, use_tqdm=False))
+    res["chunked_blocks"] = -(-len(pd.tokenizer.encode(long_prompt)) // 16)
+
     # a lost transfer on either side: the decode engine recomputes, same tokens, no block left
     core.transfer.fail_sends = 1
     a = tokens(pd.generate(PROMPTS[:2], greedy, use_tqdm=False))
@@ -118,9 +126,9 @@ def offline(small, res):
     def full(outs):
         return [(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].logprobs) for o in outs]
 
+    both = PROMPTS + [long_prompt]  # the long one sent chunk by chunk from the worker thread
     res["variants_equal"] = [
-        full(dt.generate(PROMPTS, c, use_tqdm=False))
-        == full(one.generate(PROMPTS, c, use_tqdm=False))
+        full(dt.generate(both, c, use_tqdm=False)) == full(one.generate(both, c, use_tqdm=False))
         for c in cases
     ]
     res["free_dispatch_thread"] = free_blocks(dt.engine)

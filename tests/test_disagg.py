@@ -70,6 +70,14 @@ def test_a_prefix_the_decode_side_holds_is_not_sent(pd):
     assert skipped == 4 and moved == pd["prefix_prompt_blocks"] - 4 == 1
 
 
+def test_a_long_prompts_pages_go_chunk_by_chunk(pd):
+    sends, pages = pd["chunked"]
+    # chunks of 64, 16, 16 and 5 tokens (the scheduler fits buckets): 4 + 1 + 1 pages as they
+    # are dispatched, the last one with the first token
+    assert sends == 4 and pages == pd["chunked_blocks"] == 7
+    assert pd["chunked_equal"]
+
+
 def test_a_failed_transfer_recomputes_with_the_same_tokens(pd):
     send_failed, receive_failed = pd["failed_transfer_tokens"]
     assert send_failed == receive_failed == pd["one_greedy"][:2]

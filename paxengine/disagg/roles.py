@@ -1,11 +1,11 @@
 """The two engines of disaggregated prefill, and the hand-off between them.
 
 `PrefillCore` runs a request's prompt and samples its first token (the request's max_tokens is
-1 there, as in vLLM's P/D). When that finishes a request the client wants more of, the
-scheduler's `on_finish` hook sends the prompt's pages, before they go back to the pool: a
-compiled gather on the prefill device and copies onto the decode devices, dispatched and not
-waited for (`transfer.py`). Pages the decode engine's prefix cache already holds are not sent
-(its index, read as a hint). The result is a `Handoff`.
+1 there, as in vLLM's P/D). A prompt's full pages are sent as each of its chunks is dispatched,
+the rest when the first token finishes the request (the scheduler's `on_finish` hook, before the
+blocks go back to the pool): a compiled gather on the prefill device and copies onto the decode
+devices, dispatched and not waited for (`transfer.py`). Pages the decode engine's prefix cache
+already holds are not sent (its index, read as a hint). The result is a `Handoff`.
 
 `DecodeCore.receive(handoff)` (on the decode engine's thread) admits the request as soon as a
 sequence slot and blocks are free: it allocates blocks first (taking its own cached prefix),
@@ -53,7 +53,8 @@ class Handoff:
     num_cached_tokens: int  # of the prompt, on the prefill side
     start_block: int  # the first page sent (those before it the decode side holds)
     num_blocks: int  # the prompt's pages
-    pieces: list[Piece] | Future | None  # None: the send failed
+    # the sends' pieces (each a list, or a Future of one with dispatch_thread); None: one failed
+    pieces: list[list[Piece] | Future] | None
     # the first token's logprobs as the prefill engine's output has them (attach_output)
     logprobs: list | None = None
     cumulative_logprob: float | None = None
@@ -134,6 +135,16 @@ def _on_engine_thread(core: EngineCore, fn, *args):
     return fn(*args)
 
 
+@dataclass
+class _Outgoing:
+    """A prompt's pages on their way out, sent as the prefill computes them."""
+
+    start_block: int  # the pages before it the decode engine holds (its prefix index, a hint)
+    next_block: int  # the first page not sent yet
+    parts: list  # each send's pieces, or a Future of them
+    failed: bool = False
+
+
 class PrefillCore(EngineCore):
     """kv_producer: prompts and first tokens; hands each finished prompt's pages on."""
 
@@ -146,6 +157,7 @@ class PrefillCore(EngineCore):
         self._max_num_seqs = self.scheduler.max_num_seqs
         self._goes_on: dict[str, SamplingParams] = {}  # requests the decode engine continues
         self.handoffs: dict[str, Handoff] = {}  # finished here, for the caller to take
+        self._outgoing: dict[str, _Outgoing] = {}
 
     def link(self, transfer: KVTransfer, peer: DecodeCore, kv_buffer_size: float) -> None:
         self.transfer, self.peer, self.kv_buffer_size = transfer, peer, kv_buffer_size
@@ -159,7 +171,14 @@ class PrefillCore(EngineCore):
         sched.max_num_seqs = len(sched.running) if backed_up else self._max_num_seqs
         if backed_up and not sched.running and self.inflight is None:
             time.sleep(0.001)  # nothing to run until the decode side admits: do not spin
-        return super().step()
+        outputs = super().step()
+        # a long prompt's full pages go as its chunks are dispatched (the gather runs on the
+        # device after the step that writes them), so their copy overlaps the next chunk
+        bs = self.kv.block_size
+        for req in sched.running:
+            if req.request_id in self._goes_on and req.num_computed_tokens < req.num_prompt_tokens:
+                self._send(req, req.num_computed_tokens // bs)
+        return outputs
 
     def add_request(self, request_id, prompt, params=None, final_only=False) -> None:
         params = params or SamplingParams()
@@ -174,27 +193,41 @@ class PrefillCore(EngineCore):
 
     def abort(self, request_id: str):
         self._goes_on.pop(request_id, None)
+        self._outgoing.pop(request_id, None)  # pieces sent so far are dropped
         self.handoffs.pop(request_id, None)
         return super().abort(request_id)
 
-    def _on_finish(self, req: Request, reason: str) -> None:
-        params = self._goes_on.pop(req.request_id, None)
-        if params is None or reason != "length":  # aborted, or its first token ended it
-            return
-        bs, n = self.kv.block_size, req.num_prompt_tokens
-        num_blocks = self.kv.blocks_needed(n)
-        held = min(self.peer.kv.cached_prefix_blocks(req.prompt_token_ids), n // bs)
-        blocks = req.block_ids[held:num_blocks]
+    def _send(self, req: Request, stop: int) -> _Outgoing:
+        """Send the request's pages up to `stop` not sent yet (nor held by the decode side)."""
+        out = self._outgoing.get(req.request_id)
+        if out is None:
+            held = self.peer.kv.cached_prefix_blocks(req.prompt_token_ids)
+            held = min(held, req.num_prompt_tokens // self.kv.block_size)
+            out = self._outgoing[req.request_id] = _Outgoing(held, held, [])
+        if out.failed or stop <= out.next_block:
+            return out
+        blocks, first = req.block_ids[out.next_block : stop], out.next_block - out.start_block
         if self._dispatcher is not None:  # read the cache after the launches queued there
-            pieces = self._dispatcher.submit(self.transfer.send, blocks)
+            out.parts.append(self._dispatcher.submit(self.transfer.send, blocks, first))
         else:
             try:
-                pieces = self.transfer.send(blocks)
+                out.parts.append(self.transfer.send(blocks, first))
             except TransferFailed as e:
                 log.warning(
                     "%s: KV transfer failed, the decode engine recomputes: %s", req.request_id, e
                 )
-                pieces = None
+                out.failed = True
+        out.next_block = stop
+        return out
+
+    def _on_finish(self, req: Request, reason: str) -> None:
+        params = self._goes_on.pop(req.request_id, None)
+        if params is None or reason != "length":  # aborted, or its first token ended it
+            self._outgoing.pop(req.request_id, None)
+            return
+        num_blocks = self.kv.blocks_needed(req.num_prompt_tokens)
+        out = self._send(req, num_blocks)
+        del self._outgoing[req.request_id]
         self.handoffs[req.request_id] = Handoff(
             req.request_id,
             self.groups[req.request_id].prompt,
@@ -206,9 +239,9 @@ class PrefillCore(EngineCore):
             req.first_scheduled_time,
             req.first_token_time,
             req.num_cached_tokens,
-            held,
+            out.start_block,
             num_blocks,
-            pieces,
+            None if out.failed else out.parts,
         )
 
 
@@ -273,13 +306,14 @@ class DecodeCore(EngineCore):
         req = self.seq_of[h.request_id][1].req
         if len(sched.running) >= sched.max_num_seqs:
             return False
-        pieces = h.pieces
-        if isinstance(pieces, Future):
+        pieces = [] if h.pieces is not None else None
+        for part in h.pieces or ():
             try:
-                pieces = pieces.result()
+                pieces += part.result() if isinstance(part, Future) else part
             except TransferFailed as e:
                 log.warning("%s: KV transfer failed, recomputing here: %s", h.request_id, e)
                 pieces = None
+                break
         cached = self.kv.find_cached_prefix(req)
         if pieces is None or len(cached) < h.start_block:  # lost, or its prefix evicted since
             return self._recompute(req)

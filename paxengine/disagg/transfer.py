@@ -174,9 +174,10 @@ class KVTransfer:
             i += size
         return out
 
-    def send(self, src_blocks: list[int]) -> list[Piece]:
+    def send(self, src_blocks: list[int], first: int = 0) -> list[Piece]:
         """Gather these source pages and start their copies onto the destination devices (on
-        the source engine's thread). Raises TransferFailed; the source cache is untouched."""
+        the source engine's thread); they are pages first, first + 1, ... of the transfer.
+        Raises TransferFailed; the source cache is untouched."""
         if self.fail_sends:
             self.fail_sends -= 1
             self.stats.failures += 1
@@ -193,7 +194,7 @@ class KVTransfer:
                 jax.block_until_ready([g[2] for g in gathered])
             t0 = time.perf_counter()
             for start, n, pages in gathered:
-                pieces.append(Piece(start, n, jax.device_put(pages, self._dst_shardings)))
+                pieces.append(Piece(first + start, n, jax.device_put(pages, self._dst_shardings)))
             if self.measure:
                 jax.block_until_ready([p.pages for p in pieces])
                 self.stats.seconds += time.perf_counter() - t0
