@@ -128,6 +128,11 @@ class EngineCore:
 
             self.tokenizer = Tokenizer.from_hf_dir(cfg.tokenizer, eos_token_ids=self.eos_token_ids)
             self.eos_token_ids = self.eos_token_ids or list(self.tokenizer.eos_token_ids)
+        draft = None  # speculative_config's draft model: loaded and checked before any compile
+        if self.spec is not None and self.spec.method == "draft":
+            from paxengine.spec_decode.draft_model import load_draft_model
+
+            draft = load_draft_model(cfg, self.spec, loaded.config, self.tokenizer, dtype)
         self.model_name = served_name(cfg)
         self.max_model_len = min(
             cfg.max_model_len or min(loaded.config.max_position_embeddings, 8192),
@@ -238,6 +243,31 @@ class EngineCore:
             if cfg.structured_outputs
             else [f for f in ALL_FLAGS if not f[3]],
         )
+        self.drafter = None
+        if draft is not None:  # its own params, paged KV (the target's block ids) and buckets
+            from paxengine.spec_decode.draft_model import DraftProposer
+
+            self.drafter = DraftProposer(
+                draft,
+                self.spec,
+                dtype=_DTYPES[dtype],
+                num_blocks=num_blocks,
+                block_size=cfg.block_size,
+                max_model_len=self.max_model_len,
+                token_buckets=tb,
+                seq_buckets=sb,
+                attention_backend=cfg.attention_backend,
+                layer_loop=cfg.layer_loop,
+                show_progress=cfg.show_progress,
+                store=store,
+            )
+            self.scheduler.proposer = self.drafter.proposal
+            log.info(
+                "draft model %s: %d step executables (%d compiled, the rest shared or stored)",
+                self.spec.model,
+                self.drafter.num_executables,
+                self.drafter.compiles,
+            )
         r = self.runner
         n_exe = len(r.compiled) + len(r.samplers)
         loaded_exe = store.hits if store is not None else 0
@@ -465,7 +495,11 @@ class EngineCore:
             raise
 
     def _dispatch_and_read(self, read) -> list[RequestOutput]:
+        if self.drafter is not None and self.inflight is None and self.scheduler.speculating():
+            self.drafter.prepare(self.scheduler)  # the drafts Scheduler._propose hands out
         out = self.scheduler.schedule()
+        if self.drafter is not None:
+            self.drafter.settle(out)
         dispatched = None
         if out:
             prev_rows = self.inflight.rows if self.inflight is not None else None

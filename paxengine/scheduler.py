@@ -107,6 +107,9 @@ class Scheduler:
         # called as finish(req, reason) ends a request, before its blocks go back: disaggregated
         # prefill sends a finished prompt's pages from here (paxengine/disagg/roles.py)
         self.on_finish = None
+        # proposer(req, k) -> drafts, instead of the n-gram lookup: the draft model's
+        # (spec_decode/draft_model.py), which drafts every request before schedule() runs
+        self.proposer = None
 
     # -- admission ------------------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -213,6 +216,8 @@ class Scheduler:
             k = min(k, req.params.max_tokens - req.num_output_tokens - 1)
         if k < 1:
             return []
+        if self.proposer is not None:
+            return self.proposer(req, k)
         spec = self.spec
         return propose_ngram(req.token_array(), spec.prompt_lookup_min, spec.prompt_lookup_max, k)
 

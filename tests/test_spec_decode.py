@@ -37,8 +37,10 @@ NGRAM = {
     [
         ({"method": "eagle3", "num_speculative_tokens": 3}, "'eagle3' is not implemented yet"),
         ({"method": "eagle", "num_speculative_tokens": 3}, "'eagle' is not implemented yet"),
-        ({"method": "draft", "num_speculative_tokens": 3}, "'draft' is not implemented yet"),
-        ({"model": "x", "num_speculative_tokens": 3}, "'draft' is not implemented yet"),
+        ({"method": "draft", "num_speculative_tokens": 3}, "method 'draft' needs 'model'"),
+        ({"model": "x"}, "num_speculative_tokens is required"),
+        ({"method": "ngram", "model": "x", "num_speculative_tokens": 3}, "is for method 'draft'"),
+        ({"method": "eagle", "model": "x", "num_speculative_tokens": 3}, "not implemented yet"),
         ({"method": "magic", "num_speculative_tokens": 3}, "unknown method 'magic'"),
         ({"method": "ngram", "num_speculative_tokens": 0}, r"must be in \[1, 16\], got 0"),
         ({"method": "ngram", "num_speculative_tokens": 17}, r"must be in \[1, 16\], got 17"),

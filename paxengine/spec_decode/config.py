@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 MAX_SPECULATIVE_TOKENS = 16
 # Methods vLLM has that we do not run yet (issue #20's later slices): refused by name.
-_NOT_YET = ("draft", "eagle", "eagle3", "medusa", "mlp_speculator", "deepseek_mtp")
+_NOT_YET = ("eagle", "eagle3", "medusa", "mlp_speculator", "deepseek_mtp")
 # Above this many running sequences the engine stops speculating: a verify step costs more than
 # it saves once the batch is compute-bound. 16 is a placeholder awaiting the H200 measurement
 # (issue #20: the batch size where the off switch should sit).
@@ -21,6 +21,9 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 5  # shortest suffix n-gram that may match (vLLM's default)
     prompt_lookup_max: int = 5  # longest, tried first
     disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
+    # method "draft": the draft model, any source --model takes (a safetensors directory, a
+    # .gguf file, "default" for the embedded GGUF, dummy:<preset>); loaded by the engine
+    model: str | None = None
 
 
 def parse_speculative_config(raw) -> SpeculativeConfig | None:
@@ -42,13 +45,19 @@ def parse_speculative_config(raw) -> SpeculativeConfig | None:
     if method is None:
         # vLLM infers ngram from prompt_lookup_*; a draft model from `model`
         method = "draft" if "model" in raw else "ngram"
-    if method in _NOT_YET or (method != "ngram" and "model" in raw):
+    if method in _NOT_YET or (method not in ("ngram", "draft") and "model" in raw):
         raise ValueError(
             f"speculative_config: method {method!r} is not implemented yet (only 'ngram', "
-            "prompt lookup, is)"
+            "prompt lookup, and 'draft', a draft model, are)"
         )
+    if method == "draft":
+        return _parse_draft(raw)
     if method != "ngram":
-        raise ValueError(f"speculative_config: unknown method {method!r} (supported: 'ngram')")
+        raise ValueError(
+            f"speculative_config: unknown method {method!r} (supported: 'ngram', 'draft')"
+        )
+    if "model" in raw:
+        raise ValueError("speculative_config: 'model' is for method 'draft', not 'ngram'")
     known = {
         "num_speculative_tokens",
         "prompt_lookup_min",
@@ -58,6 +67,21 @@ def parse_speculative_config(raw) -> SpeculativeConfig | None:
     unknown = set(raw) - known
     if unknown:
         raise ValueError(f"speculative_config: unknown keys {sorted(unknown)} for method 'ngram'")
+    k = _check_ints(raw)
+    # vLLM's defaults: both 5; one of them given, the other equals it
+    lo = raw.get("prompt_lookup_min", raw.get("prompt_lookup_max", 5))
+    hi = raw.get("prompt_lookup_max", lo)
+    if lo < 1:
+        raise ValueError(f"speculative_config: prompt_lookup_min must be >= 1, got {lo}")
+    if lo > hi:
+        raise ValueError(
+            f"speculative_config: prompt_lookup_min ({lo}) must be <= prompt_lookup_max ({hi})"
+        )
+    return SpeculativeConfig("ngram", k, lo, hi, _disable(raw))
+
+
+def _check_ints(raw: dict) -> int:
+    """Every value in `raw` an int (bools refused); -> num_speculative_tokens, checked."""
     for key, value in raw.items():
         if isinstance(value, bool) or not isinstance(value, int):
             raise ValueError(f"speculative_config: {key} must be an integer, got {value!r}")
@@ -69,16 +93,27 @@ def parse_speculative_config(raw) -> SpeculativeConfig | None:
             f"speculative_config: num_speculative_tokens must be in [1, "
             f"{MAX_SPECULATIVE_TOKENS}], got {k}"
         )
-    # vLLM's defaults: both 5; one of them given, the other equals it
-    lo = raw.get("prompt_lookup_min", raw.get("prompt_lookup_max", 5))
-    hi = raw.get("prompt_lookup_max", lo)
-    if lo < 1:
-        raise ValueError(f"speculative_config: prompt_lookup_min must be >= 1, got {lo}")
-    if lo > hi:
-        raise ValueError(
-            f"speculative_config: prompt_lookup_min ({lo}) must be <= prompt_lookup_max ({hi})"
-        )
+    return k
+
+
+def _disable(raw: dict) -> int:
     disable = raw.get("disable_by_batch_size", DEFAULT_DISABLE_BY_BATCH_SIZE)
     if disable < 1:
         raise ValueError(f"speculative_config: disable_by_batch_size must be >= 1, got {disable}")
-    return SpeculativeConfig("ngram", k, lo, hi, disable)
+    return disable
+
+
+def _parse_draft(raw: dict) -> SpeculativeConfig:
+    """method 'draft': {"model", "num_speculative_tokens", "disable_by_batch_size"}. The model
+    itself (its vocabulary against the target's) is checked when the engine loads it."""
+    model = raw.pop("model", None)
+    if not isinstance(model, str) or not model:
+        raise ValueError(
+            "speculative_config: method 'draft' needs 'model' (a path, a .gguf file, 'default' "
+            f"or dummy:<preset>), got {model!r}"
+        )
+    unknown = set(raw) - {"num_speculative_tokens", "disable_by_batch_size"}
+    if unknown:
+        raise ValueError(f"speculative_config: unknown keys {sorted(unknown)} for method 'draft'")
+    k = _check_ints(raw)
+    return SpeculativeConfig("draft", k, 5, 5, _disable(raw), model)
