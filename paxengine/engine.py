@@ -205,6 +205,12 @@ class EngineCore:
             gpu_memory_utilization=cfg.gpu_memory_utilization,
             device=tp.mesh.devices.flat[0] if tp is not None else None,
         )
+        if draft is not None and not cfg.num_kv_blocks:  # the KV budget holds both models' pages
+            from paxengine.spec_decode.draft_model import share_kv_budget
+
+            num_blocks = share_kv_budget(
+                num_blocks, loaded.config, draft.config, cfg.block_size, kv_dtype, _DTYPES[dtype]
+            )
         self.kv = KVCacheManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         tb = cfg.token_buckets or token_buckets(max_tokens)
         sb = cfg.seq_buckets or seq_buckets(cfg.max_num_seqs)

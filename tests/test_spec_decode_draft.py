@@ -209,3 +209,16 @@ def test_bad_draft_models_fail_start_up(tmp_path):
                 "prompt_lookup_min": 2,
             },  # fmt: skip
         )
+
+
+def test_planned_kv_budget_holds_the_drafts_pages():
+    """A byte budget (or free memory) pays for both models' pages per block; an explicit
+    num_kv_blocks is kept as it is."""
+    import jax.numpy as jnp
+
+    from paxengine.models.config import PRESETS
+    from paxengine.spec_decode.draft_model import share_kv_budget
+
+    tiny = PRESETS["tiny"]
+    assert share_kv_budget(100, tiny, tiny, 16, jnp.float32, jnp.float32) == 50
+    assert share_kv_budget(1, tiny, tiny, 16, jnp.float32, jnp.float32) == 1

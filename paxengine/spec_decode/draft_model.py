@@ -10,7 +10,8 @@ slots, freeing on finish/abort/preemption and the pool's size cover the draft's 
 second allocator to keep in step (a separate manager would need every scheduler decision
 mirrored, and could disagree with it under pressure). The cost: the draft's pool is as many
 blocks as the target's, whatever the draft's size (small next to the target's: its layers are
-few and narrow), and on a GPU `plan_num_blocks` does not reserve room for it yet.
+few and narrow); a planned pool (kv_cache_memory_bytes, or free GPU memory) is shrunk so both
+fit (`share_kv_budget`).
 
 What the draft has computed: `_State` per request. The draft's KV is valid for positions
 [0, computed); each round feeds the tokens after that (on a request's first speculation, or
@@ -77,6 +78,17 @@ def load_draft_model(cfg, spec, target_config, target_tokenizer, dtype: str):
             f"target's {_vocab_size(tt)}: a draft model must share the target's tokenizer"
         )
     return loaded
+
+
+def share_kv_budget(num_blocks: int, target_cfg, draft_cfg, block_size, kv_dtype, draft_dtype):
+    """The pool size when a planned KV budget (bytes or free memory) must also hold the draft's
+    pages: a block costs the target's pages plus the draft's (same block ids, see above). An
+    explicit num_kv_blocks is taken as it is."""
+    from paxengine.runner import kv_bytes_per_block
+
+    t = kv_bytes_per_block(target_cfg, block_size, kv_dtype)
+    d = kv_bytes_per_block(draft_cfg, block_size, draft_dtype)
+    return max(1, num_blocks * t // (t + d))
 
 
 def _vocab_size(tok) -> int | None:
