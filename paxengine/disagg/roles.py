@@ -347,7 +347,8 @@ def build_pair(config, kvt) -> tuple[PrefillCore, DecodeCore, KVTransfer]:
     """The prefill engine on kvt.prefill_device, the decode engine on kvt.decode_device (each
     with config's tensor_parallel_size devices from there), linked by a KVTransfer."""
     base = config.replace(kv_transfer_config=None)
-    prefill = PrefillCore(base.replace(first_device=kvt.prefill_device))
+    # the prefill engine never decodes: no speculation there (nor a draft model to load)
+    prefill = PrefillCore(base.replace(first_device=kvt.prefill_device, speculative_config=None))
     decode = DecodeCore(base.replace(first_device=kvt.decode_device))
     transfer = KVTransfer(
         prefill.runner, decode.runner, kvt.max_blocks_per_copy, kvt.measure_transfers
