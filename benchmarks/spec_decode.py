@@ -7,6 +7,11 @@ speed-up reported is the median of the pairs' ratios, next to the fastest run of
 ratio of engine steps (deterministic: how many fewer forwards speculation needed).
 
     python -m benchmarks.spec_decode --result-file benchmarks/results/cpu_X_spec_decode/r.json
+
+--draft-model SOURCE adds a draft-model engine (speculative_config {"model": SOURCE}; any
+source --model takes: "default" is the embedded SmolLM2 drafting for itself, a sanity check:
+every draft is accepted, and each verify step costs k draft forwards of the same size, so it
+cannot be faster); --no-ngram leaves the n-gram engine out.
 """
 
 from __future__ import annotations
@@ -48,6 +53,8 @@ FREE = [
 
 def run(llm, prompts, params, batch: bool) -> dict:
     stats0 = llm.engine.stats()
+    drafter = getattr(llm.engine, "drafter", None)
+    fwd0 = drafter.draft_steps if drafter is not None else 0
     t0 = time.perf_counter()
     if batch:
         outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, False)
@@ -62,6 +69,8 @@ def run(llm, prompts, params, batch: bool) -> dict:
         "output_tokens": n_out,
         "output_tokens_per_s": n_out / dt,
         "steps": st["steps"] - stats0["steps"],
+        # the draft model's forwards (k per verify step, more for a first speculation's prefill)
+        "draft_forwards": (drafter.draft_steps if drafter is not None else 0) - fwd0,
         "draft_tokens": d.get("spec_decode_num_draft_tokens", 0),
         "accepted_tokens": d.get("spec_decode_num_accepted_tokens", 0),
         "acceptance_rate": d.get("spec_decode_num_accepted_tokens", 0)
@@ -80,6 +89,8 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--prompt-lookup-min", type=int, default=1)
     ap.add_argument("--prompt-lookup-max", type=int, default=4)
+    ap.add_argument("--draft-model", default=None, help="also run a draft-model engine")
+    ap.add_argument("--no-ngram", action="store_true", help="leave the n-gram engine out")
     a = ap.parse_args(argv)
 
     from paxengine import LLM, SamplingParams
@@ -96,7 +107,11 @@ def main(argv=None):
         "prompt_lookup_min": a.prompt_lookup_min,
         "prompt_lookup_max": a.prompt_lookup_max,
     }
-    engines = {"plain": LLM(**base), "ngram": LLM(**base, speculative_config=spec_cfg)}
+    configs = {} if a.no_ngram else {"ngram": spec_cfg}
+    if a.draft_model:
+        configs["draft"] = {"model": a.draft_model, "num_speculative_tokens": a.k}
+    engines = {"plain": LLM(**base)}
+    engines.update({name: LLM(**base, speculative_config=c) for name, c in configs.items()})
     params = SamplingParams(temperature=0, max_tokens=a.max_tokens)
     for llm in engines.values():  # warm the host paths (tokenizer, detokenizer)
         llm.generate("Hello", SamplingParams(max_tokens=4), use_tqdm=False)
@@ -115,31 +130,35 @@ def main(argv=None):
                 }
                 for name, rs in runs.items()
             }
-            same = row["plain"]["token_ids"] == row["ngram"]["token_ids"]
+            for name in configs:
+                same = row["plain"]["token_ids"] == row[name]["token_ids"]
+                pairs = [
+                    n["output_tokens_per_s"] / p["output_tokens_per_s"]
+                    for p, n in zip(runs["plain"], runs[name])
+                ]
+                r = row[name]
+                r.update(
+                    identical_greedy_outputs=same,
+                    paired_speedups=pairs,
+                    speedup=float(np.median(pairs)),
+                    steps_ratio=row["plain"]["steps"] / max(r["steps"], 1),
+                )
+                print(
+                    f"{wl:5s} {mode:14s} plain {row['plain']['output_tokens_per_s']:7.1f} tok/s  "
+                    f"{name} {r['output_tokens_per_s']:7.1f} tok/s  "
+                    f"x{r['speedup']:.2f} (paired median; steps x{r['steps_ratio']:.2f})  "
+                    f"acceptance {r['acceptance_rate']:.2f} "
+                    f"({r['mean_accepted_per_draft']:.2f}/draft)  identical={same}",
+                    flush=True,
+                )
             for r in row.values():
                 del r["token_ids"]
-            row["identical_greedy_outputs"] = same
-            pairs = [
-                n["output_tokens_per_s"] / p["output_tokens_per_s"]
-                for p, n in zip(runs["plain"], runs["ngram"])
-            ]
-            row["paired_speedups"] = pairs
-            row["speedup"] = float(np.median(pairs))
-            row["steps_ratio"] = row["plain"]["steps"] / max(row["ngram"]["steps"], 1)
             results[f"{wl}/{mode}"] = row
-            print(
-                f"{wl:5s} {mode:14s} plain {row['plain']['output_tokens_per_s']:7.1f} tok/s  "
-                f"ngram {row['ngram']['output_tokens_per_s']:7.1f} tok/s  "
-                f"x{row['speedup']:.2f} (paired median; steps x{row['steps_ratio']:.2f})  "
-                f"acceptance {row['ngram']['acceptance_rate']:.2f} "
-                f"({row['ngram']['mean_accepted_per_draft']:.2f}/draft)  identical={same}",
-                flush=True,
-            )
     res = {
         "benchmark": "spec_decode",
         "model": "embedded SmolLM2-135M-Instruct (float32)",
         "engine": base,
-        "speculative_config": spec_cfg,
+        "speculative_configs": configs,
         "max_tokens": a.max_tokens,
         "repeats": a.repeats,
         "results": results,

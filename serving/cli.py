@@ -124,8 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
         type=_speculative_config,
         metavar="JSON",
         help='speculative decoding, as vLLM\'s: \'{"method": "ngram", "num_speculative_tokens": '
-        '4, "prompt_lookup_max": 4}\' (n-gram prompt lookup; "disable_by_batch_size": N stops '
-        "speculating above N running requests)",
+        '4, "prompt_lookup_max": 4}\' (n-gram prompt lookup) or \'{"model": SOURCE, '
+        '"num_speculative_tokens": 4}\' (a draft model with the same vocabulary, any --model '
+        'source); "disable_by_batch_size": N stops speculating above N running requests',
     )
     e.add_argument(
         "--kv-transfer-config",

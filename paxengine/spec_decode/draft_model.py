@@ -50,8 +50,9 @@ GREEDY_FLAGS = [(False, False, False, False)]  # the one sampler variant the dra
 
 def load_draft_model(cfg, spec, target_config, target_tokenizer, dtype: str):
     """Load speculative_config's model and check it can draft for the target: the same
-    vocabulary (token ids are compared as ints) and room for the target's context. Called right
-    after the target loads, before anything compiles, so a bad draft fails start-up fast."""
+    vocabulary (token ids are compared as ints). Called right after the target loads, before
+    anything compiles, so a bad draft fails start-up fast. A draft trained on a shorter context
+    than the target's still runs past it (RoPE extrapolates): it only drafts worse there."""
     from paxengine.models.loader import load_model
 
     if cfg.tensor_parallel_size != 1:
@@ -92,12 +93,7 @@ def share_kv_budget(num_blocks: int, target_cfg, draft_cfg, block_size, kv_dtype
 
 
 def _vocab_size(tok) -> int | None:
-    for name in ("vocab_size", "get_vocab_size"):
-        v = getattr(tok, name, None)
-        if v is not None:
-            return v() if callable(v) else v
-    inner = getattr(tok, "tok", None) or getattr(tok, "_tok", None)
-    return inner.get_vocab_size() if inner is not None else None
+    return getattr(tok, "vocab_size", None)  # paxengine.tokenizer.Tokenizer's, added tokens too
 
 
 @dataclass
