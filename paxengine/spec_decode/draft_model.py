@@ -110,7 +110,9 @@ class _Work:
     pos: int  # the next position to feed
     feed: list[int]  # tokens still to feed, from pos
     k: int  # drafts wanted
-    drafts: list[int] = field(default_factory=list)
+    # while drafting: (step, row) of each draft's sample on the device; then the token ids
+    drafts: list = field(default_factory=list)
+    prev_row: int = -1  # its row in the step just run
 
 
 class DraftProposer:
@@ -262,9 +264,18 @@ class DraftProposer:
     def _run(self, work: list[_Work]) -> None:
         """Feed every request's backlog, then its own samples, through the draft's buckets: a
         request whose feed runs out in a step takes that row's sample as its next draft (and
-        feeds it next, until it has k). Rows in order; a long backlog is chunked."""
+        feeds it next, until it has k). A long backlog is chunked.
+
+        The samples stay on the device until the round ends (one read-back, not one per
+        step): a request feeding its last draft takes it from the previous step's samples
+        (`prev_index`, as the target's overlapped steps do). Those requests go first in each
+        step, one token each, so they always fit in it (max_num_batched_tokens >=
+        max_num_seqs); the loop's control flow depends on counts only, never on token ids."""
+        results = []  # each step's sampled ids, on the device
         active = list(work)
         while active:
+            # requests feeding the previous step's sample first: that sample is in prev_tokens
+            active.sort(key=lambda w: w.feed != [None])
             rows, t = [], 0
             for w in active:
                 if len(rows) == self.max_S or t == self.max_T:
@@ -272,23 +283,28 @@ class DraftProposer:
                 n = min(len(w.feed), self.max_T - t)
                 rows.append((w, n))
                 t += n
-            tokens = self._execute(rows, t)
+            if any(w.feed == [None] for w in active[len(rows) :]):  # custom buckets too small
+                raise RuntimeError("a draft row did not fit the step after its sample")
+            results.append(self._execute(rows, t))
             for i, (w, n) in enumerate(rows):
                 w.pos += n
                 w.feed = w.feed[n:]
                 if not w.feed:  # this row's sample follows its whole sequence: a draft
-                    w.drafts.append(int(tokens[i]))
+                    w.drafts.append((len(results) - 1, i))
+                    w.prev_row = i
                     if len(w.drafts) < w.k:
-                        w.feed = [w.drafts[-1]]
+                        w.feed = [None]  # the sample just drawn, taken on the device
             active = [w for w in active if len(w.drafts) < w.k]
+        fetched = [np.asarray(x) for x in jax.device_get(results)]
         for w in work:
+            w.drafts = [int(fetched[step][row]) for step, row in w.drafts]
             req = w.req
             # fed: the drafts at num_tokens, ... (the last one was never fed)
             self.states[req.request_id] = _State(
                 req.num_preemptions, req.num_tokens, w.drafts[:-1], req.num_tokens
             )
 
-    def _execute(self, rows, num_tokens: int) -> np.ndarray:
+    def _execute(self, rows, num_tokens: int):
         r = self.runner
         T, S = r.bucket_for(num_tokens, len(rows))
         bs, P = self.block_size, r.max_blocks_per_seq
@@ -299,11 +315,15 @@ class DraftProposer:
         seq_lens = np.zeros(S, np.int32)
         qsl = np.zeros(S + 1, np.int32)
         logits_idx = np.zeros(S, np.int32)
+        prev_index = np.full(T, -1, np.int32)
         t = 0
         for i, (w, n) in enumerate(rows):
             blocks = w.req.block_array()
             pos = np.arange(w.pos, w.pos + n, dtype=np.int32)
-            tokens[t : t + n] = w.feed[:n]
+            if w.feed[0] is None:  # the previous step's sample of this request (n == 1)
+                prev_index[t] = w.prev_row
+            else:
+                tokens[t : t + n] = w.feed[:n]
             positions[t : t + n] = pos
             slots[t : t + n] = blocks[pos // bs] * bs + pos % bs
             tables[i, : len(blocks)] = blocks
@@ -321,10 +341,10 @@ class DraftProposer:
             qsl,
             np.asarray([len(rows)], np.int32),
             logits_idx,
-            np.full(T, -1, np.int32),
+            prev_index,
         )
         st = build_sampling_tensors([], S, r.history_len, [], available=GREEDY_FLAGS)
         result = r.execute(arrays, st)
         self.draft_steps += 1
         self.draft_tokens_fed += num_tokens
-        return np.asarray(jax.device_get(result[0]))
+        return result[0]
