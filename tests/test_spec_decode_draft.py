@@ -222,3 +222,14 @@ def test_planned_kv_budget_holds_the_drafts_pages():
     tiny = PRESETS["tiny"]
     assert share_kv_budget(100, tiny, tiny, 16, jnp.float32, jnp.float32) == 50
     assert share_kv_budget(1, tiny, tiny, 16, jnp.float32, jnp.float32) == 1
+
+
+def test_serve_flag_takes_a_draft_model(capsys):
+    from serving.cli import parse
+
+    raw = '{"model": "dummy:tiny", "num_speculative_tokens": 2}'
+    ecfg, _ = parse(["--speculative-config", raw])
+    assert ecfg.speculative_config == {"model": "dummy:tiny", "num_speculative_tokens": 2}
+    with pytest.raises(SystemExit):
+        parse(["--speculative-config", '{"method": "draft", "num_speculative_tokens": 2}'])
+    assert "method 'draft' needs 'model'" in capsys.readouterr().err
