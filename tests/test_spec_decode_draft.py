@@ -233,3 +233,26 @@ def test_serve_flag_takes_a_draft_model(capsys):
     with pytest.raises(SystemExit):
         parse(["--speculative-config", '{"method": "draft", "num_speculative_tokens": 2}'])
     assert "method 'draft' needs 'model'" in capsys.readouterr().err
+
+
+def test_failed_draft_step_costs_only_the_drafts(plain, same, monkeypatch):
+    """A draft forward that raises: that step runs without drafts, the draft's state starts
+    over (its cache is fresh), and outputs and the pool are as without it."""
+    d = same.engine.drafter
+    execute, calls = d.runner.execute, []
+
+    def flaky(arrays, st):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("injected draft failure")
+        return execute(arrays, st)
+
+    monkeypatch.setattr(d.runner, "execute", flaky)
+    p = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    before = same.engine.stats()
+    out = _ids(same.generate(PROMPTS[:3], p, use_tqdm=False))
+    assert len(calls) > 3 and out == _ids(plain.generate(PROMPTS[:3], p, use_tqdm=False))
+    delta = _delta(same, before)
+    assert delta["spec_decode_num_accepted_tokens"] == delta["spec_decode_num_draft_tokens"] > 0
+    assert same.engine.stats()["failed_steps"] == before["failed_steps"]
+    _assert_pool_empty(same)
