@@ -70,7 +70,8 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"
     # speculative decoding, vLLM's keys (paxengine/spec_decode): {"method": "ngram",
     # "num_speculative_tokens": k, "prompt_lookup_min": 1, "prompt_lookup_max": 4,
-    # "disable_by_batch_size": 16}; a dict or its JSON text; None: off
+    # "disable_by_batch_size": 16}, or a draft model: {"model": <any --model source>,
+    # "num_speculative_tokens": k}; a dict or its JSON text; None: off
     speculative_config: dict | str | None = None
     # disaggregated prefill, vLLM's keys (paxengine/disagg): {"kv_role": "kv_both",
     # "prefill_device": 0, "decode_device": 1, "max_blocks_per_copy": 256}: a prefill engine and
