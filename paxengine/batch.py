@@ -62,6 +62,36 @@ class StepArrays:
     logits_indices: np.ndarray
     prev_index: np.ndarray  # [T]: row of the previous step whose sampled token goes here, or -1
 
+    @classmethod
+    def padding(cls, T: int, S: int, P: int, num_seqs: int) -> "StepArrays":
+        """A step of T tokens and S rows, all padding (slots -1, no previous-step tokens), for
+        the caller to fill its `num_seqs` live rows in."""
+        return cls(
+            np.zeros(T, np.int32),
+            np.zeros(T, np.int32),
+            np.full(T, -1, np.int32),
+            np.zeros((S, P), np.int32),
+            np.zeros(S, np.int32),
+            np.zeros(S + 1, np.int32),
+            np.asarray([num_seqs], np.int32),
+            np.zeros(S, np.int32),
+            np.full(T, -1, np.int32),
+        )
+
+    def fields(self) -> tuple:
+        """(tokens, positions, slots, tables, seq_lens, query_start_loc, logits_indices,
+        prev_index): the arrays a builder fills."""
+        return (
+            self.tokens,
+            self.positions,
+            self.slot_mapping,
+            self.block_tables,
+            self.seq_lens,
+            self.query_start_loc,
+            self.logits_indices,
+            self.prev_index,
+        )
+
 
 def build_step(
     out: SchedulerOutput,
@@ -74,14 +104,8 @@ def build_step(
     """Call right after `out` was scheduled. prev_rows: request id -> its row in the step still on
     the device, for requests whose last scheduled token is the sample of that step (not yet on
     the host: its id is taken on the device)."""
-    tokens = np.zeros(T, np.int32)
-    positions = np.zeros(T, np.int32)
-    slots = np.full(T, -1, np.int32)
-    tables = np.zeros((S, P), np.int32)
-    seq_lens = np.zeros(S, np.int32)
-    qsl = np.zeros(S + 1, np.int32)
-    logits_idx = np.zeros(S, np.int32)
-    prev_index = np.full(T, -1, np.int32)
+    arrays = StepArrays.padding(T, S, P, len(out.requests))
+    tokens, positions, slots, tables, seq_lens, qsl, logits_idx, prev_index = arrays.fields()
     t = r = 0  # tokens, sampled positions so far
     for row, req in enumerate(out.requests):
         n = out.num_scheduled_tokens[req.request_id]
@@ -112,14 +136,4 @@ def build_step(
         logits_idx[r : r + len(drafts) + 1] = np.arange(t - 1 - len(drafts), t)
         r += len(drafts) + 1
     qsl[len(out.requests) + 1 :] = t
-    return StepArrays(
-        tokens,
-        positions,
-        slots,
-        tables,
-        seq_lens,
-        qsl,
-        np.asarray([len(out.requests)], np.int32),
-        logits_idx,
-        prev_index,
-    )
+    return arrays

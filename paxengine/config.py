@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -106,3 +107,18 @@ def load_yaml(path: str | Path) -> dict:
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a mapping of config keys, got {type(data).__name__}")
     return {k.replace("-", "_"): v for k, v in data.items()}
+
+
+def json_object_option(raw, name: str) -> dict | None:
+    """An option given as a dict or its JSON text (a flag, a YAML key) -> a copy of the dict;
+    None or {} -> None. Raises ValueError naming the option."""
+    if raw is None:
+        return None
+    if isinstance(raw, str):
+        try:
+            raw = json.loads(raw)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{name}: not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{name}: expected a JSON object, got {type(raw).__name__}")
+    return dict(raw) if raw else None

@@ -8,8 +8,9 @@ would hand pages to a peer in another process, which is not built yet: refused b
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
+
+from paxengine.config import json_object_option
 
 CONNECTOR = "JaxDeviceConnector"  # jax.device_put between devices this process sees
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
@@ -49,18 +50,11 @@ class KVTransferConfig:
 def parse_kv_transfer_config(raw, tensor_parallel_size: int = 1) -> KVTransferConfig | None:
     """A dict (or its JSON text) -> KVTransferConfig; None/{} -> None. Raises ValueError naming
     the offending key for anything this engine cannot run."""
-    if raw is None or isinstance(raw, KVTransferConfig):
+    if isinstance(raw, KVTransferConfig):
         return raw
-    if isinstance(raw, str):
-        try:
-            raw = json.loads(raw)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"kv_transfer_config: not valid JSON ({e})") from None
-    if not isinstance(raw, dict):
-        raise ValueError(f"kv_transfer_config: expected a JSON object, got {type(raw).__name__}")
-    if not raw:
+    raw = json_object_option(raw, "kv_transfer_config")
+    if raw is None:
         return None
-    raw = dict(raw)
     connector = raw.pop("kv_connector", CONNECTOR)
     if connector in _OTHER_CONNECTORS:
         raise ValueError(

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
+
+from paxengine.config import json_object_option
 
 MAX_SPECULATIVE_TOKENS = 16
 # Methods vLLM has that we do not run yet (issue #20's later slices): refused by name.
@@ -29,18 +30,11 @@ class SpeculativeConfig:
 def parse_speculative_config(raw) -> SpeculativeConfig | None:
     """A dict (or its JSON text) -> SpeculativeConfig; None/{} -> None. Raises ValueError with
     the offending key on anything we cannot run."""
-    if raw is None or isinstance(raw, SpeculativeConfig):
+    if isinstance(raw, SpeculativeConfig):
         return raw
-    if isinstance(raw, str):
-        try:
-            raw = json.loads(raw)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"speculative_config: not valid JSON ({e})") from None
-    if not isinstance(raw, dict):
-        raise ValueError(f"speculative_config: expected a JSON object, got {type(raw).__name__}")
-    if not raw:
+    raw = json_object_option(raw, "speculative_config")
+    if raw is None:
         return None
-    raw = dict(raw)
     method = raw.pop("method", None)
     if method is None:
         # vLLM infers ngram from prompt_lookup_*; a draft model from `model`

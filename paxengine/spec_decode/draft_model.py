@@ -308,14 +308,8 @@ class DraftProposer:
         r = self.runner
         T, S = r.bucket_for(num_tokens, len(rows))
         bs, P = self.block_size, r.max_blocks_per_seq
-        tokens = np.zeros(T, np.int32)
-        positions = np.zeros(T, np.int32)
-        slots = np.full(T, -1, np.int32)
-        tables = np.zeros((S, P), np.int32)
-        seq_lens = np.zeros(S, np.int32)
-        qsl = np.zeros(S + 1, np.int32)
-        logits_idx = np.zeros(S, np.int32)
-        prev_index = np.full(T, -1, np.int32)
+        arrays = StepArrays.padding(T, S, P, len(rows))
+        tokens, positions, slots, tables, seq_lens, qsl, logits_idx, prev_index = arrays.fields()
         t = 0
         for i, (w, n) in enumerate(rows):
             blocks = w.req.block_array()
@@ -332,17 +326,6 @@ class DraftProposer:
             qsl[i + 1] = t
             logits_idx[i] = t - 1
         qsl[len(rows) + 1 :] = t
-        arrays = StepArrays(
-            tokens,
-            positions,
-            slots,
-            tables,
-            seq_lens,
-            qsl,
-            np.asarray([len(rows)], np.int32),
-            logits_idx,
-            prev_index,
-        )
         st = build_sampling_tensors([], S, r.history_len, [], available=GREEDY_FLAGS)
         result = r.execute(arrays, st)
         self.draft_steps += 1
