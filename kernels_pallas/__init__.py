@@ -1,4 +1,5 @@
-"""paxengine kernels: attention and the FP8-weight matmul, jnp oracles and Pallas kernels.
+"""paxengine kernels: attention, the KV write (plain or fused with RoPE) and the FP8-weight
+matmul, jnp oracles and Pallas kernels.
 
 Contract: ARCHITECTURE.md ("KV cache and attention"). See README.md here for the design.
 """
@@ -9,7 +10,13 @@ from kernels_pallas.fp8_gemv import fp8_matmul
 from kernels_pallas.kv_write import write_kv
 from kernels_pallas.layout import quantize_kv, value_cache_dtype
 from kernels_pallas.metadata import AttentionMetadata, token_to_seq
-from kernels_pallas.reference import ref_fp8_matmul, ref_ragged_paged_attention, ref_write_kv
+from kernels_pallas.reference import (
+    ref_fp8_matmul,
+    ref_ragged_paged_attention,
+    ref_rope_write_kv,
+    ref_write_kv,
+)
+from kernels_pallas.rope_write import rope_write_kv
 from kernels_pallas.tuning import Tuning, default_tuning
 
 __all__ = [
@@ -17,6 +24,8 @@ __all__ = [
     "token_to_seq",
     "ref_ragged_paged_attention",
     "ref_write_kv",
+    "ref_rope_write_kv",
+    "rope_write_kv",
     "quantize_kv",
     "value_cache_dtype",
     "ragged_paged_attention",

@@ -78,15 +78,19 @@ def check_cuda_lowering(
     sliding_window=None,
     soft_cap=None,
     kv_scales=False,
+    rope_write=False,
     **tuning,
 ):
     """Lowers write_kv + ragged_paged_attention for CUDA at one configuration (V pages of
-    `v_dtype`, by default the engine's: layout.value_cache_dtype(kv_dtype)).
+    `v_dtype`, by default the engine's: layout.value_cache_dtype(kv_dtype)); with
+    `rope_write=True`, rope_write_kv (from the fused qkv [T, (Hq + 2 Hkv) * D] and cos / sin
+    [T, D // 2]) in place of write_kv.
 
     Returns the StableHLO text (it contains the Triton kernels); raises on a lowering error.
     """
     from kernels_pallas.dispatch import ragged_paged_attention
     from kernels_pallas.kv_write import write_kv
+    from kernels_pallas.rope_write import rope_write_kv
 
     kv_dtype = kv_dtype or dtype
     shape = (num_layers, num_kv_heads, num_blocks, block_size, head_dim)
@@ -96,9 +100,8 @@ def check_cuda_lowering(
     kv = jax.ShapeDtypeStruct((T, num_kv_heads, head_dim), dtype)
     scales = dict(k_scale=0.5, v_scale=0.25) if kv_scales else {}
 
-    def step(kc, vc, layer, q, k, v, md):
-        kc, vc = write_kv(kc, vc, layer, k, v, md.slot_mapping, impl="pallas", **scales)
-        o = ragged_paged_attention(
+    def attend(q, kc, vc, layer, md):
+        return ragged_paged_attention(
             q,
             kc,
             vc,
@@ -110,16 +113,38 @@ def check_cuda_lowering(
             **scales,
             **tuning,
         )
-        return o, kc, vc
 
+    def step(kc, vc, layer, q, k, v, md):
+        kc, vc = write_kv(kc, vc, layer, k, v, md.slot_mapping, impl="pallas", **scales)
+        return attend(q, kc, vc, layer, md), kc, vc
+
+    def fused_step(kc, vc, layer, qkv, cos, sin, md):
+        q, kc, vc = rope_write_kv(
+            qkv,
+            cos,
+            sin,
+            kc,
+            vc,
+            layer,
+            md.slot_mapping,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            **scales,
+        )
+        return attend(q, kc, vc, layer, md), kc, vc
+
+    if rope_write:
+        qkv = jax.ShapeDtypeStruct((T, (num_heads + 2 * num_kv_heads) * head_dim), dtype)
+        cs = jax.ShapeDtypeStruct((T, head_dim // 2), jnp.float32)
+        inputs, step = (qkv, cs, cs), fused_step
+    else:
+        inputs = (q, kv, kv)
     exp = lower_for_cuda(
         jax.jit(step, donate_argnums=(0, 1)),
         k_cache,
         v_cache,
         jax.ShapeDtypeStruct((), jnp.int32),
-        q,
-        kv,
-        kv,
+        *inputs,
         metadata_specs(T, S, P),
     )
     return exp.mlir_module()

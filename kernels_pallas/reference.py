@@ -1,4 +1,5 @@
-"""Pure-jnp oracles: the KV write, ragged paged attention and the FP8-weight matmul.
+"""Pure-jnp oracles: the KV write (plain and fused with RoPE), ragged paged attention and the
+FP8-weight matmul.
 
 Written to be obviously right, and cheap enough under jit on a CPU to serve as the engine's
 `attention_backend: reference`: every token gathers the pages of its own sequence from its
@@ -34,6 +35,50 @@ def ref_write_kv(
         quantize_kv(v, v_cache.dtype, v_scale), mode="drop"
     )
     return k_cache, v_cache
+
+
+def ref_rope(x, cos, sin):
+    """Rotate-half RoPE of x [T, H, D] by cos/sin [T, D // 2] (f32), rounded to x's dtype: the
+    math of models/llama.py's `apply_rope` with the angles computed by the caller."""
+    half = x.shape[-1] // 2
+    xf = x.astype(jnp.float32)
+    x1, x2 = xf[..., :half], xf[..., half:]
+    c = jnp.asarray(cos, jnp.float32)[:, None, :]
+    s = jnp.asarray(sin, jnp.float32)[:, None, :]
+    return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
+
+
+def ref_rope_write_kv(
+    qkv,
+    cos,
+    sin,
+    k_cache,
+    v_cache,
+    layer,
+    slot_mapping,
+    *,
+    num_heads,
+    num_kv_heads,
+    k_scale=None,
+    v_scale=None,
+    **unused,
+):
+    """The oracle of `rope_write.rope_write_kv`: splits the fused projection qkv
+    [T, (Hq + 2 Hkv) * D] into q, k, v, applies RoPE to q and k (rounded to qkv's dtype) and
+    writes k and v with `ref_write_kv`. -> (q_rot [T, Hq, D], k_cache, v_cache)."""
+    T = qkv.shape[0]
+    D = k_cache.shape[-1]
+    nq, nkv = num_heads * D, num_kv_heads * D
+    assert qkv.shape[1] == nq + 2 * nkv, (qkv.shape, num_heads, num_kv_heads, D)
+    q = qkv[:, :nq].reshape(T, num_heads, D)
+    k = qkv[:, nq : nq + nkv].reshape(T, num_kv_heads, D)
+    v = qkv[:, nq + nkv :].reshape(T, num_kv_heads, D)
+    q_rot = ref_rope(q, cos, sin)
+    k_rot = ref_rope(k, cos, sin)
+    k_cache, v_cache = ref_write_kv(
+        k_cache, v_cache, layer, k_rot, v, slot_mapping, k_scale=k_scale, v_scale=v_scale
+    )
+    return q_rot, k_cache, v_cache
 
 
 def ref_ragged_paged_attention(
