@@ -82,6 +82,18 @@ CONFIGS = {
         **LLAMA8B,
     ),
     "bf16_v_decode": dict(T=64, S=64, P=128, v_dtype=jnp.bfloat16, **LLAMA8B),
+    # rope_write_kv (RoPE + KV write fused) in place of write_kv: decode buckets, bf16 and fp8
+    "rope_write_t1": dict(T=1, S=1, P=512, rope_write=True, **LLAMA8B),
+    "rope_write_t16": dict(T=16, S=16, P=128, rope_write=True, **LLAMA8B),
+    "rope_write_fp8_t1": dict(
+        T=1, S=1, P=512, kv_dtype=jnp.float8_e4m3fn, kv_scales=True, rope_write=True, **LLAMA8B
+    ),
+    "rope_write_fp8_t16": dict(
+        T=16, S=16, P=128, kv_dtype=jnp.float8_e4m3fn, kv_scales=True, rope_write=True, **LLAMA8B
+    ),
+    "rope_write_smollm": dict(
+        T=16, S=4, P=64, num_heads=9, num_kv_heads=3, head_dim=64, rope_write=True
+    ),
 }
 
 
@@ -91,6 +103,8 @@ def test_lowers_for_cuda(name):
     assert "triton" in txt
     if CONFIGS[name].get("k_splits", 1) > 1:
         assert "merge_splits" in txt  # the split-K merge kernel lowered too
+    if CONFIGS[name].get("rope_write"):
+        assert "rope_write_kv" in txt
 
 
 def test_broken_rule_is_caught():
