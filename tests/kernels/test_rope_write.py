@@ -97,10 +97,11 @@ def test_rope_write_kv(name):
 def test_oracle_is_apply_rope(dtype):
     """ref_rope_write_kv == the model's path: split qkv, apply_rope(q), apply_rope(k),
     ref_write_kv. Bit-exact op by op (x1 c + (-x2) s == x1 c - x2 s in IEEE arithmetic, and
-    cos(concat([f, f])) is cos(f) twice). Under jit, XLA CPU fuses each expression and
-    contracts a multiply-add into an FMA where it chooses, differently for the two spellings,
-    so a rounded output can move by one ulp of its dtype; q and the caches must stay within
-    that (and fp8 caches within one fp8 step of the k value, which is not tested here)."""
+    cos(concat([f, f])) is cos(f) twice). Under jit, XLA CPU fuses each expression and may
+    contract a multiply-add into an FMA (one rounding instead of two) for one spelling and not
+    the other: where the exact value sits on a rounding tie of a bf16 output, the two f32
+    results land on either side of it and the outputs differ by one bf16 step (seen on
+    jax 0.10.2 in ~1e-4 of the elements; f32 outputs agreed). Never more than one step."""
     Hq, Hkv, D, T = 9, 3, 64, 37
     rng = np.random.default_rng()
     qkv, _, _, kc, vc, slots = make_inputs(
@@ -126,10 +127,16 @@ def test_oracle_is_apply_rope(dtype):
     for got, want in zip(oracle(qkv, kc, vc, pos), model(qkv, kc, vc, pos)):
         np.testing.assert_array_equal(_f32(got), _f32(want))
     for got, want in zip(jax.jit(oracle)(qkv, kc, vc, pos), jax.jit(model)(qkv, kc, vc, pos)):
-        g, w = _f32(got), _f32(want)
-        ulp = np.spacing(np.abs(np.asarray(want)).astype(want.dtype)).astype(np.float32)
-        assert (np.abs(g - w) <= ulp).all()
+        assert got.dtype == want.dtype
+        g, w = _codes(got), _codes(want)
+        assert (np.abs(g - w) <= 1).all()  # neighbouring values of the dtype at most
         assert (g != w).mean() < 0.01
+
+
+def _codes(x):
+    """The bit patterns as integers: neighbouring values of one sign differ by 1."""
+    x = np.asarray(x)
+    return x.view({1: np.uint8, 2: np.int16, 4: np.int32}[x.dtype.itemsize]).astype(np.int64)
 
 
 def test_scan_layers_donated():
@@ -215,19 +222,26 @@ def test_fp16_value_pages_saturate():
 def test_fp8_scale_not_a_power_of_two():
     """Like write_kv, the kernel multiplies by 1 / scale where the oracle divides: the two agree
     exactly for power-of-two scales, else the f32 quotient can differ by an ulp and, rarely,
-    round to the neighbouring fp8 value. Never further apart than that."""
+    round to the neighbouring fp8 value. Never further apart than that. The scales are traced
+    ([2] f32, as the engine's per-layer kv_scale inside its layer scan)."""
     rng = np.random.default_rng()
     Hq, Hkv, D = 4, 2, 32
     args = make_inputs(rng, T=16, Hq=Hq, Hkv=Hkv, D=D, dtype=F32, kv_dtype=FP8, pad=(2,))
-    sc = dict(num_heads=Hq, num_kv_heads=Hkv, k_scale=0.37, v_scale=0.0123)
-    got = jax.jit(lambda *a: rope_write_kv(*a, **sc, interpret=True))(*args[:5], 1, args[5])
-    want = jax.jit(lambda *a: ref_rope_write_kv(*a, **sc))(*args[:5], 1, args[5])
+    scales = jnp.asarray([0.37, 0.0123], jnp.float32)
+
+    def run(fn, **kw):
+        def f(qkv, cos, sin, kc, vc, slots, sc):
+            return fn(qkv, cos, sin, kc, vc, 1, slots, k_scale=sc[0], v_scale=sc[1], **kw)
+
+        return jax.jit(f)(*args, scales)
+
+    heads = dict(num_heads=Hq, num_kv_heads=Hkv)
+    got = run(rope_write_kv, interpret=True, **heads)
+    want = run(ref_rope_write_kv, **heads)
     np.testing.assert_array_equal(_f32(got[0]), _f32(want[0]))
     for g, w in zip(got[1:], want[1:]):
-        g8 = np.asarray(g).view(np.uint8).astype(int)
-        w8 = np.asarray(w).view(np.uint8).astype(int)
-        # same sign, adjacent codes (e4m3 codes are monotonic in magnitude within a sign)
-        assert (np.abs(g8 - w8) <= 1).all()
+        g8, w8 = _codes(g), _codes(w)
+        assert (np.abs(g8 - w8) <= 1).all()  # neighbouring e4m3 values at most
         assert (g8 != w8).mean() < 0.01
 
 
