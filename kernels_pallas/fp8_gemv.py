@@ -190,6 +190,7 @@ def _fp8_matmul_kernel(
     method,
     prefetch,
     compute_dtype,
+    glu,
 ):
     n0 = pl.program_id(0) * block_n
     sp = pl.program_id(1)
@@ -204,6 +205,7 @@ def _fp8_matmul_kernel(
     if method in ("dot", "wdot") and M % block_m:
         m_ok = m0 + jnp.arange(block_m, dtype=jnp.int32) < M
     is_dot = method in ("dot", "wdot")
+    x_dtype = x_ref.dtype
     w_dtype = compute_dtype if is_dot else f32
     precision = lax.Precision.HIGHEST if compute_dtype == f32 else None
 
@@ -223,22 +225,30 @@ def _fp8_matmul_kernel(
             w = jnp.where(k_ok[None, :], w, 0)
         return w
 
+    def x_block(idx_m, k0, mask, dtype):
+        """x[idx_m, k0 : k0 + block_k] in `dtype` (masked lanes 0). With `glu`, x holds
+        [gate | up] and this is silu(gate) * up, rounded as the unfused model rounds it (to x's
+        dtype after each op), so the product is the one a separate fusion would have fed it."""
+
+        def raw(col, dt):
+            idx = (idx_m, pl.ds(col, block_k))
+            if mask is None:
+                return x_ref[idx].astype(dt)
+            return plt.load(x_ref.at[idx], mask=mask, other=0.0).astype(dt)
+
+        if not glu:
+            return raw(k0, dtype)
+        gate, up = raw(k0, f32), raw(K + k0, f32)
+        silu = (gate / (1.0 + jnp.exp(-gate))).astype(x_dtype).astype(f32)
+        return (silu * up).astype(x_dtype).astype(dtype)
+
     def load_x(k0, k_ok):
         """dot / wdot: x's [block_m, block_k] block; reduce*: its M rows of [block_k]."""
         if is_dot:
-            idx = (pl.ds(m0, block_m), pl.ds(k0, block_k))
             mask = _mask2(m_ok, k_ok, (block_m, block_k))
-            if mask is None:
-                return x_ref[idx].astype(compute_dtype)
-            return plt.load(x_ref.at[idx], mask=mask, other=0.0).astype(compute_dtype)
-        rows = []
-        for m in range(M):
-            idx = (jnp.int32(m), pl.ds(k0, block_k))  # (a Python int breaks interpret mode)
-            if k_ok is None:
-                rows.append(x_ref[idx].astype(f32))
-            else:
-                rows.append(plt.load(x_ref.at[idx], mask=k_ok, other=0.0).astype(f32))
-        return rows
+            return x_block(pl.ds(m0, block_m), k0, mask, compute_dtype)
+        # (a Python int row index breaks interpret mode)
+        return [x_block(jnp.int32(m), k0, k_ok, f32) for m in range(M)]
 
     def accumulate(acc, w, x):
         if method == "dot":  # [block_m, block_n] += x [block_m, bk] @ w.T
@@ -334,15 +344,23 @@ def fp8_matmul(
     num_stages=None,
     method=None,
     prefetch=None,
+    glu=False,
 ) -> jax.Array:
     """y = x @ (w_values * w_scales[:, None]).T, accumulated in f32, in out_dtype (x's dtype).
 
     x [M, K] bf16 / f16 / f32; w_values [N, K] float8_e4m3fn (or e5m2); w_scales [N] f32.
     Tuning fields left None come from `default_tuning(M, K, N)`; `method` "dot" / "reduce"
-    (module docstring). interpret=True runs Pallas' interpret mode (CPU)."""
+    (module docstring). interpret=True runs Pallas' interpret mode (CPU).
+    glu=True: x is [M, 2K], a gated MLP's [gate | up], and the kernel multiplies
+    silu(gate) * up (computed as it loads x; the MLP's down projection without the separate
+    elementwise kernel before it)."""
     if x.ndim != 2 or w_values.ndim != 2:
         raise ValueError(f"x [M, K] and w_values [N, K] expected, got {x.shape}, {w_values.shape}")
     M, K = x.shape
+    if glu:
+        if K % 2:
+            raise ValueError(f"glu: x must be [M, 2K] ([gate | up]), got {x.shape}")
+        K //= 2
     N, Kw = w_values.shape
     if Kw != K:
         raise ValueError(f"x has K={K} columns, w_values {Kw}")
@@ -386,6 +404,7 @@ def fp8_matmul(
         method=tun.method,
         prefetch=bool(tun.prefetch),
         compute_dtype=jnp.dtype(x.dtype),
+        glu=bool(glu),
     )
     if splits == 1:
         out_shape = jax.ShapeDtypeStruct((M, N), out_dtype)
@@ -398,7 +417,8 @@ def fp8_matmul(
         compiler_params=plt.CompilerParams(num_warps=tun.num_warps, num_stages=tun.num_stages),
         interpret=interpret,
         name=f"fp8_matmul_{tun.method}_n{tun.block_n}_k{tun.block_k}_s{splits}"
-        + ("_pf" if tun.prefetch else ""),
+        + ("_pf" if tun.prefetch else "")
+        + ("_glu" if glu else ""),
     )(x, w_values, w_scales.astype(jnp.float32))
     if splits > 1:
         y = jnp.sum(y, axis=0).astype(out_dtype)

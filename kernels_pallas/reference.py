@@ -10,6 +10,7 @@ context at once. What a cache stores (page dtypes, clamping, fp8 scales) is `lay
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -138,10 +139,16 @@ def ref_ragged_paged_attention(
     return out.astype(q.dtype)
 
 
-def ref_fp8_matmul(x, w_values, w_scales, out_dtype=None):
+def ref_fp8_matmul(x, w_values, w_scales, out_dtype=None, glu=False):
     """y = x @ (w_values * w_scales[:, None]).T in f32 (HIGHEST precision), as out_dtype
     (default x's). x [M, K]; w_values [N, K] fp8 (the [out, in] layout); w_scales [N] f32:
-    weight[n, k] = w_values[n, k] * w_scales[n]. The oracle of `fp8_matmul.fp8_matmul`."""
+    weight[n, k] = w_values[n, k] * w_scales[n]. The oracle of `fp8_matmul.fp8_matmul`.
+    glu: x is [M, 2K] = [gate | up] and the product is taken of silu(gate) * up, each op
+    rounded to x's dtype (as the model's separate elementwise step computes it)."""
+    if glu:
+        gate, up = jnp.split(x, 2, axis=-1)
+        silu = (gate.astype(jnp.float32) * jax.nn.sigmoid(gate.astype(jnp.float32))).astype(x.dtype)
+        x = (silu.astype(jnp.float32) * up.astype(jnp.float32)).astype(x.dtype)
     w = w_values.astype(jnp.float32) * jnp.asarray(w_scales, jnp.float32)[:, None]
     y = jnp.dot(x.astype(jnp.float32), w.T, precision=_HI)
     return y.astype(out_dtype or x.dtype)

@@ -44,7 +44,9 @@ def source_digest() -> str:
 
 def _environment() -> tuple:
     dev = jax.devices()[0]
-    env = sorted((k, v) for k, v in os.environ.items() if k.startswith(("XLA_", "JAX_")))
+    # (PAXENGINE_KERNEL_*: switches of which kernels a step compiles, e.g. attention.py's)
+    prefixes = ("XLA_", "JAX_", "PAXENGINE_KERNEL_")
+    env = sorted((k, v) for k, v in os.environ.items() if k.startswith(prefixes))
     return (
         jax.__version__,
         jaxlib.__version__,

@@ -7,12 +7,10 @@ executable can never trace again, so nothing compiles while serving.
 
 from __future__ import annotations
 
-import math
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
-from functools import partial
 from pathlib import Path
 
 import jax
@@ -22,8 +20,8 @@ from jax.sharding import PartitionSpec as P
 from tqdm import tqdm
 
 import kernels_pallas
-from kernels_pallas.xla_attention import xla_ragged_paged_attention
 from paxengine import parallel
+from paxengine.attention import PagedAttend
 from paxengine.batch import StepArrays, bucket_pairs, pick
 from paxengine.executables import ExecutableStore, bypassing_jax_cache
 from paxengine.models import quant
@@ -129,25 +127,6 @@ def allocate_kv_cache(
     return [(zeros(shape, kv_dtype), zeros(shape, v_dtype)) for _ in range(cfg.num_layers)]
 
 
-def make_attend(md: kernels_pallas.AttentionMetadata, backend: str, cfg: ModelConfig):
-    interpret = jax.default_backend() != "gpu"
-    if backend == "pallas":
-        write = partial(kernels_pallas.write_kv, interpret=interpret)
-        attn = partial(kernels_pallas.ragged_paged_attention, interpret=interpret)
-    elif backend == "xla":
-        write, attn = kernels_pallas.ref_write_kv, xla_ragged_paged_attention
-    else:
-        write, attn = kernels_pallas.ref_write_kv, kernels_pallas.ref_ragged_paged_attention
-    scale = 1.0 / math.sqrt(cfg.head_dim)
-
-    def attend(q, k, v, kv_cache, layer):
-        kc, vc = write(kv_cache[0], kv_cache[1], layer, k, v, md.slot_mapping)
-        o = attn(q, kc, vc, layer, md, sm_scale=scale, sliding_window=cfg.sliding_window)
-        return o, (kc, vc)
-
-    return attend
-
-
 class Runner:
     def __init__(
         self,
@@ -207,7 +186,7 @@ class Runner:
     ):
         # Tokens sampled by the previous step never visit the host before they are used here.
         tokens = jnp.where(prev_index >= 0, prev_tokens[jnp.maximum(prev_index, 0)], tokens)
-        attend = make_attend(md, self.backend, self.cfg)
+        attend = PagedAttend(md, self.backend, self.cfg, fused_rope=self.tp is None)
         hidden, kv_cache = forward_hidden(
             params, self.cfg, tokens, positions, kv_cache, attend, tp=self.tp
         )

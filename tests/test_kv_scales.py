@@ -96,9 +96,15 @@ def _llm(**kw):
     )
 
 
-@pytest.mark.parametrize("backend", ["xla", "pallas"])
-def test_engine_calibrates_fp8_kv_and_matches_the_oracle_on_the_same_scales(smollm, backend):
-    llm = _llm(kv_cache_dtype="fp8", attention_backend=backend)
+@pytest.mark.parametrize(
+    # unroll: the fused projection's 16-token buckets write K/V by the RoPE + KV-write kernel
+    "backend,layer_loop",
+    [("xla", "scan"), ("pallas", "scan"), ("pallas", "unroll")],
+)
+def test_engine_calibrates_fp8_kv_and_matches_the_oracle_on_the_same_scales(
+    smollm, backend, layer_loop
+):
+    llm = _llm(kv_cache_dtype="fp8", attention_backend=backend, layer_loop=layer_loop)
     info = llm.engine.info
     assert info.kv_cache_dtype == "fp8_e4m3" and info.kv_cache_scales == "calibrated"
     scales = llm.engine.kv_scales
@@ -125,3 +131,40 @@ def test_unit_scales_and_bad_modes():
         _llm(kv_cache_dtype="fp8", kv_cache_scales="magic")
     full = _llm()  # not an fp8 cache: no scales at all
     assert full.engine.kv_scales is None and full.engine.info.kv_cache_scales == "none"
+
+
+@pytest.mark.parametrize("backend", ["reference", "xla", "pallas"])
+def test_paged_attention_applies_the_scales_in_its_kernels(backend):
+    """The engine's attend takes an FP8 cache's scales into the write and attention kernels
+    (`takes_kv_scale`) instead of folding them into q, k, v and o: the same attention and the
+    same stored pages as the folded path, for every backend."""
+    from kernels_pallas import AttentionMetadata
+    from paxengine.attention import PagedAttend
+    from paxengine.models.config import ModelConfig
+
+    cfg = ModelConfig("llama", 32, 64, 128, 1, num_heads=4, num_kv_heads=2, head_dim=16)
+    lens, bs, nb = [5, 3], 4, 8
+    T = sum(lens)
+    md = AttentionMetadata(
+        slot_mapping=jnp.asarray([4, 5, 6, 7, 8, 20, 21, 22], jnp.int32),  # blocks 1, 2 and 5
+        block_tables=jnp.asarray([[1, 2], [5, 0]], jnp.int32),
+        seq_lens=jnp.asarray(lens, jnp.int32),
+        query_start_loc=jnp.asarray([0, 5, 8], jnp.int32),
+        num_seqs=jnp.asarray([2], jnp.int32),
+    )
+    key = jax.random.split(jax.random.PRNGKey(1), 3)
+    q = jax.random.normal(key[0], (T, 4, 16))
+    k = 40 * jax.random.normal(key[1], (T, 2, 16))  # past e4m3's 448 unless scaled
+    v = 0.003 * jax.random.normal(key[2], (T, 2, 16))  # near its subnormals unless scaled
+    cache = tuple(jnp.zeros((1, 2, nb, bs, 16), jnp.float8_e4m3fn) for _ in range(2))
+    scale = jnp.asarray([0.5, 1e-4], jnp.float32)
+    attend = PagedAttend(md, backend, cfg)
+    assert attend.takes_kv_scale
+    got, (kc, vc) = attend(q, k, v, cache, 0, kv_scale=scale)
+    folded, (kc2, vc2) = scaled_attend(lambda *a: attend(*a), q, k, v, cache, 0, scale)
+    np.testing.assert_allclose(got, folded, rtol=2e-3, atol=1e-6)
+    for a, b in ((kc, kc2), (vc, vc2)):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    # and the scales matter: unscaled, K saturates and the output moves
+    plain, _ = attend(q, k, v, cache, 0)
+    assert np.abs(np.asarray(plain) - np.asarray(got)).max() > 1e-3

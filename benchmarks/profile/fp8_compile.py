@@ -35,11 +35,12 @@ def child(name: str, layers: int, per_bucket_s: float, buckets) -> dict:
 
     import kernels_pallas
     from benchmarks.measure import time_calls
+    from paxengine.attention import PagedAttend
     from paxengine.models import llama
     from paxengine.models.config import PRESETS
     from paxengine.models.loader import load_model
     from paxengine.models.weights import unstack_layers
-    from paxengine.runner import allocate_kv_cache, make_attend
+    from paxengine.runner import allocate_kv_cache
 
     v = VARIANTS[name]
     PRESETS["l8b-short"] = dataclasses.replace(PRESETS["llama-3.1-8b"], num_layers=layers)
@@ -50,7 +51,7 @@ def child(name: str, layers: int, per_bucket_s: float, buckets) -> dict:
     kv = allocate_kv_cache(cfg, NB, bs, kv_dtype, "unroll")
 
     def fwd(params, kv, tokens, positions, md):
-        attend = make_attend(md, "pallas", cfg)
+        attend = PagedAttend(md, "pallas", cfg)
         h, kv = llama.forward_hidden(params, cfg, tokens, positions, kv, attend)
         return kv, h
 

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from paxengine.models.config import ModelConfig
-from paxengine.models.quant import linear
+from paxengine.models.quant import linear, linear_glu
 from paxengine.models.weights import is_per_layer
 
 Attend = Callable[[jax.Array, jax.Array, jax.Array, Any, jax.Array], tuple[jax.Array, Any]]
@@ -51,11 +51,18 @@ def rope_inv_freq(cfg: ModelConfig) -> jax.Array:
     return inv
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+def rope_tables(positions: jax.Array, inv_freq: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """cos and sin [T, D] (float32) of each position's angles, each half the same (HF's
+    layout; XLA's cos of it is bit for bit what the layers always used): computed once a step,
+    every layer rotates by them."""
+    freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+def apply_rope(x: jax.Array, rope: tuple[jax.Array, jax.Array]) -> jax.Array:
     """x: [T, heads, D]; the rotate-half convention of HF checkpoints."""
-    freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, D/2]
-    emb = jnp.concatenate([freqs, freqs], axis=-1)[:, None, :]
-    cos, sin = jnp.cos(emb), jnp.sin(emb)
+    cos, sin = (t[:, None, :] for t in rope)
     xf = x.astype(jnp.float32)
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
@@ -64,8 +71,11 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.A
 
 def scaled_attend(attend: Attend, q, k, v, kv_cache, layer, kv_scale):
     """Attention over an FP8 cache that holds k / k_scale and v / v_scale (kv_scale: [2] f32,
-    the layer's (k_scale, v_scale)). The scales fold into the operands, so every attention
-    backend runs unchanged: q.(k/ks) * ks = q.k, and softmax(s).(v/vs) * vs = softmax(s).v."""
+    the layer's (k_scale, v_scale)), for an `attend` that does not apply the scales itself: they
+    fold into the operands, so any attention runs unchanged: q.(k/ks) * ks = q.k, and
+    softmax(s).(v/vs) * vs = softmax(s).v."""
+    if getattr(attend, "takes_kv_scale", False):
+        return attend(q, k, v, kv_cache, layer, kv_scale=kv_scale)
     ks, vs = kv_scale[0], kv_scale[1]
     q = (q.astype(jnp.float32) * ks).astype(q.dtype)
     k = (k.astype(jnp.float32) / ks).astype(k.dtype)
@@ -78,15 +88,20 @@ def _identity(x):
     return x
 
 
-def _layer(cfg: ModelConfig, attend: Attend, inv_freq, positions, carry, xs, *, reduce=_identity):
-    """One decoder layer. `reduce` sums the row-parallel projections' partial products over a
-    tensor-parallel group (parallel.py); identity on one device."""
-    h, kv_cache = carry
-    w, layer = xs
-    t = h.shape[0]
-    x = rms_norm(h, w["attn_norm"], cfg.rms_norm_eps)
+def _attention(cfg: ModelConfig, attend: Attend, rope, w: dict, x, kv_cache, layer):
+    """The projections, RoPE, the KV write and attention of one layer -> (o [T, Hq * D],
+    kv_cache). An `attend` with `rope_qkv` (the Pallas backend's small buckets) takes the fused
+    projection's output whole: RoPE and the KV write in one kernel, where XLA would launch
+    five."""
+    t = x.shape[0]
+    kv_scale = w.get("kv_scale")
+    fused_rope = getattr(attend, "rope_qkv", None)
     if "wqkv" in w:  # the per-layer layout fuses the projections (weights.FUSED)
         qkv = linear(x, w["wqkv"]) + (w["bqkv"] if cfg.attention_bias else 0)
+        if fused_rope is not None and not cfg.qk_norm:
+            q, kv_cache = fused_rope(qkv, rope, kv_cache, layer, kv_scale)
+            o = attend.attend_cached(q, kv_cache, layer, kv_scale)
+            return o.reshape(t, cfg.num_heads * cfg.head_dim), kv_cache
         nq, nkv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         q, k, v = qkv[:, :nq], qkv[:, nq : nq + nkv], qkv[:, nq + nkv :]
     else:
@@ -99,19 +114,29 @@ def _layer(cfg: ModelConfig, attend: Attend, inv_freq, positions, carry, xs, *, 
     if cfg.qk_norm:
         q = rms_norm(q, w["q_norm"], cfg.rms_norm_eps)
         k = rms_norm(k, w["k_norm"], cfg.rms_norm_eps)
-    q = apply_rope(q, positions, inv_freq)
-    k = apply_rope(k, positions, inv_freq)
-    if "kv_scale" in w:
-        o, kv_cache = scaled_attend(attend, q, k, v, kv_cache, layer, w["kv_scale"])
+    q, k = apply_rope(q, rope), apply_rope(k, rope)
+    if kv_scale is not None:
+        o, kv_cache = scaled_attend(attend, q, k, v, kv_cache, layer, kv_scale)
     else:
         o, kv_cache = attend(q, k, v, kv_cache, layer)
-    h = h + reduce(linear(o.reshape(t, cfg.num_heads * cfg.head_dim).astype(h.dtype), w["wo"]))
+    return o.reshape(t, cfg.num_heads * cfg.head_dim), kv_cache
+
+
+def _layer(cfg: ModelConfig, attend: Attend, rope, carry, xs, *, reduce=_identity):
+    """One decoder layer. rope: `rope_tables` of the step's positions. `reduce` sums the
+    row-parallel projections' partial products over a tensor-parallel group (parallel.py);
+    identity on one device."""
+    h, kv_cache = carry
+    w, layer = xs
+    x = rms_norm(h, w["attn_norm"], cfg.rms_norm_eps)
+    o, kv_cache = _attention(cfg, attend, rope, w, x, kv_cache, layer)
+    h = h + reduce(linear(o.astype(h.dtype), w["wo"]))
     x = rms_norm(h, w["mlp_norm"], cfg.rms_norm_eps)
     if "w_gate_up" in w:
-        gate, up = jnp.split(linear(x, w["w_gate_up"]), 2, axis=-1)
+        mlp = linear_glu(linear(x, w["w_gate_up"]), w["w_down"])
     else:
-        gate, up = linear(x, w["w_gate"]), linear(x, w["w_up"])
-    h = h + reduce(linear(jax.nn.silu(gate) * up, w["w_down"]))
+        mlp = linear(jax.nn.silu(linear(x, w["w_gate"])) * linear(x, w["w_up"]), w["w_down"])
+    h = h + reduce(mlp)
     return (h, kv_cache), None
 
 
@@ -128,10 +153,10 @@ def forward_hidden(
     tp: a `parallel.TensorParallel`: the layers run under one shard_map, each device on its
     heads and its share of the MLP, the cache split by KV head."""
     h = params["embed"][tokens]
-    inv_freq = rope_inv_freq(cfg)
+    rope = rope_tables(positions, rope_inv_freq(cfg))
     layers = params["layers"]
     if tp is None:
-        h, kv_cache = _run_layers(cfg, attend, inv_freq, _identity, positions, h, layers, kv_cache)
+        h, kv_cache = _run_layers(cfg, attend, rope, _identity, h, layers, kv_cache)
     else:
         from paxengine.parallel import CACHE_SPEC, layer_specs
 
@@ -139,19 +164,19 @@ def forward_hidden(
         w_spec = [layer_specs(d) for d in layers] if per_layer else layer_specs(layers)
         pair = (CACHE_SPEC, CACHE_SPEC)
         c_spec = [pair] * len(layers) if per_layer else pair
-        body = partial(_run_layers, tp.local_config(cfg), attend, inv_freq, tp.psum)
+        body = partial(_run_layers, tp.local_config(cfg), attend)
         h, kv_cache = jax.shard_map(
-            body,
+            lambda rope, h, layers, kv: body(rope, tp.psum, h, layers, kv),
             mesh=tp.mesh,
-            in_specs=(P(), P(), w_spec, c_spec),
+            in_specs=((P(), P()), P(), w_spec, c_spec),
             out_specs=(P(), c_spec),
             check_vma=False,
-        )(positions, h, layers, list(kv_cache) if per_layer else kv_cache)
+        )(rope, h, layers, list(kv_cache) if per_layer else kv_cache)
     return rms_norm(h, params["final_norm"], cfg.rms_norm_eps), kv_cache
 
 
-def _run_layers(cfg: ModelConfig, attend: Attend, inv_freq, reduce, positions, h, layers, kv_cache):
-    layer = partial(_layer, cfg, attend, inv_freq, positions, reduce=reduce)
+def _run_layers(cfg: ModelConfig, attend: Attend, rope, reduce, h, layers, kv_cache):
+    layer = partial(_layer, cfg, attend, rope, reduce=reduce)
     if isinstance(layers, (list, tuple)):
         caches = list(kv_cache) if kv_cache is not None else [None] * len(layers)
         # One jitted function for every layer: traced and lowered once, not once per layer

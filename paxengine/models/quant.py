@@ -15,6 +15,7 @@ the choice is made once per compiled bucket: see `fp8_path`.
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import jax
 import jax.numpy as jnp
@@ -137,9 +138,7 @@ def matmul_fp8(x: jax.Array, w: Fp8Weight, path: str) -> jax.Array:
         y = jax.lax.dot_general(xq, w.values, _CONTRACT_IN, preferred_element_type=jnp.float32)
         return (y * xs[:, None] * w.scales[None, :]).astype(x.dtype)
     if path == "gemv":
-        from kernels_pallas import fp8_matmul
-
-        return fp8_matmul(x, w.values, w.scales, out_dtype=x.dtype)
+        return _gemv(x, w)
     if path == "w8a16":
         v = w.values.astype(x.dtype)
         y = jax.lax.dot_general(x, v, _CONTRACT_IN, preferred_element_type=jnp.float32)
@@ -147,12 +146,34 @@ def matmul_fp8(x: jax.Array, w: Fp8Weight, path: str) -> jax.Array:
     raise ValueError(f"unknown fp8 matmul path {path!r}")
 
 
+def _gemv(x: jax.Array, w: Fp8Weight, glu: bool = False) -> jax.Array:
+    from kernels_pallas import fp8_matmul
+
+    interpret = jax.default_backend() != "gpu"  # (tests pin this path on the CPU)
+    return fp8_matmul(x, w.values, w.scales, out_dtype=x.dtype, glu=glu, interpret=interpret)
+
+
+def _path_for(x: jax.Array) -> str:
+    on_gpu = jax.default_backend() == "gpu"
+    return fp8_path(x.shape[0], on_gpu, on_gpu and fp8_units())
+
+
 def linear(x: jax.Array, w) -> jax.Array:
     """x [M, in] @ w for a plain [in, out] weight or an Fp8Weight."""
     if isinstance(w, Fp8Weight):
-        on_gpu = jax.default_backend() == "gpu"
-        return matmul_fp8(x, w, fp8_path(x.shape[0], on_gpu, on_gpu and fp8_units()))
+        return matmul_fp8(x, w, _path_for(x))
     return x @ w
+
+
+def linear_glu(gate_up: jax.Array, w) -> jax.Array:
+    """(silu(gate) * up) @ w for a gated MLP's fused [gate | up] product [M, 2 I]. On the FP8 GEMV path the kernel forms silu(gate) * up as it
+    loads its input: one kernel where XLA would launch an elementwise one before it (a batch-1
+    step is bound by its launches)."""
+    fused = os.environ.get("PAXENGINE_KERNEL_FP8_GLU", "1") != "0"  # (in the executables' key)
+    if fused and isinstance(w, Fp8Weight) and _path_for(gate_up) == "gemv":
+        return _gemv(gate_up, w, glu=True)
+    gate, up = jnp.split(gate_up, 2, axis=-1)
+    return linear(jax.nn.silu(gate) * up, w)
 
 
 def quantize_params(params: dict) -> dict:

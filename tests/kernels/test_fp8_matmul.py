@@ -136,6 +136,54 @@ def test_default_tuning_rules():
         assert t.method in ("dot", "wdot")
 
 
+# (method, M, K, N, block_n, block_k, k_splits): the gated-MLP input [gate | up], K off the blocks
+GLU_CASES = [
+    ("reduce_step", 1, 100, 40, 8, 32, 1),
+    ("reduce_step", 2, 256, 24, 8, 64, 3),
+    ("dot", 3, 72, 33, 16, 16, 2),
+    ("wdot", 17, 96, 50, 32, 32, 1),
+]
+
+
+@pytest.mark.parametrize("x_dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("case", GLU_CASES, ids=["-".join(map(str, c)) for c in GLU_CASES])
+def test_glu_input_against_oracle(case, x_dtype):
+    """glu=True: the product of silu(gate) * up, formed while x loads, equals the oracle's
+    (the separate elementwise step, each op rounded to x's dtype) times the weight."""
+    method, M, K, N, bn, bk, ks = case
+    rng = np.random.default_rng(M * K + N)
+    x2, v, s = _operands(rng, M, 2 * K, N, x_dtype=x_dtype)
+    v = v[:, :K]
+    x2 = (3.0 * x2.astype(jnp.float32)).astype(x_dtype)  # gates well into silu's curve
+    tun = dict(block_n=bn, block_k=bk, k_splits=ks, method=method)
+    y = fp8_matmul(x2, v, s, interpret=True, glu=True, **tun)
+    assert y.shape == (M, N) and y.dtype == x_dtype
+    gate, up = jnp.split(x2, 2, axis=-1)
+    x_eff = (jax.nn.silu(gate.astype(jnp.float32)).astype(x_dtype) * up).astype(x_dtype)
+    # exp's last bit may differ between the kernel and XLA: a silu value can round to the
+    # neighbouring x_dtype value, which moves the product by that much of |x_eff| @ |W|
+    slack = 2e-6 if x_dtype == jnp.float32 else 2.0**-7
+    _check(y, x_eff, v, s, slack)
+    ref = ref_fp8_matmul(x2, v, s, glu=True)
+    _, bound = _f64(x_eff, v, s)
+    diff = np.abs(
+        np.asarray(jnp.asarray(y, jnp.float32), np.float64)
+        - np.asarray(jnp.asarray(ref, jnp.float32), np.float64)
+    )
+    out_round = (
+        2.0**-7 * np.abs(np.asarray(jnp.asarray(ref, jnp.float32)))
+        if x_dtype == jnp.bfloat16
+        else 0
+    )
+    assert (diff <= slack * bound + out_round + 1e-30).all()
+
+
+def test_glu_needs_an_even_width():
+    v = jnp.zeros((32, 32), E4M3)
+    with pytest.raises(ValueError, match="glu"):
+        fp8_matmul(jnp.zeros((1, 63), jnp.bfloat16), v, jnp.ones(32), interpret=True, glu=True)
+
+
 def test_input_checks():
     x = jnp.zeros((2, 64), jnp.bfloat16)
     v = jnp.zeros((32, 64), E4M3)
@@ -189,6 +237,19 @@ def test_every_method_lowers_for_cuda():
         for M, K, N, ks in [(3, 4096, 6144, 1), (8, 14336, 4096, 4), (5, 576, 192, 2)]:
             txt = _lower(M, K, N, method=method, prefetch=pf, block_n=bn, block_k=bk, k_splits=ks)
             assert "triton" in txt, (method, pf, M, K, N)
+
+
+def test_glu_lowers_for_cuda():
+    """The down projection's default tuning at decode rows, with the gated input fused."""
+    for M in (1, 8):
+        K, N = 14336, 4096
+        specs = (
+            jax.ShapeDtypeStruct((M, 2 * K), jnp.bfloat16),
+            jax.ShapeDtypeStruct((N, K), E4M3),
+            jax.ShapeDtypeStruct((N,), jnp.float32),
+        )
+        f = lambda x, v, s: fp8_matmul(x, v, s, glu=True)  # noqa: E731
+        assert "triton" in lower_for_cuda(f, *specs).mlir_module()
 
 
 def test_broken_rule_is_caught(monkeypatch):
