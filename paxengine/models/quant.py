@@ -166,10 +166,12 @@ def linear(x: jax.Array, w) -> jax.Array:
 
 
 def linear_glu(gate_up: jax.Array, w) -> jax.Array:
-    """(silu(gate) * up) @ w for a gated MLP's fused [gate | up] product [M, 2 I]. On the FP8 GEMV path the kernel forms silu(gate) * up as it
-    loads its input: one kernel where XLA would launch an elementwise one before it (a batch-1
-    step is bound by its launches)."""
-    fused = os.environ.get("PAXENGINE_KERNEL_FP8_GLU", "1") != "0"  # (in the executables' key)
+    """(silu(gate) * up) @ w for a gated MLP's fused [gate | up] product [M, 2 I].
+    PAXENGINE_KERNEL_FP8_GLU=1: on the FP8 GEMV path the kernel forms silu(gate) * up as it
+    loads its input (one kernel fewer a layer). Off by default: on the H200 the batch-1 FP8 step
+    took 4.87 ms with it against 4.59 without (benchmarks/results/gpu_2026-12-01_b1_fused/), the
+    prologue costs the GEMV more than the launch it saves."""
+    fused = os.environ.get("PAXENGINE_KERNEL_FP8_GLU", "0") == "1"  # (in the executables' key)
     if fused and isinstance(w, Fp8Weight) and _path_for(gate_up) == "gemv":
         return _gemv(gate_up, w, glu=True)
     gate, up = jnp.split(gate_up, 2, axis=-1)
