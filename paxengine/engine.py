@@ -160,7 +160,7 @@ class EngineCore:
             loaded.config,
             self.tokenizer,
         )
-        if self.kv_scales is not None:  # the model folds them into attention (scaled_attend)
+        if self.kv_scales is not None:  # per layer, applied by the attention (attention.py)
             layers = {**params["layers"], "kv_scale": jnp.asarray(self.kv_scales)}
             params = {**params, "layers": layers}
             log.info("fp8 KV cache, %s scales: %s", scales_from, kv_scales.describe(self.kv_scales))

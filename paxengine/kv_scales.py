@@ -5,7 +5,8 @@ small values lose bits (V is often ~1e-2) and values past 448 saturate. A scale 
 each layer's range onto the format. They come from the checkpoint (compressed-tensors'
 `kv_cache_scheme`), or from a calibration pass: one forward over a built-in text, K (after
 RoPE) and V's largest magnitude per layer, with 2x headroom for what the text did not show.
-The model applies them (`llama.scaled_attend`), so no attention backend needs to know.
+The write and attention kernels apply them (`paxengine/attention.py`; `llama.scaled_attend`
+folds them into the operands for an attention without that).
 """
 
 from __future__ import annotations
