@@ -16,7 +16,7 @@ SMALL_DP = dict(SMALL, max_model_len=256, max_num_batched_tokens=64, token_bucke
 def dp(tmp_path_factory):
     cache = str(tmp_path_factory.mktemp("dp"))
     small = dict(SMALL_DP, compilation_cache_dir=os.path.join(cache, "jax"))
-    return run_worker("dp_worker.py", [json.dumps(small)], 2, cache)
+    return run_worker("dp_worker.py", [json.dumps(small)], 2)
 
 
 def test_each_replica_runs_on_its_own_device(dp):

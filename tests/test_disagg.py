@@ -20,7 +20,7 @@ SMALL_PD = dict(SMALL, max_model_len=256, max_num_batched_tokens=64, token_bucke
 def pd(tmp_path_factory):
     cache = str(tmp_path_factory.mktemp("pd"))
     small = dict(SMALL_PD, compilation_cache_dir=os.path.join(cache, "jax"))
-    return run_worker("disagg_worker.py", [json.dumps(small)], 2, cache)
+    return run_worker("disagg_worker.py", [json.dumps(small)], 2)
 
 
 def test_each_engine_runs_on_its_own_device(pd):
