@@ -21,7 +21,8 @@ SMALL = dict(
 def run_worker(script: str, args: list[str], devices: int):
     """Runs tests/<script> with `devices` CPU devices; returns the JSON of its last "RESULT "
     line. The callers give every engine a compilation_cache_dir of the test's own (a JAX cache
-    and an executable store). The converted weights come from this process's
+    and an executable store; the DP and disagg tests share one, conftest.two_device_cache:
+    their engines are the same). The converted weights come from this process's
     weights cache (PAXENGINE_CACHE or ~/.cache/paxengine, as every other test's engines): their
     conversion is tested in test_model_parity, not paid again by each multi-device test."""
     env = dict(os.environ)
