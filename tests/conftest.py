@@ -33,3 +33,12 @@ def hf_smollm():
     tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     model.eval()
     return model, tok
+
+
+@pytest.fixture(scope="session")
+def two_device_cache(tmp_path_factory):
+    """compilation_cache_dir (a JAX cache and an executable store) for the 2-device workers,
+    data parallel and disaggregated prefill: both run the same engine configuration on device 0
+    and on device 1, so the second of them loads those steps instead of compiling them again.
+    Of the session's own: no other test's steps, nothing from an earlier run."""
+    return str(tmp_path_factory.mktemp("two_devices") / "jax")

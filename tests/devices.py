@@ -18,13 +18,16 @@ SMALL = dict(
 )
 
 
-def run_worker(script: str, args: list[str], devices: int, cache_dir: str):
-    """Runs tests/<script> with `devices` CPU devices and caches under cache_dir; returns the
-    JSON of its last "RESULT " line."""
+def run_worker(script: str, args: list[str], devices: int):
+    """Runs tests/<script> with `devices` CPU devices; returns the JSON of its last "RESULT "
+    line. The callers give every engine a compilation_cache_dir of the test's own (a JAX cache
+    and an executable store; the DP and disagg tests share one, conftest.two_device_cache:
+    their engines are the same). The converted weights come from this process's
+    weights cache (PAXENGINE_CACHE or ~/.cache/paxengine, as every other test's engines): their
+    conversion is tested in test_model_parity, not paid again by each multi-device test."""
     env = dict(os.environ)
     flags = f"--xla_force_host_platform_device_count={devices}"
     env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {flags}"
-    env["PAXENGINE_CACHE"] = cache_dir  # a store and weights cache of the test's own
     proc = subprocess.run(
         [sys.executable, os.path.join(HERE, script), *args],
         env=env,

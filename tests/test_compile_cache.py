@@ -4,9 +4,12 @@ tokens. JAX's own persistent cache still serves model loading's small eager comp
 second process misses it nowhere. A stored executable that cannot be read is compiled again."""
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 CHILD = r"""
 import json, sys
@@ -45,9 +48,37 @@ def _start(cache: Path, store: bool = True) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def test_restart_loads_every_step_from_the_store(tmp_path):
-    cache = tmp_path / "cache"
-    first = _start(cache)
+@pytest.fixture(scope="module")
+def stored(tmp_path_factory):
+    """A first start on an empty cache with the store on: its cache folder, a copy of that
+    folder as the start left it, and its result. JAX's cache keys hold the cache's path, so a
+    test that starts again does so in the same folder, put back from the copy (`_fresh`)."""
+    return _first_start(tmp_path_factory.mktemp("stored"), store=True)
+
+
+@pytest.fixture(scope="module")
+def unstored(tmp_path_factory):
+    """The same without the store: JAX's cache alone is filled."""
+    return _first_start(tmp_path_factory.mktemp("unstored"), store=False)
+
+
+def _first_start(folder: Path, store: bool):
+    cache = folder / "cache"
+    result = _start(cache, store=store)
+    shutil.copytree(cache, folder / "as_left")
+    return cache, folder / "as_left", result
+
+
+def _fresh(first_start):
+    """The first start's cache folder as that start left it, and its result."""
+    cache, as_left, result = first_start
+    shutil.rmtree(cache)
+    shutil.copytree(as_left, cache)
+    return cache, result
+
+
+def test_restart_loads_every_step_from_the_store(stored):
+    cache, first = _fresh(stored)
     assert first["executables"] == 12  # 1 forward + 8 samplers + 3 with a grammar mask
     assert first["store_misses"] == 12 and first["store_hits"] == 0
     assert len(list((cache / "executables").glob("*.exe"))) == 12
@@ -58,9 +89,8 @@ def test_restart_loads_every_step_from_the_store(tmp_path):
     assert second["compiles_while_serving"] == first["compiles_while_serving"] == 0
 
 
-def test_unreadable_entry_is_compiled_again(tmp_path):
-    cache = tmp_path / "cache"
-    first = _start(cache)
+def test_unreadable_entry_is_compiled_again(stored):
+    cache, first = _fresh(stored)
     victim = sorted((cache / "executables").glob("*.exe"))[0]
     victim.write_bytes(victim.read_bytes()[:100])  # truncated, as by a crash mid-write
     second = _start(cache)
@@ -69,9 +99,8 @@ def test_unreadable_entry_is_compiled_again(tmp_path):
     assert len(victim.read_bytes()) > 100  # rewritten
 
 
-def test_without_the_store_jax_cache_serves_the_restart(tmp_path):
-    cache = tmp_path / "cache"
-    first = _start(cache, store=False)
+def test_without_the_store_jax_cache_serves_the_restart(unstored):
+    cache, first = _fresh(unstored)
     assert not (cache / "executables").exists()
     assert first["jax_misses"] >= first["executables"] and first["jax_hits"] == 0
     second = _start(cache, store=False)
@@ -79,12 +108,11 @@ def test_without_the_store_jax_cache_serves_the_restart(tmp_path):
     assert second["tokens"] == first["tokens"]
 
 
-def test_store_written_after_a_run_through_jax_cache_still_runs(tmp_path):
+def test_store_written_after_a_run_through_jax_cache_still_runs(unstored):
     """A start without the store fills JAX's cache; the next start stores its steps, which must
     be fresh compiles: an executable JAX loaded from its cache, serialized again, loaded and
     failed when run ("Function ... not found") on XLA:CPU."""
-    cache = tmp_path / "cache"
-    plain = _start(cache, store=False)
+    cache, plain = _fresh(unstored)
     writes = _start(cache)
     assert writes["store_misses"] == 12
     loads = _start(cache)

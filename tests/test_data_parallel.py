@@ -2,7 +2,6 @@
 both serve, a shared prefix stays on the replica that cached it, and per-replica metrics."""
 
 import json
-import os
 
 import pytest
 from devices import SMALL, run_worker
@@ -13,10 +12,9 @@ SMALL_DP = dict(SMALL, max_model_len=256, max_num_batched_tokens=64, token_bucke
 
 
 @pytest.fixture(scope="module")
-def dp(tmp_path_factory):
-    cache = str(tmp_path_factory.mktemp("dp"))
-    small = dict(SMALL_DP, compilation_cache_dir=os.path.join(cache, "jax"))
-    return run_worker("dp_worker.py", [json.dumps(small)], 2, cache)
+def dp(two_device_cache):
+    small = dict(SMALL_DP, compilation_cache_dir=two_device_cache)
+    return run_worker("dp_worker.py", [json.dumps(small)], 2)
 
 
 def test_each_replica_runs_on_its_own_device(dp):

@@ -4,7 +4,6 @@ engine's, every block comes back on both sides, the decode side's prefix cache s
 the server streams one response per request. The worker runs it all (tests/disagg_worker.py)."""
 
 import json
-import os
 
 import pytest
 from devices import SMALL, run_worker
@@ -17,10 +16,9 @@ SMALL_PD = dict(SMALL, max_model_len=256, max_num_batched_tokens=64, token_bucke
 
 
 @pytest.fixture(scope="module")
-def pd(tmp_path_factory):
-    cache = str(tmp_path_factory.mktemp("pd"))
-    small = dict(SMALL_PD, compilation_cache_dir=os.path.join(cache, "jax"))
-    return run_worker("disagg_worker.py", [json.dumps(small)], 2, cache)
+def pd(two_device_cache):
+    small = dict(SMALL_PD, compilation_cache_dir=two_device_cache)
+    return run_worker("disagg_worker.py", [json.dumps(small)], 2)
 
 
 def test_each_engine_runs_on_its_own_device(pd):

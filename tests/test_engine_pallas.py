@@ -9,9 +9,22 @@ from prompts import PROMPTS
 from paxengine import LLM, SamplingParams
 from paxengine.reference import reference_generate
 
+PROMPTS_HERE = PROMPTS[:5] + ["word " * 40]  # the last one needs two prefill chunks
+
+
+@pytest.fixture(scope="module")
+def oracle(smollm):
+    """The oracle's greedy tokens for each prompt, computed once for both layouts."""
+    return {
+        p: reference_generate(
+            smollm.params, smollm.config, smollm.tokenizer.encode(p), 10, smollm.eos_token_ids
+        )
+        for p in PROMPTS_HERE
+    }
+
 
 @pytest.mark.parametrize("layer_loop", ["scan", "unroll"])
-def test_pallas_backend_matches_oracle(smollm, layer_loop, monkeypatch):
+def test_pallas_backend_matches_oracle(smollm, oracle, layer_loop, monkeypatch):
     # the unrolled layout's fused projection takes the RoPE + KV-write kernel in its 16-token
     # buckets (paxengine/attention.py): count the layers traced through it
     import kernels_pallas
@@ -41,12 +54,8 @@ def test_pallas_backend_matches_oracle(smollm, layer_loop, monkeypatch):
     if layer_loop == "unroll":  # one donated [1, ...] pair per layer, weights per layer
         assert len(runner.kv_cache) == smollm.config.num_layers == len(runner.params["layers"])
         assert runner.kv_cache[0][0].shape[0] == 1
-    prompts = PROMPTS[:5] + ["word " * 40]  # the last one needs two prefill chunks
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=10), use_tqdm=False)
-    for p, o in zip(prompts, outs):
-        ids = smollm.tokenizer.encode(p)
-        assert o.outputs[0].token_ids == reference_generate(
-            smollm.params, smollm.config, ids, 10, smollm.eos_token_ids
-        ), p
+    outs = llm.generate(PROMPTS_HERE, SamplingParams(temperature=0, max_tokens=10), use_tqdm=False)
+    for p, o in zip(PROMPTS_HERE, outs):
+        assert o.outputs[0].token_ids == oracle[p], p
     kv = llm.engine.kv
     assert kv.num_free_blocks == kv.num_blocks
