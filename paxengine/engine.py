@@ -35,6 +35,7 @@ from paxengine.sampling import ALL_FLAGS, build_sampling_tensors, verify_drafts
 from paxengine.sampling_params import SamplingParams
 from paxengine.scheduler import Scheduler, SchedulerOutput, check_policy
 from paxengine.spec_decode import parse_speculative_config
+from paxengine.step_trace import StepTrace
 from paxengine.structured import GrammarCompiler
 from paxengine.validation import validate_request
 
@@ -297,6 +298,7 @@ class EngineCore:
         self.steps = 0
         self.overlapped_steps = 0  # steps dispatched before the previous one was read
         self.inflight: _InFlight | None = None
+        self.trace = StepTrace.from_env()  # per-step timings for profiles (step_trace.py)
         self.failed_steps = 0
         self._failures: list[float] = []  # monotonic times of recent step failures
         # XLA:GPU launches a step's kernels on the calling thread (with the GIL released): from a
@@ -488,13 +490,22 @@ class EngineCore:
         With `dispatch_thread`, N+1's launch (XLA:GPU enqueues its kernels on the calling thread)
         runs on a worker and is waited for only when N+1 is read, so it overlaps this bookkeeping.
         """
+        tr = self.trace
+        if tr is not None:
+            tr.begin()
         read = None
         if self.inflight is not None and self._needs_sync():
             # N's tokens reach the scheduler (and the grammars) before N+1 is built; its outputs
             # (detokenizing, stop strings) are processed after N+1 is dispatched, as below
             read = self._read_inflight()
+            if tr is not None:
+                tr.rec["sync"] = 1  # read before scheduling: no overlap this iteration
         try:
-            return self._dispatch_and_read(read)
+            outputs = self._dispatch_and_read(read)
+            if tr is not None:
+                tr.mark("process_ms")
+                tr.end(len(self.scheduler.running), len(self.scheduler.waiting))
+            return outputs
         except _DeviceFailure as f:
             if read is not None:  # N was read whole before N+1 failed: its outputs stand
                 f.outputs = self._process_outputs(*read)
@@ -506,6 +517,9 @@ class EngineCore:
         out = self.scheduler.schedule()
         if self.drafter is not None:
             self.drafter.settle(out)
+        tr = self.trace
+        if tr is not None:
+            tr.mark("schedule_ms")
         dispatched = None
         if out:
             prev_rows = self.inflight.rows if self.inflight is not None else None
@@ -525,6 +539,9 @@ class EngineCore:
                 self.runner.sampler_flags,
                 [out.drafts.get(r.request_id, []) for r in out.requests] if out.drafts else None,
             )
+            if tr is not None:
+                tr.mark("build_ms")
+                tr.step(out, T, S)
             if self._dispatcher is not None:
                 result = self._dispatcher.submit(self.runner.execute, arrays, st)
             else:
@@ -532,6 +549,8 @@ class EngineCore:
             rows = {rid: i for rid, i in out.sample_rows().items() if rid in out.sampling}
             dispatched = _InFlight(result, out, rows)
             self.steps += 1
+            if tr is not None:
+                tr.mark("launch_ms")
         if self.inflight is not None:
             self.overlapped_steps += bool(out)
             read = self._read_inflight()
@@ -556,11 +575,17 @@ class EngineCore:
         """The one sync: the in-flight step's samples, handed to the scheduler (which appends
         them, stops, advances grammars). -> what `_process_outputs` needs."""
         step, self.inflight = self.inflight, None
+        tr = self.trace
+        if tr is not None:
+            tr.mark("host_ms")  # since the last mark: whatever this iteration did before
         if isinstance(step.result, Future):
             result = self._device(step.out, step.result.result)
         else:
             result = step.result
         tokens, lps, ranks, top_ids, top_lps = self._device(step.out, self.runner.fetch, result)
+        if tr is not None:
+            tr.mark("wait_ms")
+            tr.stamp("read_at")
         if step.out.drafts:  # a verify step: the rows' samples up to the first rejection
             sampled = {}
             for rid, i in step.rows.items():

@@ -28,7 +28,14 @@ from paxengine.models import quant
 from paxengine.models.config import ModelConfig
 from paxengine.models.llama import compute_logits, forward_hidden
 from paxengine.models.weights import is_per_layer
-from paxengine.sampling import ALL_FLAGS, SamplingTensors, abstract_sampling_tensors, sample
+from paxengine.packing import PackedLayout
+from paxengine.sampling import (
+    ALL_FLAGS,
+    DATA_FIELDS,
+    SamplingTensors,
+    abstract_sampling_tensors,
+    sample,
+)
 
 _compile_count = 0
 _warm_at = 0  # the count when the latest runner of this process finished warming up
@@ -170,9 +177,10 @@ class Runner:
         self.fp8 = quant.weight_dtype(params) == "fp8_e4m3"
         self._kv_args = (cfg, num_blocks, block_size, kv_dtype, self.layer_loop, tp)
         self.kv_cache = allocate_kv_cache(*self._kv_args)
-        self._forward = jax.jit(self._forward_fn, donate_argnums=(1,))
+        self._forward = jax.jit(self._forward_fn, donate_argnums=(1,), static_argnames=("layout",))
         self.compiled: dict[tuple[int, int], object] = {}  # (T, S) -> forward
         self.samplers: dict[tuple, object] = {}  # (S, flags) -> sampler
+        self._layouts: dict[tuple, PackedLayout] = {}  # ("fwd", T, S) / ("smp", S, flags)
         self.compile_seconds = self.trace_seconds = 0.0
         self.store = store
         self.sampler_flags = list(sampler_flags)  # the variants compiled (sampling.choose_flags)
@@ -181,9 +189,40 @@ class Runner:
         _warm_at = compile_count()
 
     # -- the jitted step: a forward per (T, S) bucket, then a sampler per (S, flags) ------------
-    def _forward_fn(
-        self, params, kv_cache, tokens, positions, md, logits_indices, prev_index, prev_tokens
-    ):
+    # Each takes its host inputs packed into one int32 vector (paxengine/packing.py): one
+    # transfer per executable instead of one per array.
+    def step_layout(self, T: int, S: int) -> PackedLayout:
+        """The forward's host inputs: StepArrays' fields, by name."""
+        P = self.max_blocks_per_seq
+        return PackedLayout.of(
+            [
+                ("tokens", (T,), np.int32),
+                ("positions", (T,), np.int32),
+                ("slot_mapping", (T,), np.int32),
+                ("block_tables", (S, P), np.int32),
+                ("seq_lens", (S,), np.int32),
+                ("query_start_loc", (S + 1,), np.int32),
+                ("num_seqs", (1,), np.int32),
+                ("logits_indices", (S,), np.int32),
+                ("prev_index", (T,), np.int32),
+            ]
+        )
+
+    def sampling_layout(self, S: int, flags) -> PackedLayout:
+        """The sampler's host inputs: SamplingTensors' arrays but the two large optional ones
+        (penalties' history, a grammar's mask), which stay arguments of their own."""
+        st = abstract_sampling_tensors(S, self.history_len, flags, self.cfg.vocab_size)
+        return PackedLayout.of(
+            (f, getattr(st, f).shape, getattr(st, f).dtype) for f in DATA_FIELDS if f not in _APART
+        )
+
+    def _forward_fn(self, params, kv_cache, packed, prev_tokens, *, layout: PackedLayout):
+        x = layout.unpack(packed)
+        md = kernels_pallas.AttentionMetadata(
+            x["slot_mapping"], x["block_tables"], x["seq_lens"], x["query_start_loc"], x["num_seqs"]
+        )
+        tokens, positions, prev_index = x["tokens"], x["positions"], x["prev_index"]
+        logits_indices = x["logits_indices"]
         # Tokens sampled by the previous step never visit the host before they are used here.
         tokens = jnp.where(prev_index >= 0, prev_tokens[jnp.maximum(prev_index, 0)], tokens)
         attend = PagedAttend(md, self.backend, self.cfg, fused_rope=self.tp is None)
@@ -197,10 +236,7 @@ class Runner:
 
     def _abstract_inputs(self, T: int, S: int):
         i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)
-        md = kernels_pallas.AttentionMetadata(
-            i32(T), i32(S, self.max_blocks_per_seq), i32(S), i32(S + 1), i32(1)
-        )
-        return i32(T), i32(T), md, i32(S), i32(T), i32(self.max_rows)
+        return i32(self.step_layout(T, S).size), i32(self.max_rows)
 
     def _sampler_key(self, S: int, flags) -> tuple:
         return (
@@ -214,17 +250,20 @@ class Runner:
 
     def _lower_sampler(self, S: int, flags):
         max_rows = self.max_rows
+        layout = self.sampling_layout(S, flags)
+        names = dict(zip(("penalties", "top", "logprobs", "grammar"), flags))
 
-        def sample_step(logits, st):
+        def sample_step(logits, packed, history, mask):
+            st = SamplingTensors(**layout.unpack(packed), history=history, mask=mask, **names)
             result = sample(logits, st)
             padded = jnp.zeros(max_rows, jnp.int32).at[:S].set(result[0])
             return result, padded
 
         sharding = self.tp.sharding(P()) if self.tp is not None else None
         logits = jax.ShapeDtypeStruct((S, self.cfg.vocab_size), jnp.float32, sharding=sharding)
-        return jax.jit(sample_step).lower(
-            logits, abstract_sampling_tensors(S, self.history_len, flags, self.cfg.vocab_size)
-        )
+        st = abstract_sampling_tensors(S, self.history_len, flags, self.cfg.vocab_size)
+        packed = jax.ShapeDtypeStruct((layout.size,), jnp.int32)
+        return jax.jit(sample_step).lower(logits, packed, st.history, st.mask)
 
     def _compile_all(self, show_progress: bool) -> None:
         """Loads each bucket's executable from the store, or traces it (tracing holds the GIL)
@@ -273,6 +312,8 @@ class Runner:
         bar.update(len(pairs) + len(sampler_keys) - bar.n)
         bar.close()
         self.samplers = {(S, f): _SAMPLERS[self._sampler_key(S, f)] for S, f in sampler_keys}
+        self._layouts = {("fwd", T, S): self.step_layout(T, S) for T, S in pairs}
+        self._layouts.update({("smp", S, f): self.sampling_layout(S, f) for S, f in sampler_keys})
         self.compile_seconds = time.perf_counter() - t0
 
     def _forward_job(self, T: int, S: int):
@@ -282,7 +323,8 @@ class Runner:
         if opts:
             static += (tuple(sorted(opts.items())),)
         key = self.store.key("forward", static, args) if self.store is not None else None
-        return key, lambda: self._forward.lower(*args), opts
+        layout = self.step_layout(T, S)
+        return key, lambda: self._forward.lower(*args, layout=layout), opts
 
     def _xla_options(self, T: int) -> dict | None:
         """XLA options for the forward of a T-token bucket: FP8 weights' own (quant.xla_options),
@@ -324,24 +366,13 @@ class Runner:
 
     def execute(self, arrays: StepArrays, st: SamplingTensors):
         T, S = arrays.tokens.shape[0], arrays.seq_lens.shape[0]
-        md = kernels_pallas.AttentionMetadata(
-            arrays.slot_mapping,
-            arrays.block_tables,
-            arrays.seq_lens,
-            arrays.query_start_loc,
-            arrays.num_seqs,
-        )
+        packed = self._layouts[("fwd", T, S)].pack(vars(arrays))
         self.kv_cache, logits = self.compiled[(T, S)](
-            self.params,
-            self.kv_cache,
-            arrays.tokens,
-            arrays.positions,
-            md,
-            arrays.logits_indices,
-            arrays.prev_index,
-            self.prev_tokens,
+            self.params, self.kv_cache, packed, self.prev_tokens
         )
-        result, self.prev_tokens = self.samplers[(S, st.flags)](logits, st)
+        layout = self._layouts[("smp", S, st.flags)]
+        packed = layout.pack({f: getattr(st, f) for f in layout.names})
+        result, self.prev_tokens = self.samplers[(S, st.flags)](logits, packed, st.history, st.mask)
         return result
 
     @staticmethod
@@ -351,6 +382,9 @@ class Runner:
             return tuple(np.asarray(x) for x in jax.device_get(result))
         # several processes (one host each): the samples are replicated, this host's copy is all
         return tuple(np.asarray(x.addressable_data(0)) for x in result)
+
+
+_APART = ("history", "mask")  # SamplingTensors' arrays the sampler takes unpacked
 
 
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, kv_dtype) -> int:

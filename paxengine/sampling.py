@@ -60,10 +60,8 @@ class SamplingTensors:
 
 
 _META_FIELDS = ["penalties", "top", "logprobs", "grammar"]
-_DATA_FIELDS = [f.name for f in dataclasses.fields(SamplingTensors) if f.name not in _META_FIELDS]
-jax.tree_util.register_dataclass(
-    SamplingTensors, data_fields=_DATA_FIELDS, meta_fields=_META_FIELDS
-)
+DATA_FIELDS = [f.name for f in dataclasses.fields(SamplingTensors) if f.name not in _META_FIELDS]
+jax.tree_util.register_dataclass(SamplingTensors, data_fields=DATA_FIELDS, meta_fields=_META_FIELDS)
 # The compiled sampler variants, (penalties, top, logprobs, grammar). Every combination without a
 # grammar (8), and only three with one: a batch runs the cheapest compiled variant that has every
 # flag it needs (`choose_flags`; a flag on for rows that do not use it changes nothing for them),

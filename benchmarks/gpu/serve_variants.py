@@ -1,0 +1,152 @@
+"""Server variants side by side in one lease, each with its engine's step trace: where a served
+step's time goes, and which scheduling or process setting moves the serve rows of issue #18.
+
+    python3 -m benchmarks.gpu.serve_variants --out DIR [--variants base,b2x] \
+        [--concurrency 16,64] [--offline] [--quick]
+
+Every variant starts `paxengine serve` on the dummy model of the GPU run's spec
+(workloads.FULL; --quick: the CPU-sized QUICK), runs `bench serve` at each concurrency
+(`serving.serve_stage`) with PAXENGINE_STEP_TRACE set, then summarises the trace
+(benchmarks.profile.step_trace). --offline adds the spec's first offline workload through `LLM`
+with its own trace, last (its engine holds the GPU until the process ends). Results: DIR/serve_variants.json, the traces DIR/trace_<variant>.jsonl.
+The variants after the first start from the executable store the first one filled.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from benchmarks.gpu import stage
+from benchmarks.gpu.serving import _free_port, pax_serve_cmd, serve_stage
+from benchmarks.gpu.workloads import FULL, QUICK
+from benchmarks.profile import step_trace
+from benchmarks.record import environment
+from paxengine.step_trace import ENV as STEP_TRACE_ENV
+
+# name -> (the step budget while requests decode, as a multiple of the spec's serve setting
+# (2,048 tokens in FULL; None: no budget), the server's GIL switch interval in seconds (None:
+# Python's 5 ms), launching from the dispatch thread)
+VARIANTS = {
+    "base": (1, None, False),
+    "b2x": (2, None, False),
+    "nobudget": (None, None, False),
+    "switch": (1, 5e-4, False),
+    "dispatch": (1, None, True),
+}
+
+
+def variant_flags(spec: dict, name: str) -> tuple[dict, float | None]:
+    factor, switch, dispatch = VARIANTS[name]
+    flags = dict(spec["serve"].get("pax_engine", {}))
+    budget = flags.pop("decode_step_token_budget", None)
+    if factor is not None and budget is not None:
+        flags["decode_step_token_budget"] = min(
+            budget * factor, spec["engine"]["max_num_batched_tokens"]
+        )
+    if dispatch:
+        flags["dispatch_thread"] = ""
+    return flags, switch
+
+
+def server_cmd(spec: dict, model_dir: Path, flags: dict, switch: float | None) -> list[str]:
+    cmd = pax_serve_cmd(spec, model_dir, _free_port(), {k: v for k, v in flags.items() if v != ""})
+    cmd += [f"--{k.replace('_', '-')}" for k, v in flags.items() if v == ""]  # bare switches
+    if switch is not None:  # the same server, with the interpreter's switch interval set first
+        i = cmd.index("-m")
+        boot = (
+            f"import sys; sys.setswitchinterval({switch}); from serving.cli import main; "
+            "sys.exit(main(sys.argv[1:]))"
+        )
+        cmd = cmd[:i] + ["-c", boot] + cmd[i + 2 :]
+    return cmd
+
+
+def run_offline(spec: dict, trace: Path) -> dict:
+    from benchmarks.bench.datasets import random_dataset
+    from benchmarks.bench.throughput import greedy_params, token_prompts
+    from paxengine import LLM
+    from paxengine.config import EngineConfig
+    from paxengine.models.config import PRESETS
+
+    w = spec["offline"][0]
+    vocab = PRESETS[spec["preset"]].vocab_size
+    os.environ[STEP_TRACE_ENV] = str(trace)
+    try:
+        llm = LLM(
+            config=EngineConfig(
+                model=f"dummy:{spec['preset']}", dtype=spec["dtype"], **spec["engine"]
+            )
+        )
+    finally:
+        del os.environ[STEP_TRACE_ENV]
+    warm = random_dataset(4, 64, 8, vocab_size=vocab, seed=7)
+    llm.generate(token_prompts(warm), greedy_params(warm), use_tqdm=False)
+    llm.engine.trace.flush()
+    trace.unlink(missing_ok=True)  # the timed run's steps only
+    reqs = random_dataset(
+        w["num_prompts"], w["input_len"], w["output_len"], vocab_size=vocab, seed=11
+    )
+    t = time.perf_counter()
+    outs = llm.generate(token_prompts(reqs), greedy_params(reqs), use_tqdm=False)
+    dt = time.perf_counter() - t
+    llm.engine.trace.flush()
+    n = sum(len(o.outputs[0].token_ids) for o in outs)
+    return {"workload": w["name"], "output_tok_s": n / dt, "seconds": dt}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--variants", default="base,b2x,nobudget,switch")
+    p.add_argument("--concurrency", default="16,64")
+    p.add_argument("--offline", action="store_true")
+    p.add_argument("--quick", action="store_true")
+    args = p.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    base = copy.deepcopy(QUICK if args.quick else FULL)
+    base["serve"]["concurrency"] = [int(c) for c in args.concurrency.split(",")]
+    from benchmarks.gpu.dummy_model import write_dummy_model_dir
+
+    model_dir = write_dummy_model_dir(base["preset"], out / "dummy_model")
+    result = {"environment": environment(), "command": " ".join(sys.argv), "variants": {}}
+    result_file = out / "serve_variants.json"
+    for name in args.variants.split(","):
+        flags, switch = variant_flags(base, name)
+        trace = out / f"trace_{name}.jsonl"
+        trace.unlink(missing_ok=True)
+        env = {**os.environ, STEP_TRACE_ENV: str(trace)}
+        cmd = server_cmd(base, model_dir, flags, switch)
+        stage.begin(out / f"partial_{name}.json", None)
+        res = serve_stage(base, out / f"stage_{name}.json", cmd, name, env)
+        # one summary per benchmark run (the trace cut where the server sat idle between them)
+        res["trace"] = (
+            [step_trace.summarise(seg) for seg in step_trace.segments(step_trace.load(str(trace)))]
+            if trace.exists()
+            else None
+        )
+        result["variants"][name] = res
+        for c, r in res["runs"].items():
+            stage.log(
+                f"{name} {c}: {r['output_throughput']:.0f} tok/s, TTFT p99 {r['p99_ttft_ms']:.0f} "
+                f"ms, TPOT p50 {r['median_tpot_ms']:.1f} ms, ITL p99 {r['p99_itl_ms']:.1f} ms"
+            )
+        result_file.write_text(json.dumps(result, indent=1))
+    if args.offline:
+        trace = out / "trace_offline.jsonl"
+        res = run_offline(base, trace)
+        res["trace"] = step_trace.summarise(step_trace.load(str(trace)))
+        result["offline"] = res
+        stage.log(f"offline {res['workload']}: {res['output_tok_s']:.0f} tok/s")
+        result_file.write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
