@@ -49,6 +49,10 @@ class EngineConfig:
     num_processes: int = 1
     process_id: int = 0
     dispatch_thread: bool = False  # launch steps from a worker thread (see EngineCore.step)
+    # build the few buckets that serve any step first (runner.first_buckets) and the others on
+    # a background thread while serving: a cold start is ready sooner, and until a bucket is
+    # built its steps run in the smallest built one that holds them (padded, slower)
+    background_compile: bool = False
     # structured output (JSON schemas, regexes, grammars, forced tool calls): compiles 3 more
     # samplers per sequence bucket at start-up (~0.7 s each on a CPU); off, constrained requests
     # are refused with a 400

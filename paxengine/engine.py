@@ -249,6 +249,7 @@ class EngineCore:
             sampler_flags=ALL_FLAGS
             if cfg.structured_outputs
             else [f for f in ALL_FLAGS if not f[3]],
+            background_compile=cfg.background_compile,
         )
         self.drafter = None
         if draft is not None:  # its own params, paged KV (the target's block ids) and buckets
@@ -280,12 +281,16 @@ class EngineCore:
         loaded_exe = store.hits if store is not None else 0
         log.info(
             "model loaded in %.1f s; %d step executables in %.1f s: %d from the store, the rest "
-            "traced in %.1f s and compiled",
+            "traced in %.1f s and compiled%s",
             self.load_seconds,
             n_exe,
             r.compile_seconds,
             loaded_exe,
             r.trace_seconds,
+            "; the other buckets compile in the background (until then a step may run in a "
+            "larger one)"
+            if r.background is not None
+            else "",
         )
         self.grammars = GrammarCompiler(
             self.tokenizer, loaded.config.vocab_size, self.eos_token_ids
@@ -318,7 +323,7 @@ class EngineCore:
             kv_cache_dtype="fp8_e4m3" if kv_dtype_name == "fp8" else kv_dtype_name,
             kv_cache_scales=scales_from,
             kv_capacity_tokens=num_blocks * cfg.block_size,
-            buckets=tuple(sorted(self.runner.compiled)),
+            buckets=tuple(sorted(self.runner.planned)),
         )
 
     # -- figures --------------------------------------------------------------------------------
@@ -536,7 +541,7 @@ class EngineCore:
                 self.eos_token_ids,
                 self.grammars,
                 self.model_config.vocab_size,
-                self.runner.sampler_flags,
+                self.runner.available_flags(S),
                 [out.drafts.get(r.request_id, []) for r in out.requests] if out.drafts else None,
             )
             if tr is not None:

@@ -7,7 +7,9 @@ executable can never trace again, so nothing compiles while serving.
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
@@ -37,15 +39,22 @@ from paxengine.sampling import (
     sample,
 )
 
+log = logging.getLogger("paxengine")
 _compile_count = 0
 _warm_at = 0  # the count when the latest runner of this process finished warming up
 _SAMPLERS: dict[tuple, object] = {}  # (S, V, history, rows, flags) -> compiled, per process
 
 
+BACKGROUND_THREAD = "paxengine-background-compile"
+
+
 def _count_compiles(event: str, duration: float, **kw) -> None:
+    """Compiles of a serving process's steps; the background's planned ones (Runner
+    background_compile) are start-up work, not recompiles."""
     global _compile_count
     if event == "/jax/core/compile/backend_compile_duration":
-        _compile_count += 1
+        if not threading.current_thread().name.startswith(BACKGROUND_THREAD):
+            _compile_count += 1
 
 
 jax.monitoring.register_event_duration_secs_listener(_count_compiles)
@@ -151,6 +160,7 @@ class Runner:
         store: ExecutableStore | None = None,
         tp: parallel.TensorParallel | None = None,
         sampler_flags: list[tuple] = ALL_FLAGS,
+        background_compile: bool = False,
     ):
         """params: stacked layers (scanned) or a list of per-layer dicts (unrolled), see
         `weights.unstack_layers`; the KV cache takes the same layout. tp: tensor parallelism
@@ -184,7 +194,8 @@ class Runner:
         self.compile_seconds = self.trace_seconds = 0.0
         self.store = store
         self.sampler_flags = list(sampler_flags)  # the variants compiled (sampling.choose_flags)
-        self._compile_all(show_progress)
+        self.background: threading.Thread | None = None  # see _compile_all
+        self._compile_all(show_progress, background_compile)
         global _warm_at
         _warm_at = compile_count()
 
@@ -265,28 +276,59 @@ class Runner:
         packed = jax.ShapeDtypeStruct((layout.size,), jnp.int32)
         return jax.jit(sample_step).lower(logits, packed, st.history, st.mask)
 
-    def _compile_all(self, show_progress: bool) -> None:
+    def _compile_all(self, show_progress: bool, background: bool) -> None:
         """Loads each bucket's executable from the store, or traces it (tracing holds the GIL)
         and compiles it on a thread pool (XLA's compile releases it): an unrolled 8B model's
         buckets compile side by side. The samplers are small and shared by every runner of the
-        process with the same shapes."""
+        process with the same shapes.
+
+        background: only the buckets that serve any step well enough are built now
+        (`first_buckets`, the cheapest and the all-flags sampler of every sequence bucket); the
+        others follow on a thread of their own while the engine serves, and until one is there a
+        step runs in the smallest compiled bucket that holds it (`bucket_for`)."""
         t0 = time.perf_counter()
         pairs = bucket_pairs(self.token_buckets, self.seq_buckets)
         sampler_keys = [(S, f) for S in self.seq_buckets for f in self.sampler_flags]
-        workers = max(1, min(len(pairs), (os.cpu_count() or 1) // 2, 8))
-        bar = tqdm(
-            total=len(pairs) + len(sampler_keys),
-            desc="compiling step buckets",
-            disable=not show_progress,
-        )
+        self.planned = pairs
+        self._layouts = {("fwd", T, S): self.step_layout(T, S) for T, S in pairs}
+        self._layouts.update({("smp", S, f): self.sampling_layout(S, f) for S, f in sampler_keys})
+        for S, f in sampler_keys:  # compiled by another runner of this process already
+            if self._sampler_key(S, f) in _SAMPLERS:
+                self.samplers[(S, f)] = _SAMPLERS[self._sampler_key(S, f)]
         jobs = [(("fwd", T, S), self._forward_job(T, S)) for T, S in pairs]  # (key, lower, opts)
         jobs += [
             (("smp", S, f), self._sampler_job(S, f))
             for S, f in sampler_keys
-            if self._sampler_key(S, f) not in _SAMPLERS
+            if (S, f) not in self.samplers
         ]
+        later = []
+        if background:
+            first = set(first_buckets(pairs, self.token_buckets, self.seq_buckets))
+            cheap, full = min(self.sampler_flags, key=sum), max(self.sampler_flags, key=sum)
+            now = [
+                j
+                for j in jobs
+                if j[0][1:] in first or (j[0][0] == "smp" and j[0][2] in (cheap, full))
+            ]
+            later = sorted(
+                (j for j in jobs if j not in now), key=lambda j: (j[0][0] == "fwd", j[0][1:])
+            )
+            jobs = now
+        bar = tqdm(total=len(jobs), desc="compiling step buckets", disable=not show_progress)
+        self._build(jobs, bar.update)
+        bar.close()
+        self.compile_seconds = time.perf_counter() - t0
+        if later:
+            self.background = threading.Thread(
+                target=self._build_later, args=(later,), name=BACKGROUND_THREAD, daemon=True
+            )
+            self.background.start()
+
+    def _build(self, jobs, done) -> None:
+        workers = max(1, min(len(jobs), (os.cpu_count() or 1) // 2, 8))
+        prefix = threading.current_thread().name  # the background's compiles are its own
         no_jax_cache = bypassing_jax_cache() if self.store is not None else nullcontext()
-        with no_jax_cache, ThreadPoolExecutor(workers) as pool:
+        with no_jax_cache, ThreadPoolExecutor(workers, thread_name_prefix=prefix) as pool:
             # stored executables load side by side (a GPU executable loads its kernels)
             stored = {}
             if self.store is not None:
@@ -302,22 +344,45 @@ class Runner:
                     futures[name] = (store_key, pool.submit(lowered.compile, opts))
                 else:
                     self._keep(name, exe)
-                    bar.update(1)
+                    done(1)
             for name, (store_key, fut) in futures.items():
                 exe = fut.result()
                 if self.store is not None:
                     self.store.save(store_key, exe, label=str(name))
                 self._keep(name, exe)
-                bar.update(1)
-        bar.update(len(pairs) + len(sampler_keys) - bar.n)
-        bar.close()
-        self.samplers = {(S, f): _SAMPLERS[self._sampler_key(S, f)] for S, f in sampler_keys}
-        self._layouts = {("fwd", T, S): self.step_layout(T, S) for T, S in pairs}
-        self._layouts.update({("smp", S, f): self.sampling_layout(S, f) for S, f in sampler_keys})
-        self.compile_seconds = time.perf_counter() - t0
+                done(1)
+
+    def _build_later(self, jobs) -> None:
+        t = time.perf_counter()
+        try:
+            self._build(jobs, lambda n: None)
+        except Exception as e:  # the compiled buckets keep serving; the missing ones stay missing
+            if isinstance(e, RuntimeError) and "interpreter shutdown" in str(e):
+                return  # the process is exiting while this compiled: nothing is left to serve
+            log.exception("compiling step buckets in the background failed")
+            return
+        log.info(
+            "%d more step executables ready in the background in %.1f s",
+            len(jobs),
+            time.perf_counter() - t,
+        )
+
+    def wait_background(self, timeout: float | None = None) -> bool:
+        """Until the background's buckets are built (True), or timeout seconds (False)."""
+        if self.background is not None:
+            self.background.join(timeout)
+            return not self.background.is_alive()
+        return True
+
+    def available_flags(self, S: int) -> list[tuple]:
+        """The sampler variants compiled for S rows (all of them, once the background is done)."""
+        return [f for f in self.sampler_flags if (S, f) in self.samplers]
 
     def _forward_job(self, T: int, S: int):
-        args = (self.params, self.kv_cache, *self._abstract_inputs(T, S))
+        # shapes only: a job the background lowers later must not hold the KV arrays, which
+        # the steps donate (and free) meanwhile
+        params, kv = jax.tree.map(_abstract, (self.params, self.kv_cache))
+        args = (params, kv, *self._abstract_inputs(T, S))
         static = (self.cfg, self.backend, self.max_blocks_per_seq, self.max_rows, self.placement)
         opts = self._xla_options(T)
         if opts:
@@ -342,6 +407,7 @@ class Runner:
             self.compiled[name[1:]] = exe
         else:
             _SAMPLERS[self._sampler_key(*name[1:])] = exe
+            self.samplers[name[1:]] = exe
 
     def reset_device_state(self) -> None:
         """After a failed step: a fresh KV cache (the old one was donated to the step, and may
@@ -360,8 +426,9 @@ class Runner:
         (64, 64); a 2048-token prefill of 3 sequences (2048, 64), see `bucket_pairs`."""
         T = pick(self.token_buckets, num_tokens)
         S = pick(self.seq_buckets, num_seqs)
-        if (T, S) not in self.compiled:
-            T, S = min(k for k in self.compiled if k[0] >= num_tokens and k[1] >= num_seqs)
+        if (T, S) not in self.compiled:  # not planned, or still compiling in the background
+            ready = tuple(self.compiled)  # a snapshot: the background may add to it meanwhile
+            T, S = min(k for k in ready if k[0] >= num_tokens and k[1] >= num_seqs)
         return T, S
 
     def execute(self, arrays: StepArrays, st: SamplingTensors):
@@ -385,6 +452,19 @@ class Runner:
 
 
 _APART = ("history", "mask")  # SamplingTensors' arrays the sampler takes unpacked
+
+
+def _abstract(x: jax.Array) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+
+
+def first_buckets(pairs, token_buckets, seq_buckets) -> list[tuple[int, int]]:
+    """The buckets a start-up with background compilation builds first: for each sequence
+    bucket S the smallest token bucket holding S rows (a decode step of any batch size runs in
+    one of these), and the largest (every prefill fits it)."""
+    first = [(pick(token_buckets, s), s) for s in seq_buckets if s <= token_buckets[-1]]
+    first.append((token_buckets[-1], seq_buckets[-1]))
+    return [p for p in dict.fromkeys(first) if p in pairs]
 
 
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, kv_dtype) -> int:

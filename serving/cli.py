@@ -53,6 +53,11 @@ def build_parser() -> argparse.ArgumentParser:
     _bool_pair(e, "dispatch-thread", "launch each step from a worker thread")
     _bool_pair(
         e,
+        "background-compile",
+        "serve once the buckets that hold any step are compiled; compile the others behind",
+    )
+    _bool_pair(
+        e,
         "structured-outputs",
         "JSON schemas, regexes, grammars and forced tool calls (3 more samplers per sequence "
         "bucket to compile at start-up)",

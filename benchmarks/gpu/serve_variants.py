@@ -31,27 +31,27 @@ from paxengine.step_trace import ENV as STEP_TRACE_ENV
 
 # name -> (the step budget while requests decode, as a multiple of the spec's serve setting
 # (2,048 tokens in FULL; None: no budget), the server's GIL switch interval in seconds (None:
-# Python's 5 ms), launching from the dispatch thread)
+# Python's 5 ms), more serve flags ("" for a bare switch))
 VARIANTS = {
-    "base": (1, None, False),
-    "b2x": (2, None, False),
-    "nobudget": (None, None, False),
-    "switch": (1, 5e-4, False),
-    "dispatch": (1, None, True),
+    "base": (1, None, {}),
+    "b2x": (2, None, {}),
+    "nobudget": (None, None, {}),
+    "switch": (1, 5e-4, {}),
+    "dispatch": (1, None, {"dispatch_thread": ""}),
+    # ready once the first buckets are built, the rest compiling behind (its log says when)
+    "background": (1, None, {"background_compile": "", "log_level": "info"}),
 }
 
 
 def variant_flags(spec: dict, name: str) -> tuple[dict, float | None]:
-    factor, switch, dispatch = VARIANTS[name]
+    factor, switch, more = VARIANTS[name]
     flags = dict(spec["serve"].get("pax_engine", {}))
     budget = flags.pop("decode_step_token_budget", None)
     if factor is not None and budget is not None:
         flags["decode_step_token_budget"] = min(
             budget * factor, spec["engine"]["max_num_batched_tokens"]
         )
-    if dispatch:
-        flags["dispatch_thread"] = ""
-    return flags, switch
+    return {**flags, **more}, switch
 
 
 def server_cmd(spec: dict, model_dir: Path, flags: dict, switch: float | None) -> list[str]:

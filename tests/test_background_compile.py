@@ -1,0 +1,98 @@
+"""Start-up with background compilation (EngineConfig.background_compile): the engine serves once
+the first buckets are built, steps whose bucket is still missing run in a larger built one, and
+every output equals that of an engine with every bucket built before it served."""
+
+import threading
+
+import pytest
+
+from paxengine import LLM, SamplingParams
+from paxengine.runner import Runner, compiles_after_warmup, first_buckets
+
+ENGINE = dict(
+    model="dummy:tiny",
+    max_model_len=128,
+    max_num_seqs=8,
+    max_num_batched_tokens=64,
+    token_buckets=[16, 32, 64],
+    seq_buckets=[2, 8],
+    num_kv_blocks=64,
+    structured_outputs=False,
+    store_executables=False,
+    show_progress=False,
+)
+# prompts of 3 to 40 tokens (steps in every token bucket), greedy and seeded sampling
+PROMPTS = [list(range(5, 5 + n)) for n in (3, 9, 17, 40, 6, 25)]
+PARAMS = [
+    SamplingParams(max_tokens=12, ignore_eos=True, temperature=0),
+    SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.9, top_p=0.8, seed=3),
+    SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.7, seed=11, logprobs=2),
+]
+
+
+def _run(llm):
+    outs = []
+    for params in PARAMS:
+        outs += [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    return outs
+
+
+def test_first_buckets_hold_every_step():
+    tb = [1, 16, 64, 256, 320, 384, 512, 1024, 2048, 4096, 8192]
+    sb = [8, 64, 256, 512]
+    from paxengine.batch import bucket_pairs
+
+    pairs = bucket_pairs(tb, sb)
+    first = first_buckets(pairs, tb, sb)
+    assert first == [(16, 8), (64, 64), (256, 256), (512, 512), (8192, 512)]
+    assert (tb[-1], sb[-1]) in first  # whatever a step holds, one of them holds it
+
+
+def test_serves_before_the_background_is_done_and_gives_the_same_tokens(monkeypatch):
+    gate = threading.Event()
+    build_later = Runner._build_later
+
+    def held(self, jobs):  # the background waits until the test lets it go
+        gate.wait(120)
+        build_later(self, jobs)
+
+    monkeypatch.setattr(Runner, "_build_later", held)
+    llm = LLM(**ENGINE, background_compile=True)
+    r = llm.engine.runner
+    try:
+        first = set(first_buckets(r.planned, ENGINE["token_buckets"], ENGINE["seq_buckets"]))
+        assert set(r.compiled) == first != set(r.planned)
+        cheap, full = min(r.sampler_flags, key=sum), max(r.sampler_flags, key=sum)
+        assert r.available_flags(2) == [cheap, full]
+        T, S = r.bucket_for(17, 2)  # (32, 2) is not built yet: a larger built bucket holds it
+        assert (T, S) in r.compiled and T >= 17 and S >= 2 and (32, 2) not in r.compiled
+        before = _run(llm)
+    finally:
+        gate.set()
+    assert r.wait_background(300)
+    assert set(r.compiled) == set(r.planned)
+    assert r.available_flags(2) == r.sampler_flags
+    # the background's planned compiles are start-up work, not recompiles
+    assert compiles_after_warmup() == 0
+    after = _run(llm)
+    assert compiles_after_warmup() == 0
+
+    ref = LLM(**ENGINE)  # every bucket built before it serves
+    assert ref.engine.runner.background is None
+    assert before == after == _run(ref)
+
+
+def test_background_compile_is_off_by_default():
+    from paxengine.config import EngineConfig
+
+    assert EngineConfig().background_compile is False
+
+
+@pytest.mark.parametrize(
+    "flag,value", [("--background-compile", True), ("--no-background-compile", False)]
+)
+def test_serve_flag(flag, value):
+    from serving.cli import parse
+
+    ecfg, _ = parse(["--model", "dummy:tiny", flag])
+    assert ecfg.background_compile is value
