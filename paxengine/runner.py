@@ -455,7 +455,10 @@ _APART = ("history", "mask")  # SamplingTensors' arrays the sampler takes unpack
 
 
 def _abstract(x: jax.Array) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+    """x's shape and dtype, and its sharding where it has a mesh's (tensor parallelism): one
+    device's array lowers as it would itself (no sharding annotations)."""
+    sharding = x.sharding if isinstance(x.sharding, jax.sharding.NamedSharding) else None
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
 
 
 def first_buckets(pairs, token_buckets, seq_buckets) -> list[tuple[int, int]]:
