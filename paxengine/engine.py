@@ -18,6 +18,7 @@ from paxengine.config import EngineConfig
 from paxengine.errors import InvalidRequest, StepFailed
 from paxengine.executables import ExecutableStore
 from paxengine.kv_cache import KVCacheManager
+from paxengine.kv_memory import plan_num_blocks
 from paxengine.models.loader import load_model
 from paxengine.models.quant import GEMV_MAX_ROWS, W8A8_MIN_ROWS, fp8_units, weight_dtype
 from paxengine.models.weights import unstack_layers
@@ -28,7 +29,6 @@ from paxengine.runner import (
     Runner,
     compiles_after_warmup,
     enable_persistent_cache,
-    plan_num_blocks,
     resolve_layer_loop,
 )
 from paxengine.sampling import ALL_FLAGS, build_sampling_tensors, verify_drafts

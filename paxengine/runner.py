@@ -26,6 +26,7 @@ from paxengine import parallel
 from paxengine.attention import PagedAttend
 from paxengine.batch import StepArrays, bucket_pairs, pick
 from paxengine.executables import ExecutableStore, bypassing_jax_cache
+from paxengine.kv_memory import allocate_kv_cache
 from paxengine.models import quant
 from paxengine.models.config import ModelConfig
 from paxengine.models.llama import compute_logits, forward_hidden
@@ -118,29 +119,6 @@ def resolve_layer_loop(name: str) -> str:
     if name == "auto":
         return "unroll" if jax.default_backend() == "gpu" else "scan"
     return name
-
-
-def allocate_kv_cache(
-    cfg: ModelConfig, num_blocks: int, block_size: int, kv_dtype, layer_loop: str, tp=None
-):
-    """scan: one (k, v) pair of [L, Hkv, NB, bs, D]; unroll: a list of L pairs of [1, ...] (each
-    layer writes its own donated buffer in place). V pages of a bf16 cache are fp16 (same size,
-    no conversion in the attention kernels: kernels_pallas.value_cache_dtype). Under tensor
-    parallelism the KV-head axis is split over the devices (one head per device at least:
-    copies of a shared head each hold its pages), each device's share allocated in place."""
-    v_dtype = kernels_pallas.value_cache_dtype(kv_dtype)
-    heads = cfg.num_kv_heads
-    zeros = jnp.zeros
-    if tp is not None:
-        heads = tp.local_config(cfg).num_kv_heads * tp.size
-        zeros = lambda shape, dt: jax.jit(  # noqa: E731
-            lambda: jnp.zeros(shape, dt), out_shardings=tp.sharding(parallel.CACHE_SPEC)
-        )()
-    if layer_loop == "scan":
-        shape = (cfg.num_layers, heads, num_blocks, block_size, cfg.head_dim)
-        return (zeros(shape, kv_dtype), zeros(shape, v_dtype))
-    shape = (1, heads, num_blocks, block_size, cfg.head_dim)
-    return [(zeros(shape, kv_dtype), zeros(shape, v_dtype)) for _ in range(cfg.num_layers)]
 
 
 class Runner:
@@ -468,40 +446,3 @@ def first_buckets(pairs, token_buckets, seq_buckets) -> list[tuple[int, int]]:
     first = [(pick(token_buckets, s), s) for s in seq_buckets if s <= token_buckets[-1]]
     first.append((token_buckets[-1], seq_buckets[-1]))
     return [p for p in dict.fromkeys(first) if p in pairs]
-
-
-def kv_bytes_per_block(cfg: ModelConfig, block_size: int, kv_dtype) -> int:
-    """K and V pages of one block over all layers (V in kernels_pallas.value_cache_dtype)."""
-    itemsize = jnp.dtype(kv_dtype).itemsize + kernels_pallas.value_cache_dtype(kv_dtype).itemsize
-    return cfg.num_layers * cfg.num_kv_heads * block_size * cfg.head_dim * itemsize
-
-
-def plan_num_blocks(
-    cfg: ModelConfig,
-    block_size: int,
-    kv_dtype,
-    *,
-    num_kv_blocks: int | None,
-    kv_cache_memory_bytes: int | None,
-    gpu_memory_utilization: float,
-    device=None,
-) -> int:
-    """The pool size: explicit, from a byte budget, or from free memory of `device` (default
-    the first)."""
-    if num_kv_blocks:
-        return int(num_kv_blocks)
-    per_block = kv_bytes_per_block(cfg, block_size, kv_dtype)
-    if kv_cache_memory_bytes:
-        return max(1, int(kv_cache_memory_bytes // per_block))
-    dev = device if device is not None else jax.devices()[0]
-    stats = dev.memory_stats() if hasattr(dev, "memory_stats") else None
-    if dev.platform == "gpu" and stats and "bytes_limit" in stats:
-        reserve = int(os.environ.get("PAXENGINE_ACTIVATION_RESERVE", 4 << 30))
-        free = gpu_memory_utilization * stats["bytes_limit"] - stats["bytes_in_use"] - reserve
-        if free < per_block:
-            raise ValueError(
-                f"no device memory left for the KV cache (gpu_memory_utilization="
-                f"{gpu_memory_utilization}): lower max_num_batched_tokens or raise it"
-            )
-        return int(free // per_block)
-    return max(1, (512 << 20) // per_block)  # CPU default: 512 MiB of KV

@@ -28,7 +28,7 @@ def run(**kw):
 def test_fp8_kv_cache_runs_and_stays_close_to_full_precision():
     import jax.numpy as jnp
 
-    from paxengine.runner import kv_bytes_per_block
+    from paxengine.kv_memory import kv_bytes_per_block
 
     _, full = run(kv_cache_dtype="auto")
     # unit scales: the two paths see the same stored values bit for bit (calibrated scales

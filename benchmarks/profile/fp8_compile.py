@@ -36,11 +36,11 @@ def child(name: str, layers: int, per_bucket_s: float, buckets) -> dict:
     import kernels_pallas
     from benchmarks.measure import time_calls
     from paxengine.attention import PagedAttend
+    from paxengine.kv_memory import allocate_kv_cache
     from paxengine.models import llama
     from paxengine.models.config import PRESETS
     from paxengine.models.loader import load_model
     from paxengine.models.weights import unstack_layers
-    from paxengine.runner import allocate_kv_cache
 
     v = VARIANTS[name]
     PRESETS["l8b-short"] = dataclasses.replace(PRESETS["llama-3.1-8b"], num_layers=layers)

@@ -85,7 +85,7 @@ def share_kv_budget(num_blocks: int, target_cfg, draft_cfg, block_size, kv_dtype
     """The pool size when a planned KV budget (bytes or free memory) must also hold the draft's
     pages: a block costs the target's pages plus the draft's (same block ids, see above). An
     explicit num_kv_blocks is taken as it is."""
-    from paxengine.runner import kv_bytes_per_block
+    from paxengine.kv_memory import kv_bytes_per_block
 
     t = kv_bytes_per_block(target_cfg, block_size, kv_dtype)
     d = kv_bytes_per_block(draft_cfg, block_size, draft_dtype)
