@@ -17,6 +17,7 @@ import hashlib
 import logging
 import os
 import pickle
+import threading
 import time
 from pathlib import Path
 
@@ -65,19 +66,32 @@ def signature(args) -> tuple:
     return str(tree), tuple((tuple(x.shape), str(x.dtype)) for x in leaves)
 
 
+_bypass_lock = threading.Lock()
+_bypass_depth = 0  # builds inside bypassing_jax_cache now (a background build and a foreground
+_bypass_saved = None  # one of another replica may overlap): the setting before the first
+
+
 @contextlib.contextmanager
 def bypassing_jax_cache():
     """Compile without JAX's persistent cache, for executables that go into the store: one that
     JAX loaded from its own cache does not survive being serialized again (seen on XLA:CPU: the
-    stored copy loads, then fails when run with "Function negate_power_fusion not found")."""
-    enabled = jax.config.jax_enable_compilation_cache
-    compilation_cache.reset_cache()  # JAX decides once whether to use its cache: ask again
-    jax.config.update("jax_enable_compilation_cache", False)
+    stored copy loads, then fails when run with "Function negate_power_fusion not found").
+    Overlapping uses (threads) share one bypass: the cache comes back when the last one ends."""
+    global _bypass_depth, _bypass_saved
+    with _bypass_lock:
+        if _bypass_depth == 0:
+            _bypass_saved = jax.config.jax_enable_compilation_cache
+            compilation_cache.reset_cache()  # JAX decides once whether to use its cache: ask again
+            jax.config.update("jax_enable_compilation_cache", False)
+        _bypass_depth += 1
     try:
         yield
     finally:
-        jax.config.update("jax_enable_compilation_cache", enabled)
-        compilation_cache.reset_cache()
+        with _bypass_lock:
+            _bypass_depth -= 1
+            if _bypass_depth == 0:
+                jax.config.update("jax_enable_compilation_cache", _bypass_saved)
+                compilation_cache.reset_cache()
 
 
 class ExecutableStore:

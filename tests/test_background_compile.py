@@ -96,3 +96,25 @@ def test_serve_flag(flag, value):
 
     ecfg, _ = parse(["--model", "dummy:tiny", flag])
     assert ecfg.background_compile is value
+
+
+def test_overlapping_cache_bypasses_end_with_the_last():
+    """A background build and another replica's foreground build overlap: the first to end must
+    not turn JAX's cache back on under the other."""
+    import jax
+
+    from paxengine.executables import bypassing_jax_cache
+
+    saved = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", True)
+    try:
+        a, b = bypassing_jax_cache(), bypassing_jax_cache()
+        a.__enter__()
+        b.__enter__()
+        assert not jax.config.jax_enable_compilation_cache
+        a.__exit__(None, None, None)  # ends first, not nested
+        assert not jax.config.jax_enable_compilation_cache
+        b.__exit__(None, None, None)
+        assert jax.config.jax_enable_compilation_cache
+    finally:
+        jax.config.update("jax_enable_compilation_cache", saved)
