@@ -35,9 +35,12 @@ from paxengine.packing import PackedLayout
 from paxengine.sampling import (
     ALL_FLAGS,
     DATA_FIELDS,
+    NUM_TOP_LOGPROBS,
     SamplingTensors,
     abstract_sampling_tensors,
+    pack_samples,
     sample,
+    unpack_samples,
 )
 
 log = logging.getLogger("paxengine")
@@ -246,7 +249,7 @@ class Runner:
             st = SamplingTensors(**layout.unpack(packed), history=history, mask=mask, **names)
             result = sample(logits, st)
             padded = jnp.zeros(max_rows, jnp.int32).at[:S].set(result[0])
-            return result, padded
+            return pack_samples(result, st.logprobs), padded
 
         sharding = self.tp.sharding(P()) if self.tp is not None else None
         logits = jax.ShapeDtypeStruct((S, self.cfg.vocab_size), jnp.float32, sharding=sharding)
@@ -417,16 +420,20 @@ class Runner:
         )
         layout = self._layouts[("smp", S, st.flags)]
         packed = layout.pack({f: getattr(st, f) for f in layout.names})
-        result, self.prev_tokens = self.samplers[(S, st.flags)](logits, packed, st.history, st.mask)
-        return result
+        samples, self.prev_tokens = self.samplers[(S, st.flags)](
+            logits, packed, st.history, st.mask
+        )
+        return samples, S, st.logprobs  # the samples vector's first S entries are the tokens
 
-    @staticmethod
-    def fetch(result) -> tuple[np.ndarray, ...]:
-        """The one host transfer of a step."""
-        if all(x.is_fully_addressable for x in result):
-            return tuple(np.asarray(x) for x in jax.device_get(result))
-        # several processes (one host each): the samples are replicated, this host's copy is all
-        return tuple(np.asarray(x.addressable_data(0)) for x in result)
+    def fetch(self, result) -> tuple[np.ndarray, ...]:
+        """The one host transfer of a step: `execute`'s result -> (tokens, logprobs, ranks, top
+        ids, top logprobs) on the host."""
+        samples, S, logprobs = result
+        if samples.is_fully_addressable:
+            v = np.asarray(jax.device_get(samples))
+        else:  # several processes (one host each): the samples are replicated, this host's copy
+            v = np.asarray(samples.addressable_data(0))
+        return unpack_samples(v, S, min(NUM_TOP_LOGPROBS, self.cfg.vocab_size), logprobs)
 
 
 _APART = ("history", "mask")  # SamplingTensors' arrays the sampler takes unpacked

@@ -88,3 +88,30 @@ def test_the_runner_layouts_cover_every_input():
     for flags in r.sampler_flags:
         names = r.sampling_layout(4, flags).names
         assert sorted(names + _APART) == sorted(DATA_FIELDS)
+
+
+@pytest.mark.parametrize("logprobs", [False, True])
+def test_samples_round_trip_as_one_vector(logprobs):
+    """The sampler's five outputs travel as one vector (sampling.pack_samples) and come back
+    whole: tokens always, the logprob arrays when the batch asked for them (zeros otherwise)."""
+    from paxengine.sampling import pack_samples, unpack_samples
+
+    rng = np.random.default_rng(4)
+    S, N = 5, 3
+    result = (
+        rng.integers(0, 1000, S).astype(np.int32),
+        -rng.random(S).astype(np.float32),
+        rng.integers(1, 9, S).astype(np.int32),
+        rng.integers(0, 1000, (S, N)).astype(np.int32),
+        np.array([[-np.inf, -1.5, -0.0]] * S, np.float32),
+    )
+    packed = np.asarray(jax.jit(lambda r: pack_samples(r, logprobs))(result))
+    assert packed.dtype == np.int32 and packed.shape == ((3 + 2 * N) * S if logprobs else S,)
+    got = unpack_samples(packed, S, N, logprobs)
+    np.testing.assert_array_equal(got[0], result[0])
+    for g, want in zip(got[1:], result[1:]):
+        assert g.shape == want.shape and g.dtype == want.dtype
+        if logprobs:
+            np.testing.assert_array_equal(g.view(np.int32), want.view(np.int32))
+        else:
+            assert not g.any()

@@ -330,4 +330,4 @@ class DraftProposer:
         result = r.execute(arrays, st)
         self.draft_steps += 1
         self.draft_tokens_fed += num_tokens
-        return result[0]
+        return result[0]  # the samples: without logprobs, just the tokens
