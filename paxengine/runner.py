@@ -289,7 +289,8 @@ class Runner:
             now = [
                 j
                 for j in jobs
-                if j[0][1:] in first or (j[0][0] == "smp" and j[0][2] in (cheap, full))
+                if (j[0][0] == "fwd" and j[0][1:] in first)
+                or (j[0][0] == "smp" and j[0][2] in (cheap, full))
             ]
             later = sorted(
                 (j for j in jobs if j not in now), key=lambda j: (j[0][0] == "fwd", j[0][1:])

@@ -1,0 +1,61 @@
+"""PAXENGINE_STEP_TRACE: one record per engine iteration, with the host phases and what the step
+held, and the summary benchmarks.profile.step_trace makes of a file."""
+
+import json
+
+from benchmarks.profile import step_trace as report
+from paxengine import LLM, SamplingParams
+from paxengine.step_trace import ENV
+
+
+def test_records_every_iteration_and_summarises(tmp_path, monkeypatch):
+    path = tmp_path / "trace.jsonl"
+    monkeypatch.setenv(ENV, str(path))
+    llm = LLM(
+        model="dummy:tiny",
+        max_model_len=128,
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
+        token_buckets=[8, 32],
+        seq_buckets=[4],
+        num_kv_blocks=64,
+        structured_outputs=False,
+        store_executables=False,
+        show_progress=False,
+    )
+    prompts = [list(range(3, 3 + n)) for n in (5, 20, 40)]  # 40 tokens: two prefill chunks
+    llm.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True), use_tqdm=False)
+    steps = llm.engine.steps
+    llm.engine.trace.flush()
+    recs = [json.loads(line) for line in path.read_text().splitlines()]
+    dispatched = [r for r in recs if "T" in r]
+    assert len(dispatched) == steps
+    for r in dispatched:
+        assert r["T"] in (8, 32) and r["S"] == 4 and 0 < r["tokens"] <= r["T"]
+        assert r["decode_rows"] + (r["prompt_tokens"] > 0) <= r["rows"] <= 4
+        assert r["schedule_ms"] >= 0 and r["build_ms"] >= 0 and r["launch_ms"] >= 0
+    # every prompt token was scheduled once (no preemption here), every decode token too
+    assert sum(r["prompt_tokens"] for r in dispatched) == sum(map(len, prompts))
+    assert sum(r["decode_rows"] for r in dispatched) == 3 * 5  # each output after the first
+    reads = [r for r in recs if "read_at" in r]
+    assert len(reads) == steps and all(r["wait_ms"] >= 0 for r in reads)
+    assert [r["read_at"] for r in reads] == sorted(r["read_at"] for r in reads)
+
+    s = report.summarise(recs)
+    assert s["steps"] == steps and s["iterations"] == len(recs)
+    assert s["tokens"]["sum"] == sum(r["tokens"] for r in dispatched)
+    kinds = s["step_interval_ms"]
+    assert sum(v["n"] for v in kinds.values()) == steps - 1  # the last one has no next read
+    assert any(k.startswith("prefill") or k.startswith("mixed") for k in kinds)
+    assert any(k.startswith("decode") for k in kinds)
+    # one busy stretch; an idle gap longer than the cut starts another
+    assert len(report.segments(recs, min_steps=1)) == 1
+    gapped = recs[:5] + [{**recs[5], "gap_ms": 10_000.0}] + recs[6:]
+    assert len(report.segments(gapped, min_steps=1)) == 2
+
+
+def test_off_by_default(monkeypatch):
+    monkeypatch.delenv(ENV, raising=False)
+    from paxengine.step_trace import StepTrace
+
+    assert StepTrace.from_env() is None
