@@ -47,6 +47,11 @@ def _median_ms(xs) -> float:
     return round(1e3 * statistics.median(xs), 3)
 
 
+def _intervals(reads: list[float]) -> list[float]:
+    """Seconds between consecutive reads: one step each when the device is the bottleneck."""
+    return [b - a for a, b in zip(reads, reads[1:])]
+
+
 def _loop_ms(fn, n: int) -> float:
     out = fn()
     jax.block_until_ready(out)
@@ -111,7 +116,7 @@ def probe(fp8: bool, on_gpu: bool) -> dict:
         eng._dispatcher = ThreadPoolExecutor(1, thread_name_prefix="probe-dispatch")
         for _ in range(60):
             eng.step()
-        eng.step()  # reads the last one the dispatcher launched
+        eng.step()  # reads the last step the dispatcher launched (and launches one more)
         eng._dispatcher = None
         eng.trace.flush()
         eng.trace = None
@@ -130,10 +135,8 @@ def probe(fp8: bool, on_gpu: bool) -> dict:
                 [r["launch_ms"] / 1e3 for r in recs if "launch_ms" in r]
             ),
             "engine_wait_ms": _median_ms([r["wait_ms"] / 1e3 for r in recs if "wait_ms" in r]),
-            "engine_step_ms": _median_ms([b_ - a for a, b_ in zip(reads, reads[1:])]),
-            "engine_step_ms_dispatch_thread": _median_ms(
-                [b_ - a for a, b_ in zip(reads_d, reads_d[1:])]
-            ),
+            "engine_step_ms": _median_ms(_intervals(reads)),
+            "engine_step_ms_dispatch_thread": _median_ms(_intervals(reads_d)),
             "loop_ms": _loop_ms(lambda: execute(arrays, st), 30),
             "launch_ms_idle_device": _median_ms(launch_t),
         }
@@ -146,8 +149,9 @@ def probe(fp8: bool, on_gpu: bool) -> dict:
             jax.block_until_ready(out)
 
         events = trace_device(run)
-        row["kernels_ms_per_step"] = round(sum(kernel_times(events)[0].values()) / 1e4, 3)
-        row["kernel_launches_per_step"] = sum(kernel_times(events)[1].values()) / 10
+        times, counts = kernel_times(events)
+        row["kernels_ms_per_step"] = round(sum(times.values()) / 1e4, 3)
+        row["kernel_launches_per_step"] = sum(counts.values()) / 10
         span, idle = span_of(events)
         row["device_span_ms_per_step"] = round(span / 1e4, 3)
         row["device_idle_ms_per_step"] = round(idle / 1e4, 3)
