@@ -86,6 +86,7 @@ def ragged_paged_attention(
         D,
         bs,
         num_sms,
+        kv_itemsize=jnp.dtype(k_cache.dtype).itemsize,
         block_q=block_q,
         block_k=block_k,
         k_splits=k_splits,

@@ -62,9 +62,33 @@ TUNING_FIELDS = tuple(f.name for f in dataclasses.fields(Tuning))
 
 
 def default_tuning(
-    T: int, S: int, Hq: int, Hkv: int, D: int, block_size: int, num_sms: int = 132
+    T: int,
+    S: int,
+    Hq: int,
+    Hkv: int,
+    D: int,
+    block_size: int,
+    num_sms: int = 132,
+    kv_itemsize: int = 2,
 ) -> Tuning:
-    """Static choice from the bucket shape (the engine may override any field)."""
+    """Static choice from the bucket shape and the KV pages' item size (1: fp8; the engine may
+    override any field)."""
+    tun = _default_16bit(T, S, Hq, Hkv, D, block_size, num_sms)
+    if kv_itemsize != 1:
+        return tun
+    # fp8 pages: V holds 3 mantissa bits, so P's second (lo) PV dot buys nothing, and a KV byte
+    # costs compute (two e4m3 -> fp16 conversions and the dots) more than bandwidth. H200, one
+    # call each, decode, us (gpu_2026-12-01_fp8_decode/): B=256 ctx 1024 276 -> 206 (one PV dot,
+    # mask-free interior blocks, 2 stages); B=64 ctx 2048 150 -> 114; B=8 ctx 8192 96 -> 71;
+    # B=1 ctx 8192 28 -> 24 (8 warps there: 24.2, 2 stages 25.5, within the spread).
+    if is_decode_bucket(T, S):
+        return dataclasses.replace(tun, pv_split=False, split_mask=True, num_stages=2)
+    return dataclasses.replace(tun, pv_split=False)
+
+
+def _default_16bit(
+    T: int, S: int, Hq: int, Hkv: int, D: int, block_size: int, num_sms: int
+) -> Tuning:
     g_pad = next_pow2(Hq // Hkv)
     if is_decode_bucket(T, S):
         block_q = max(1, 16 // g_pad)
@@ -136,10 +160,18 @@ def is_decode_bucket(T: int, S: int) -> bool:
 
 
 def resolve_tuning(
-    T: int, S: int, Hq: int, Hkv: int, D: int, block_size: int, num_sms: int = 132, **overrides
+    T: int,
+    S: int,
+    Hq: int,
+    Hkv: int,
+    D: int,
+    block_size: int,
+    num_sms: int = 132,
+    kv_itemsize: int = 2,
+    **overrides,
 ) -> Tuning:
     """default_tuning with the fields given (not None) replaced."""
-    tun = default_tuning(T, S, Hq, Hkv, D, block_size, num_sms)
+    tun = default_tuning(T, S, Hq, Hkv, D, block_size, num_sms, kv_itemsize)
     bad = set(overrides) - set(TUNING_FIELDS)
     if bad:
         raise TypeError(f"unknown tuning fields {sorted(bad)}")
@@ -147,7 +179,15 @@ def resolve_tuning(
 
 
 def plan_launches(
-    T: int, S: int, Hq: int, Hkv: int, D: int, block_size: int, num_sms: int = 132, **overrides
+    T: int,
+    S: int,
+    Hq: int,
+    Hkv: int,
+    D: int,
+    block_size: int,
+    num_sms: int = 132,
+    kv_itemsize: int = 2,
+    **overrides,
 ) -> tuple[Tuning, Tuning | None]:
     """The tunings of one call's launches: (main, decode), decode None unless a mixed bucket
     splits its decode rows into a first launch (`mixed_split`). The decode launch takes the
@@ -155,11 +195,11 @@ def plan_launches(
     mask-loop choices: measured on the H200, that beats the pure decode defaults there (60
     decodes at ctx 2048 + a 448-token chunk: 194.7 vs 210.6 us; + a 1,988-token prefill with the
     256-row tiles' fp16 PV: 299.7 vs 324.9 us)."""
-    tun = resolve_tuning(T, S, Hq, Hkv, D, block_size, num_sms, **overrides)
+    tun = resolve_tuning(T, S, Hq, Hkv, D, block_size, num_sms, kv_itemsize, **overrides)
     if not (tun.mixed_split and T > 2 * S and S > 1 and tun.k_splits == 1):
         return tun, None
     dtun = dataclasses.replace(
-        default_tuning(S, S, Hq, Hkv, D, block_size, num_sms),
+        default_tuning(S, S, Hq, Hkv, D, block_size, num_sms, kv_itemsize),
         k_splits=1,
         pv_split=tun.pv_split,
         pv_fp16=tun.pv_fp16,

@@ -39,6 +39,8 @@ SHAPES = {  # name: (seqs [(q_len, kv_len)], T, S), in `tune`'s priority order
     "engine_b1_ctx256": ([(1, 256)], 16, 8),
     "prefill_2048": ([(2048, 2048)], 2048, 1),
     "decode_b8_ctx8192": ([(1, 8192)] * 8, 8, 8),
+    # the decode-heavy offline row's step (300 x (1000, 1000): ~256 rows at 1-2k context)
+    "decode_b256_ctx1024": ([(1, 1024)] * 256, 256, 256),
     "chunk_512_ctx4096": ([(512, 4096)], 512, 1),
     "decode_b256_ctx512": ([(1, 512)] * 256, 256, 256),
     "decode_b64_ctx512": ([(1, 512)] * 64, 64, 64),

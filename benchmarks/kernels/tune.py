@@ -1,13 +1,16 @@
 """The attention kernel's tuning sweep: the current default against candidate tunings and kernel
 variants, per shape (writes kernels_tune_<device>.json under --out).
 
-  python -m benchmarks.kernels.tune [--quick] [--only SHAPES] [--budget S] [--rounds R] [--out DIR]
+  python -m benchmarks.kernels.tune [--quick] [--only SHAPES] [--kv-dtype fp8] [--budget S]
+      [--rounds R] [--out DIR]
 
 Each candidate is a dict of Tuning overrides (kernels_pallas.tuning.Tuning fields) on top of
 default_tuning(shape); rows report the fully resolved Tuning, so a winner maps 1:1 onto
 default_tuning. Every candidate is compiled ONCE: a jitted fori_loop of `iters` chained calls
 whose last output is checked against the oracle (bf16 rel. error < 2e-3, padding rows zero) and
-whose wall time / iters is the time. Candidates run round-robin over the shapes (the first ones
+whose wall time / iters is the time. `--kv-dtype fp8`: e4m3 K and V pages (the FP8 engine's
+cache) and, for decode shapes, the candidates of FP8_DECODE; the file is then
+kernels_tune_fp8_<device>.json. Candidates run round-robin over the shapes (the first ones
 matter most), under a wall-clock budget: what does not fit is skipped and listed. Then every
 timed candidate is re-timed in R - 1 more interleaved rounds and keeps its median.
 """
@@ -25,6 +28,7 @@ import numpy as np
 
 from benchmarks.kernels.harness import (
     BS,
+    DT,
     HKV,
     HQ,
     QUICK_SHAPES,
@@ -164,6 +168,37 @@ CANDIDATES = {  # in priority order; {} = the current default
         dict(mixed_split=True, pv_fp16=True),
     ],
 }
+# bf16 decode shapes: P in fp16 in one PV dot (the V pages are fp16 already) instead of hi + lo
+_ONE_PV = dict(pv_split=False)
+for _name in ("decode_b64_ctx2048", "decode_b8_ctx8192", "decode_b256_ctx512"):
+    CANDIDATES[_name] += [_ONE_PV, dict(_ONE_PV, num_warps=8)]
+CANDIDATES["decode_b256_ctx1024"] = [{}, _ONE_PV, dict(_ONE_PV, num_warps=8), *_MDEC[:2]]
+# fp8 pages, decode shapes: the K and V conversions (e4m3 -> fp16) and the PV product's dots
+# are the compute a KV byte costs, so fewer dots, more warps to hide it, and deeper pipelines
+FP8_DECODE = [
+    {},
+    _ONE_PV,
+    dict(_ONE_PV, num_warps=8),
+    dict(_ONE_PV, num_stages=4),
+    dict(_ONE_PV, num_stages=2),
+    dict(_ONE_PV, block_k=256),
+    dict(_ONE_PV, block_k=256, num_warps=8),
+    dict(_ONE_PV, block_k=64, num_stages=4),
+    dict(_ONE_PV, split_mask=True),
+    dict(num_warps=8),
+    dict(_ONE_PV, k_splits=2),
+]
+_SPLIT_ONE_PV = dict(_ONE_PV, split_mask=True)
+FP8_DECODE_2 = [  # round 2 (--round2): around round 1's winner
+    _SPLIT_ONE_PV,
+    dict(_SPLIT_ONE_PV, num_stages=2),
+    dict(_SPLIT_ONE_PV, num_stages=4),
+    dict(_SPLIT_ONE_PV, block_k=64, num_stages=4),
+    dict(_SPLIT_ONE_PV, num_warps=8),
+    dict(_SPLIT_ONE_PV, num_warps=2),
+    dict(_SPLIT_ONE_PV, block_k=64, num_stages=3),
+    {},
+]
 QUICK_CANDIDATES = [
     {},
     _OLD_LOOP,
@@ -181,25 +216,36 @@ def tune(args, result, t_start):
     if args.only:
         shapes = {k: v for k, v in shapes.items() if k in args.only.split(",")}
     iters, reps = (2, 1) if args.quick else (20, 5)
+    fp8 = args.kv_dtype == "fp8"
+    kv_dtype = jnp.float8_e4m3fn if fp8 else DT
     data, rows = {}, {}
     for i, (name, (seqs, T, S)) in enumerate(shapes.items()):
-        q, kc, vc, md = build(seqs, T, S, 100 + i)
+        q, kc, vc, md = build(seqs, T, S, 100 + i, kv_dtype=kv_dtype)
         n = sum(ql for ql, _ in seqs)
         ref = jax.block_until_ready(oracle(q, kc, vc, md))
-        dflt = dataclasses.asdict(default_tuning(T, S, HQ, HKV, D, BS))
+        itemsize = jnp.dtype(kv_dtype).itemsize
+        dflt = dataclasses.asdict(default_tuning(T, S, HQ, HKV, D, BS, kv_itemsize=itemsize))
         data[name] = (q, kc, vc, md, ref, n)
         rows[name] = dict(
             name=name,
             T=T,
             S=S,
-            kv_bytes=kv_bytes(seqs),
+            kv_bytes=kv_bytes(seqs, itemsize),
             flops=attn_flops(seqs),
             default_tuning=dflt,
             candidates=[],
             skipped=[],
         )
     log(f"tune: {len(shapes)} shapes, data + oracle ready [{time.time() - t_start:.0f}s]")
-    cands = {k: (QUICK_CANDIDATES if args.quick else CANDIDATES[k]) for k in shapes}
+    def candidates(name):
+        if args.quick:
+            return QUICK_CANDIDATES
+        decode = name.startswith(("decode_", "engine_b1"))
+        if decode and args.round2:
+            return FP8_DECODE_2
+        return FP8_DECODE if fp8 and decode else CANDIDATES[name]
+
+    cands = {k: candidates(k) for k in shapes}
     seen = {k: set() for k in shapes}
     compiled = {}  # id(candidate row) -> its compiled loop, for the re-timing rounds
     for rnd in range(max(len(c) for c in cands.values())):
@@ -209,7 +255,9 @@ def tune(args, result, t_start):
             over = cands[name][rnd]
             row = rows[name]
             try:
-                launch, dec = plan_launches(row["T"], row["S"], HQ, HKV, D, BS, **over)
+                launch, dec = plan_launches(
+                    row["T"], row["S"], HQ, HKV, D, BS, kv_itemsize=itemsize, **over
+                )
                 tun = dataclasses.asdict(launch)
             except Exception as e:  # noqa: BLE001
                 log(f"  {name} {over}: bad tuning {e}")
@@ -255,7 +303,7 @@ def tune(args, result, t_start):
                 + f"  [{time.time() - t_start:.0f}s]"
             )
             result["tune"] = list(rows.values())
-            save(result, [], args.out, fname="kernels_tune")
+            save(result, [], args.out, fname=_fname(args))
     # More rounds over every timed candidate, interleaved (round r times all of them before
     # round r + 1): the card's speed drifts by 5-10% over a call, and the time a candidate keeps
     # is its median over the rounds, so neighbours in the ranking saw the same conditions.
@@ -294,7 +342,11 @@ def tune(args, result, t_start):
             log(f"|   (skipped for time: {row['skipped']}) |")
     result["tune"] = list(rows.values())
     result["wall_s"] = time.time() - t_start
-    save(result, [], args.out, fname="kernels_tune")
+    save(result, [], args.out, fname=_fname(args))
+
+
+def _fname(args) -> str:
+    return "kernels_tune_fp8" if args.kv_dtype == "fp8" else "kernels_tune"
 
 
 def main(argv=None) -> None:
@@ -304,6 +356,12 @@ def main(argv=None) -> None:
     ap.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke test)")
     ap.add_argument("--only", default="", help="comma list of shape names (harness.SHAPES)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument(
+        "--kv-dtype", default="bf16", choices=["bf16", "fp8"], help="the K and V pages' dtype"
+    )
+    ap.add_argument(
+        "--round2", action="store_true", help="decode shapes: FP8_DECODE_2's candidates"
+    )
     ap.add_argument(
         "--budget",
         type=float,
@@ -320,6 +378,7 @@ def main(argv=None) -> None:
     t_start = time.time()
     result = run_record(timing="loop")
     result["mode"] = "tune"
+    result["kv_dtype"] = args.kv_dtype
     tune(args, result, t_start)
 
 

@@ -85,14 +85,22 @@ def test_sliding_window_soft_cap():
     assert err < 1e-5, err
 
 
-def test_fp8_kv():
+@pytest.mark.parametrize(
+    "seqs,T,S",
+    [
+        ([(1, 40), (9, 33)], 16, 3),  # a prefill bucket
+        # a decode bucket: fp8 pages' own decode tuning (one PV dot, mask-free interior blocks);
+        # contexts end inside, at and past a 128-position KV block
+        ([(1, 300), (1, 128), (1, 7), (1, 257)], 4, 4),
+    ],
+)
+def test_fp8_kv(seqs, T, S):
     rng = np.random.default_rng()
-    seqs = [(1, 40), (9, 33)]
     b = make_batch(
         rng,
         seqs,
-        T=16,
-        S=3,
+        T=T,
+        S=S,
         num_heads=8,
         num_kv_heads=2,
         dtype=jnp.bfloat16,
