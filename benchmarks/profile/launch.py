@@ -26,7 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import jax
@@ -117,6 +117,10 @@ def probe(fp8: bool, on_gpu: bool) -> dict:
         for _ in range(60):
             eng.step()
         eng.step()  # reads the last step the dispatcher launched (and launches one more)
+        if eng.inflight is not None and isinstance(eng.inflight.result, Future):
+            # that one donates the KV cache on the worker: the direct launches below must see
+            # the cache it returns, not the donated one
+            eng.inflight.result.result()
         eng._dispatcher = None
         eng.trace.flush()
         eng.trace = None
