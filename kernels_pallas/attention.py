@@ -53,8 +53,6 @@ from kernels_pallas.metadata import AttentionMetadata
 from kernels_pallas.softmax import LOG2E, MASK_VALUE, P_LOG2_GAIN
 from kernels_pallas.tuning import next_pow2
 
-FP8_MAX = 448.0  # the largest finite e4m3fn value
-
 
 def _rpa_kernel(
     meta_ref,
@@ -84,7 +82,6 @@ def _rpa_kernel(
     split_mask,
     reverse_tiles,
     pv_fp16,
-    qk_fp8,
     num_tiles,
     has_out_in,
 ):
@@ -113,16 +110,7 @@ def _rpa_kernel(
     row_ok = (tok < q_len) & (g < G)
     q_rows = jnp.where(row_ok, (q_start + tok) * Hq + h * G + jnp.minimum(g, G - 1), 0)
     q = q_ref[q_rows]  # [M, D]
-    q = jnp.where(row_ok[:, None], q, 0)
-    if qk_fp8:
-        # QK in e4m3 over the fp8 K pages as they are (no K conversion): each query row scaled
-        # by its own amax / 448 into e4m3's range, the scale applied to its scores
-        q32 = q.astype(jnp.float32)
-        amax = jnp.max(jnp.abs(q32), axis=1)
-        q_row_scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
-        q = (q32 / q_row_scale[:, None]).astype(k_ref.dtype)
-    else:
-        q = quantize_kv(q, compute_dtype)  # (fp16: clamped)
+    q = quantize_kv(jnp.where(row_ok[:, None], q, 0), compute_dtype)  # (fp16: clamped)
     q_pos = pos0 + tok  # [M]
 
     # KV range of the tile: causal end at its last query, sliding-window start at its first.
@@ -153,7 +141,7 @@ def _rpa_kernel(
     else:
         pv_dtype = compute_dtype
     pv_two_parts = pv_split and not pv_fp16 and pv_dtype != jnp.float32
-    k_is_compute = qk_fp8 or k_ref.dtype == compute_dtype
+    k_is_compute = k_ref.dtype == compute_dtype
     v_is_fp8 = v_ref.dtype.itemsize == 1
 
     def body(b, carry, masked):
@@ -180,8 +168,6 @@ def _rpa_kernel(
         else:
             v = v_ref[rows]
         s = jnp.dot(q, k.T, preferred_element_type=jnp.float32, precision=precision)
-        if qk_fp8:
-            s = s * q_row_scale[:, None]
         if soft_cap is not None:
             s = jnp.tanh(s * (scale / soft_cap)) * (soft_cap * LOG2E)
         else:
@@ -316,7 +302,6 @@ def triton_attention(
         split_mask=bool(tun.split_mask),
         reverse_tiles=bool(tun.reverse_tiles),
         pv_fp16=bool(tun.pv_fp16),
-        qk_fp8=bool(tun.qk_fp8) and jnp.dtype(k_cache.dtype) == jnp.float8_e4m3fn,
         num_tiles=num_tiles,
         has_out_in=out_in is not None,
     )

@@ -174,12 +174,3 @@ def check_against_oracle(
     assert bool(jnp.all(jnp.isfinite(out.astype(jnp.float32))))
     assert rel_err(out, ref, n) < tol
     assert bool(jnp.all(out[n:] == 0))  # padding tokens
-
-
-def per_row_e4m3(q):
-    """q [..., D] as the qk_fp8 attention kernel sees it: each row scaled by its amax / 448 into
-    e4m3 and back, in fp32 (the oracle's queries for that variant)."""
-    q = jnp.asarray(q).astype(jnp.float32)
-    amax = jnp.max(jnp.abs(q), axis=-1, keepdims=True)
-    scale = jnp.where(amax > 0, amax / 448.0, 1.0)
-    return (q / scale).astype(jnp.float8_e4m3fn).astype(jnp.float32) * scale

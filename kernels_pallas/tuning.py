@@ -32,10 +32,6 @@ class Tuning:
     # bf16 only: the PV product in fp16 (P and V; V clamped to +-65280, exact for |v| in
     # [6e-5, 65280]): 11 mantissa bits of P in ONE dot, instead of pv_split's two bf16 dots.
     pv_fp16: bool = False
-    # e4m3 K pages: the QK product in e4m3 (each query row quantized with its own scale), so K
-    # pages go into the dot unconverted. Less exact (a query keeps 3 mantissa bits, as in
-    # FlashAttention-3's FP8 path); opt-in.
-    qk_fp8: bool = False
     # Mixed buckets (T > 2 S, k_splits 1): sequences with <= decode block_q query tokens go to a
     # first launch with decode tiles (decode default tuning, one tile per sequence slot, M = 16),
     # the rest to a second launch with this tuning, writing into the first one's output.
@@ -207,7 +203,6 @@ def plan_launches(
         k_splits=1,
         pv_split=tun.pv_split,
         pv_fp16=tun.pv_fp16,
-        qk_fp8=tun.qk_fp8,
         split_mask=tun.split_mask,
         mosaic_decode=tun.mosaic_decode,
         mosaic_decode_wgs=tun.mosaic_decode_wgs,
