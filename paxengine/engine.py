@@ -8,20 +8,19 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from paxengine import kv_scales, parallel
+from paxengine import engine_setup, parallel
 from paxengine.batch import build_step, seq_buckets, token_buckets
 from paxengine.client import ModelInfo, served_name
 from paxengine.config import EngineConfig
+from paxengine.engine_setup import DTYPES
 from paxengine.errors import InvalidRequest, StepFailed
 from paxengine.executables import ExecutableStore
 from paxengine.kv_cache import KVCacheManager
 from paxengine.kv_memory import plan_num_blocks
 from paxengine.models.loader import load_model
-from paxengine.models.quant import GEMV_MAX_ROWS, W8A8_MIN_ROWS, fp8_units, weight_dtype
-from paxengine.models.weights import unstack_layers
+from paxengine.models.quant import weight_dtype
 from paxengine.output import RequestGroup, SequenceOutput
 from paxengine.outputs import RequestOutput
 from paxengine.request import Request
@@ -29,24 +28,16 @@ from paxengine.runner import (
     Runner,
     compiles_after_warmup,
     enable_persistent_cache,
-    resolve_layer_loop,
 )
 from paxengine.sampling import ALL_FLAGS, build_sampling_tensors, verify_drafts
 from paxengine.sampling_params import SamplingParams
-from paxengine.scheduler import Scheduler, SchedulerOutput, check_policy
+from paxengine.scheduler import Scheduler, SchedulerOutput
 from paxengine.spec_decode import parse_speculative_config
 from paxengine.step_trace import StepTrace
 from paxengine.structured import GrammarCompiler
 from paxengine.validation import validate_request
 
 log = logging.getLogger("paxengine")
-
-_DTYPES = {
-    "float32": jnp.float32,
-    "bfloat16": jnp.bfloat16,
-    "float16": jnp.float16,
-    "fp8": jnp.float8_e4m3fn,
-}
 
 
 # A step failure is contained (its requests end, the rest are recomputed) unless more than
@@ -80,30 +71,10 @@ class EngineCore:
             else (config or EngineConfig())
         )
         self.config = cfg
-        if cfg.data_parallel_size != 1:
-            raise ValueError(
-                "an EngineCore (and LLM) runs one replica: data_parallel_size > 1 is served by "
-                "paxengine.data_parallel.DataParallelEngine (`paxengine serve "
-                "--data-parallel-size N`)"
-            )
-        if cfg.kv_transfer_config:
-            raise ValueError(
-                "an EngineCore runs prefill and decode together: kv_transfer_config is served by "
-                "paxengine.disagg (LLM(kv_transfer_config=...) or `paxengine serve "
-                "--kv-transfer-config JSON`)"
-            )
+        engine_setup.check_role(cfg)
         parallel.init_distributed(cfg.coordinator_address, cfg.num_processes, cfg.process_id)
-        on_gpu = jax.default_backend() == "gpu"
-        dtype = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if on_gpu else "float32")
-        if dtype not in _DTYPES or dtype == "fp8":
-            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {cfg.dtype!r}")
-        quantization = None if cfg.quantization in (None, "none") else cfg.quantization
-        if quantization not in (None, "fp8"):
-            raise ValueError(
-                f"quantization {cfg.quantization!r} is not supported: none or fp8 (online, "
-                "per-output-channel e4m3 weights)"
-            )
-        check_policy(cfg.scheduling_policy)  # before the model loads
+        checked = engine_setup.check_config(cfg, jax.default_backend() == "gpu")
+        dtype, kv_dtype_name, kv_dtype = checked.dtype, checked.kv_dtype_name, checked.kv_dtype
         self.spec = parse_speculative_config(cfg.speculative_config)
         self.dtype = dtype
         cache_dir = enable_persistent_cache(cfg.compilation_cache_dir)
@@ -119,7 +90,7 @@ class EngineCore:
             cache_dir=cfg.weights_cache_dir,
             progress=cfg.show_progress,
             seed=cfg.seed,
-            quantization=quantization,
+            quantization=checked.quantization,
         )
         self.load_seconds = time.perf_counter() - t0
         self.model_config, self.tokenizer = loaded.config, loaded.tokenizer
@@ -139,64 +110,10 @@ class EngineCore:
             cfg.max_model_len or min(loaded.config.max_position_embeddings, 8192),
             loaded.config.max_position_embeddings,
         )
-        kv_dtype_name = dtype if cfg.kv_cache_dtype == "auto" else cfg.kv_cache_dtype
-        if kv_dtype_name not in _DTYPES:
-            raise ValueError(
-                f"kv_cache_dtype must be auto, float32, bfloat16 or fp8, got {cfg.kv_cache_dtype!r}"
-            )
-        kv_dtype = _DTYPES[kv_dtype_name]
-        max_tokens = cfg.max_num_batched_tokens
-        if max_tokens < cfg.max_num_seqs:
-            raise ValueError(
-                f"max_num_batched_tokens ({max_tokens}) must be >= max_num_seqs "
-                f"({cfg.max_num_seqs})"
-            )
-        # Before sizing the KV pool: the per-layer split must not leave a stacked copy behind.
-        params = loaded.params
-        self.kv_scales, scales_from = kv_scales.choose(
-            cfg.kv_cache_scales,
-            kv_dtype_name == "fp8",
-            loaded.kv_scales,
-            params,
-            loaded.config,
-            self.tokenizer,
-        )
-        if self.kv_scales is not None:  # per layer, applied by the attention (attention.py)
-            layers = {**params["layers"], "kv_scale": jnp.asarray(self.kv_scales)}
-            params = {**params, "layers": layers}
-            log.info("fp8 KV cache, %s scales: %s", scales_from, kv_scales.describe(self.kv_scales))
-        tp = parallel.make_tensor_parallel(
-            cfg.tensor_parallel_size, loaded.config, cfg.first_device
-        )
-        if tp is not None:
-            params = parallel.copy_kv_heads(params, loaded.config, tp)
-        if jax.process_count() > 1 and store is not None:
-            log.info("several processes: the executable store is off (one-process executables)")
-            store = None
-        if resolve_layer_loop(cfg.layer_loop) == "unroll":
-            params = unstack_layers(params, shards=tp.size if tp is not None else 1)
-        if weight_dtype(params) == "fp8_e4m3" and on_gpu and not fp8_units():
-            log.warning(
-                "fp8 weights on %s, which has no FP8 tensor cores: every matmul upcasts them "
-                "(half the weight memory, not faster)",
-                jax.devices()[0].device_kind,
-            )
-        elif weight_dtype(params) == "fp8_e4m3":  # quantized at load, or an FP8 checkpoint's
-            log.info(
-                "%s weights (%s): e4m3 projections with per-output-channel scales; buckets of "
-                ">= %d tokens run FP8 GEMMs with per-token activation scales, %s%s",
-                weight_dtype(params),
-                f"from the checkpoint: {loaded.prequantized}"
-                if loaded.prequantized
-                else "quantized online at load",
-                W8A8_MIN_ROWS,
-                f"<= {GEMV_MAX_ROWS} the Pallas FP8 GEMV"
-                if on_gpu
-                else "smaller ones upcast the weights",
-                ""
-                if on_gpu
-                else "; on this CPU FP8 is a correctness path (no FP8 units): not faster",
-            )
+        prepared = engine_setup.prepare_params(cfg, checked, loaded, self.tokenizer, store)
+        params, tp, store = prepared.params, prepared.tp, prepared.store
+        self.kv_scales, scales_from = prepared.kv_scales, prepared.scales_from
+        engine_setup.log_weights(params, loaded.prequantized, checked.on_gpu)
         num_blocks = plan_num_blocks(
             tp.local_config(loaded.config) if tp is not None else loaded.config,  # per device
             cfg.block_size,
@@ -210,17 +127,12 @@ class EngineCore:
             from paxengine.spec_decode.draft_model import share_kv_budget
 
             num_blocks = share_kv_budget(
-                num_blocks, loaded.config, draft.config, cfg.block_size, kv_dtype, _DTYPES[dtype]
+                num_blocks, loaded.config, draft.config, cfg.block_size, kv_dtype, DTYPES[dtype]
             )
         self.kv = KVCacheManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        max_tokens = cfg.max_num_batched_tokens
         tb = cfg.token_buckets or token_buckets(max_tokens)
         sb = cfg.seq_buckets or seq_buckets(cfg.max_num_seqs)
-        budget = cfg.decode_step_token_budget
-        if budget is not None and not 1 <= budget <= max_tokens:
-            raise ValueError(
-                f"decode_step_token_budget ({budget}) must be in [1, max_num_batched_tokens "
-                f"({max_tokens})]"
-            )
         self.scheduler = Scheduler(
             self.kv,
             cfg.max_num_seqs,
@@ -228,7 +140,7 @@ class EngineCore:
             self.max_model_len,
             tb,
             self.eos_token_ids,
-            decode_step_token_budget=budget,
+            decode_step_token_budget=cfg.decode_step_token_budget,
             policy=cfg.scheduling_policy,
             spec=self.spec,
             max_sample_rows=max(sb),
@@ -258,7 +170,7 @@ class EngineCore:
             self.drafter = DraftProposer(
                 draft,
                 self.spec,
-                dtype=_DTYPES[dtype],
+                dtype=DTYPES[dtype],
                 num_blocks=num_blocks,
                 block_size=cfg.block_size,
                 max_model_len=self.max_model_len,
@@ -276,22 +188,7 @@ class EngineCore:
                 self.drafter.num_executables,
                 self.drafter.compiles,
             )
-        r = self.runner
-        n_exe = len(r.compiled) + len(r.samplers)
-        loaded_exe = store.hits if store is not None else 0
-        log.info(
-            "model loaded in %.1f s; %d step executables in %.1f s: %d from the store, the rest "
-            "traced in %.1f s and compiled%s",
-            self.load_seconds,
-            n_exe,
-            r.compile_seconds,
-            loaded_exe,
-            r.trace_seconds,
-            "; the other buckets compile in the background (until then a step may run in a "
-            "larger one)"
-            if r.background is not None
-            else "",
-        )
+        engine_setup.log_ready(self.load_seconds, self.runner, store)
         self.grammars = GrammarCompiler(
             self.tokenizer, loaded.config.vocab_size, self.eos_token_ids
         )

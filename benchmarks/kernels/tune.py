@@ -237,6 +237,7 @@ def tune(args, result, t_start):
             skipped=[],
         )
     log(f"tune: {len(shapes)} shapes, data + oracle ready [{time.time() - t_start:.0f}s]")
+
     def candidates(name):
         if args.quick:
             return QUICK_CANDIDATES

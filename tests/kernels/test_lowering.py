@@ -16,9 +16,7 @@ CONFIGS = {
     "prefill_8192": dict(T=8192, S=8, P=128, **LLAMA8B),
     "fp32": dict(T=32, S=8, P=16, dtype=jnp.float32, **LLAMA8B),
     "fp8_kv": dict(T=64, S=64, P=128, kv_dtype=jnp.float8_e4m3fn, kv_scales=True, **LLAMA8B),
-    "fp8_kv_mixed": dict(
-        T=512, S=64, P=128, kv_dtype=jnp.float8_e4m3fn, kv_scales=True, **LLAMA8B
-    ),
+    "fp8_kv_mixed": dict(T=512, S=64, P=128, kv_dtype=jnp.float8_e4m3fn, kv_scales=True, **LLAMA8B),
     "window_softcap": dict(T=64, S=8, P=64, sliding_window=4096, soft_cap=50.0, **LLAMA8B),
     # small models: head_dim 64, GQA 3 (SmolLM2-135M: 9 q / 3 kv), block sizes 32 / 64
     "smollm_bs16": dict(T=64, S=16, P=64, num_heads=9, num_kv_heads=3, head_dim=64),

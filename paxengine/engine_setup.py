@@ -1,0 +1,164 @@
+"""What EngineCore settles before it serves: the config checked (before anything loads), the
+loaded params made ready for the runner (FP8 KV scales, tensor-parallel head copies, the layer
+layout), and the start-up log lines that say what runs."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+from paxengine import kv_scales, parallel
+from paxengine.config import EngineConfig
+from paxengine.models.quant import GEMV_MAX_ROWS, W8A8_MIN_ROWS, fp8_units, weight_dtype
+from paxengine.models.weights import unstack_layers
+from paxengine.runner import resolve_layer_loop
+from paxengine.scheduler import check_policy
+
+log = logging.getLogger("paxengine")
+
+DTYPES = {
+    "float32": jnp.float32,
+    "bfloat16": jnp.bfloat16,
+    "float16": jnp.float16,
+    "fp8": jnp.float8_e4m3fn,
+}
+
+
+@dataclass(frozen=True)
+class Checked:
+    """The config's choices, resolved for this machine."""
+
+    dtype: str  # the model's compute dtype name
+    quantization: str | None  # None or "fp8"
+    kv_dtype_name: str  # "fp8" or a DTYPES name
+    on_gpu: bool
+
+    @property
+    def kv_dtype(self):
+        return DTYPES[self.kv_dtype_name]
+
+
+def check_role(cfg: EngineConfig) -> None:
+    """What one EngineCore is not: a data-parallel group or a disaggregated pair (checked before
+    the distributed runtime starts)."""
+    if cfg.data_parallel_size != 1:
+        raise ValueError(
+            "an EngineCore (and LLM) runs one replica: data_parallel_size > 1 is served by "
+            "paxengine.data_parallel.DataParallelEngine (`paxengine serve "
+            "--data-parallel-size N`)"
+        )
+    if cfg.kv_transfer_config:
+        raise ValueError(
+            "an EngineCore runs prefill and decode together: kv_transfer_config is served by "
+            "paxengine.disagg (LLM(kv_transfer_config=...) or `paxengine serve "
+            "--kv-transfer-config JSON`)"
+        )
+
+
+def check_config(cfg: EngineConfig, on_gpu: bool) -> Checked:
+    """Every other setting one engine cannot run, refused by name before the model loads."""
+    dtype = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if on_gpu else "float32")
+    if dtype not in DTYPES or dtype == "fp8":
+        raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {cfg.dtype!r}")
+    quantization = None if cfg.quantization in (None, "none") else cfg.quantization
+    if quantization not in (None, "fp8"):
+        raise ValueError(
+            f"quantization {cfg.quantization!r} is not supported: none or fp8 (online, "
+            "per-output-channel e4m3 weights)"
+        )
+    kv_dtype_name = dtype if cfg.kv_cache_dtype == "auto" else cfg.kv_cache_dtype
+    if kv_dtype_name not in DTYPES:
+        raise ValueError(
+            f"kv_cache_dtype must be auto, float32, bfloat16 or fp8, got {cfg.kv_cache_dtype!r}"
+        )
+    max_tokens = cfg.max_num_batched_tokens
+    if max_tokens < cfg.max_num_seqs:
+        raise ValueError(
+            f"max_num_batched_tokens ({max_tokens}) must be >= max_num_seqs ({cfg.max_num_seqs})"
+        )
+    budget = cfg.decode_step_token_budget
+    if budget is not None and not 1 <= budget <= max_tokens:
+        raise ValueError(
+            f"decode_step_token_budget ({budget}) must be in [1, max_num_batched_tokens "
+            f"({max_tokens})]"
+        )
+    check_policy(cfg.scheduling_policy)
+    return Checked(dtype, quantization, kv_dtype_name, on_gpu)
+
+
+@dataclass
+class Prepared:
+    params: dict
+    kv_scales: object  # per-layer (k, v) scales of an fp8 cache, else None
+    scales_from: str | None  # where they came from (kv_scales.choose)
+    tp: object  # parallel.TensorParallel or None
+    store: object  # the executable store, or None where it cannot serve this process
+
+
+def prepare_params(cfg: EngineConfig, checked: Checked, loaded, tokenizer, store) -> Prepared:
+    """The loaded params as the runner takes them: an fp8 cache's per-layer scales beside the
+    layers, KV heads copied for tensor parallelism, the per-layer split where the layers are
+    unrolled (before the KV pool is sized: no stacked copy may stay behind)."""
+    params = loaded.params
+    scales, scales_from = kv_scales.choose(
+        cfg.kv_cache_scales,
+        checked.kv_dtype_name == "fp8",
+        loaded.kv_scales,
+        params,
+        loaded.config,
+        tokenizer,
+    )
+    if scales is not None:  # per layer, applied by the attention (attention.py)
+        params = {**params, "layers": {**params["layers"], "kv_scale": jnp.asarray(scales)}}
+        log.info("fp8 KV cache, %s scales: %s", scales_from, kv_scales.describe(scales))
+    tp = parallel.make_tensor_parallel(cfg.tensor_parallel_size, loaded.config, cfg.first_device)
+    if tp is not None:
+        params = parallel.copy_kv_heads(params, loaded.config, tp)
+    if jax.process_count() > 1 and store is not None:
+        log.info("several processes: the executable store is off (one-process executables)")
+        store = None
+    if resolve_layer_loop(cfg.layer_loop) == "unroll":
+        params = unstack_layers(params, shards=tp.size if tp is not None else 1)
+    return Prepared(params, scales, scales_from, tp, store)
+
+
+def log_weights(params, prequantized, on_gpu: bool) -> None:
+    """Say what the projections run as: FP8 where the weights are e4m3, and where that is a
+    correctness path only (no FP8 tensor cores)."""
+    if weight_dtype(params) != "fp8_e4m3":
+        return
+    if on_gpu and not fp8_units():
+        log.warning(
+            "fp8 weights on %s, which has no FP8 tensor cores: every matmul upcasts them "
+            "(half the weight memory, not faster)",
+            jax.devices()[0].device_kind,
+        )
+        return
+    log.info(
+        "%s weights (%s): e4m3 projections with per-output-channel scales; buckets of >= %d "
+        "tokens run FP8 GEMMs with per-token activation scales, %s%s",
+        weight_dtype(params),
+        f"from the checkpoint: {prequantized}" if prequantized else "quantized online at load",
+        W8A8_MIN_ROWS,
+        f"<= {GEMV_MAX_ROWS} the Pallas FP8 GEMV" if on_gpu else "smaller ones upcast the weights",
+        "" if on_gpu else "; on this CPU FP8 is a correctness path (no FP8 units): not faster",
+    )
+
+
+def log_ready(load_seconds: float, runner, store) -> None:
+    n_exe = len(runner.compiled) + len(runner.samplers)
+    log.info(
+        "model loaded in %.1f s; %d step executables in %.1f s: %d from the store, the rest "
+        "traced in %.1f s and compiled%s",
+        load_seconds,
+        n_exe,
+        runner.compile_seconds,
+        store.hits if store is not None else 0,
+        runner.trace_seconds,
+        "; the other buckets compile in the background (until then a step may run in a larger one)"
+        if runner.background is not None
+        else "",
+    )
