@@ -18,6 +18,8 @@ Stages (each in its own process, so each frees the GPU's memory for the next):
   vllm-serve    `vllm serve` + the same bench client and workload
   pax-offline-fp8, vllm-offline-fp8
                 the offline workloads with FP8 weights and an FP8 KV cache (workloads "fp8")
+  pax-serve-fp8, vllm-serve-fp8
+                the serve workload with the same FP8 settings
   pax-offline-tp2, vllm-offline-tp2
                 the offline workloads with the model split over two GPUs (workloads "tp2";
                 run on the nvidia-h200-x2 kind)
@@ -59,6 +61,8 @@ STAGES = {
     "pax-offline-tp2": partial(offline.stage_pax_offline, variant="tp2"),
     "vllm-offline-tp2": partial(offline.stage_vllm_offline, variant="tp2"),
     "vllm-serve": serving.stage_vllm_serve,
+    "pax-serve-fp8": partial(serving.stage_pax_serve, variant="fp8"),
+    "vllm-serve-fp8": partial(serving.stage_vllm_serve, variant="fp8"),
     "pax-poisson": serving.stage_pax_poisson,
     "vllm-poisson": serving.stage_vllm_poisson,
     "hf": hf.stage_hf,

@@ -133,11 +133,11 @@ def summary_rows(merged: dict) -> list[tuple[str, ...]]:
 
 
 def variant_rows(merged: dict, f, variant: str, label: str, ref: dict) -> list[tuple[str, ...]]:
-    """The rows of a variant's offline stages (pax-offline-<variant>, vllm-offline-<variant>),
-    when they ran: "fp8" (FP8 weights and KV in both engines), "tp2" (two GPUs)."""
+    """The rows of a variant's stages (pax-offline-<variant>, vllm-offline-<variant>, and the
+    serve ones), when they ran: "fp8" (FP8 weights and KV in both engines), "tp2" (two GPUs)."""
     st = merged["stages"]
     pax, vl = st.get(f"pax-offline-{variant}") or {}, st.get(f"vllm-offline-{variant}") or {}
-    if not pax and not vl:
+    if not any(st.get(f"{e}-{k}-{variant}") for e in ("pax", "vllm") for k in ("offline", "serve")):
         return []
     ref = ref if merged["spec"].get("preset") == "llama-3.1-8b" else {}
     rows = []
@@ -159,7 +159,22 @@ def variant_rows(merged: dict, f, variant: str, label: str, ref: dict) -> list[t
             for r in (pax, vl)
         ]
         rows.append((f"{label} offline {n} output tok/s", *cells, ref.get(f"offline {n}", "-"), ""))
+    pax_s, vl_s = st.get(f"pax-serve-{variant}") or {}, st.get(f"vllm-serve-{variant}") or {}
+    if pax_s or vl_s:
+        for c in merged["spec"]["serve"]["concurrency"]:
+            runs = [(r.get("runs") or {}).get(f"c{c}", {}) for r in (pax_s, vl_s)]
+            for name, a, b, fmt in (
+                ("output tok/s", "output_throughput", None, ",.0f"),
+                ("TTFT mean / p99 (ms)", "mean_ttft_ms", "p99_ttft_ms", ".0f"),
+                ("TPOT median / p99 (ms)", "median_tpot_ms", "p99_tpot_ms", ".2f"),
+            ):
+                cells = [f(r.get(a), fmt) if b is None else _pair(f, r, a, b, fmt) for r in runs]
+                rows.append((f"{label} serve c={c} {name}", *cells, "-", ""))
     return rows
+
+
+def _pair(f, r, a, b, fmt) -> str:
+    return "-" if not r else f"{f(r.get(a), fmt)} / {f(r.get(b), fmt)}"
 
 
 def markdown_table(merged: dict) -> str:

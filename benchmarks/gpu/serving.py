@@ -216,11 +216,23 @@ def _scrape_compiles(base: str) -> dict:
     return found
 
 
-def stage_pax_serve(spec: dict, out: Path, workload: str = "serve") -> dict:
-    """`paxengine serve` (serving.cli) with the spec's engine settings."""
+def stage_pax_serve(
+    spec: dict, out: Path, workload: str = "serve", variant: str | None = None
+) -> dict:
+    """`paxengine serve` (serving.cli) with the spec's engine settings; variant: a key of the
+    spec ("fp8") whose "pax_engine" settings are added."""
     d = write_dummy_model_dir(spec["preset"], out.parent / "dummy_model")
-    cmd = pax_serve_cmd(spec, d, _free_port(), spec[workload].get("pax_engine", {}))
-    return serve_stage(spec, out, cmd, "pax", dict(os.environ), workload)
+    extra = {**spec[workload].get("pax_engine", {}), **_variant(spec, variant, "pax_engine")}
+    cmd = pax_serve_cmd(spec, d, _free_port(), extra)
+    return serve_stage(spec, out, cmd, _label("pax", variant), dict(os.environ), workload)
+
+
+def _variant(spec: dict, variant: str | None, engine: str) -> dict:
+    return spec[variant][engine] if variant else {}
+
+
+def _label(engine: str, variant: str | None) -> str:
+    return f"{engine}_{variant}" if variant else engine
 
 
 def pax_serve_cmd(spec: dict, model_dir: Path, port: int, extra: dict) -> list[str]:
@@ -265,8 +277,11 @@ def pax_serve_cmd(spec: dict, model_dir: Path, port: int, extra: dict) -> list[s
     return cmd
 
 
-def stage_vllm_serve(spec: dict, out: Path, workload: str = "serve") -> dict:
-    """`vllm serve` on the dummy model directory with the same engine settings."""
+def stage_vllm_serve(
+    spec: dict, out: Path, workload: str = "serve", variant: str | None = None
+) -> dict:
+    """`vllm serve` on the dummy model directory with the same engine settings (and a
+    variant's "vllm_engine" ones as flags)."""
     d = write_dummy_model_dir(spec["preset"], out.parent / "dummy_model")
     e = spec["engine"]
     exe = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(d)]
@@ -290,7 +305,9 @@ def stage_vllm_serve(spec: dict, out: Path, workload: str = "serve") -> dict:
         "--gpu-memory-utilization",
         str(e.get("gpu_memory_utilization", 0.9)),
     ]
-    return serve_stage(spec, out, cmd, "vllm", dict(os.environ), workload)
+    for key, value in _variant(spec, variant, "vllm_engine").items():
+        cmd += [f"--{key.replace('_', '-')}", str(value)]
+    return serve_stage(spec, out, cmd, _label("vllm", variant), dict(os.environ), workload)
 
 
 def stage_pax_poisson(spec: dict, out: Path) -> dict:

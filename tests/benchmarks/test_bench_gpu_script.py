@@ -291,8 +291,9 @@ def test_kernels_compare_brackets_fa3(tmp_path):
 
 
 def test_fp8_and_two_device_stages_run_and_report(tmp_path):
-    """The stages the next GPU leases run (FP8 weights + KV; the model over two devices), at
-    CPU size with two simulated devices: both finish, and the report has their rows."""
+    """The stages the next GPU leases run (FP8 weights + KV offline and served; the model over
+    two devices), at CPU size with two simulated devices: all finish, and the report has their
+    rows."""
     env = dict(os.environ, PAXENGINE_CACHE=str(tmp_path / "cache"))
     env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2"
     r = subprocess.run(
@@ -302,7 +303,7 @@ def test_fp8_and_two_device_stages_run_and_report(tmp_path):
             "benchmarks.gpu.main",
             "--quick",
             "--stages",
-            "pax-offline-fp8,pax-offline-tp2",
+            "pax-offline-fp8,pax-offline-tp2,pax-serve-fp8",
             "--out",
             str(tmp_path / "out"),
             "--work",
@@ -319,5 +320,10 @@ def test_fp8_and_two_device_stages_run_and_report(tmp_path):
     for stage in ("pax-offline-fp8", "pax-offline-tp2"):
         assert merged["stages"][stage]["ok"], merged["stages"][stage]
         assert merged["stages"][stage]["jax_compiles_during_timed_runs"] == 0
+    serve = merged["stages"]["pax-serve-fp8"]
+    assert serve["ok"], serve
+    c = QUICK["serve"]["concurrency"][0]
+    assert serve["runs"][f"c{c}"]["completed"] > 0
     table = report.markdown_table(merged)
     assert "| FP8 batch-1 ITL (ms) |" in table and "| TP=2 offline 8x(32,8) output tok/s |" in table
+    assert f"| FP8 serve c={c} output tok/s |" in table
