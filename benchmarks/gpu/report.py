@@ -46,7 +46,7 @@ def summary_rows(merged: dict) -> list[tuple[str, ...]]:
         return "skipped (time)" if "skipped" in e else f(e.get("output_tok_s"), ",.0f")
 
     def pair(r, a, b, fmt):
-        return "-" if not r else f"{f(r.get(a), fmt)} / {f(r.get(b), fmt)}"
+        return _pair(f, r, a, b, fmt)
 
     rows = []
     for b in merged["spec"]["itl"]["batches"]:
@@ -174,6 +174,7 @@ def variant_rows(merged: dict, f, variant: str, label: str, ref: dict) -> list[t
 
 
 def _pair(f, r, a, b, fmt) -> str:
+    """r[a] / r[b], each formatted by f; "-" for a run that did not happen."""
     return "-" if not r else f"{f(r.get(a), fmt)} / {f(r.get(b), fmt)}"
 
 
