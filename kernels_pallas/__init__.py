@@ -1,5 +1,5 @@
 """paxengine kernels: attention, the KV write (plain or fused with RoPE) and the FP8-weight
-matmul, jnp oracles and Pallas kernels.
+matmul and the gated activation quantized for it, jnp oracles and Pallas kernels.
 
 Contract: ARCHITECTURE.md ("KV cache and attention"). See README.md here for the design.
 """
@@ -7,11 +7,13 @@ Contract: ARCHITECTURE.md ("KV cache and attention"). See README.md here for the
 from kernels_pallas.attention_mgpu import prepare_runtime
 from kernels_pallas.dispatch import ragged_paged_attention
 from kernels_pallas.fp8_gemv import fp8_matmul
+from kernels_pallas.glu_quant import glu_quant
 from kernels_pallas.kv_write import write_kv
 from kernels_pallas.layout import quantize_kv, value_cache_dtype
 from kernels_pallas.metadata import AttentionMetadata, token_to_seq
 from kernels_pallas.reference import (
     ref_fp8_matmul,
+    ref_glu_quant,
     ref_ragged_paged_attention,
     ref_rope_write_kv,
     ref_write_kv,
@@ -35,4 +37,6 @@ __all__ = [
     "prepare_runtime",
     "fp8_matmul",
     "ref_fp8_matmul",
+    "glu_quant",
+    "ref_glu_quant",
 ]

@@ -111,6 +111,8 @@ def default_tuning(M: int, K: int, N: int, num_sms: int = NUM_SMS) -> Fp8MatmulT
     - M > 32: wdot 128 x 128, 4 warps, 4 stages (the weight block as the 128-row operand:
       1.5-1.7x faster than dot 64 x 256 at M=64).
     num_stages matters little (+-3%) and k_splits only where N / block_n < num_sms."""
+    if M <= 2 and (K, N) in _MEASURED_ONE_ROW:
+        return _MEASURED_ONE_ROW[(K, N)]
     if M <= 2:
         method, block_n, block_k, warps, stages, target = "reduce_step", 8, 1024, 2, 3, 2
     elif M <= 16:
@@ -128,6 +130,19 @@ def default_tuning(M: int, K: int, N: int, num_sms: int = NUM_SMS) -> Fp8MatmulT
     while n_blocks * k_splits < target * num_sms and k_splits < 8 and k_blocks >= 4 * k_splits:
         k_splits *= 2
     return Fp8MatmulTuning(block_n, block_k, k_splits, warps, stages, method=method)
+
+
+# One-row steps on the Llama-3.1-8B projections where the sweep's best beat the rule above by
+# more than its spread: kernel device time (us) in a profiler trace, H200, jax 0.11.2
+# (benchmarks/results/gpu_2026-12-01_glu_quant/fp8_matmul_m1.json, `python3 -m
+# benchmarks.kernels.fp8_matmul --only-m 1 --budget 220`): qkv 4096 x 6144 9.85 -> 8.85; down
+# 14336 x 4096 22.2 -> 18.1 (the late reduction, 4 stages); o 4096 x 4096 8.50 -> 7.10 (2
+# splits). gate_up 4096 x 28672 keeps the rule's (32.6 us, 3.6 TB/s; nothing beat it).
+_MEASURED_ONE_ROW = {
+    (4096, 6144): Fp8MatmulTuning(32, 512, 2, 8, 3, method="reduce_step"),
+    (14336, 4096): Fp8MatmulTuning(8, 1024, 1, 4, 4, method="reduce"),
+    (4096, 4096): Fp8MatmulTuning(8, 1024, 2, 2, 3, method="reduce_step"),
+}
 
 
 def resolve_tuning(M: int, K: int, N: int, **overrides) -> Fp8MatmulTuning:

@@ -152,3 +152,18 @@ def ref_fp8_matmul(x, w_values, w_scales, out_dtype=None, glu=False):
     w = w_values.astype(jnp.float32) * jnp.asarray(w_scales, jnp.float32)[:, None]
     y = jnp.dot(x.astype(jnp.float32), w.T, precision=_HI)
     return y.astype(out_dtype or x.dtype)
+
+
+def ref_glu_quant(y, row_scales, col_scales):
+    """The oracle of `glu_quant.glu_quant`: y [M, 2I] (the gate | up product before its scales),
+    row_scales [M], col_scales [2I] -> (e4m3 q [M, I], f32 s [M]) with a = silu(g) * u of the
+    scaled halves, s = max|a| / 448 per row (1 where 0), q = a / s; all in f32."""
+    f32 = jnp.float32
+    z = y.astype(f32) * jnp.asarray(row_scales, f32)[:, None] * jnp.asarray(col_scales, f32)[None]
+    g, u = jnp.split(z, 2, axis=-1)
+    a = g / (1.0 + jnp.exp(-g)) * u
+    fmax = float(jnp.finfo(jnp.float8_e4m3fn).max)
+    amax = jnp.max(jnp.abs(a), axis=-1)
+    s = jnp.where(amax > 0, amax / fmax, 1.0)
+    q = jnp.clip(a * (1.0 / s)[:, None], -fmax, fmax).astype(jnp.float8_e4m3fn)
+    return q, s

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from paxengine.models.config import ModelConfig
-from paxengine.models.quant import linear, linear_glu
+from paxengine.models.quant import gated_mlp, linear
 from paxengine.models.weights import is_per_layer
 
 Attend = Callable[[jax.Array, jax.Array, jax.Array, Any, jax.Array], tuple[jax.Array, Any]]
@@ -133,7 +133,7 @@ def _layer(cfg: ModelConfig, attend: Attend, rope, carry, xs, *, reduce=_identit
     h = h + reduce(linear(o.astype(h.dtype), w["wo"]))
     x = rms_norm(h, w["mlp_norm"], cfg.rms_norm_eps)
     if "w_gate_up" in w:
-        mlp = linear_glu(linear(x, w["w_gate_up"]), w["w_down"])
+        mlp = gated_mlp(x, w["w_gate_up"], w["w_down"])
     else:
         mlp = linear(jax.nn.silu(linear(x, w["w_gate"])) * linear(x, w["w_up"]), w["w_down"])
     h = h + reduce(mlp)

@@ -131,12 +131,35 @@ def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
 _CONTRACT_IN = (((1,), (1,)), ((), ()))  # x [M, in] . values [out, in]
 
 
+def w8a8_product_dtype():
+    """The dtype the W8A8 GEMM writes its unscaled product in, before the per-token and
+    per-channel scales: f32, or x's dtype where PAXENGINE_KERNEL_FP8_GEMM_OUT=model (the
+    product is then rounded twice, once before the scales and once after: ~1 ulp of bf16 more;
+    an A/B knob for `benchmarks.kernels.fp8_mlp`, in the executables' key)."""
+    return os.environ.get("PAXENGINE_KERNEL_FP8_GEMM_OUT", "f32")
+
+
+def _scaled_dot(xq, xs, w: Fp8Weight, dtype, product: str | None = None) -> jax.Array:
+    """(xq * xs[:, None]) @ w in `dtype`: the fp8 x fp8 GEMM (cuBLASLt on the GPU), its product in
+    f32 or ("model") `dtype`, both scales applied after it."""
+    product = product or w8a8_product_dtype()
+    if product not in ("f32", "model"):
+        raise ValueError(f"W8A8 product dtype must be 'f32' or 'model', got {product!r}")
+    acc = jnp.float32 if product == "f32" else dtype
+    y = jax.lax.dot_general(xq, w.values, _CONTRACT_IN, preferred_element_type=acc)
+    return (y.astype(jnp.float32) * xs[:, None] * w.scales[None, :]).astype(dtype)
+
+
+def matmul_w8a8(x: jax.Array, w: Fp8Weight, product: str | None = None) -> jax.Array:
+    """fp8 x fp8 with dynamic per-token activation scales."""
+    xq, xs = quantize_rows(x)
+    return _scaled_dot(xq, xs, w, x.dtype, product)
+
+
 def matmul_fp8(x: jax.Array, w: Fp8Weight, path: str) -> jax.Array:
     """x [M, in] @ the weight, in x's dtype, by one of `fp8_path`'s paths."""
     if path == "w8a8":
-        xq, xs = quantize_rows(x)
-        y = jax.lax.dot_general(xq, w.values, _CONTRACT_IN, preferred_element_type=jnp.float32)
-        return (y * xs[:, None] * w.scales[None, :]).astype(x.dtype)
+        return matmul_w8a8(x, w)
     if path == "gemv":
         return _gemv(x, w)
     if path == "w8a16":
@@ -176,6 +199,38 @@ def linear_glu(gate_up: jax.Array, w) -> jax.Array:
         return _gemv(gate_up, w, glu=True)
     gate, up = jnp.split(gate_up, 2, axis=-1)
     return linear(jax.nn.silu(gate) * up, w)
+
+
+def fused_glu_quant() -> bool:
+    """Whether W8A8 MLPs form and quantize silu(gate) * up in one kernel (`glu_quant`);
+    PAXENGINE_KERNEL_FP8_GLU_QUANT=0 gives XLA's fusions instead (an A/B knob, in the
+    executables' key)."""
+    return os.environ.get("PAXENGINE_KERNEL_FP8_GLU_QUANT", "1") == "1"
+
+
+def gated_mlp(x: jax.Array, w_gate_up, w_down) -> jax.Array:
+    """silu(gate) * up of x @ w_gate_up ([gate | up] along its output channels), @ w_down.
+
+    W8A8 buckets with both weights in FP8 take the gate | up GEMM's unscaled product (in x's
+    dtype) straight to `glu_quant`, which applies the scales, forms silu(gate) * up and
+    quantizes it per row for the down GEMM in one pass; XLA made that two fusions each reading
+    the whole product (benchmarks/kernels/fp8_mlp.py). On a CPU the kernel's jnp oracle runs
+    instead (the same f32 math; interpret mode would take seconds a prefill bucket)."""
+    fp8 = isinstance(w_gate_up, Fp8Weight) and isinstance(w_down, Fp8Weight)
+    if fp8 and _path_for(x) == "w8a8" and fused_glu_quant():
+        xq, xs = quantize_rows(x)
+        y = jax.lax.dot_general(xq, w_gate_up.values, _CONTRACT_IN, preferred_element_type=x.dtype)
+        aq, a_scales = _glu_quant(y, xs, w_gate_up.scales)
+        return _scaled_dot(aq, a_scales, w_down, x.dtype)
+    return linear_glu(linear(x, w_gate_up), w_down)
+
+
+def _glu_quant(y, row_scales, col_scales):
+    from kernels_pallas import glu_quant, ref_glu_quant
+
+    if jax.default_backend() == "gpu":
+        return glu_quant(y, row_scales, col_scales)
+    return ref_glu_quant(y, row_scales, col_scales)
 
 
 def quantize_params(params: dict) -> dict:
