@@ -10,10 +10,10 @@ projection's FP8 GEMM. All math in f32. The oracle is `reference.ref_glu_quant`.
 Why: XLA computes this as two fusions that each read the whole product (a row max, then the
 quantized values; the silu recomputed in both), ~0.55 ms a layer at 8,192 tokens on the H200
 where one read of the bf16 product takes ~0.14 (benchmarks/kernels/fp8_mlp.py). Here a program
-owns `block_rows` rows: it walks their columns twice, `block_cols` at a time (the row max, then
-the quantized values), and the second walk reads what the first just brought into L2 (a
-program's rows are 2 * 2I bytes each at bf16: 57 KB for Llama-3.1-8B), so HBM sees the product
-about once.
+owns `block_rows` rows. Where a row fits in registers (I <= 16,384) it loads the whole row at
+once, so every load of it is in flight together, and makes one pass; wider rows are walked
+twice, `block_cols` columns at a time (the row max, then the quantized values; the second walk
+reads what the first just brought into L2).
 """
 
 from __future__ import annotations
@@ -51,22 +51,46 @@ def _glu_quant_kernel(y_ref, rs_ref, cs_ref, q_ref, s_ref, *, M, I, block_rows, 
         u = up.astype(f32) * rs[:, None] * cu[None, :]
         return g / (1.0 + jnp.exp(-g)) * u, mask
 
-    def row_max(b, m):
-        a, _ = act(b)
-        return jnp.maximum(m, jnp.max(jnp.abs(a), axis=1))
+    def scale_of(amax):
+        return jnp.where(amax > 0, amax / E4M3_MAX, 1.0)
 
-    amax = lax.fori_loop(0, n_blocks, row_max, jnp.zeros((block_rows,), f32))
-    s = jnp.where(amax > 0, amax / E4M3_MAX, 1.0)
-    inv = 1.0 / s
-
-    def quantize(b, carry):
-        a, mask = act(b)
+    def store(b, a, mask, inv):
         q = jnp.clip(a * inv[:, None], -E4M3_MAX, E4M3_MAX).astype(q_ref.dtype)
         plt.store(q_ref.at[rows, pl.ds(b * block_cols, block_cols)], q, mask=mask)
-        return carry
 
-    lax.fori_loop(0, n_blocks, quantize, 0)
+    if n_blocks == 1:  # whole rows in registers: one pass
+        a, mask = act(jnp.int32(0))
+        s = scale_of(jnp.max(jnp.abs(a), axis=1))
+        store(jnp.int32(0), a, mask, 1.0 / s)
+    else:
+
+        def row_max(b, m):
+            a, _ = act(b)
+            return jnp.maximum(m, jnp.max(jnp.abs(a), axis=1))
+
+        s = scale_of(lax.fori_loop(0, n_blocks, row_max, jnp.zeros((block_rows,), f32)))
+        inv = 1.0 / s
+
+        def quantize(b, carry):
+            a, mask = act(b)
+            store(b, a, mask, inv)
+            return carry
+
+        lax.fori_loop(0, n_blocks, quantize, 0)
     plt.store(s_ref.at[rows], s, mask=r_ok)
+
+
+WHOLE_ROW_MAX = 16384  # widest I (rounded up to a power of two) a program holds in registers
+
+
+def default_blocks(I: int) -> tuple[int, int, int]:
+    """(block_rows, block_cols, num_warps) for rows of I: a whole row a program where it fits
+    (one pass over the product; 16 warps hold 16,384 f32 values at 32 a thread), else 4 rows a
+    program walking 512 columns at a time, twice."""
+    width = 1 << max(I - 1, 0).bit_length()
+    if width <= WHOLE_ROW_MAX:
+        return 1, width, max(4, min(16, width // 1024))
+    return 4, 512, 4
 
 
 def glu_quant(
@@ -74,13 +98,14 @@ def glu_quant(
     row_scales,
     col_scales,
     *,
-    block_rows: int = 2,
-    block_cols: int = 1024,
-    num_warps: int = 4,
+    block_rows: int | None = None,
+    block_cols: int | None = None,
+    num_warps: int | None = None,
     interpret: bool = False,
 ):
     """(q [M, I] float8_e4m3fn, s [M] f32) of y [M, 2I] (bf16 / f16 / f32), row_scales [M],
-    col_scales [2I] (module docstring). Block sizes are powers of two (Triton)."""
+    col_scales [2I] (module docstring). Block sizes are powers of two (Triton); None:
+    `default_blocks(I)`."""
     if y.ndim != 2 or y.shape[1] % 2:
         raise ValueError(f"y must be [M, 2I] (the gate | up product), got {y.shape}")
     M, two_i = y.shape
@@ -90,6 +115,10 @@ def glu_quant(
             f"row_scales must be [{M}] and col_scales [{two_i}], got {row_scales.shape}, "
             f"{col_scales.shape}"
         )
+    d_rows, d_cols, d_warps = default_blocks(I)
+    block_rows = block_rows or d_rows
+    block_cols = block_cols or d_cols
+    num_warps = num_warps or d_warps
     for name, v in (("block_rows", block_rows), ("block_cols", block_cols)):
         if v < 1 or v & (v - 1):
             raise ValueError(f"{name} must be a power of 2, got {v}")

@@ -34,6 +34,7 @@ import numpy as np
 from benchmarks.device_trace import kernel_times, trace_device
 from benchmarks.record import environment, write_to_out
 from kernels_pallas import glu_quant
+from kernels_pallas.glu_quant import default_blocks
 from paxengine.models.llama import rms_norm
 from paxengine.models.quant import dequantize, gated_mlp, linear, quantize_fp8, xla_options
 
@@ -84,39 +85,37 @@ def run(f, x, layers, reps: int) -> float:
 
 
 def glu_sweep(m: int, I: int, key) -> list[dict]:
-    """glu_quant alone on an [m, 2I] bf16 product: device us per call by tuning, 5 calls traced."""
+    """glu_quant alone on an [m, 2I] bf16 product: device us per call by (block_rows,
+    block_cols, num_warps), 5 calls traced; the first config is the default."""
     y = jax.random.normal(key, (m, 2 * I), jnp.float32).astype(jnp.bfloat16) * 100
     rs, cs = jnp.full((m,), 1e-2), jnp.full((2 * I,), 1e-2)
+    whole = 1 << max(I - 1, 0).bit_length()
+    configs = [default_blocks(I)] + [(1, whole, w) for w in (4, 8, 16, 32)]
+    configs += [(2, whole, 16), (2, whole, 32)]
+    configs += [(br, bc, nw) for br in (2, 4) for bc in (512, 1024) for nw in (4, 8)]
     rows = []
-    for br in (1, 2, 4):
-        for bc in (512, 1024, 2048):
-            for nw in (4, 8):
-                f = jax.jit(
-                    lambda y, rs, cs, br=br, bc=bc, nw=nw: glu_quant(
-                        y, rs, cs, block_rows=br, block_cols=bc, num_warps=nw
-                    )
-                )
-                jax.block_until_ready(f(y, rs, cs))
+    for br, bc, nw in configs:
+        f = jax.jit(
+            lambda y, rs, cs, br=br, bc=bc, nw=nw: glu_quant(
+                y, rs, cs, block_rows=br, block_cols=bc, num_warps=nw
+            )
+        )
+        try:
+            jax.block_until_ready(f(y, rs, cs))
+        except Exception as e:  # noqa: BLE001 - recorded, the sweep goes on
+            rows.append({"M": m, "config": [br, bc, nw], "error": f"{type(e).__name__}: {e}"[:200]})
+            continue
 
-                def five(f=f):
-                    for _ in range(5):
-                        out = f(y, rs, cs)
-                    jax.block_until_ready(out)
+        def five(f=f):
+            for _ in range(5):
+                out = f(y, rs, cs)
+            jax.block_until_ready(out)
 
-                times, _ = kernel_times(trace_device(five))
-                us = sum(v for k, v in times.items() if "glu_quant" in k) / 5
-                gbps = (m * 2 * I * 2 + m * I) / us / 1e3
-                rows.append(
-                    {
-                        "M": m,
-                        "block_rows": br,
-                        "block_cols": bc,
-                        "num_warps": nw,
-                        "us": round(us, 1),
-                        "GBps": round(gbps),
-                    }
-                )
-                print(rows[-1], flush=True)
+        times, _ = kernel_times(trace_device(five))
+        us = sum(v for k, v in times.items() if "glu_quant" in k) / 5
+        gbps = (m * 2 * I * 2 + m * I) / us / 1e3  # HBM bytes a call must move / time
+        rows.append({"M": m, "config": [br, bc, nw], "us": round(us, 1), "GBps": round(gbps)})
+        print(rows[-1], flush=True)
     return rows
 
 

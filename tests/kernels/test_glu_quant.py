@@ -59,6 +59,7 @@ CASES = [
     (3, 96, 1, 32, jnp.float32),
     (9, 1000, 2, 256, jnp.float16),
     (64, 192, 8, 64, jnp.bfloat16),
+    (5, 200, 1, 256, jnp.bfloat16),  # a whole (ragged) row a program: the one-pass path
 ]
 
 
