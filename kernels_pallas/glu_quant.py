@@ -10,9 +10,8 @@ projection's FP8 GEMM. All math in f32. The oracle is `reference.ref_glu_quant`.
 Why: XLA computes this as two fusions that each read the whole product (a row max, then the
 quantized values; the silu recomputed in both), ~0.55 ms a layer at 8,192 tokens on the H200
 where one read of the bf16 product takes ~0.14 (benchmarks/kernels/fp8_mlp.py). Here a program
-owns `block_rows` rows. Where a row fits in registers (I <= 16,384) it loads the whole row at
-once, so every load of it is in flight together, and makes one pass; wider rows are walked
-twice, `block_cols` columns at a time (the row max, then the quantized values; the second walk
+owns `block_rows` rows. For fewer than 1,024 rows of I <= 16,384 it loads a whole row at once,
+so every load of it is in flight together, and makes one pass; else rows are walked twice, `block_cols` columns at a time (the row max, then the quantized values; the second walk
 reads what the first just brought into L2).
 """
 
@@ -81,14 +80,18 @@ def _glu_quant_kernel(y_ref, rs_ref, cs_ref, q_ref, s_ref, *, M, I, block_rows, 
 
 
 WHOLE_ROW_MAX = 16384  # widest I (rounded up to a power of two) a program holds in registers
+WHOLE_ROW_MAX_M = 1024  # from this many rows on, 4-row programs walking the columns win
 
 
-def default_blocks(I: int) -> tuple[int, int, int]:
-    """(block_rows, block_cols, num_warps) for rows of I: a whole row a program where it fits
-    (one pass over the product; 16 warps hold 16,384 f32 values at 32 a thread), else 4 rows a
-    program walking 512 columns at a time, twice."""
+def default_blocks(M: int, I: int) -> tuple[int, int, int]:
+    """(block_rows, block_cols, num_warps) for M rows of I. H200, I = 14,336, the kernel's device
+    time (benchmarks/results/gpu_2026-12-01_glu_quant/fp8_mlp_sweep.json): at M = 320 a whole
+    row a program (16 warps: 32 f32 values a thread; one pass, every load of the row in flight)
+    17.6 us against 25.6 for the best column walk; at M = 8,192 4 rows a program walking 512
+    columns at a time, twice (the second walk from L2) 325 us against 404-418 for whole rows
+    (and 92.8 us at M = 2,048). Rows wider than 16,384 always walk."""
     width = 1 << max(I - 1, 0).bit_length()
-    if width <= WHOLE_ROW_MAX:
+    if width <= WHOLE_ROW_MAX and M < WHOLE_ROW_MAX_M:
         return 1, width, max(4, min(16, width // 1024))
     return 4, 512, 4
 
@@ -105,7 +108,7 @@ def glu_quant(
 ):
     """(q [M, I] float8_e4m3fn, s [M] f32) of y [M, 2I] (bf16 / f16 / f32), row_scales [M],
     col_scales [2I] (module docstring). Block sizes are powers of two (Triton); None:
-    `default_blocks(I)`."""
+    `default_blocks(M, I)`."""
     if y.ndim != 2 or y.shape[1] % 2:
         raise ValueError(f"y must be [M, 2I] (the gate | up product), got {y.shape}")
     M, two_i = y.shape
@@ -115,7 +118,7 @@ def glu_quant(
             f"row_scales must be [{M}] and col_scales [{two_i}], got {row_scales.shape}, "
             f"{col_scales.shape}"
         )
-    d_rows, d_cols, d_warps = default_blocks(I)
+    d_rows, d_cols, d_warps = default_blocks(M, I)
     block_rows = block_rows or d_rows
     block_cols = block_cols or d_cols
     num_warps = num_warps or d_warps

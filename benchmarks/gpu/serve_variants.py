@@ -2,7 +2,7 @@
 step's time goes, and which scheduling or process setting moves the serve rows of issue #18.
 
     python3 -m benchmarks.gpu.serve_variants --out DIR [--variants base,b2x] \
-        [--concurrency 16,64] [--offline] [--quick]
+        [--concurrency 16,64] [--offline] [--quick] [--fp8]
 
 Every variant starts `paxengine serve` on the dummy model of the GPU run's spec
 (workloads.FULL; --quick: the CPU-sized QUICK), runs `bench serve` at each concurrency
@@ -107,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", default="16,64")
     p.add_argument("--offline", action="store_true")
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--fp8", action="store_true", help="FP8 weights and KV (the spec's fp8 keys)")
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -119,6 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     result_file = out / "serve_variants.json"
     for name in args.variants.split(","):
         flags, switch = variant_flags(base, name)
+        if args.fp8:
+            flags = {**flags, **base["fp8"]["pax_engine"]}
         trace = out / f"trace_{name}.jsonl"
         trace.unlink(missing_ok=True)
         env = {**os.environ, STEP_TRACE_ENV: str(trace)}

@@ -90,7 +90,7 @@ def glu_sweep(m: int, I: int, key) -> list[dict]:
     y = jax.random.normal(key, (m, 2 * I), jnp.float32).astype(jnp.bfloat16) * 100
     rs, cs = jnp.full((m,), 1e-2), jnp.full((2 * I,), 1e-2)
     whole = 1 << max(I - 1, 0).bit_length()
-    configs = [default_blocks(I)] + [(1, whole, w) for w in (4, 8, 16, 32)]
+    configs = [default_blocks(m, I)] + [(1, whole, w) for w in (4, 8, 16, 32)]
     configs += [(2, whole, 16), (2, whole, 32)]
     configs += [(br, bc, nw) for br in (2, 4) for bc in (512, 1024) for nw in (4, 8)]
     rows = []
