@@ -100,11 +100,17 @@ class EngineCore:
 
             self.tokenizer = Tokenizer.from_hf_dir(cfg.tokenizer, eos_token_ids=self.eos_token_ids)
             self.eos_token_ids = self.eos_token_ids or list(self.tokenizer.eos_token_ids)
-        draft = None  # speculative_config's draft model: loaded and checked before any compile
+        # speculative_config's draft model or EAGLE-3 speculator: loaded and checked before
+        # any compile
+        draft = eagle = None
         if self.spec is not None and self.spec.method == "draft":
             from paxengine.spec_decode.draft_model import load_draft_model
 
             draft = load_draft_model(cfg, self.spec, loaded.config, self.tokenizer, dtype)
+        elif self.spec is not None and self.spec.method == "eagle3":
+            from paxengine.spec_decode.eagle3 import load_eagle3
+
+            eagle = load_eagle3(cfg, self.spec, loaded.config)
         self.model_name = served_name(cfg)
         self.max_model_len = min(
             cfg.max_model_len or min(loaded.config.max_position_embeddings, 8192),
@@ -129,6 +135,12 @@ class EngineCore:
             num_blocks = share_kv_budget(
                 num_blocks, loaded.config, draft.config, cfg.block_size, kv_dtype, DTYPES[dtype]
             )
+        if eagle is not None and not cfg.num_kv_blocks:  # its KV pages and aux states too
+            from paxengine.kv_memory import kv_bytes_per_block
+
+            t = kv_bytes_per_block(loaded.config, cfg.block_size, kv_dtype)
+            d = eagle.bytes_per_block(cfg.block_size, DTYPES[dtype])
+            num_blocks = max(1, num_blocks * t // (t + d))
         self.kv = KVCacheManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         max_tokens = cfg.max_num_batched_tokens
         tb = cfg.token_buckets or token_buckets(max_tokens)
@@ -162,6 +174,7 @@ class EngineCore:
             if cfg.structured_outputs
             else [f for f in ALL_FLAGS if not f[3]],
             background_compile=cfg.background_compile,
+            aux=eagle.aux_hidden(DTYPES[dtype]) if eagle is not None else None,
         )
         self.drafter = None
         if draft is not None:  # its own params, paged KV (the target's block ids) and buckets
@@ -181,9 +194,28 @@ class EngineCore:
                 show_progress=cfg.show_progress,
                 store=store,
             )
+        elif eagle is not None:  # one layer of KV (the target's block ids), its own buckets
+            from paxengine.spec_decode.eagle3 import Eagle3Proposer
+
+            self.drafter = Eagle3Proposer(
+                eagle,
+                self.runner,
+                self.spec,
+                dtype=DTYPES[dtype],
+                num_blocks=num_blocks,
+                block_size=cfg.block_size,
+                max_model_len=self.max_model_len,
+                token_buckets=tb,
+                seq_buckets=sb,
+                attention_backend=cfg.attention_backend,
+                show_progress=cfg.show_progress,
+                store=store,
+            )
+        if self.drafter is not None:
             self.scheduler.proposer = self.drafter.proposal
             log.info(
-                "draft model %s: %d step executables (%d compiled, the rest shared or stored)",
+                "%s %s: %d step executables (%d compiled, the rest shared or stored)",
+                "draft model" if draft is not None else "EAGLE-3 speculator",
                 self.spec.model,
                 self.drafter.num_executables,
                 self.drafter.compiles,

@@ -13,6 +13,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 
 import jax
@@ -142,17 +143,24 @@ class Runner:
         tp: parallel.TensorParallel | None = None,
         sampler_flags: list[tuple] = ALL_FLAGS,
         background_compile: bool = False,
+        aux: AuxHidden | None = None,
     ):
         """params: stacked layers (scanned) or a list of per-layer dicts (unrolled), see
         `weights.unstack_layers`; the KV cache takes the same layout. tp: tensor parallelism
         (params prepared by `parallel.copy_kv_heads` and fused per shard); they and the cache
-        are placed on its mesh here."""
+        are placed on its mesh here. aux: keep the auxiliary hidden states an EAGLE-3
+        speculator reads (`AuxHidden`); None: the forward computes nothing for them."""
         self.tp = tp
+        self.aux = aux
+        if aux is not None and tp is not None:
+            raise ValueError("auxiliary hidden states under tensor parallelism are not implemented")
         # where the steps run, in every executable's key: the same shapes on other devices (a
         # data-parallel replica) or under other shardings need executables of their own
         self.placement = tuple(d.id for d in tp.mesh.devices.flat) if tp is not None else ()
         self.cfg = cfg
         self.params = parallel.shard_params(params, tp) if tp is not None else params
+        if aux is not None:
+            self.params = {**self.params, "aux_proj": aux.proj}
         self.block_size = block_size
         self.max_blocks_per_seq = -(-max_model_len // block_size)
         self.history_len = max_model_len
@@ -168,6 +176,7 @@ class Runner:
         self.fp8 = quant.weight_dtype(params) == "fp8_e4m3"
         self._kv_args = (cfg, num_blocks, block_size, kv_dtype, self.layer_loop, tp)
         self.kv_cache = allocate_kv_cache(*self._kv_args)
+        self.aux_cache = aux.allocate(num_blocks * block_size) if aux is not None else None
         self._forward = jax.jit(self._forward_fn, donate_argnums=(1,), static_argnames=("layout",))
         self.compiled: dict[tuple[int, int], object] = {}  # (T, S) -> forward
         self.samplers: dict[tuple, object] = {}  # (S, flags) -> sampler
@@ -218,9 +227,19 @@ class Runner:
         # Tokens sampled by the previous step never visit the host before they are used here.
         tokens = jnp.where(prev_index >= 0, prev_tokens[jnp.maximum(prev_index, 0)], tokens)
         attend = PagedAttend(md, self.backend, self.cfg, fused_rope=self.tp is None)
-        hidden, kv_cache = forward_hidden(
-            params, self.cfg, tokens, positions, kv_cache, attend, tp=self.tp
-        )
+        if self.aux is not None:  # (KV, aux cache): every token's projected aux states, by slot
+            kv_cache, aux_cache = kv_cache
+            hidden, kv_cache, aux = forward_hidden(
+                params, self.cfg, tokens, positions, kv_cache, attend, aux_layers=self.aux.layers
+            )
+            feats = quant.linear(aux, params["aux_proj"]).astype(aux_cache.dtype)
+            slots = x["slot_mapping"]
+            slots = jnp.where(slots < 0, aux_cache.shape[0], slots)  # padding: dropped
+            kv_cache = (kv_cache, aux_cache.at[slots].set(feats, mode="drop"))
+        else:
+            hidden, kv_cache = forward_hidden(
+                params, self.cfg, tokens, positions, kv_cache, attend, tp=self.tp
+            )
         logits = compute_logits(params, self.cfg, hidden[logits_indices])
         if self.tp is not None:  # every device samples from all of them (see _lower_sampler)
             logits = jax.lax.with_sharding_constraint(logits, self.tp.sharding(P()))
@@ -363,9 +382,11 @@ class Runner:
     def _forward_job(self, T: int, S: int):
         # shapes only: a job the background lowers later must not hold the KV arrays, which
         # the steps donate (and free) meanwhile
-        params, kv = jax.tree.map(_abstract, (self.params, self.kv_cache))
+        params, kv = jax.tree.map(_abstract, (self.params, self._caches()))
         args = (params, kv, *self._abstract_inputs(T, S))
         static = (self.cfg, self.backend, self.max_blocks_per_seq, self.max_rows, self.placement)
+        if self.aux is not None:  # which layers' states it keeps is in the program, not its shapes
+            static += (("aux_layers", self.aux.layers),)
         opts = self._xla_options(T)
         if opts:
             static += (tuple(sorted(opts.items())),)
@@ -400,7 +421,18 @@ class Runner:
             except Exception:  # already deleted (donated)
                 pass
         self.kv_cache = allocate_kv_cache(*self._kv_args)
+        if self.aux is not None:
+            slots = self.aux_cache.shape[0]
+            try:
+                self.aux_cache.delete()
+            except Exception:  # already deleted (donated)
+                pass
+            self.aux_cache = self.aux.allocate(slots)
         self.prev_tokens = jnp.zeros_like(self.prev_tokens)
+
+    def _caches(self):
+        """What the forward donates and returns: the KV cache, with the aux cache if kept."""
+        return self.kv_cache if self.aux is None else (self.kv_cache, self.aux_cache)
 
     # -- running a step -------------------------------------------------------------------------
     def bucket_for(self, num_tokens: int, num_seqs: int) -> tuple[int, int]:
@@ -416,9 +448,13 @@ class Runner:
     def execute(self, arrays: StepArrays, st: SamplingTensors):
         T, S = arrays.tokens.shape[0], arrays.seq_lens.shape[0]
         packed = self._layouts[("fwd", T, S)].pack(vars(arrays))
-        self.kv_cache, logits = self.compiled[(T, S)](
-            self.params, self.kv_cache, packed, self.prev_tokens
+        caches, logits = self.compiled[(T, S)](
+            self.params, self._caches(), packed, self.prev_tokens
         )
+        if self.aux is None:
+            self.kv_cache = caches
+        else:
+            self.kv_cache, self.aux_cache = caches
         layout = self._layouts[("smp", S, st.flags)]
         packed = layout.pack({f: getattr(st, f) for f in layout.names})
         samples, self.prev_tokens = self.samplers[(S, st.flags)](
@@ -435,6 +471,23 @@ class Runner:
         else:  # several processes (one host each): the samples are replicated, this host's copy
             v = np.asarray(samples.addressable_data(0))
         return unpack_samples(v, S, min(NUM_TOP_LOGPROBS, self.cfg.vocab_size), logprobs)
+
+
+@dataclass(frozen=True)
+class AuxHidden:
+    """What a target runner keeps for an EAGLE-3 speculator (spec_decode/eagle3.py): the
+    residual stream entering `layers` for every token of every step, concatenated and projected
+    by `proj` ([len(layers) * H, width], the speculator's fc), written at the token's KV slot
+    into an aux cache [num_slots, width]. It lives beside the KV pages and is as valid as they
+    are (prefix-cache hits, rejected drafts and preemption included), so the speculator reads a
+    position's input from the slot of that position."""
+
+    layers: tuple[int, ...]
+    proj: jax.Array
+    dtype: object
+
+    def allocate(self, num_slots: int) -> jax.Array:
+        return jnp.zeros((num_slots, self.proj.shape[-1]), self.dtype)
 
 
 _APART = ("history", "mask")  # SamplingTensors' arrays the sampler takes unpacked

@@ -35,7 +35,7 @@ NGRAM = {
 @pytest.mark.parametrize(
     "raw, match",
     [
-        ({"method": "eagle3", "num_speculative_tokens": 3}, "'eagle3' is not implemented yet"),
+        ({"method": "eagle3", "num_speculative_tokens": 3}, "method 'eagle3' needs 'model'"),
         ({"method": "eagle", "num_speculative_tokens": 3}, "'eagle' is not implemented yet"),
         ({"method": "draft", "num_speculative_tokens": 3}, "method 'draft' needs 'model'"),
         ({"model": "x"}, "num_speculative_tokens is required"),
@@ -66,10 +66,10 @@ def test_bad_configs_are_refused(raw, match):
 
 
 def test_bad_config_fails_before_the_model_loads():
-    with pytest.raises(ValueError, match="'eagle3' is not implemented yet"):
+    with pytest.raises(ValueError, match="'eagle' is not implemented yet"):
         LLM(
             model="/no/such/model",
-            speculative_config={"method": "eagle3", "num_speculative_tokens": 2},
+            speculative_config={"method": "eagle", "num_speculative_tokens": 2},
         )
 
 
@@ -455,8 +455,8 @@ def test_serve_flag_parses_and_refuses_bad_configs(capsys):
     ecfg, _ = parse(["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'])
     assert ecfg.speculative_config == {"method": "ngram", "num_speculative_tokens": 3}
     with pytest.raises(SystemExit):
-        parse(["--speculative-config", '{"method": "eagle3", "num_speculative_tokens": 3}'])
-    assert "'eagle3' is not implemented yet" in capsys.readouterr().err
+        parse(["--speculative-config", '{"method": "eagle", "num_speculative_tokens": 3}'])
+    assert "'eagle' is not implemented yet" in capsys.readouterr().err
 
 
 def test_failed_verify_step_recovers_and_leaks_nothing(monkeypatch):

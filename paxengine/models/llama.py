@@ -148,13 +148,25 @@ def forward_hidden(
     kv_cache: Any,
     attend: Attend,
     tp=None,
+    aux_layers: tuple[int, ...] = (),
 ) -> tuple[jax.Array, Any]:
     """tokens, positions: [T] int32 -> final hidden states [T, H] (normed) and the updated cache.
     tp: a `parallel.TensorParallel`: the layers run under one shard_map, each device on its
-    heads and its share of the MLP, the cache split by KV head."""
+    heads and its share of the MLP, the cache split by KV head.
+
+    aux_layers (EAGLE-3's auxiliary hidden states): also return the residual stream entering
+    each of these layers (id j: after j layers; vLLM's convention), concatenated [T, len * H]:
+    the result is then (hidden, kv_cache, aux). Empty: nothing else is computed."""
     h = params["embed"][tokens]
     rope = rope_tables(positions, rope_inv_freq(cfg))
     layers = params["layers"]
+    if aux_layers:
+        if tp is not None:
+            raise NotImplementedError("auxiliary hidden states under tensor parallelism")
+        h, kv_cache, aux = _run_layers(
+            cfg, attend, rope, _identity, h, layers, kv_cache, aux_layers
+        )
+        return rms_norm(h, params["final_norm"], cfg.rms_norm_eps), kv_cache, aux
     if tp is None:
         h, kv_cache = _run_layers(cfg, attend, rope, _identity, h, layers, kv_cache)
     else:
@@ -175,7 +187,9 @@ def forward_hidden(
     return rms_norm(h, params["final_norm"], cfg.rms_norm_eps), kv_cache
 
 
-def _run_layers(cfg: ModelConfig, attend: Attend, rope, reduce, h, layers, kv_cache):
+def _run_layers(cfg: ModelConfig, attend: Attend, rope, reduce, h, layers, kv_cache, aux=()):
+    """-> (h, kv_cache), or with `aux` layer ids (h, kv_cache, [T, len(aux) * H]): the stream
+    entering each of those layers (forward_hidden's aux_layers)."""
     layer = partial(_layer, cfg, attend, rope, reduce=reduce)
     if isinstance(layers, (list, tuple)):
         caches = list(kv_cache) if kv_cache is not None else [None] * len(layers)
@@ -183,13 +197,30 @@ def _run_layers(cfg: ModelConfig, attend: Attend, rope, reduce, h, layers, kv_ca
         # (tracing 32 layers and their Pallas kernels was most of a GPU start-up). XLA inlines
         # the calls, so the compiled step is the same.
         layer_fn = jax.jit(layer)
+        taken = {}
         for i, w in enumerate(layers):
+            if i in aux:
+                taken[i] = h
             # each layer's cache is its own [1, ...] array pair: layer index 0 inside it
             (h, caches[i]), _ = layer_fn((h, caches[i]), (w, jnp.int32(0)))
+        if aux:
+            return h, caches, jnp.concatenate([taken[i] for i in aux], axis=-1)
         return h, caches
     index = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-    (h, kv_cache), _ = jax.lax.scan(layer, (h, kv_cache), (layers, index))
-    return h, kv_cache
+    if not aux:
+        (h, kv_cache), _ = jax.lax.scan(layer, (h, kv_cache), (layers, index))
+        return h, kv_cache
+    ids = jnp.asarray(aux, jnp.int32)
+
+    def body(carry, xs):  # keeps the stream entering each aux layer as the scan passes it
+        h, cache, kept = carry
+        kept = jnp.where((ids == xs[1])[:, None, None], h[None], kept)
+        (h, cache), _ = layer((h, cache), xs)
+        return (h, cache, kept), None
+
+    kept = jnp.zeros((len(aux),) + h.shape, h.dtype)
+    (h, kv_cache, kept), _ = jax.lax.scan(body, (h, kv_cache, kept), (layers, index))
+    return h, kv_cache, jnp.concatenate(list(kept), axis=-1)
 
 
 def compute_logits(params: dict, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:

@@ -7,8 +7,11 @@ from dataclasses import dataclass
 from paxengine.config import json_object_option
 
 MAX_SPECULATIVE_TOKENS = 16
-# Methods vLLM has that we do not run yet (issue #20's later slices): refused by name.
-_NOT_YET = ("eagle", "eagle3", "medusa", "mlp_speculator", "deepseek_mtp")
+# Methods vLLM has that we do not run yet (issue #20's later slices): refused by name. "eagle"
+# (EAGLE-1/2 heads: fc over [embedding ; the target's last hidden state], no aux layers, the full
+# vocabulary) is another architecture than EAGLE-3's, not a setting of it.
+_NOT_YET = ("eagle", "medusa", "mlp_speculator", "deepseek_mtp")
+_WITH_MODEL = ("draft", "eagle3")  # methods whose `model` the engine loads
 # Above this many running sequences the engine stops speculating: a verify step costs more than
 # it saves once the batch is compute-bound. 16 is a placeholder awaiting the H200 measurement
 # (issue #20: the batch size where the off switch should sit).
@@ -23,7 +26,8 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 5  # longest, tried first
     disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
     # method "draft": the draft model, any source --model takes (a safetensors directory, a
-    # .gguf file, "default" for the embedded GGUF, dummy:<preset>); loaded by the engine
+    # .gguf file, "default" for the embedded GGUF, dummy:<preset>); method "eagle3": the
+    # speculator's directory (spec_decode/eagle3.py). Loaded by the engine
     model: str | None = None
 
 
@@ -39,16 +43,16 @@ def parse_speculative_config(raw) -> SpeculativeConfig | None:
     if method is None:
         # vLLM infers ngram from prompt_lookup_*; a draft model from `model`
         method = "draft" if "model" in raw else "ngram"
-    if method in _NOT_YET or (method not in ("ngram", "draft") and "model" in raw):
+    if method in _NOT_YET or (method not in ("ngram", *_WITH_MODEL) and "model" in raw):
         raise ValueError(
             f"speculative_config: method {method!r} is not implemented yet (only 'ngram', "
-            "prompt lookup, and 'draft', a draft model, are)"
+            "prompt lookup, 'draft', a draft model, and 'eagle3', an EAGLE-3 speculator, are)"
         )
-    if method == "draft":
-        return _parse_draft(raw)
+    if method in _WITH_MODEL:
+        return _parse_model(raw, method)
     if method != "ngram":
         raise ValueError(
-            f"speculative_config: unknown method {method!r} (supported: 'ngram', 'draft')"
+            f"speculative_config: unknown method {method!r} (supported: 'ngram', 'draft', 'eagle3')"
         )
     if "model" in raw:
         raise ValueError("speculative_config: 'model' is for method 'draft', not 'ngram'")
@@ -97,17 +101,24 @@ def _disable(raw: dict) -> int:
     return disable
 
 
-def _parse_draft(raw: dict) -> SpeculativeConfig:
-    """method 'draft': {"model", "num_speculative_tokens", "disable_by_batch_size"}. The model
-    itself (its vocabulary against the target's) is checked when the engine loads it."""
+def _parse_model(raw: dict, method: str) -> SpeculativeConfig:
+    """methods 'draft' and 'eagle3': {"model", "num_speculative_tokens",
+    "disable_by_batch_size"}. The model itself (its vocabulary, its hidden size against the
+    target's) is checked when the engine loads it."""
     model = raw.pop("model", None)
     if not isinstance(model, str) or not model:
+        what = (
+            "a path, a .gguf file, 'default' or dummy:<preset>"
+            if method == "draft"
+            else "the speculator's directory"
+        )
         raise ValueError(
-            "speculative_config: method 'draft' needs 'model' (a path, a .gguf file, 'default' "
-            f"or dummy:<preset>), got {model!r}"
+            f"speculative_config: method {method!r} needs 'model' ({what}), got {model!r}"
         )
     unknown = set(raw) - {"num_speculative_tokens", "disable_by_batch_size"}
     if unknown:
-        raise ValueError(f"speculative_config: unknown keys {sorted(unknown)} for method 'draft'")
+        raise ValueError(
+            f"speculative_config: unknown keys {sorted(unknown)} for method {method!r}"
+        )
     k = _check_ints(raw)
-    return SpeculativeConfig("draft", k, 5, 5, _disable(raw), model)
+    return SpeculativeConfig(method, k, 5, 5, _disable(raw), model)

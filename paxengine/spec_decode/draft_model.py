@@ -59,6 +59,7 @@ def load_draft_model(cfg, spec, target_config, target_tokenizer, dtype: str):
         raise ValueError(
             "speculative_config: a draft model with tensor_parallel_size > 1 is not implemented yet"
         )
+    _not_a_speculator(spec.model)
     loaded = load_model(
         spec.model,
         dtype,
@@ -79,6 +80,24 @@ def load_draft_model(cfg, spec, target_config, target_tokenizer, dtype: str):
             f"target's {_vocab_size(tt)}: a draft model must share the target's tokenizer"
         )
     return loaded
+
+
+def _not_a_speculator(source: str) -> None:
+    """An EAGLE-3 head is no model of its own (its config says llama, its weights are not a
+    Llama's): say so instead of failing on its first missing weight."""
+    import json
+    from pathlib import Path
+
+    from paxengine.spec_decode.eagle3 import ARCHITECTURES
+
+    config = Path(str(source)).expanduser() / "config.json"
+    if config.is_file():
+        archs = json.loads(config.read_text()).get("architectures") or []
+        if any(a in ARCHITECTURES for a in archs):
+            raise ValueError(
+                f"speculative_config: {source} is an EAGLE-3 speculator ({archs[0]}), not a "
+                "draft model: use method 'eagle3'"
+            )
 
 
 def share_kv_budget(num_blocks: int, target_cfg, draft_cfg, block_size, kv_dtype, draft_dtype):
@@ -137,9 +156,7 @@ class DraftProposer:
         params = loaded.params
         if resolve_layer_loop(layer_loop) == "unroll":
             params = unstack_layers(params, shards=1)
-        self.k = spec.num_speculative_tokens
-        self.block_size = block_size
-        self.max_model_len = max_model_len
+        self._init_state(spec, block_size, max_model_len, token_buckets, seq_buckets)
         c0 = compile_count()
         # The target's ladders: a first speculation prefills whole prompts (up to the target's
         # step budget per draft step), the later draft steps are one token per request.
@@ -160,6 +177,11 @@ class DraftProposer:
         # one forward per (T, S) of the target's ladders and one greedy sampler per S (the
         # target's own when the shapes match: samplers are shared per process)
         self.compiles = compile_count() - c0
+
+    def _init_state(self, spec, block_size, max_model_len, token_buckets, seq_buckets) -> None:
+        self.k = spec.num_speculative_tokens
+        self.block_size = block_size
+        self.max_model_len = max_model_len
         self.max_T = max(token_buckets)
         self.max_S = max(seq_buckets)
         self.states: dict[str, _State] = {}
@@ -201,8 +223,7 @@ class DraftProposer:
                 continue
             if not kv.allocate(req, 1 + k):
                 continue
-            start = self._valid(req)
-            work.append(_Work(req, start, req.token_slice(start, req.num_tokens), k))
+            work.append(self._work(req, k))
         if not work:
             return
         try:
@@ -246,6 +267,12 @@ class DraftProposer:
         if req.params.max_tokens is not None:
             k = min(k, req.params.max_tokens - req.num_output_tokens - 1)
         return k
+
+    def _work(self, req: Request, k: int) -> _Work:
+        """What req feeds this round: the tokens from the first position whose draft KV is not
+        right any more."""
+        start = self._valid(req)
+        return _Work(req, start, req.token_slice(start, req.num_tokens), k)
 
     def _valid(self, req: Request) -> int:
         """Positions of req whose draft KV is still right: the sequence known at the last
@@ -298,13 +325,16 @@ class DraftProposer:
         fetched = [np.asarray(x) for x in jax.device_get(results)]
         for w in work:
             w.drafts = [int(fetched[step][row]) for step, row in w.drafts]
-            req = w.req
-            # fed: the drafts at num_tokens, ... (the last one was never fed)
-            self.states[req.request_id] = _State(
-                req.num_preemptions, req.num_tokens, w.drafts[:-1], req.num_tokens
-            )
+            self.states[w.req.request_id] = self._remember(w)
+
+    def _remember(self, w: _Work) -> _State:
+        req = w.req
+        # fed: the drafts at num_tokens, ... (the last one was never fed)
+        return _State(req.num_preemptions, req.num_tokens, w.drafts[:-1], req.num_tokens)
 
     def _execute(self, rows, num_tokens: int):
+        """One draft step over `rows` ((work, tokens fed), in order) -> its samples, on the
+        device: row i's at index i."""
         r = self.runner
         T, S = r.bucket_for(num_tokens, len(rows))
         bs, P = self.block_size, r.max_blocks_per_seq
@@ -326,8 +356,10 @@ class DraftProposer:
             qsl[i + 1] = t
             logits_idx[i] = t - 1
         qsl[len(rows) + 1 :] = t
-        st = build_sampling_tensors([], S, r.history_len, [], available=GREEDY_FLAGS)
-        result = r.execute(arrays, st)
         self.draft_steps += 1
         self.draft_tokens_fed += num_tokens
-        return result[0]  # the samples: without logprobs, just the tokens
+        return self._launch(arrays, S)
+
+    def _launch(self, arrays: StepArrays, S: int):
+        st = build_sampling_tensors([], S, self.runner.history_len, [], available=GREEDY_FLAGS)
+        return self.runner.execute(arrays, st)[0]  # the samples: without logprobs, the tokens
