@@ -177,40 +177,26 @@ class EngineCore:
             aux=eagle.aux_hidden(DTYPES[dtype]) if eagle is not None else None,
         )
         self.drafter = None
-        if draft is not None:  # its own params, paged KV (the target's block ids) and buckets
+        # both proposers: their pages in the target's block ids, their own buckets
+        shared = dict(
+            dtype=DTYPES[dtype],
+            num_blocks=num_blocks,
+            block_size=cfg.block_size,
+            max_model_len=self.max_model_len,
+            token_buckets=tb,
+            seq_buckets=sb,
+            attention_backend=cfg.attention_backend,
+            show_progress=cfg.show_progress,
+            store=store,
+        )
+        if draft is not None:  # its own params and paged KV
             from paxengine.spec_decode.draft_model import DraftProposer
 
-            self.drafter = DraftProposer(
-                draft,
-                self.spec,
-                dtype=DTYPES[dtype],
-                num_blocks=num_blocks,
-                block_size=cfg.block_size,
-                max_model_len=self.max_model_len,
-                token_buckets=tb,
-                seq_buckets=sb,
-                attention_backend=cfg.attention_backend,
-                layer_loop=cfg.layer_loop,
-                show_progress=cfg.show_progress,
-                store=store,
-            )
-        elif eagle is not None:  # one layer of KV (the target's block ids), its own buckets
+            self.drafter = DraftProposer(draft, self.spec, layer_loop=cfg.layer_loop, **shared)
+        elif eagle is not None:  # one layer of KV
             from paxengine.spec_decode.eagle3 import Eagle3Proposer
 
-            self.drafter = Eagle3Proposer(
-                eagle,
-                self.runner,
-                self.spec,
-                dtype=DTYPES[dtype],
-                num_blocks=num_blocks,
-                block_size=cfg.block_size,
-                max_model_len=self.max_model_len,
-                token_buckets=tb,
-                seq_buckets=sb,
-                attention_backend=cfg.attention_backend,
-                show_progress=cfg.show_progress,
-                store=store,
-            )
+            self.drafter = Eagle3Proposer(eagle, self.runner, self.spec, **shared)
         if self.drafter is not None:
             self.scheduler.proposer = self.drafter.proposal
             log.info(

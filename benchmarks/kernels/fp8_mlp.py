@@ -150,8 +150,7 @@ def main(argv=None) -> int:
             for k in (_OUT, _GLU):
                 os.environ.pop(k, None)
             os.environ.update(env or {})
-            product = env
-            layers = dense if product is None else fp8
+            layers = dense if env is None else fp8
 
             def stack(x, layers):
                 for w in layers:
@@ -159,7 +158,7 @@ def main(argv=None) -> int:
                 return x
 
             # compiled with the XLA options the engine gives a bucket of m rows (quant.xla_options)
-            opts = xla_options(m) if product is not None else {}
+            opts = xla_options(m) if env is not None else {}
             f = jax.jit(stack).lower(x, layers).compile(compiler_options=opts or None)
             got = np.asarray(f(x, layers), np.float32)
             err = float(np.linalg.norm(got - want) / np.linalg.norm(want))
