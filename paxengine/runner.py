@@ -51,6 +51,16 @@ _SAMPLERS: dict[tuple, object] = {}  # (S, V, history, rows, flags) -> compiled,
 
 
 BACKGROUND_THREAD = "paxengine-background-compile"
+# A probe's knob (benchmarks/profile/cmdbuf_updates.py), off: the step's fresh input buffers
+# make XLA re-record the forward's CUDA graph every step (~1 ms of host time); copied into
+# buffers kept across steps, a step read before the next is built skips that (H200 batch 1: 6.9
+# -> 5.9 ms), but verify steps and overlapped steps gained nothing
+# (benchmarks/results/gpu_2026-12-02_spec_launch/). Its copies compile at first use.
+_STABLE_INPUTS = os.environ.get("PAXENGINE_STABLE_INPUTS", "0") == "1"
+# a real copy into the donated buffer (jit would forward a bare `new` without running anything)
+_copy_into = jax.jit(
+    lambda old, new: jax.lax.dynamic_update_slice(old, new, (0,) * old.ndim), donate_argnums=0
+)
 
 
 def _count_compiles(event: str, duration: float, **kw) -> None:
@@ -179,6 +189,7 @@ class Runner:
         self.aux_cache = aux.allocate(num_blocks * block_size) if aux is not None else None
         self._forward = jax.jit(self._forward_fn, donate_argnums=(1,), static_argnames=("layout",))
         self.compiled: dict[tuple[int, int], object] = {}  # (T, S) -> forward
+        self._staged: dict = {}  # _stable's buffers
         self.samplers: dict[tuple, object] = {}  # (S, flags) -> sampler
         self._layouts: dict[tuple, PackedLayout] = {}  # ("fwd", T, S) / ("smp", S, flags)
         self.compile_seconds = self.trace_seconds = 0.0
@@ -445,18 +456,29 @@ class Runner:
             T, S = min(k for k in ready if k[0] >= num_tokens and k[1] >= num_seqs)
         return T, S
 
+    def _stable(self, key, x):
+        """x in a device buffer kept for `key`, the same one every step (overwritten in place)."""
+        old = self._staged.get(key)
+        if old is None:
+            old = jnp.zeros(x.shape, x.dtype)
+        self._staged[key] = _copy_into(old, x)
+        return self._staged[key]
+
     def execute(self, arrays: StepArrays, st: SamplingTensors):
         T, S = arrays.tokens.shape[0], arrays.seq_lens.shape[0]
         packed = self._layouts[("fwd", T, S)].pack(vars(arrays))
-        caches, logits = self.compiled[(T, S)](
-            self.params, self._caches(), packed, self.prev_tokens
-        )
+        prev = self.prev_tokens
+        if _STABLE_INPUTS:
+            packed, prev = self._stable(("fwd", T, S), packed), self._stable("prev", prev)
+        caches, logits = self.compiled[(T, S)](self.params, self._caches(), packed, prev)
         if self.aux is None:
             self.kv_cache = caches
         else:
             self.kv_cache, self.aux_cache = caches
         layout = self._layouts[("smp", S, st.flags)]
         packed = layout.pack({f: getattr(st, f) for f in layout.names})
+        if _STABLE_INPUTS:
+            packed = self._stable(("smp", S, st.flags), packed)
         samples, self.prev_tokens = self.samplers[(S, st.flags)](
             logits, packed, st.history, st.mask
         )

@@ -59,3 +59,34 @@ def test_off_by_default(monkeypatch):
     from paxengine.step_trace import StepTrace
 
     assert StepTrace.from_env() is None
+
+
+def test_stable_inputs_probe_knob_keeps_outputs(monkeypatch):
+    """PAXENGINE_STABLE_INPUTS (runner.py, a probe's knob): the step's inputs copied into buffers
+    kept across steps give the same greedy tokens, with the buffers really reused."""
+    import paxengine.runner as runner_mod
+
+    llm = LLM(
+        model="dummy:tiny",
+        max_model_len=128,
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
+        token_buckets=[8, 32],
+        seq_buckets=[4],
+        num_kv_blocks=64,
+        structured_outputs=False,
+        store_executables=False,
+        show_progress=False,
+    )
+    prompts = [list(range(3, 3 + n)) for n in (5, 20, 40)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    plain = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    monkeypatch.setattr(runner_mod, "_STABLE_INPUTS", True)
+    llm.engine.reset_prefix_cache()
+    staged = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert staged == plain
+    runner = llm.engine.runner
+    assert ("fwd", 8, 4) in runner._staged and "prev" in runner._staged
+    before = runner._staged["prev"].unsafe_buffer_pointer()
+    llm.generate(prompts[:1], params, use_tqdm=False)
+    assert runner._staged["prev"].unsafe_buffer_pointer() == before  # the same device buffer
