@@ -13,10 +13,9 @@ import tempfile
 from collections import defaultdict
 
 
-def device_events(trace_dir: str) -> list[tuple[str, float, float]]:
-    """(kernel name, start us, duration us) of every kernel on the device tracks of the newest
-    trace in the dir (on a CPU, where there is no device track, of every complete event: host
-    ops)."""
+def trace_events(trace_dir: str) -> tuple[list[dict], set]:
+    """Every event of the newest trace in the dir, and the ids of its device tracks (processes
+    named for a GPU or device; none on a CPU)."""
     path = sorted(
         glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True)
     )[-1]
@@ -31,6 +30,14 @@ def device_events(trace_dir: str) -> list[tuple[str, float, float]]:
     device = {
         pid for pid, name in procs.items() if "gpu" in name.lower() or "device" in name.lower()
     }
+    return events, device
+
+
+def device_events(trace_dir: str) -> list[tuple[str, float, float]]:
+    """(kernel name, start us, duration us) of every kernel on the device tracks of the newest
+    trace in the dir (on a CPU, where there is no device track, of every complete event: host
+    ops)."""
+    events, device = trace_events(trace_dir)
     return [
         (e["name"], float(e.get("ts", 0.0)), float(e.get("dur", 0.0)))
         for e in events

@@ -8,10 +8,8 @@ from paxengine import LLM, SamplingParams
 from paxengine.step_trace import ENV
 
 
-def test_records_every_iteration_and_summarises(tmp_path, monkeypatch):
-    path = tmp_path / "trace.jsonl"
-    monkeypatch.setenv(ENV, str(path))
-    llm = LLM(
+def _tiny_llm() -> LLM:
+    return LLM(
         model="dummy:tiny",
         max_model_len=128,
         max_num_seqs=4,
@@ -23,6 +21,12 @@ def test_records_every_iteration_and_summarises(tmp_path, monkeypatch):
         store_executables=False,
         show_progress=False,
     )
+
+
+def test_records_every_iteration_and_summarises(tmp_path, monkeypatch):
+    path = tmp_path / "trace.jsonl"
+    monkeypatch.setenv(ENV, str(path))
+    llm = _tiny_llm()
     prompts = [list(range(3, 3 + n)) for n in (5, 20, 40)]  # 40 tokens: two prefill chunks
     llm.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True), use_tqdm=False)
     steps = llm.engine.steps
@@ -66,18 +70,7 @@ def test_stable_inputs_probe_knob_keeps_outputs(monkeypatch):
     kept across steps give the same greedy tokens, with the buffers really reused."""
     import paxengine.runner as runner_mod
 
-    llm = LLM(
-        model="dummy:tiny",
-        max_model_len=128,
-        max_num_seqs=4,
-        max_num_batched_tokens=32,
-        token_buckets=[8, 32],
-        seq_buckets=[4],
-        num_kv_blocks=64,
-        structured_outputs=False,
-        store_executables=False,
-        show_progress=False,
-    )
+    llm = _tiny_llm()
     prompts = [list(range(3, 3 + n)) for n in (5, 20, 40)]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     plain = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]

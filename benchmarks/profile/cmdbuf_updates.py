@@ -142,25 +142,16 @@ def child(on_gpu: bool) -> None:
 
 def host_scopes(run, steps: int, top: int = 30) -> dict:
     """Host trace events (not Python's, not the device's) under jax.profiler: name -> ms a step."""
-    import glob
-    import gzip
     from collections import defaultdict
 
     import jax
 
+    from benchmarks.device_trace import trace_events
+
     with tempfile.TemporaryDirectory() as d:
         with jax.profiler.trace(d, create_perfetto_trace=True):
             run()
-        path = sorted(glob.glob(os.path.join(d, "**", "perfetto_trace.json.gz"), recursive=True))
-        with gzip.open(path[-1]) as f:
-            data = json.load(f)
-    events = data["traceEvents"] if isinstance(data, dict) else data
-    procs = {
-        e.get("pid"): str(e.get("args", {}).get("name", ""))
-        for e in events
-        if e.get("ph") == "M" and e.get("name") == "process_name"
-    }
-    device = {p for p, n in procs.items() if "gpu" in n.lower() or "device" in n.lower()}
+        events, device = trace_events(d)
     tot = defaultdict(float)
     for e in events:
         name = str(e.get("name", ""))
