@@ -98,6 +98,12 @@ def main(argv=None) -> int:
         default="default",
         help="comma-separated: default, stable (PAXENGINE_STABLE_INPUTS's path, set per case)",
     )
+    p.add_argument(
+        "--engine",
+        type=json.loads,
+        default={},
+        help='EngineConfig overrides, e.g. {"layer_loop": "scan"}',
+    )
     p.add_argument("--ks", help="comma-separated k values (0s: a decode step read first)")
     p.add_argument("--batches", help="comma-separated batch sizes (default: the settings')")
     a = p.parse_args(argv)
@@ -126,7 +132,7 @@ def main(argv=None) -> int:
     cfg = EngineConfig(
         model=f"dummy:{spec['preset']}",
         dtype=spec["dtype"],
-        **spec["engine"],
+        **{**spec["engine"], **a.engine},
         speculative_config={
             "method": "ngram",
             "num_speculative_tokens": max(k for k in s["ks"] if k != "0s"),
@@ -152,7 +158,7 @@ def main(argv=None) -> int:
         reqs = random_dataset(b, s["input_len"], 1, vocab_size=vocab, seed=seed[0])
         # long enough that no request ends inside the run at k + 1 tokens a step, the prefill's
         # mixed steps included (the first H200 run ended b=64, k=4 that way: KeyError)
-        room = spec["engine"]["max_model_len"] - s["input_len"]
+        room = cfg.max_model_len - s["input_len"]
         most = min((max(k for k in s["ks"] if k != "0s") + 1) * (steps + 90), room)
         params = SamplingParams(temperature=0, max_tokens=most, ignore_eos=True)
         ids = [f"v{seed[0]}_{i}" for i in range(b)]
