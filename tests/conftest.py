@@ -7,6 +7,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+# Under pytest-xdist the workers share the machine's cores. torch (the HF ground truth) starts
+# one OpenMP thread per core in each worker, and those threads spin-wait against the other
+# worker's: HF's greedy generate of SmolLM2 ran ~5x slower with 2 threads than with 1 while the
+# other worker was busy (the 48-token parity test: 274 s under `-n 2`, ~60 s with this). Each
+# worker gets its share of the cores instead; set before any test module imports torch. The
+# thread count changes no result the tests compare (HF's tokens and logits are the same).
+_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _workers > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _workers)))
+
 import pytest
 
 
@@ -19,20 +29,91 @@ def smollm():
 
 
 @pytest.fixture(scope="session")
-def hf_smollm():
-    """transformers' load of the same GGUF file (dequantized, float32): the ground truth."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def hf_tokenizer():
+    """transformers' tokenizer of the embedded GGUF file: the tokenizer tests need only this, not
+    the dequantized model (~25 s to load on 2 busy cores)."""
+    from transformers import AutoTokenizer
 
     from paxengine.models.loader import default_model_path
 
     path = default_model_path()
-    model = AutoModelForCausalLM.from_pretrained(
-        path.parent, gguf_file=path.name, dtype=torch.float32
-    )
-    tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+
+
+@pytest.fixture(scope="session")
+def hf_smollm(hf_tokenizer):
+    """transformers' load of the same GGUF file (dequantized, float32): the ground truth."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from paxengine.models.loader import default_model_path
+
+    path = default_model_path()
+    saved = _hf_twin_dir(path)
+    if (saved / "model.safetensors").exists():
+        model = _load_hf_twin(saved)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(
+            path.parent, gguf_file=path.name, dtype=torch.float32
+        )
+        _save_hf_twin(model, saved)
     model.eval()
-    return model, tok
+    return model, hf_tokenizer
+
+
+def _hf_twin_dir(gguf):
+    """Where transformers' own dequantized load of `gguf` is kept as float32 safetensors: its
+    GGUF dequantization takes ~25 s on 2 busy cores, its safetensors load ~1 s; the values are
+    those of transformers' load (safetensors round-trips float32 exactly). Keyed by the file
+    (name, size, mtime) and the transformers and torch versions that dequantized it."""
+    import torch
+    import transformers
+
+    from paxengine.models.loader import cache_root
+
+    st = gguf.stat()
+    key = f"{gguf.stem}-{st.st_size}-{st.st_mtime_ns}-tf{transformers.__version__}-pt{torch.__version__}"
+    return cache_root(None) / "hf_twin" / key
+
+
+def _save_hf_twin(model, saved):
+    """The weights (safetensors.torch.save_model: the tied embedding once) and the config, less
+    its GGUF quantization entry (transformers refuses to save_pretrained a GGUF-loaded model)."""
+    import json
+    import shutil
+    import tempfile
+
+    from safetensors.torch import save_model
+
+    saved.parent.mkdir(parents=True, exist_ok=True)
+    tmp = tempfile.mkdtemp(dir=saved.parent)
+    os.chmod(tmp, 0o755)
+    try:
+        cfg = model.config.to_dict()
+        cfg.pop("quantization_config", None)
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(cfg, f)
+        save_model(model, os.path.join(tmp, "model.safetensors"))
+        os.rename(tmp, saved)  # atomic: the other xdist worker may write the same twin
+    except OSError:
+        pass  # the other worker's twin is there already (or the cache is read-only)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _load_hf_twin(saved):
+    """The saved twin: the same architecture from its config, every weight loaded (strict)."""
+    import json
+
+    import torch
+    from safetensors.torch import load_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = json.loads((saved / "config.json").read_text())
+    config = AutoConfig.for_model(**cfg)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    load_model(model, saved / "model.safetensors", strict=True)
+    return model
 
 
 @pytest.fixture(scope="session")

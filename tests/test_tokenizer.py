@@ -13,16 +13,16 @@ TEXTS = [
 ]
 
 
-def test_encode_matches_hf(smollm, hf_smollm):
-    _, hf_tok = hf_smollm
+def test_encode_matches_hf(smollm, hf_tokenizer):
+    hf_tok = hf_tokenizer
     for t in TEXTS:
         assert smollm.tokenizer.encode(t) == hf_tok(t)["input_ids"], t
         ids = smollm.tokenizer.encode(t)
         assert smollm.tokenizer.decode(ids, skip_special_tokens=False) == hf_tok.decode(ids)
 
 
-def test_chat_template_matches_transformers(smollm, hf_smollm):
-    _, hf_tok = hf_smollm
+def test_chat_template_matches_transformers(smollm, hf_tokenizer):
+    hf_tok = hf_tokenizer
     msgs = [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "Hi there"},
