@@ -51,9 +51,9 @@ _ALLOCS = re.compile(r"updated_allocs=(\d+)")
 
 
 def child(on_gpu: bool) -> None:
-    from benchmarks.profile.engine_steps import step_until_decoding
+    from benchmarks.profile.engine_steps import start_decoding
     from benchmarks.profile.step_trace import load
-    from paxengine import LLM, SamplingParams
+    from paxengine import LLM
     from paxengine.step_trace import StepTrace
 
     ctx = 1024 if on_gpu else 32
@@ -73,13 +73,7 @@ def child(on_gpu: bool) -> None:
     res = {}
     sync = eng._needs_sync
     for b in batches:
-        for i in range(b):
-            eng.add_request(
-                f"b{b}-{i}",
-                {"prompt_token_ids": [1 + (j * 7 + i * 13) % 499 for j in range(ctx)]},
-                SamplingParams(max_tokens=300, ignore_eos=True),
-            )
-        step_until_decoding(eng)
+        start_decoding(eng, b, ctx, max_tokens=300)
         for mode in ("overlapped", "synced"):
             eng._needs_sync = (lambda: True) if mode == "synced" else sync
             for _ in range(3):

@@ -32,7 +32,7 @@ from pathlib import Path
 import jax
 
 from benchmarks.device_trace import kernel_times, span_of, trace_device
-from benchmarks.profile.engine_steps import step_until_decoding
+from benchmarks.profile.engine_steps import start_decoding
 from benchmarks.record import write_to_out
 
 VARIANTS = {
@@ -64,7 +64,7 @@ def _loop_ms(fn, n: int) -> float:
 
 def probe(fp8: bool, on_gpu: bool) -> dict:
     from benchmarks.profile.step_trace import load
-    from paxengine import LLM, SamplingParams
+    from paxengine import LLM
     from paxengine.step_trace import StepTrace
 
     batches, ctx = ((1, 8, 64), 1024) if on_gpu else ((1, 4), 32)
@@ -94,13 +94,7 @@ def probe(fp8: bool, on_gpu: bool) -> dict:
     runner.execute = keep
     res = {"xla_flags": os.environ.get("XLA_FLAGS", ""), "fp8": fp8}
     for b in batches:
-        for i in range(b):
-            eng.add_request(
-                f"b{b}-{i}",
-                {"prompt_token_ids": [1 + (j * 7 + i * 13) % 499 for j in range(ctx)]},
-                SamplingParams(max_tokens=400, ignore_eos=True),
-            )
-        step_until_decoding(eng)
+        start_decoding(eng, b, ctx, max_tokens=400)
         for _ in range(5):
             eng.step()
         path = Path(cache) / f"trace_b{b}.jsonl"
