@@ -6,6 +6,7 @@ import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 
 import jax
 import numpy as np
@@ -33,6 +34,7 @@ from paxengine.sampling import ALL_FLAGS, build_sampling_tensors, verify_drafts
 from paxengine.sampling_params import SamplingParams
 from paxengine.scheduler import Scheduler, SchedulerOutput
 from paxengine.spec_decode import parse_speculative_config
+from paxengine.spec_decode.chain import ChainSpec, build_chained
 from paxengine.step_trace import StepTrace
 from paxengine.structured import GrammarCompiler
 from paxengine.validation import validate_request
@@ -175,7 +177,11 @@ class EngineCore:
             else [f for f in ALL_FLAGS if not f[3]],
             background_compile=cfg.background_compile,
             aux=eagle.aux_hidden(DTYPES[dtype]) if eagle is not None else None,
+            chain=self._chain_spec(tp, max(sb)),
         )
+        # chained verify steps (n-gram speculation on one device): built while the previous
+        # step runs; False runs every verify step read first (benchmarks compare the two)
+        self.chain_verify = self.runner.chain is not None
         self.drafter = None
         # both proposers: their pages in the target's block ids, their own buckets
         shared = dict(
@@ -217,6 +223,7 @@ class EngineCore:
         self.generation_tokens_total = 0
         self.steps = 0
         self.overlapped_steps = 0  # steps dispatched before the previous one was read
+        self.chained_steps = 0  # of them, chained verify steps (spec_decode/chain.py)
         self.inflight: _InFlight | None = None
         self.trace = StepTrace.from_env()  # per-step timings for profiles (step_trace.py)
         self.failed_steps = 0
@@ -240,6 +247,17 @@ class EngineCore:
             kv_capacity_tokens=num_blocks * cfg.block_size,
             buckets=tuple(sorted(self.runner.planned)),
         )
+
+    def _chain_spec(self, tp, max_rows: int) -> ChainSpec | None:
+        """Chained verify steps for n-gram speculation on one device (spec_decode/chain.py)."""
+        spec = self.spec
+        if spec is None or spec.method != "ngram" or tp is not None:
+            return None
+        k = spec.num_speculative_tokens
+        rows = min(spec.disable_by_batch_size, self.config.max_num_seqs, max_rows // (k + 1))
+        if rows < 1:
+            return None
+        return ChainSpec(k, rows, spec.prompt_lookup_min, spec.prompt_lookup_max)
 
     # -- figures --------------------------------------------------------------------------------
     def stats(self) -> dict:
@@ -406,7 +424,9 @@ class EngineCore:
         stop) may also be in N+1: that one wasted row writes KV only into its own last, partial
         (never hashed) block, and its sample is dropped. Penalties need exact token history on
         the host, and a grammar's mask for N+1 depends on N's token, so while a running request
-        uses either, N is read first (unconstrained batches keep the overlap).
+        uses either, N is read first (unconstrained batches keep the overlap). So is a step
+        whose requests speculate, unless N+1 can be a chained verify step (`_can_chain`,
+        spec_decode/chain.py): its drafts and positions then come from N's samples on the device.
         With `dispatch_thread`, N+1's launch (XLA:GPU enqueues its kernels on the calling thread)
         runs on a worker and is waited for only when N+1 is read, so it overlaps this bookkeeping.
         """
@@ -414,14 +434,15 @@ class EngineCore:
         if tr is not None:
             tr.begin()
         read = None
-        if self.inflight is not None and self._needs_sync():
+        chain = self._can_chain()
+        if self.inflight is not None and not chain and self._needs_sync():
             # N's tokens reach the scheduler (and the grammars) before N+1 is built; its outputs
             # (detokenizing, stop strings) are processed after N+1 is dispatched, as below
             read = self._read_inflight()
             if tr is not None:
                 tr.rec["sync"] = 1  # read before scheduling: no overlap this iteration
         try:
-            outputs = self._dispatch_and_read(read)
+            outputs = self._dispatch_and_read(read, chain)
             if tr is not None:
                 tr.mark("process_ms")
                 tr.end(len(self.scheduler.running), len(self.scheduler.waiting))
@@ -431,24 +452,49 @@ class EngineCore:
                 f.outputs = self._process_outputs(*read)
             raise
 
-    def _dispatch_and_read(self, read) -> list[RequestOutput]:
-        if self.drafter is not None and self.inflight is None and self.scheduler.speculating():
-            self.drafter.prepare(self.scheduler)  # the drafts Scheduler._propose hands out
-        out = self.scheduler.schedule()
-        if self.drafter is not None:
-            self.drafter.settle(out)
+    def _can_chain(self) -> bool:
+        """Whether the next step is a chained verify step on the one in flight."""
+        return (
+            self.chain_verify
+            and self.inflight is not None
+            and self.scheduler.can_chain(self.inflight.out)
+            and self.runner.chain_bucket(len(self.scheduler.running)) is not None
+        )
+
+    def _dispatch_and_read(self, read, chain: bool = False) -> list[RequestOutput]:
+        if chain:
+            out = self.scheduler.schedule_chained()
+        else:
+            if self.drafter is not None and self.inflight is None and self.scheduler.speculating():
+                self.drafter.prepare(self.scheduler)  # the drafts Scheduler._propose hands out
+            out = self.scheduler.schedule()
+            if self.drafter is not None:
+                self.drafter.settle(out)
         tr = self.trace
         if tr is not None:
             tr.mark("schedule_ms")
         dispatched = None
         if out:
             prev_rows = self.inflight.rows if self.inflight is not None else None
-            # a verify step samples more positions than it has sequences: its sequence bucket
-            # holds them (never more than the largest, see Scheduler._propose)
-            T, S = self.runner.bucket_for(out.total_tokens, out.num_sample_rows)
-            arrays = build_step(
-                out, self.kv.block_size, T, S, self.runner.max_blocks_per_seq, prev_rows
-            )
+            if out.chained:
+                T, S = self.runner.chain_bucket(len(out.requests))
+                arrays = build_chained(
+                    out,
+                    self.inflight.out,
+                    prev_rows,
+                    self.runner.chain,
+                    T,
+                    S,
+                    self.runner.max_blocks_per_seq,
+                    self.runner.history_len,
+                )
+            else:
+                # a verify step samples more positions than it has sequences: its sequence
+                # bucket holds them (never more than the largest, see Scheduler._propose)
+                T, S = self.runner.bucket_for(out.total_tokens, out.num_sample_rows)
+                arrays = build_step(
+                    out, self.kv.block_size, T, S, self.runner.max_blocks_per_seq, prev_rows
+                )
             st = build_sampling_tensors(
                 out.requests,
                 S,
@@ -462,13 +508,17 @@ class EngineCore:
             if tr is not None:
                 tr.mark("build_ms")
                 tr.step(out, T, S)
+            run = self.runner.execute
+            if out.chained:
+                run = partial(self.runner.execute_chained, (T, S))
             if self._dispatcher is not None:
-                result = self._dispatcher.submit(self.runner.execute, arrays, st)
+                result = self._dispatcher.submit(run, arrays, st)
             else:
-                result = self._device(out, self.runner.execute, arrays, st)
+                result = self._device(out, run, arrays, st)
             rows = {rid: i for rid, i in out.sample_rows().items() if rid in out.sampling}
             dispatched = _InFlight(result, out, rows)
             self.steps += 1
+            self.chained_steps += out.chained
             if tr is not None:
                 tr.mark("launch_ms")
         if self.inflight is not None:
@@ -503,6 +553,10 @@ class EngineCore:
         else:
             result = step.result
         tokens, lps, ranks, top_ids, top_lps = self._device(step.out, self.runner.fetch, result)
+        if step.out.chained:  # the drafts the device made for its rows
+            drafts = self._device(step.out, self.runner.fetch_drafts, result)
+            for r, req in enumerate(step.out.requests):
+                step.out.drafts[req.request_id] = drafts[r].tolist()
         if tr is not None:
             tr.mark("wait_ms")
             tr.stamp("read_at")

@@ -149,7 +149,7 @@ def log_weights(params, prequantized, on_gpu: bool) -> None:
 
 
 def log_ready(load_seconds: float, runner, store) -> None:
-    n_exe = len(runner.compiled) + len(runner.samplers)
+    n_exe = len(runner.compiled) + len(runner.chained) + len(runner.samplers)
     log.info(
         "model loaded in %.1f s; %d step executables in %.1f s: %d from the store, the rest "
         "traced in %.1f s and compiled%s",

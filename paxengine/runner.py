@@ -43,6 +43,7 @@ from paxengine.sampling import (
     sample,
     unpack_samples,
 )
+from paxengine.spec_decode.chain import ChainSpec, chain_layout, chained_inputs
 
 log = logging.getLogger("paxengine")
 _compile_count = 0
@@ -154,13 +155,18 @@ class Runner:
         sampler_flags: list[tuple] = ALL_FLAGS,
         background_compile: bool = False,
         aux: AuxHidden | None = None,
+        chain: ChainSpec | None = None,
     ):
         """params: stacked layers (scanned) or a list of per-layer dicts (unrolled), see
         `weights.unstack_layers`; the KV cache takes the same layout. tp: tensor parallelism
         (params prepared by `parallel.copy_kv_heads` and fused per shard); they and the cache
         are placed on its mesh here. aux: keep the auxiliary hidden states an EAGLE-3
-        speculator reads (`AuxHidden`); None: the forward computes nothing for them."""
+        speculator reads (`AuxHidden`); None: the forward computes nothing for them. chain: also
+        compile chained n-gram verify steps (spec_decode/chain.py) for up to chain.rows requests."""
         self.tp = tp
+        self.chain = chain
+        if chain is not None and (tp is not None or aux is not None):
+            raise ValueError("chained verify steps run on one device, without EAGLE-3 states")
         self.aux = aux
         if aux is not None and tp is not None:
             raise ValueError("auxiliary hidden states under tensor parallelism are not implemented")
@@ -189,6 +195,13 @@ class Runner:
         self.aux_cache = aux.allocate(num_blocks * block_size) if aux is not None else None
         self._forward = jax.jit(self._forward_fn, donate_argnums=(1,), static_argnames=("layout",))
         self.compiled: dict[tuple[int, int], object] = {}  # (T, S) -> forward
+        self.chained: dict[tuple[int, int], object] = {}  # (T, S) -> chained verify forward
+        # the last chained step's drafts (the next chained step reads them), [chain.rows, K]
+        self.prev_drafts = jnp.full((chain.rows, chain.k), -1, jnp.int32) if chain else None
+        self._chain_fwd = jax.jit(
+            self._chain_fn, donate_argnums=(1,), static_argnames=("layout", "T", "S")
+        )
+        self._zero_shift: dict[int, jax.Array] = {}  # S -> zeros: no key shift (unchained)
         self._staged: dict = {}  # _stable's buffers
         self.samplers: dict[tuple, object] = {}  # (S, flags) -> sampler
         self._layouts: dict[tuple, PackedLayout] = {}  # ("fwd", T, S) / ("smp", S, flags)
@@ -197,6 +210,8 @@ class Runner:
         self.sampler_flags = list(sampler_flags)  # the variants compiled (sampling.choose_flags)
         self.background: threading.Thread | None = None  # see _compile_all
         self._compile_all(show_progress, background_compile)
+        for S in seq_buckets:  # made now: an array made while serving is a compile of its own
+            self._no_shift(S)
         global _warm_at
         _warm_at = compile_count()
 
@@ -234,9 +249,24 @@ class Runner:
             x["slot_mapping"], x["block_tables"], x["seq_lens"], x["query_start_loc"], x["num_seqs"]
         )
         tokens, positions, prev_index = x["tokens"], x["positions"], x["prev_index"]
-        logits_indices = x["logits_indices"]
         # Tokens sampled by the previous step never visit the host before they are used here.
         tokens = jnp.where(prev_index >= 0, prev_tokens[jnp.maximum(prev_index, 0)], tokens)
+        return self._model(params, kv_cache, tokens, positions, md, x["logits_indices"])
+
+    def _chain_fn(self, params, kv_cache, packed, prev_tokens, prev_drafts, *, layout, T, S):
+        """A chained verify step: its rows laid out on the device from the previous step's
+        samples and drafts (spec_decode/chain.py). -> (KV, logits, key shift, drafts)."""
+        x = layout.unpack(packed)
+        tokens, positions, slots, seq_lens, qsl, logits_indices, shift, drafts = chained_inputs(
+            x, prev_tokens, prev_drafts, self.chain, self.block_size, T, S
+        )
+        md = kernels_pallas.AttentionMetadata(
+            slots, x["block_tables"], seq_lens, qsl, x["num_seqs"]
+        )
+        kv_cache, logits = self._model(params, kv_cache, tokens, positions, md, logits_indices)
+        return kv_cache, logits, shift, drafts
+
+    def _model(self, params, kv_cache, tokens, positions, md, logits_indices):
         attend = PagedAttend(md, self.backend, self.cfg, fused_rope=self.tp is None)
         if self.aux is not None:  # (KV, aux cache): every token's projected aux states, by slot
             kv_cache, aux_cache = kv_cache
@@ -244,7 +274,7 @@ class Runner:
                 params, self.cfg, tokens, positions, kv_cache, attend, aux_layers=self.aux.layers
             )
             feats = quant.linear(aux, params["aux_proj"]).astype(aux_cache.dtype)
-            slots = x["slot_mapping"]
+            slots = md.slot_mapping
             slots = jnp.where(slots < 0, aux_cache.shape[0], slots)  # padding: dropped
             kv_cache = (kv_cache, aux_cache.at[slots].set(feats, mode="drop"))
         else:
@@ -275,8 +305,10 @@ class Runner:
         layout = self.sampling_layout(S, flags)
         names = dict(zip(("penalties", "top", "logprobs", "grammar"), flags))
 
-        def sample_step(logits, packed, history, mask):
-            st = SamplingTensors(**layout.unpack(packed), history=history, mask=mask, **names)
+        def sample_step(logits, packed, history, mask, shift):
+            x = layout.unpack(packed)
+            x["steps"] = x["steps"] + shift  # a chained step's keys: its rows' places, on device
+            st = SamplingTensors(**x, history=history, mask=mask, **names)
             result = sample(logits, st)
             padded = jnp.zeros(max_rows, jnp.int32).at[:S].set(result[0])
             return pack_samples(result, st.logprobs), padded
@@ -285,7 +317,8 @@ class Runner:
         logits = jax.ShapeDtypeStruct((S, self.cfg.vocab_size), jnp.float32, sharding=sharding)
         st = abstract_sampling_tensors(S, self.history_len, flags, self.cfg.vocab_size)
         packed = jax.ShapeDtypeStruct((layout.size,), jnp.int32)
-        return jax.jit(sample_step).lower(logits, packed, st.history, st.mask)
+        shift = jax.ShapeDtypeStruct((S,), jnp.int32, sharding=sharding)
+        return jax.jit(sample_step).lower(logits, packed, st.history, st.mask, shift)
 
     def _compile_all(self, show_progress: bool, background: bool) -> None:
         """Loads each bucket's executable from the store, or traces it (tracing holds the GIL)
@@ -307,6 +340,10 @@ class Runner:
             if self._sampler_key(S, f) in _SAMPLERS:
                 self.samplers[(S, f)] = _SAMPLERS[self._sampler_key(S, f)]
         jobs = [(("fwd", T, S), self._forward_job(T, S)) for T, S in pairs]  # (key, lower, opts)
+        self.chain_planned = self._chain_pairs(pairs)
+        for T, S in self.chain_planned:
+            self._layouts[("chn", T, S)] = self._chain_layout(T, S)
+            jobs.append((("chn", T, S), self._chain_job(T, S)))
         jobs += [
             (("smp", S, f), self._sampler_job(S, f))
             for S, f in sampler_keys
@@ -411,6 +448,38 @@ class Runner:
         opts = quant.xla_options(T) if self.fp8 else {}
         return {**opts, **(xla_compile_options() or {})} or None
 
+    def _chain_pairs(self, pairs) -> list[tuple[int, int]]:
+        """The buckets chained steps of 1..chain.rows requests run in (K + 1 tokens and
+        sampled rows each): the smallest planned one that holds them."""
+        if self.chain is None:
+            return []
+        need = [r * (self.chain.k + 1) for r in range(1, self.chain.rows + 1)]
+        fits = [min((p for p in pairs if p[0] >= n and p[1] >= n), default=None) for n in need]
+        return sorted({p for p in fits if p is not None})
+
+    def _chain_layout(self, T: int, S: int) -> PackedLayout:
+        return chain_layout(self.chain, T, S, self.max_blocks_per_seq, self.history_len)
+
+    def _chain_job(self, T: int, S: int):
+        params, kv = jax.tree.map(_abstract, (self.params, self._caches()))
+        i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)
+        layout = self._chain_layout(T, S)
+        args = (params, kv, i32(layout.size), i32(self.max_rows), _abstract(self.prev_drafts))
+        static = (self.cfg, self.backend, self.max_blocks_per_seq, self.max_rows, self.chain)
+        opts = self._xla_options(T)
+        if opts:
+            static += (tuple(sorted(opts.items())),)
+        key = self.store.key("chain", static, args) if self.store is not None else None
+        return key, lambda: self._chain_fwd.lower(*args, layout=layout, T=T, S=S), opts
+
+    def chain_bucket(self, num_requests: int) -> tuple[int, int] | None:
+        """The compiled chained bucket for that many requests, or None (not chainable now)."""
+        if self.chain is None or not 0 < num_requests <= self.chain.rows:
+            return None
+        n = num_requests * (self.chain.k + 1)
+        ready = [p for p in self.chained if p[0] >= n and p[1] >= n]
+        return min(ready) if ready else None
+
     def _sampler_job(self, S: int, flags):
         static = self._sampler_key(S, flags)
         key = self.store.key("sampler", static, ()) if self.store is not None else None
@@ -419,6 +488,8 @@ class Runner:
     def _keep(self, name: tuple, exe) -> None:
         if name[0] == "fwd":
             self.compiled[name[1:]] = exe
+        elif name[0] == "chn":
+            self.chained[name[1:]] = exe
         else:
             _SAMPLERS[self._sampler_key(*name[1:])] = exe
             self.samplers[name[1:]] = exe
@@ -440,6 +511,8 @@ class Runner:
                 pass
             self.aux_cache = self.aux.allocate(slots)
         self.prev_tokens = jnp.zeros_like(self.prev_tokens)
+        if self.prev_drafts is not None:
+            self.prev_drafts = jnp.full_like(self.prev_drafts, -1)
 
     def _caches(self):
         """What the forward donates and returns: the KV cache, with the aux cache if kept."""
@@ -475,19 +548,45 @@ class Runner:
             self.kv_cache = caches
         else:
             self.kv_cache, self.aux_cache = caches
+        return self._sample(logits, st, S, self._no_shift(S))
+
+    def _no_shift(self, S: int) -> jax.Array:
+        z = self._zero_shift.get(S)
+        if z is None:
+            zeros = np.zeros(S, np.int32)
+            z = jax.device_put(zeros, self.tp.sharding(P())) if self.tp else jnp.asarray(zeros)
+            self._zero_shift[S] = z
+        return z
+
+    def _sample(self, logits, st: SamplingTensors, S: int, shift):
         layout = self._layouts[("smp", S, st.flags)]
         packed = layout.pack({f: getattr(st, f) for f in layout.names})
         if _STABLE_INPUTS:
             packed = self._stable(("smp", S, st.flags), packed)
         samples, self.prev_tokens = self.samplers[(S, st.flags)](
-            logits, packed, st.history, st.mask
+            logits, packed, st.history, st.mask, shift
         )
         return samples, S, st.logprobs  # the samples vector's first S entries are the tokens
+
+    def execute_chained(self, bucket: tuple[int, int], values: dict, st: SamplingTensors):
+        """A chained verify step (values: chain.build_chained's arrays). Its drafts stay on the
+        device for the next chained step; `fetch_drafts` reads them."""
+        T, S = bucket
+        packed = self._layouts[("chn", T, S)].pack(values)
+        self.kv_cache, logits, shift, self.prev_drafts = self.chained[bucket](
+            self.params, self.kv_cache, packed, self.prev_tokens, self.prev_drafts
+        )
+        return (*self._sample(logits, st, S, shift), self.prev_drafts)
+
+    @staticmethod
+    def fetch_drafts(result) -> np.ndarray:
+        """A chained step's drafts, [chain.rows, K] (-1: none), after `fetch` of its result."""
+        return np.asarray(jax.device_get(result[3]))
 
     def fetch(self, result) -> tuple[np.ndarray, ...]:
         """The one host transfer of a step: `execute`'s result -> (tokens, logprobs, ranks, top
         ids, top logprobs) on the host."""
-        samples, S, logprobs = result
+        samples, S, logprobs = result[:3]
         if samples.is_fully_addressable:
             v = np.asarray(jax.device_get(samples))
         else:  # several processes (one host each): the samples are replicated, this host's copy

@@ -49,6 +49,9 @@ class SchedulerOutput:
     # speculative decoding: request id -> the draft tokens this step verifies (scheduled after
     # its last known token; each has a sampled position of its own)
     drafts: dict[str, list[int]] = field(default_factory=dict)
+    # a chained verify step (spec_decode/chain.py): every row takes K drafts the device makes;
+    # `drafts` holds -1s until the engine reads the step and writes in what the device drafted
+    chained: bool = False
 
     @property
     def total_tokens(self) -> int:
@@ -191,6 +194,54 @@ class Scheduler:
             and any(r.grammar is None for r in self.running)  # constrained ones never speculate
         )
 
+    def can_chain(self, prev: SchedulerOutput) -> bool:
+        """Whether the next step can be a chained verify step on `prev`, still in flight:
+        n-gram speculation with nothing waiting, every running request decoding with its
+        sample pending in `prev`, and each far enough from its max_tokens and the context that
+        the unchained engine would draft K for it too (so both draft the same). Requests whose
+        sampling depends on the host's tokens (penalties, a grammar, min_tokens) are read
+        first, and blocks for the worst case (K + 1 more tokens each) must be free: a chained
+        step never preempts."""
+        if self.proposer is not None or self.waiting or not self.speculating():
+            return False
+        K = self.spec.num_speculative_tokens
+        if len(self.running) * (K + 1) > min(self.max_sample_rows, self.max_num_batched_tokens):
+            return False
+        need = 0
+        for req in self.running:
+            p = req.params
+            if (
+                req.request_id not in prev.sampling
+                or req.num_pending_tokens != 1
+                or req.grammar is not None
+                or p.presence_penalty
+                or p.frequency_penalty
+                or p.repetition_penalty != 1.0
+                or len(req.output_token_ids) < p.min_tokens
+                or req.num_known_tokens + 3 * (K + 1) > self.max_model_len
+                or (
+                    p.max_tokens is not None
+                    and len(req.output_token_ids) + 3 * (K + 1) > p.max_tokens
+                )
+            ):
+                return False
+            blocks = self.kv.blocks_needed(req.num_computed_tokens + K + 1)
+            need += max(blocks - len(req.block_ids), 0)
+        return need <= len(self.kv.free)
+
+    def schedule_chained(self) -> SchedulerOutput:
+        """A chained verify step (after `can_chain`): every running request, K + 1 tokens."""
+        K = self.spec.num_speculative_tokens
+        out = SchedulerOutput(chained=True)
+        for req in self.running:
+            ok = self.kv.allocate(req, K + 1)
+            assert ok, "can_chain counted the blocks"
+            out.num_scheduled_tokens[req.request_id] = K + 1
+            out.requests.append(req)
+            out.drafts[req.request_id] = [-1] * K
+        self._count_scheduled(out)
+        return out
+
     @staticmethod
     def _num_drafts(out: SchedulerOutput) -> int:
         return sum(len(d) for d in out.drafts.values())
@@ -329,7 +380,9 @@ class Scheduler:
             if tokens is not None:
                 req.num_pending_tokens -= 1
                 drafts = out.drafts.get(req.request_id)
-                if drafts is not None:  # tokens: the accepted drafts and one more
+                if out.chained:
+                    self._settle_chained(req, drafts, len(tokens) - 1)
+                elif drafts is not None:  # tokens: the accepted drafts and one more
                     self._settle_drafts(req, len(drafts), len(tokens) - 1)
                 self._append(req, tokens)
                 updated.append(req)
@@ -344,6 +397,15 @@ class Scheduler:
         req.num_computed_tokens -= num_drafts - num_accepted
         self.kv.trim(req, req.num_computed_tokens)
         self.spec_stats.record(num_drafts, num_accepted)
+
+    def _settle_chained(self, req: Request, drafts: list[int], num_accepted: int) -> None:
+        """A chained row computed K drafts, the lookup's and -1s: all but the accepted roll back,
+        and only the lookup's count as drafts (a row without any is a plain decode row)."""
+        req.num_computed_tokens -= len(drafts) - num_accepted
+        self.kv.trim(req, req.num_computed_tokens)
+        proposed = sum(1 for d in drafts if d >= 0)
+        if proposed:
+            self.spec_stats.record(proposed, num_accepted)
 
     def _append(self, req: Request, tokens: list[int]) -> None:
         if req.first_token_time is None:

@@ -119,6 +119,26 @@ def test_ngram_matches_its_definition_on_random_sequences():
         assert propose_ngram(toks, lo, hi, k) == _brute_force_ngram(toks, lo, hi, k), toks
 
 
+def test_device_ngram_matches_the_host_proposer_on_random_sequences():
+    """The chained steps' lookup (spec_decode/chain.py, all rows at once on the device) drafts
+    what propose_ngram drafts, -1 past its proposal."""
+    from paxengine.spec_decode.chain import ngram_drafts
+
+    rng = np.random.default_rng(1)
+    for _ in range(40):
+        R, H = 6, 48
+        k, lo = int(rng.integers(1, 6)), int(rng.integers(1, 3))
+        hi = lo + int(rng.integers(0, 3))
+        hist = np.full((R, H), -1, np.int32)
+        lens = rng.integers(1, H + 1, R)
+        for r in range(R):
+            hist[r, : lens[r]] = rng.integers(0, int(rng.integers(2, 5)), lens[r])
+        got = np.asarray(ngram_drafts(jnp.asarray(hist), jnp.asarray(lens, jnp.int32), lo, hi, k))
+        for r in range(R):
+            want = propose_ngram(hist[r, : lens[r]], lo, hi, k)
+            assert got[r].tolist() == want + [-1] * (k - len(want)), (hist[r, : lens[r]], lo, hi)
+
+
 def test_request_token_array_follows_appends():
     req = Request("t", [1, 2, 3], SamplingParams(), seed=0)
     assert req.token_array().tolist() == [1, 2, 3]
@@ -413,6 +433,68 @@ def test_abort_mid_speculation_frees_every_block(spec):
     while eng.has_unfinished():
         eng.step()
     _assert_pool_empty(spec)
+
+
+@pytest.fixture(scope="module")
+def wide(smollm):
+    """16 sample rows: chained verify steps of up to 3 requests (K = 4)."""
+    return _llm(speculative_config=NGRAM, max_num_seqs=16)
+
+
+def _counters(llm, before=None):
+    st = llm.engine.stats()
+    keys = [k for k in st if k.startswith("spec_decode_")]
+    now = {k: np.asarray(st[k]) for k in keys}
+    return now if before is None else {k: (now[k] - before[k]).tolist() for k in keys}
+
+
+def test_chained_verify_steps_equal_unchained_ones(plain, wide):
+    """Verify steps built while the previous one runs (the device counts its accepted drafts
+    and drafts the next ones) give the texts, logprobs and counters of verify steps read first,
+    which are the plain engine's texts; a penalty in the batch reads first again."""
+    eng = wide.engine
+    prompts = [COPY[0], COPY[1], COPY[2]]
+    greedy = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True, logprobs=1)
+    seeded = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=60, seed=5, ignore_eos=True)
+    runs = {}
+    for chain in (False, True):
+        eng.chain_verify = chain
+        before, steps = _counters(wide), eng.chained_steps
+        outs = wide.generate(prompts, [greedy, seeded, greedy], use_tqdm=False)
+        runs[chain] = (outs, _counters(wide, before), eng.chained_steps - steps)
+        _assert_pool_empty(wide)
+    assert runs[False][2] == 0 and runs[True][2] > 10
+    assert runs[True][1] == runs[False][1] and runs[True][1]["spec_decode_num_accepted_tokens"] > 0
+    ref = plain.generate(prompts, [greedy, seeded, greedy], use_tqdm=False)
+    for a, b, c in zip(ref, runs[False][0], runs[True][0]):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids == c.outputs[0].token_ids
+        for x, y in zip(b.outputs[0].logprobs or [], c.outputs[0].logprobs or []):
+            assert x.keys() == y.keys()
+            assert all(abs(x[t].logprob - y[t].logprob) < 1e-4 for t in x)
+    # a penalty's history is the host's: that batch never chains, and keeps the plain texts
+    pen = SamplingParams(temperature=0, max_tokens=40, repetition_penalty=1.2)
+    steps = eng.chained_steps
+    outs = wide.generate(prompts, [greedy, pen, greedy], use_tqdm=False)
+    assert eng.chained_steps == steps
+    ref = plain.generate(prompts, [greedy, pen, greedy], use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
+    assert eng.stats()["xla_compiles_after_warmup"] == 0
+
+
+def test_abort_during_a_chained_step_frees_every_block(wide):
+    eng = wide.engine
+    p = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    eng.add_request("c1", COPY[0], p)
+    eng.add_request("c2", COPY[2], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
+    for _ in range(60):
+        eng.step()
+        if eng.inflight is not None and eng.inflight.out.chained:
+            break
+    assert eng.inflight.out.chained
+    eng.abort("c1")
+    while eng.has_unfinished():
+        eng.step()
+    _assert_pool_empty(wide)
 
 
 def test_preemption_under_speculation_matches_plain(plain, smollm):

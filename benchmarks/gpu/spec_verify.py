@@ -9,7 +9,10 @@ batch size B and k = 0..6: B prompts of 1,024 random tokens are prefilled (untim
 engine steps in which every row decodes or verifies are timed: ms a step and tokens a step.
 k = 0 is the plain engine (speculation off, its overlapped decode); k >= 1 runs as the engine
 speculates (each step read before the next); "0s" is a decode step read before the next, as
-speculation runs it but with no drafts: the overlap's share of a verify step's cost.
+speculation runs it but with no drafts: the overlap's share of a verify step's cost; "4c" is k = 4
+in chained verify steps (spec_decode/chain.py: built while the previous one runs; their drafts
+come from the device's lookup, which finds none in random prompts, and every row still verifies
+k tokens: the same step cost).
 
 Per case, besides the wall clock: the engine's step trace (PAXENGINE_STEP_TRACE's phases,
 medians over the timed steps: where the host's time went) and 10 steps under jax.profiler (the
@@ -85,6 +88,11 @@ def break_even(cost: float, k: int) -> float | None:
     return round(hi, 4)
 
 
+def _k(case) -> int:
+    """The drafts a case verifies: 4 for "4" and "4c", 0 for 0 and "0s"."""
+    return 0 if case == "0s" else int(str(case).rstrip("c"))
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true")
@@ -104,7 +112,9 @@ def main(argv=None) -> int:
         default={},
         help='EngineConfig overrides, e.g. {"layer_loop": "scan"}',
     )
-    p.add_argument("--ks", help="comma-separated k values (0s: a decode step read first)")
+    p.add_argument(
+        "--ks", help="comma-separated k values (0s: a decode step read first; 4c: chained k = 4)"
+    )
     p.add_argument("--batches", help="comma-separated batch sizes (default: the settings')")
     a = p.parse_args(argv)
     argv_used = list(sys.argv[1:] if argv is None else argv)
@@ -114,7 +124,7 @@ def main(argv=None) -> int:
     if a.batches:
         s = {**s, "batches": [int(b) for b in a.batches.split(",")]}
     if a.ks:
-        s = {**s, "ks": [k if k == "0s" else int(k) for k in a.ks.split(",")]}
+        s = {**s, "ks": [k if k[-1] in "sc" else int(k) for k in a.ks.split(",")]}
     trace_file = out / "spec_verify_step_trace.jsonl"
     trace_file.unlink(missing_ok=True)
     os.environ["PAXENGINE_STEP_TRACE"] = str(trace_file)  # read by the engine when it starts
@@ -135,7 +145,7 @@ def main(argv=None) -> int:
         **{**spec["engine"], **a.engine},
         speculative_config={
             "method": "ngram",
-            "num_speculative_tokens": max(k for k in s["ks"] if k != "0s"),
+            "num_speculative_tokens": max(_k(k) for k in s["ks"]),
             "prompt_lookup_min": 1,
             "prompt_lookup_max": 1,
             "disable_by_batch_size": max(s["batches"]),
@@ -159,7 +169,7 @@ def main(argv=None) -> int:
         # long enough that no request ends inside the run at k + 1 tokens a step, the prefill's
         # mixed steps included (the first H200 run ended b=64, k=4 that way: KeyError)
         room = cfg.max_model_len - s["input_len"]
-        most = min((max(k for k in s["ks"] if k != "0s") + 1) * (steps + 90), room)
+        most = min((max(_k(k) for k in s["ks"]) + 1) * (steps + 90), room)
         params = SamplingParams(temperature=0, max_tokens=most, ignore_eos=True)
         ids = [f"v{seed[0]}_{i}" for i in range(b)]
         for rid, prompt in zip(ids, token_prompts(reqs)):
@@ -206,8 +216,9 @@ def main(argv=None) -> int:
         base = None
         for k in s["ks"]:
             sched.spec = spec_cfg if k else None  # k = 0: the plain, overlapped engine
-            k_now["k"] = 0 if k == "0s" else k
-            before = llm.engine.stats()
+            k_now["k"] = _k(k)
+            llm.engine.chain_verify = str(k).endswith("c")
+            before, chained = llm.engine.stats(), llm.engine.chained_steps
             step_ms, tokens_per_step, phases, device = decode_steps(b, s["steps"])
             after = llm.engine.stats()
             drafts = after["spec_decode_num_draft_tokens"] - before["spec_decode_num_draft_tokens"]
@@ -225,14 +236,15 @@ def main(argv=None) -> int:
                 "tokens_per_step": round(tokens_per_step, 3),
                 "draft_tokens": drafts,
                 "accepted": accepted,
+                "chained_steps": llm.engine.chained_steps - chained,
                 "host_phases_ms_p50": phases,
                 **device,
             }
-            if k and k != "0s":
-                row["break_even_acceptance"] = break_even(step_ms / base, k)
+            if _k(k):
+                row["break_even_acceptance"] = break_even(step_ms / base, _k(k))
                 if a.accepted_per_step is not None:
                     acc = per_position(a.accepted_per_step, a.accepted_at_k)
-                    tokens = expected_tokens(acc, k)
+                    tokens = expected_tokens(acc, _k(k))
                     row["effective_itl_vs_plain"] = round(step_ms / base / tokens, 3)
             rows.append(row)
             print(json.dumps(row), flush=True)
@@ -250,6 +262,7 @@ def main(argv=None) -> int:
                 )
             )
     if a.offline_64:
+        llm.engine.chain_verify = llm.engine.runner.chain is not None  # as users run it
         offline_64(llm, spec_cfg, a.reps, vocab, out / "spec_offline64_h200.json", a.quick)
         scheduler_mod.propose_ngram = real_propose
     sched.spec = spec_cfg
