@@ -12,6 +12,7 @@ host. Unset (the default), the engine keeps no records and pays one `is None` te
 from __future__ import annotations
 
 import atexit
+import gc
 import json
 import os
 import threading
@@ -29,7 +30,23 @@ class StepTrace:
         self._t = time.perf_counter()
         self._last_end = None
         self.rec: dict = {}
+        self._gc_start = None
+        gc.callbacks.append(self._on_gc)
         atexit.register(self.flush)
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        """The garbage collector's passes, in whatever thread ran them (every thread waits):
+        gc_ms and the full passes (gc_full) of the iteration they fell in."""
+        if phase == "start":
+            self._gc_start = time.perf_counter()
+        elif self._gc_start is not None:
+            rec = self.rec
+            rec["gc_ms"] = round(
+                rec.get("gc_ms", 0.0) + (time.perf_counter() - self._gc_start) * 1e3, 4
+            )
+            if info.get("generation") == 2:
+                rec["gc_full"] = rec.get("gc_full", 0) + 1
+            self._gc_start = None
 
     @classmethod
     def from_env(cls) -> "StepTrace | None":

@@ -30,40 +30,42 @@ from benchmarks.record import environment
 from paxengine.step_trace import ENV as STEP_TRACE_ENV
 
 # name -> (the step budget while requests decode, as a multiple of the spec's serve setting
-# (2,048 tokens in FULL; None: no budget), the server's GIL switch interval in seconds (None:
-# Python's 5 ms), more serve flags ("" for a bare switch))
+# (2,048 tokens in FULL; None: no budget), Python run in the server's process before it starts
+# (None: nothing), more serve flags ("" for a bare switch))
 VARIANTS = {
     "base": (1, None, {}),
+    "quarter": (0.25, None, {}),
+    "half": (0.5, None, {}),
     "b2x": (2, None, {}),
     "nobudget": (None, None, {}),
-    "switch": (1, 5e-4, {}),
+    # the interpreter's GIL switch interval 0.5 ms (Python's default: 5 ms)
+    "switch": (1, "import sys; sys.setswitchinterval(5e-4)", {}),
+    # the heap left in the cyclic GC's full passes (paxengine/gc_freeze.py made a no-op)
+    "nofreeze": (1, "import gc; gc.freeze = gc.unfreeze = lambda: None", {}),
     "dispatch": (1, None, {"dispatch_thread": ""}),
     # ready once the first buckets are built, the rest compiling behind (its log says when)
     "background": (1, None, {"background_compile": "", "log_level": "info"}),
 }
 
 
-def variant_flags(spec: dict, name: str) -> tuple[dict, float | None]:
-    factor, switch, more = VARIANTS[name]
+def variant_flags(spec: dict, name: str) -> tuple[dict, str | None]:
+    factor, boot, more = VARIANTS[name]
     flags = dict(spec["serve"].get("pax_engine", {}))
     budget = flags.pop("decode_step_token_budget", None)
     if factor is not None and budget is not None:
-        flags["decode_step_token_budget"] = min(
-            budget * factor, spec["engine"]["max_num_batched_tokens"]
+        flags["decode_step_token_budget"] = int(
+            min(budget * factor, spec["engine"]["max_num_batched_tokens"])
         )
-    return {**flags, **more}, switch
+    return {**flags, **more}, boot
 
 
-def server_cmd(spec: dict, model_dir: Path, flags: dict, switch: float | None) -> list[str]:
+def server_cmd(spec: dict, model_dir: Path, flags: dict, boot: str | None) -> list[str]:
     cmd = pax_serve_cmd(spec, model_dir, _free_port(), {k: v for k, v in flags.items() if v != ""})
     cmd += [f"--{k.replace('_', '-')}" for k, v in flags.items() if v == ""]  # bare switches
-    if switch is not None:  # the same server, with the interpreter's switch interval set first
+    if boot is not None:  # the same server, with `boot` run first
         i = cmd.index("-m")
-        boot = (
-            f"import sys; sys.setswitchinterval({switch}); from serving.cli import main; "
-            "sys.exit(main(sys.argv[1:]))"
-        )
-        cmd = cmd[:i] + ["-c", boot] + cmd[i + 2 :]
+        code = f"{boot}; import sys; from serving.cli import main; sys.exit(main(sys.argv[1:]))"
+        cmd = cmd[:i] + ["-c", code] + cmd[i + 2 :]
     return cmd
 
 
@@ -119,13 +121,13 @@ def main(argv: list[str] | None = None) -> int:
     result = {"environment": environment(), "command": " ".join(sys.argv), "variants": {}}
     result_file = out / "serve_variants.json"
     for name in args.variants.split(","):
-        flags, switch = variant_flags(base, name)
+        flags, boot = variant_flags(base, name)
         if args.fp8:
             flags = {**flags, **base["fp8"]["pax_engine"]}
         trace = out / f"trace_{name}.jsonl"
         trace.unlink(missing_ok=True)
         env = {**os.environ, STEP_TRACE_ENV: str(trace)}
-        cmd = server_cmd(base, model_dir, flags, switch)
+        cmd = server_cmd(base, model_dir, flags, boot)
         stage.begin(out / f"partial_{name}.json", None)
         res = serve_stage(base, out / f"stage_{name}.json", cmd, name, env)
         # one summary per benchmark run (the trace cut where the server sat idle between them)

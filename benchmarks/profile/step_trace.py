@@ -83,6 +83,9 @@ def summarise(recs: list[dict]) -> dict:
             / max(1, len(steps)),
             3,
         ),
+        # the garbage collector's passes (gc time overlaps the phases it fell in)
+        "gc_ms": _stats([r.get("gc_ms", 0.0) for r in recs]),
+        "gc_full_passes": sum(r.get("gc_full", 0) for r in recs),
         "tokens": _stats([r["tokens"] for r in steps]),
         "decode_rows": _stats([r["decode_rows"] for r in steps]),
         "step_interval_ms": {k: _stats(v) for k, v in sorted(by_kind.items())},

@@ -1,0 +1,154 @@
+"""The real Scheduler against a step-cost model: how a scheduling policy moves served throughput
+and tail latency, on the CPU, before a GPU lease measures it.
+
+    python -m benchmarks.profile.sched_sim [--concurrency 16,64] [--policies base,none,...]
+
+A closed-loop client (vLLM `bench serve --max-concurrency C`, random 1024/128 prompts, as the
+GPU run's serve stage) drives paxengine.scheduler.Scheduler and its KVCacheManager; each step's
+time comes from `step_ms`, a model of an 8B bf16 step on the H200 fitted to the step traces of
+benchmarks/results/gpu_2026-12-01_packed/ (decode step of 63 rows 7.3 ms, 2,048-token mixed
+steps ~26 us a prompt token, 8,192-token steps ~23.5 us). It ranks policies; it does not
+replace measuring them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import json
+import random
+
+import numpy as np
+
+from paxengine.batch import pick
+from paxengine.kv_cache import KVCacheManager
+from paxengine.request import Request
+from paxengine.sampling_params import SamplingParams
+from paxengine.scheduler import Scheduler
+
+# H200, Llama-3.1-8B bf16 (ms, us): a step's fixed cost, the weights' read (16 GB at ~4 TB/s),
+# the GEMMs' time a padded token (by bucket: small M runs below the tensor cores' peak), a decode
+# row's KV read a context token (131 kB at ~3.5 TB/s), a prompt chunk's attention a (query, key)
+# pair (4 * 4096 * 32 flops at ~400 TFLOP/s)
+FIXED_MS, WEIGHTS_MS, KV_US, PAIR_US = 0.6, 4.0, 0.0374, 1.31e-6
+GEMM_US = {512: 26.0, 1024: 24.6, 2048: 23.6, 4096: 22.6}
+ENGINE = {  # the GPU run's serve engine (workloads.FULL)
+    "max_num_seqs": 512,
+    "max_num_batched_tokens": 8192,
+    "max_model_len": 4096,
+    "token_buckets": [1, 16, 64, 256, 320, 384, 512, 1024, 2048, 4096, 8192],
+    "num_blocks": 20000,
+    "block_size": 16,
+}
+
+
+def gemm_us(T: int) -> float:
+    for bound in sorted(GEMM_US):
+        if T <= bound:
+            return GEMM_US[bound]
+    return GEMM_US[max(GEMM_US)]
+
+
+def step_ms(out, buckets: list[int]) -> float:
+    """The modelled time of one scheduled step (its tokens padded to their bucket)."""
+    T = pick(buckets, out.total_tokens)
+    ms = FIXED_MS + max(WEIGHTS_MS, T * gemm_us(T) / 1e3)
+    for req in out.requests:
+        n = out.num_scheduled_tokens[req.request_id]
+        end = req.num_computed_tokens  # _count_scheduled has added n already
+        if n == 1 and end > req.num_prompt_tokens:
+            ms += end * KV_US / 1e3
+        else:
+            ms += n * (end - n / 2) * PAIR_US / 1e3
+    return ms
+
+
+def simulate(
+    concurrency: int,
+    num_prompts: int,
+    input_len: int,
+    output_len: int,
+    budget: int | None,
+    engine: dict = ENGINE,
+    client_ms: float = 1.0,
+    seed: int = 0,
+) -> dict:
+    """Runs `num_prompts` requests through a closed loop of `concurrency` clients; returns
+    bench serve's summary (output tok/s, TTFT / TPOT / ITL percentiles in ms)."""
+    rng = random.Random(seed)
+    kv = KVCacheManager(engine["num_blocks"], engine["block_size"])
+    sched = Scheduler(
+        kv,
+        engine["max_num_seqs"],
+        engine["max_num_batched_tokens"],
+        engine["max_model_len"],
+        engine["token_buckets"],
+        decode_step_token_budget=budget,
+    )
+    params = SamplingParams(max_tokens=output_len, ignore_eos=True)
+    clock, sent, arrivals = 0.0, 0, []  # arrivals: (time, id) not yet added
+    for _ in range(min(concurrency, num_prompts)):
+        heapq.heappush(arrivals, (0.0, sent))
+        sent += 1
+    token_times: dict[str, list[float]] = {}
+    start: dict[str, float] = {}
+    steps = 0
+    while arrivals or sched.has_work():
+        while arrivals and arrivals[0][0] <= clock:
+            t, i = heapq.heappop(arrivals)
+            rid = f"r{i}"
+            prompt = [rng.randrange(128_000) for _ in range(input_len)]
+            sched.add(Request(rid, prompt, params, seed=i))
+            start[rid], token_times[rid] = t, []
+        if not sched.has_work():
+            clock = arrivals[0][0]
+            continue
+        out = sched.schedule()
+        clock += step_ms(out, engine["token_buckets"]) / 1e3
+        steps += 1
+        sampled = {rid: [1] for rid in out.sampling}
+        for req in sched.update_from_output(out, sampled):
+            token_times[req.request_id].append(clock)
+            if req.is_finished and sent < num_prompts:
+                heapq.heappush(arrivals, (clock + client_ms / 1e3, sent))
+                sent += 1
+    ttft = [1e3 * (token_times[r][0] - start[r]) for r in start]
+    tpot = [1e3 * (ts[-1] - ts[0]) / (len(ts) - 1) for ts in token_times.values() if len(ts) > 1]
+    itl = np.concatenate([np.diff(ts) * 1e3 for ts in token_times.values()])
+    first = min(start.values())
+    last = max(ts[-1] for ts in token_times.values())
+
+    def pct(xs, q):
+        return round(float(np.percentile(xs, q)), 2)
+
+    return {
+        "concurrency": concurrency,
+        "budget": budget,
+        "steps": steps,
+        "output_tok_s": round(num_prompts * output_len / (last - first), 1),
+        "ttft_p50": pct(ttft, 50),
+        "ttft_p99": pct(ttft, 99),
+        "tpot_p50": pct(tpot, 50),
+        "tpot_p99": pct(tpot, 99),
+        "itl_p50": pct(itl, 50),
+        "itl_p99": pct(itl, 99),
+    }
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--concurrency", default="16,64")
+    ap.add_argument("--budgets", default="2048,4096,none", help="decode_step_token_budget values")
+    ap.add_argument("--prompts-per-concurrency", type=int, default=4)
+    ap.add_argument("--input-len", type=int, default=1024)
+    ap.add_argument("--output-len", type=int, default=128)
+    a = ap.parse_args(argv)
+    for c in (int(x) for x in a.concurrency.split(",")):
+        for b in a.budgets.split(","):
+            budget = None if b == "none" else int(b)
+            r = simulate(c, c * a.prompts_per_concurrency, a.input_len, a.output_len, budget)
+            print(json.dumps(r))
+
+
+if __name__ == "__main__":
+    main()
