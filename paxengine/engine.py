@@ -212,7 +212,7 @@ class EngineCore:
                 self.drafter.num_executables,
                 self.drafter.compiles,
             )
-        engine_setup.log_ready(self.load_seconds, self.runner, store)
+        engine_setup.log_ready(self.load_seconds, self.runner, store, num_blocks)
         self.grammars = GrammarCompiler(
             self.tokenizer, loaded.config.vocab_size, self.eos_token_ids
         )

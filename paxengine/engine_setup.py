@@ -148,12 +148,13 @@ def log_weights(params, prequantized, on_gpu: bool) -> None:
     )
 
 
-def log_ready(load_seconds: float, runner, store) -> None:
+def log_ready(load_seconds: float, runner, store, num_kv_blocks: int) -> None:
     n_exe = len(runner.compiled) + len(runner.chained) + len(runner.samplers)
     log.info(
-        "model loaded in %.1f s; %d step executables in %.1f s: %d from the store, the rest "
-        "traced in %.1f s and compiled%s",
+        "model loaded in %.1f s; KV cache of %d blocks; %d step executables in %.1f s: %d from "
+        "the store, the rest traced in %.1f s and compiled%s",
         load_seconds,
+        num_kv_blocks,
         n_exe,
         runner.compile_seconds,
         store.hits if store is not None else 0,

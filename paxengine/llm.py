@@ -8,7 +8,6 @@ from tqdm import tqdm
 
 from paxengine.config import EngineConfig
 from paxengine.engine import EngineCore
-from paxengine.gc_freeze import frozen_heap
 from paxengine.outputs import RequestOutput
 from paxengine.sampling_params import SamplingParams
 
@@ -49,8 +48,7 @@ class LLM:
                 self.engine.abort(rid)
             raise
         done: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(ids), desc="generating", disable=not use_tqdm, unit="req")
-        with bar, frozen_heap():  # no full-heap GC pass stalls a step (gc_freeze.py)
+        with tqdm(total=len(ids), desc="generating", disable=not use_tqdm, unit="req") as bar:
             while len(done) < len(ids):
                 for out in self.engine.step():
                     if out.finished:

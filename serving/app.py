@@ -16,7 +16,6 @@ from fastapi.responses import Response
 
 from paxengine.client import EngineClient
 from paxengine.errors import EngineError
-from paxengine.gc_freeze import frozen_heap
 from serving.config import ServerConfig
 from serving.errors import ApiError, bad_request, install_error_handlers, parse_body
 from serving.generation import ServerState
@@ -62,8 +61,7 @@ def build_app(
         if manage_engine:
             await engine.start()
         try:
-            with frozen_heap(collect=True):  # no full-heap GC pass stalls a served step
-                yield
+            yield
         finally:
             if manage_engine:
                 await engine.shutdown()

@@ -29,6 +29,16 @@ from benchmarks.profile import step_trace
 from benchmarks.record import environment
 from paxengine.step_trace import ENV as STEP_TRACE_ENV
 
+DEEP_BOOT = """
+import paxengine.scheduler as sched
+_schedule = sched.Scheduler.schedule
+def _deep(self):
+    backlog = sum(r.num_tokens - r.num_computed_tokens for r in self.waiting) + sum(
+        max(r.num_prompt_tokens - r.num_computed_tokens, 0) for r in self.running)
+    self.decode_step_token_budget = 2048 if backlog >= 16000 else 512
+    return _schedule(self)
+sched.Scheduler.schedule = _deep
+"""
 # name -> (the step budget while requests decode, as a multiple of the spec's serve setting
 # (2,048 tokens in FULL; None: no budget), Python run in the server's process before it starts
 # (None: nothing), more serve flags ("" for a bare switch))
@@ -40,8 +50,8 @@ VARIANTS = {
     "nobudget": (None, None, {}),
     # the interpreter's GIL switch interval 0.5 ms (Python's default: 5 ms)
     "switch": (1, "import sys; sys.setswitchinterval(5e-4)", {}),
-    # the heap left in the cyclic GC's full passes (paxengine/gc_freeze.py made a no-op)
-    "nofreeze": (1, "import gc; gc.freeze = gc.unfreeze = lambda: None", {}),
+    # a probe of a policy: the quarter budget, 2,048 while the queue holds 16k prompt tokens
+    "deep": (0.25, DEEP_BOOT, {}),
     "dispatch": (1, None, {"dispatch_thread": ""}),
     # ready once the first buckets are built, the rest compiling behind (its log says when)
     "background": (1, None, {"background_compile": "", "log_level": "info"}),
@@ -49,7 +59,8 @@ VARIANTS = {
 
 
 def variant_flags(spec: dict, name: str) -> tuple[dict, str | None]:
-    factor, boot, more = VARIANTS[name]
+    """name: a key of VARIANTS, or one with a suffix "#N" (a repeat of it)."""
+    factor, boot, more = VARIANTS[name.split("#")[0]]
     flags = dict(spec["serve"].get("pax_engine", {}))
     budget = flags.pop("decode_step_token_budget", None)
     if factor is not None and budget is not None:
@@ -64,9 +75,15 @@ def server_cmd(spec: dict, model_dir: Path, flags: dict, boot: str | None) -> li
     cmd += [f"--{k.replace('_', '-')}" for k, v in flags.items() if v == ""]  # bare switches
     if boot is not None:  # the same server, with `boot` run first
         i = cmd.index("-m")
-        code = f"{boot}; import sys; from serving.cli import main; sys.exit(main(sys.argv[1:]))"
+        code = f"{boot}\nimport sys\nfrom serving.cli import main\nsys.exit(main(sys.argv[1:]))"
         cmd = cmd[:i] + ["-c", code] + cmd[i + 2 :]
     return cmd
+
+
+def _store_files() -> dict:
+    """The executable store the servers share (the default cache folder): files and bytes."""
+    files = list((Path.home() / ".cache/paxengine/jax/executables").glob("*.exe"))
+    return {"files": len(files), "bytes": sum(f.stat().st_size for f in files)}
 
 
 def run_offline(spec: dict, trace: Path) -> dict:
@@ -109,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", default="16,64")
     p.add_argument("--offline", action="store_true")
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--log-level", default=None, help="the servers' log level (info: store hits)")
     p.add_argument("--fp8", action="store_true", help="FP8 weights and KV (the spec's fp8 keys)")
     args = p.parse_args(argv)
     out = Path(args.out)
@@ -124,6 +142,9 @@ def main(argv: list[str] | None = None) -> int:
         flags, boot = variant_flags(base, name)
         if args.fp8:
             flags = {**flags, **base["fp8"]["pax_engine"]}
+        if args.log_level:
+            flags["log_level"] = args.log_level
+        store = _store_files()
         trace = out / f"trace_{name}.jsonl"
         trace.unlink(missing_ok=True)
         env = {**os.environ, STEP_TRACE_ENV: str(trace)}
@@ -136,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
             if trace.exists()
             else None
         )
+        res["store_before"], res["store_after"] = store, _store_files()
         result["variants"][name] = res
         for c, r in res["runs"].items():
             stage.log(
