@@ -63,7 +63,8 @@ def plan_num_blocks(
     stats = dev.memory_stats() if hasattr(dev, "memory_stats") else None
     if dev.platform == "gpu" and stats and "bytes_limit" in stats:
         reserve = int(os.environ.get("PAXENGINE_ACTIVATION_RESERVE", 4 << 30))
-        free = gpu_memory_utilization * stats["bytes_limit"] - stats["bytes_in_use"] - reserve
+        free = gpu_memory_utilization * stats["bytes_limit"] - live_bytes(dev) - reserve
+        free -= free % FREE_QUANTUM
         if free < per_block:
             raise ValueError(
                 f"no device memory left for the KV cache (gpu_memory_utilization="
@@ -71,3 +72,25 @@ def plan_num_blocks(
             )
         return int(free // per_block)
     return max(1, (512 << 20) // per_block)  # CPU default: 512 MiB of KV
+
+
+# The pool's size is in every step executable's key (the KV arrays' shapes): it must come out
+# the same on every start of the same engine, or a restart misses the executable store. The
+# allocator's bytes_in_use did not (H200, one machine, six starts: 37,580 to 38,492 blocks, so
+# two of them compiled 33 forward executables again), so the plan counts the arrays alive
+# (after a collection) and rounds what is left down to whole GiB.
+FREE_QUANTUM = 1 << 30
+
+
+def live_bytes(dev) -> int:
+    """Bytes of the live JAX arrays' shards on `dev`: the weights and what else the engine put
+    there so far (freed and pending buffers, which the allocator still counts, are not)."""
+    import gc
+
+    gc.collect()  # arrays only a dropped reference cycle still held
+    total = 0
+    for x in jax.live_arrays():
+        for shard in x.addressable_shards:
+            if shard.device == dev:
+                total += shard.data.nbytes
+    return total
