@@ -8,7 +8,9 @@ GPU run's serve stage) drives paxengine.scheduler.Scheduler and its KVCacheManag
 time comes from `step_ms`, a model of an 8B bf16 step on the H200 fitted to the step traces of
 benchmarks/results/gpu_2026-12-01_packed/ (decode step of 63 rows 7.3 ms, 2,048-token mixed
 steps ~26 us a prompt token, 8,192-token steps ~23.5 us). It ranks policies; it does not
-replace measuring them.
+replace measuring them: against the H200 runs of benchmarks/results/gpu_2026-12-02_serve_budget/
+it put budgets of 512 and 1,024 at c=64 where they measured (3,344 / 3,257 tok/s against 3,317 /
+3,164) and over-predicted 2,048 (3,387 against 3,062).
 """
 
 from __future__ import annotations
