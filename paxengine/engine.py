@@ -533,13 +533,7 @@ class EngineCore:
         known tokens, and a verify step's row count per request is only known once read)."""
         if self.inflight.out.drafts or self.scheduler.speculating():
             return True
-        return any(
-            r.grammar is not None
-            or r.params.presence_penalty
-            or r.params.frequency_penalty
-            or r.params.repetition_penalty != 1.0
-            for r in self.scheduler.running
-        )
+        return any(r.grammar is not None or r.params.has_penalties for r in self.scheduler.running)
 
     def _read_inflight(self):
         """The one sync: the in-flight step's samples, handed to the scheduler (which appends

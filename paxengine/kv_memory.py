@@ -3,6 +3,7 @@ arrays themselves (per layer or stacked, split by KV head under tensor paralleli
 
 from __future__ import annotations
 
+import gc
 import os
 
 import jax
@@ -85,8 +86,6 @@ FREE_QUANTUM = 1 << 30
 def live_bytes(dev) -> int:
     """Bytes of the live JAX arrays' shards on `dev`: the weights and what else the engine put
     there so far (freed and pending buffers, which the allocator still counts, are not)."""
-    import gc
-
     gc.collect()  # arrays only a dropped reference cycle still held
     total = 0
     for x in jax.live_arrays():

@@ -136,6 +136,11 @@ def resolve_layer_loop(name: str) -> str:
     return name
 
 
+def _smallest_holding(pairs, n: int) -> tuple[int, int] | None:
+    """The smallest (T, S) bucket with n tokens and n sampled rows (a chained step's shape)."""
+    return min((p for p in pairs if p[0] >= n and p[1] >= n), default=None)
+
+
 class Runner:
     def __init__(
         self,
@@ -435,12 +440,17 @@ class Runner:
         static = (self.cfg, self.backend, self.max_blocks_per_seq, self.max_rows, self.placement)
         if self.aux is not None:  # which layers' states it keeps is in the program, not its shapes
             static += (("aux_layers", self.aux.layers),)
+        key, opts = self._store_key("forward", static, args, T)
+        layout = self.step_layout(T, S)
+        return key, lambda: self._forward.lower(*args, layout=layout), opts
+
+    def _store_key(self, name: str, static: tuple, args, T: int) -> tuple[str | None, dict | None]:
+        """A T-token step's store key (None without a store) and its XLA options, which are
+        part of the key."""
         opts = self._xla_options(T)
         if opts:
             static += (tuple(sorted(opts.items())),)
-        key = self.store.key("forward", static, args) if self.store is not None else None
-        layout = self.step_layout(T, S)
-        return key, lambda: self._forward.lower(*args, layout=layout), opts
+        return (self.store.key(name, static, args) if self.store is not None else None), opts
 
     def _xla_options(self, T: int) -> dict | None:
         """XLA options for the forward of a T-token bucket: FP8 weights' own (quant.xla_options),
@@ -454,7 +464,7 @@ class Runner:
         if self.chain is None:
             return []
         need = [r * (self.chain.k + 1) for r in range(1, self.chain.rows + 1)]
-        fits = [min((p for p in pairs if p[0] >= n and p[1] >= n), default=None) for n in need]
+        fits = [_smallest_holding(pairs, n) for n in need]
         return sorted({p for p in fits if p is not None})
 
     def _chain_layout(self, T: int, S: int) -> PackedLayout:
@@ -466,19 +476,14 @@ class Runner:
         layout = self._chain_layout(T, S)
         args = (params, kv, i32(layout.size), i32(self.max_rows), _abstract(self.prev_drafts))
         static = (self.cfg, self.backend, self.max_blocks_per_seq, self.max_rows, self.chain)
-        opts = self._xla_options(T)
-        if opts:
-            static += (tuple(sorted(opts.items())),)
-        key = self.store.key("chain", static, args) if self.store is not None else None
+        key, opts = self._store_key("chain", static, args, T)
         return key, lambda: self._chain_fwd.lower(*args, layout=layout, T=T, S=S), opts
 
     def chain_bucket(self, num_requests: int) -> tuple[int, int] | None:
         """The compiled chained bucket for that many requests, or None (not chainable now)."""
         if self.chain is None or not 0 < num_requests <= self.chain.rows:
             return None
-        n = num_requests * (self.chain.k + 1)
-        ready = [p for p in self.chained if p[0] >= n and p[1] >= n]
-        return min(ready) if ready else None
+        return _smallest_holding(self.chained, num_requests * (self.chain.k + 1))
 
     def _sampler_job(self, S: int, flags):
         static = self._sampler_key(S, flags)

@@ -343,9 +343,7 @@ def build_sampling_tensors(
             p.frequency_penalty,
             p.repetition_penalty,
         )
-        penalties |= (
-            p.presence_penalty != 0 or p.frequency_penalty != 0 or p.repetition_penalty != 1
-        )
+        penalties |= p.has_penalties
         top |= p.top_k > 0 or p.top_p < 1
         logprobs |= p.logprobs is not None
         seeds[i] = req.seed & 0xFFFFFFFF

@@ -51,6 +51,15 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def has_penalties(self) -> bool:
+        """Whether sampling reads the token history (presence, frequency or repetition)."""
+        return (
+            self.presence_penalty != 0
+            or self.frequency_penalty != 0
+            or self.repetition_penalty != 1
+        )
+
     def validate(self, vocab_size: int) -> None:
         """Raise InvalidRequest (a ValueError) naming the first bad field."""
 

@@ -214,9 +214,7 @@ class Scheduler:
                 req.request_id not in prev.sampling
                 or req.num_pending_tokens != 1
                 or req.grammar is not None
-                or p.presence_penalty
-                or p.frequency_penalty
-                or p.repetition_penalty != 1.0
+                or p.has_penalties
                 or len(req.output_token_ids) < p.min_tokens
                 or req.num_known_tokens + 3 * (K + 1) > self.max_model_len
                 or (
