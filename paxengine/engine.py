@@ -155,6 +155,7 @@ class EngineCore:
             tb,
             self.eos_token_ids,
             decode_step_token_budget=cfg.decode_step_token_budget,
+            backlog_step_token_budget=cfg.backlog_step_token_budget,
             policy=cfg.scheduling_policy,
             spec=self.spec,
             max_sample_rows=max(sb),

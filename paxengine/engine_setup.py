@@ -85,6 +85,12 @@ def check_config(cfg: EngineConfig, on_gpu: bool) -> Checked:
             f"decode_step_token_budget ({budget}) must be in [1, max_num_batched_tokens "
             f"({max_tokens})]"
         )
+    backlog = cfg.backlog_step_token_budget
+    if backlog is not None and (budget is None or not budget <= backlog <= max_tokens):
+        raise ValueError(
+            f"backlog_step_token_budget ({backlog}) needs decode_step_token_budget and must be "
+            f"in [decode_step_token_budget ({budget}), max_num_batched_tokens ({max_tokens})]"
+        )
     check_policy(cfg.scheduling_policy)
     return Checked(dtype, quantization, kv_dtype_name, on_gpu)
 

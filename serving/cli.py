@@ -46,6 +46,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="while requests decode, a step takes at most this many tokens (bounds inter-token "
         "latency under long prefills; default: --max-num-batched-tokens)",
     )
+    e.add_argument(
+        "--backlog-step-token-budget",
+        type=int,
+        help="the cap instead of --decode-step-token-budget while prompts holding twice this "
+        "many tokens wait to prefill (a burst's TTFT tail; default: none)",
+    )
     e.add_argument("--block-size", type=int)
     e.add_argument("--num-kv-blocks", type=int)
     e.add_argument("--gpu-memory-utilization", type=float)

@@ -24,6 +24,11 @@ MISSING = "/nonexistent/model-dir"
             dict(max_num_batched_tokens=64, max_num_seqs=4, decode_step_token_budget=65),
             r"decode_step_token_budget \(65\) must be in \[1, max_num_batched_tokens \(64\)\]",
         ),
+        (dict(backlog_step_token_budget=64), "backlog_step_token_budget .* needs decode_step"),
+        (
+            dict(decode_step_token_budget=32, backlog_step_token_budget=16),
+            r"backlog_step_token_budget \(16\) .* in \[decode_step_token_budget \(32\)",
+        ),
         (dict(scheduling_policy="lottery"), "lottery"),
         (dict(data_parallel_size=2), "runs one replica"),
     ],

@@ -112,6 +112,27 @@ def _decoding(sched, *names_and_lens):
     return reqs
 
 
+def test_a_backlog_of_prompts_gets_the_larger_budget_until_it_is_short():
+    kv = KVCacheManager(1024, 4, enable_prefix_caching=False)
+    sched = Scheduler(
+        kv,
+        max_num_seqs=16,
+        max_num_batched_tokens=64,
+        max_model_len=512,
+        decode_step_token_budget=8,
+        backlog_step_token_budget=32,
+    )
+    _decoding(sched, ("a", 3), ("b", 3))
+    for i in range(3):  # 3 x 30 = 90 prompt tokens waiting >= 2 x 32
+        sched.add(Request(f"w{i}", list(range(1, 31)), SamplingParams(max_tokens=4), seed=0))
+    out = sched.schedule()
+    assert out.total_tokens == 32  # 2 decodes + 30 prompt tokens
+    sched.update_from_output(out, {rid: [7] for rid in out.sampling})
+    out = sched.schedule()  # 60 prompt tokens left, under 2 x 32: the small budget again
+    assert out.total_tokens == 8
+    assert sum(out.num_scheduled_tokens[r] for r in ("a", "b")) == 2
+
+
 def _running(kv, sched, name, prompt_len, computed, outputs=()):
     """A request in the running list with `computed` tokens in the cache."""
     r = Request(name, list(range(1, prompt_len + 1)), SamplingParams(max_tokens=50), seed=0)

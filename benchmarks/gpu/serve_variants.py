@@ -1,7 +1,7 @@
 """Server variants side by side in one lease, each with its engine's step trace: where a served
 step's time goes, and which scheduling or process setting moves the serve rows of issue #18.
 
-    python3 -m benchmarks.gpu.serve_variants --out DIR [--variants base,b2x] \
+    python3 -m benchmarks.gpu.serve_variants --out DIR [--variants base,nobacklog] \
         [--concurrency 16,64] [--offline] [--quick] [--fp8]
 
 Every variant starts `paxengine serve` on the dummy model of the GPU run's spec
@@ -29,45 +29,28 @@ from benchmarks.profile import step_trace
 from benchmarks.record import environment
 from paxengine.step_trace import ENV as STEP_TRACE_ENV
 
-DEEP_BOOT = """
-import paxengine.scheduler as sched
-_schedule = sched.Scheduler.schedule
-def _deep(self):
-    backlog = sum(r.num_tokens - r.num_computed_tokens for r in self.waiting) + sum(
-        max(r.num_prompt_tokens - r.num_computed_tokens, 0) for r in self.running)
-    self.decode_step_token_budget = 2048 if backlog >= 16000 else 512
-    return _schedule(self)
-sched.Scheduler.schedule = _deep
-"""
-# name -> (the step budget while requests decode, as a multiple of the spec's serve setting
-# (2,048 tokens in FULL; None: no budget), Python run in the server's process before it starts
-# (None: nothing), more serve flags ("" for a bare switch))
+# name -> (engine flags over the spec's serve flags (None: the flag dropped; "" a bare switch),
+# Python run in the server's process before it starts (None: nothing))
 VARIANTS = {
-    "base": (1, None, {}),
-    "quarter": (0.25, None, {}),
-    "half": (0.5, None, {}),
-    "b2x": (2, None, {}),
-    "nobudget": (None, None, {}),
+    "base": ({}, None),  # the spec's serve flags: budget 512, 4,096 while a backlog waits
+    "nobacklog": ({"backlog_step_token_budget": None}, None),  # 512 always
+    "b2048": ({"decode_step_token_budget": 2048, "backlog_step_token_budget": None}, None),
+    "b1024": ({"decode_step_token_budget": 1024, "backlog_step_token_budget": None}, None),
+    "backlog2048": ({"backlog_step_token_budget": 2048}, None),
+    "nobudget": ({"decode_step_token_budget": None, "backlog_step_token_budget": None}, None),
     # the interpreter's GIL switch interval 0.5 ms (Python's default: 5 ms)
-    "switch": (1, "import sys; sys.setswitchinterval(5e-4)", {}),
-    # a probe of a policy: the quarter budget, 2,048 while the queue holds 16k prompt tokens
-    "deep": (0.25, DEEP_BOOT, {}),
-    "dispatch": (1, None, {"dispatch_thread": ""}),
+    "switch": ({}, "import sys; sys.setswitchinterval(5e-4)"),
+    "dispatch": ({"dispatch_thread": ""}, None),
     # ready once the first buckets are built, the rest compiling behind (its log says when)
-    "background": (1, None, {"background_compile": "", "log_level": "info"}),
+    "background": ({"background_compile": "", "log_level": "info"}, None),
 }
 
 
 def variant_flags(spec: dict, name: str) -> tuple[dict, str | None]:
     """name: a key of VARIANTS, or one with a suffix "#N" (a repeat of it)."""
-    factor, boot, more = VARIANTS[name.split("#")[0]]
-    flags = dict(spec["serve"].get("pax_engine", {}))
-    budget = flags.pop("decode_step_token_budget", None)
-    if factor is not None and budget is not None:
-        flags["decode_step_token_budget"] = int(
-            min(budget * factor, spec["engine"]["max_num_batched_tokens"])
-        )
-    return {**flags, **more}, boot
+    more, boot = VARIANTS[name.split("#")[0]]
+    flags = {**spec["serve"].get("pax_engine", {}), **more}
+    return {k: v for k, v in flags.items() if v is not None}, boot
 
 
 def server_cmd(spec: dict, model_dir: Path, flags: dict, boot: str | None) -> list[str]:
@@ -122,7 +105,7 @@ def run_offline(spec: dict, trace: Path) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
-    p.add_argument("--variants", default="base,b2x,nobudget,switch")
+    p.add_argument("--variants", default="base,nobacklog,b2048")
     p.add_argument("--concurrency", default="16,64")
     p.add_argument("--offline", action="store_true")
     p.add_argument("--quick", action="store_true")

@@ -18,9 +18,11 @@ FULL = {
         "concurrency": [1, 16, 64],
         "num_prompts": 32,
         "per_concurrency": 4,
-        # paxengine's server only: a long prefill moves on in 2,048-token steps while requests
-        # decode (~50 ms of an 8B step on the H200), so it stalls their next token that long
-        "pax_engine": {"decode_step_token_budget": 2048},
+        # paxengine's server only: while requests decode, a step takes 512 tokens (a prompt
+        # chunk beside ~60 decode rows, one weight read for both: +8% output at c=64 over 2,048,
+        # benchmarks/results/gpu_2026-12-02_serve_budget/), and 4,096 (~95 ms of an 8B step on
+        # the H200) while 8,192+ prompt tokens wait: a burst's prefill in large steps
+        "pax_engine": {"decode_step_token_budget": 512, "backlog_step_token_budget": 4096},
     },
     # realistic arrivals (issue #18): Poisson rates, random lengths around the means; each run
     # sends about `seconds` worth of requests, at least `min_prompts`
@@ -31,7 +33,7 @@ FULL = {
         "rates": [4, 8, 16],
         "seconds": 30,
         "min_prompts": 32,
-        "pax_engine": {"decode_step_token_budget": 2048},
+        "pax_engine": {"decode_step_token_budget": 512, "backlog_step_token_budget": 4096},
     },
     "engine": {
         "max_num_seqs": 512,
@@ -90,7 +92,7 @@ QUICK = {
         "concurrency": [1, 4],
         "num_prompts": 8,
         "per_concurrency": 0,
-        "pax_engine": {"decode_step_token_budget": 64},
+        "pax_engine": {"decode_step_token_budget": 64, "backlog_step_token_budget": 128},
     },
     "poisson": {
         "input_len": 16,
@@ -99,7 +101,7 @@ QUICK = {
         "rates": [20, 80],
         "seconds": 0.2,
         "min_prompts": 8,
-        "pax_engine": {"decode_step_token_budget": 64},
+        "pax_engine": {"decode_step_token_budget": 64, "backlog_step_token_budget": 128},
     },
     "engine": {
         "max_num_seqs": 8,

@@ -74,9 +74,16 @@ def simulate(
     engine: dict = ENGINE,
     client_ms: float = 1.0,
     seed: int = 0,
+    lag_steps: int = 2,
+    backlog_budget: int | None = None,
 ) -> dict:
     """Runs `num_prompts` requests through a closed loop of `concurrency` clients; returns
-    bench serve's summary (output tok/s, TTFT / TPOT / ITL percentiles in ms)."""
+    bench serve's summary (output tok/s, TTFT / TPOT / ITL percentiles in ms).
+
+    lag_steps: the steps that start between a request's last step and its client's next
+    request reaching the scheduler. The engine reads step N after dispatching N+1, and N+2 is
+    scheduled as N is read, before the client (answered from N's outputs) sends again: the
+    replacement first runs in N+3, so 2 steps start in between (0: the next step)."""
     rng = random.Random(seed)
     kv = KVCacheManager(engine["num_blocks"], engine["block_size"])
     sched = Scheduler(
@@ -86,16 +93,21 @@ def simulate(
         engine["max_model_len"],
         engine["token_buckets"],
         decode_step_token_budget=budget,
+        backlog_step_token_budget=backlog_budget,
     )
     params = SamplingParams(max_tokens=output_len, ignore_eos=True)
     clock, sent, arrivals = 0.0, 0, []  # arrivals: (time, id) not yet added
+    lagging: list[tuple[int, int]] = []  # (the step it may join, id): sent, not yet seen
     for _ in range(min(concurrency, num_prompts)):
         heapq.heappush(arrivals, (0.0, sent))
         sent += 1
     token_times: dict[str, list[float]] = {}
     start: dict[str, float] = {}
     steps = 0
-    while arrivals or sched.has_work():
+    while arrivals or lagging or sched.has_work():
+        for k, i in [x for x in lagging if x[0] <= steps]:
+            heapq.heappush(arrivals, (clock, i))
+            lagging.remove((k, i))
         while arrivals and arrivals[0][0] <= clock:
             t, i = heapq.heappop(arrivals)
             rid = f"r{i}"
@@ -103,7 +115,10 @@ def simulate(
             sched.add(Request(rid, prompt, params, seed=i))
             start[rid], token_times[rid] = t, []
         if not sched.has_work():
-            clock = arrivals[0][0]
+            if arrivals:
+                clock = arrivals[0][0]
+            else:  # the engine idles: what its clients send joins the next step
+                lagging = [(steps, i) for _, i in lagging]
             continue
         out = sched.schedule()
         clock += step_ms(out, engine["token_buckets"]) / 1e3
@@ -112,7 +127,10 @@ def simulate(
         for req in sched.update_from_output(out, sampled):
             token_times[req.request_id].append(clock)
             if req.is_finished and sent < num_prompts:
-                heapq.heappush(arrivals, (clock + client_ms / 1e3, sent))
+                if lag_steps:
+                    lagging.append((steps + lag_steps, sent))
+                else:
+                    heapq.heappush(arrivals, (clock + client_ms / 1e3, sent))
                 sent += 1
     ttft = [1e3 * (token_times[r][0] - start[r]) for r in start]
     tpot = [1e3 * (ts[-1] - ts[0]) / (len(ts) - 1) for ts in token_times.values() if len(ts) > 1]
@@ -126,6 +144,7 @@ def simulate(
     return {
         "concurrency": concurrency,
         "budget": budget,
+        "backlog_budget": backlog_budget,
         "steps": steps,
         "output_tok_s": round(num_prompts * output_len / (last - first), 1),
         "ttft_p50": pct(ttft, 50),
@@ -141,15 +160,22 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--concurrency", default="16,64")
     ap.add_argument("--budgets", default="2048,4096,none", help="decode_step_token_budget values")
+    ap.add_argument(
+        "--backlog-budgets", default="none", help="backlog_step_token_budget values, each run"
+    )
     ap.add_argument("--prompts-per-concurrency", type=int, default=4)
     ap.add_argument("--input-len", type=int, default=1024)
     ap.add_argument("--output-len", type=int, default=128)
     a = ap.parse_args(argv)
     for c in (int(x) for x in a.concurrency.split(",")):
         for b in a.budgets.split(","):
-            budget = None if b == "none" else int(b)
-            r = simulate(c, c * a.prompts_per_concurrency, a.input_len, a.output_len, budget)
-            print(json.dumps(r))
+            for k in a.backlog_budgets.split(","):
+                budget, backlog = (None if x == "none" else int(x) for x in (b, k))
+                if backlog is not None and (budget is None or backlog < budget):
+                    continue  # the engine refuses it
+                n = c * a.prompts_per_concurrency
+                r = simulate(c, n, a.input_len, a.output_len, budget, backlog_budget=backlog)
+                print(json.dumps(r))
 
 
 if __name__ == "__main__":
