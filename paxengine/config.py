@@ -56,6 +56,9 @@ class EngineConfig:
     # a background thread while serving: a cold start is ready sooner, and until a bucket is
     # built its steps run in the smallest built one that holds them (padded, slower)
     background_compile: bool = False
+    # run every compiled step once before serving (None: on a GPU, where an executable's first
+    # run loads its kernels, 30-165 ms for an 8B bucket; on the CPU that first run costs little)
+    prime_steps: bool | None = None
     # structured output (JSON schemas, regexes, grammars, forced tool calls): compiles 3 more
     # samplers per sequence bucket at start-up (~0.7 s each on a CPU); off, constrained requests
     # are refused with a 400

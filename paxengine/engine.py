@@ -214,6 +214,13 @@ class EngineCore:
                 self.drafter.compiles,
             )
         engine_setup.log_ready(self.load_seconds, self.runner, store, num_blocks)
+        # run each step executable once before serving (Runner.prime); ones the background
+        # builds later run between requests (prime_idle)
+        self.primes = (
+            cfg.prime_steps if cfg.prime_steps is not None else jax.default_backend() == "gpu"
+        )
+        if self.primes:
+            log.info("ran each step executable once in %.1f s", self.runner.prime()[1])
         self.grammars = GrammarCompiler(
             self.tokenizer, loaded.config.vocab_size, self.eos_token_ids
         )
@@ -361,6 +368,23 @@ class EngineCore:
 
     def has_unfinished(self) -> bool:
         return bool(self.groups) or self.inflight is not None
+
+    def prime_idle(self, limit: int = 4) -> bool:
+        """With nothing to run: up to `limit` of the step executables the background built
+        since start-up run once (Runner.prime), a few at a time so that a request arriving
+        meanwhile waits for no more than those. True while some are left."""
+        if not self.primes or self.has_unfinished() or not self.runner.unprimed():
+            return False
+        try:
+            n, seconds = self.runner.prime(limit)
+        except Exception:  # the steps will meet it themselves; the server stays up meanwhile
+            log.exception("running a background-built step executable once failed")
+            self.primes = False
+            self.runner.reset_device_state()  # the forward may have taken the KV cache with it
+            self.kv.reset_prefix_cache()  # and every cached block's KV with it
+            return False
+        log.debug("ran %d more step executables once in %.2f s", n, seconds)
+        return self.runner.unprimed()
 
     # -- one step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

@@ -39,6 +39,7 @@ from paxengine.sampling import (
     NUM_TOP_LOGPROBS,
     SamplingTensors,
     abstract_sampling_tensors,
+    build_sampling_tensors,
     pack_samples,
     sample,
     unpack_samples,
@@ -214,6 +215,8 @@ class Runner:
         self.store = store
         self.sampler_flags = list(sampler_flags)  # the variants compiled (sampling.choose_flags)
         self.background: threading.Thread | None = None  # see _compile_all
+        self.primed_runs = 0  # steps `prime` ran
+        self._primed: set[tuple] = set()  # the (T, S) forwards and (S, flags) samplers it ran
         self._compile_all(show_progress, background_compile)
         for S in seq_buckets:  # made now: an array made while serving is a compile of its own
             self._no_shift(S)
@@ -420,6 +423,52 @@ class Runner:
             len(jobs),
             time.perf_counter() - t,
         )
+
+    def _priming_runs(self) -> list[tuple[int, int, tuple]]:
+        """(T, S, sampler flags) runs that reach every compiled forward and sampler not run yet:
+        each forward with its S's plainest built sampler, each other sampler after its S's
+        smallest forward. Sorted: every process of a mesh runs them in the same order."""
+        built, smp = sorted(list(self.compiled)), sorted(list(self.samplers))  # snapshots: the
+        forwards = [k for k in built if k not in self._primed]  # background may add meanwhile
+        samplers = [k for k in smp if k not in self._primed]
+        runs, used = [], set()
+        for T, S in forwards:
+            flags = min((f for s, f in smp if s == S), key=sum, default=None)
+            if flags is not None:
+                runs.append((T, S, flags))
+                used.add((S, flags))
+        for S, flags in samplers:
+            T = next((t for t, s in built if s == S), None)
+            if T is not None and (S, flags) not in used:
+                runs.append((T, S, flags))
+        return runs
+
+    def unprimed(self) -> bool:
+        """Whether a compiled step or sampler has not run yet (the background built it)."""
+        return any(k not in self._primed for k in list(self.compiled) + list(self.samplers))
+
+    def prime(self, limit: int | None = None) -> tuple[int, float]:
+        """Runs each compiled forward and sampler variant not run yet once, on an all-padding
+        batch (every slot -1: nothing is written to the KV cache; nobody reads the samples),
+        then clears the previous step's samples; at most `limit` runs. Returns (runs, seconds).
+        Why: a GPU executable's first run loads its kernels and sets up its launches, 30-165 ms
+        for an 8B bucket on the H200 (benchmarks/results/gpu_2026-12-03_bf16_lease/), and the
+        first requests after a start paid that in their TTFT. Not while a step is in flight:
+        the forward donates the KV cache."""
+        t = time.perf_counter()
+        runs = self._priming_runs()[:limit]
+        result = None
+        for T, S, flags in runs:
+            st = build_sampling_tensors(
+                [], S, self.history_len, [], vocab_size=self.cfg.vocab_size, available=[flags]
+            )
+            result = self.execute(StepArrays.padding(T, S, self.max_blocks_per_seq, 0), st)
+            self._primed.update({(T, S), (S, flags)})
+        if result is not None:
+            jax.block_until_ready(result[0])
+        self.prev_tokens = jnp.zeros_like(self.prev_tokens)
+        self.primed_runs += len(runs)
+        return len(runs), time.perf_counter() - t
 
     def wait_background(self, timeout: float | None = None) -> bool:
         """Until the background's buckets are built (True), or timeout seconds (False)."""

@@ -25,6 +25,9 @@ from paxengine.request import Request, Status
 from paxengine.spec_decode import SpeculativeConfig, propose_ngram
 from paxengine.spec_decode.metrics import SpecDecodeStats
 
+# backlog_step_token_budget takes over once the prompt tokens to prefill reach this many times it
+BACKLOG_TRIGGER = 2
+
 log = logging.getLogger("paxengine")
 
 POLICIES = ("fcfs", "priority")
@@ -198,11 +201,12 @@ class Scheduler:
         if big is None:
             return self.decode_step_token_budget
         backlog = sum(r.num_prompt_tokens - r.num_computed_tokens for r in prefilling)
+        trigger = BACKLOG_TRIGGER * big
         for req in self.waiting:  # stops early: the queue may hold thousands
-            if backlog >= 2 * big:
+            if backlog >= trigger:
                 break
             backlog += req.num_tokens - req.num_computed_tokens
-        return big if backlog >= 2 * big else self.decode_step_token_budget
+        return big if backlog >= trigger else self.decode_step_token_budget
 
     def speculating(self) -> bool:
         """Whether the next step proposes drafts: speculation is on and few enough run (above

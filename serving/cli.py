@@ -64,6 +64,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _bool_pair(
         e,
+        "prime-steps",
+        "run every compiled step once before serving (default: on a GPU, where a step's first "
+        "run loads its kernels)",
+    )
+    _bool_pair(
+        e,
         "structured-outputs",
         "JSON schemas, regexes, grammars and forced tool calls (3 more samplers per sequence "
         "bucket to compile at start-up)",

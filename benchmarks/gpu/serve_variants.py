@@ -43,6 +43,10 @@ VARIANTS = {
     "dispatch": ({"dispatch_thread": ""}, None),
     # ready once the first buckets are built, the rest compiling behind (its log says when)
     "background": ({"background_compile": "", "log_level": "info"}, None),
+    # a 128-row sequence bucket: 64 decodes beside a prompt or two run in 128 rows, not 256
+    "seq128": ({"seq_buckets": "8,64,128,256,512"}, None),
+    # probe: the backlog budget once the prompt tokens waiting reach 1x it (the engine: 2x)
+    "thr1": ({}, "import paxengine.scheduler as s; s.BACKLOG_TRIGGER = 1"),
 }
 
 
@@ -107,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--variants", default="base,nobacklog,b2048")
     p.add_argument("--concurrency", default="16,64")
+    p.add_argument("--workload", default="serve", choices=["serve", "poisson"])
     p.add_argument("--offline", action="store_true")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--log-level", default=None, help="the servers' log level (info: store hits)")
@@ -116,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     base = copy.deepcopy(QUICK if args.quick else FULL)
     base["serve"]["concurrency"] = [int(c) for c in args.concurrency.split(",")]
+    if args.workload == "poisson":
+        base["serve"]["pax_engine"] = base["poisson"]["pax_engine"]
     from benchmarks.gpu.dummy_model import write_dummy_model_dir
 
     model_dir = write_dummy_model_dir(base["preset"], out / "dummy_model")
@@ -133,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         env = {**os.environ, STEP_TRACE_ENV: str(trace)}
         cmd = server_cmd(base, model_dir, flags, boot)
         stage.begin(out / f"partial_{name}.json", None)
-        res = serve_stage(base, out / f"stage_{name}.json", cmd, name, env)
+        res = serve_stage(base, out / f"stage_{name}.json", cmd, name, env, args.workload)
         # one summary per benchmark run (the trace cut where the server sat idle between them)
         res["trace"] = (
             [step_trace.summarise(seg) for seg in step_trace.segments(step_trace.load(str(trace)))]

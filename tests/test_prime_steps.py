@@ -1,0 +1,143 @@
+"""Priming (EngineConfig.prime_steps, Runner.prime): before serving, every compiled forward and
+every sampler variant runs once on an all-padding batch, and those the background builds later
+run while the server idles. It must run each of them, write nothing to the KV cache, leave no
+previous-step samples behind, and change no output."""
+
+import asyncio
+import threading
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from paxengine import LLM, AsyncEngine, SamplingParams
+from paxengine.runner import Runner
+
+ENGINE = dict(
+    model="dummy:tiny",
+    max_model_len=128,
+    max_num_seqs=8,
+    max_num_batched_tokens=64,
+    token_buckets=[16, 32, 64],
+    seq_buckets=[2, 8],
+    num_kv_blocks=64,
+    store_executables=False,
+    show_progress=False,
+)
+PROMPTS = [list(range(5, 5 + n)) for n in (3, 9, 17, 40, 6, 25)]
+PARAMS = [
+    SamplingParams(max_tokens=10, ignore_eos=True, temperature=0),
+    SamplingParams(max_tokens=10, ignore_eos=True, temperature=0.8, top_p=0.9, seed=5),
+    SamplingParams(max_tokens=10, ignore_eos=True, temperature=0, presence_penalty=0.5),
+]
+
+
+def _run(llm):
+    outs = []
+    for params in PARAMS:
+        outs += [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    return outs
+
+
+@pytest.fixture(scope="module")
+def unprimed():
+    return LLM(**ENGINE, prime_steps=False)
+
+
+def test_runs_every_executable_once_and_writes_no_kv(unprimed):
+    r = unprimed.engine.runner
+    calls = {}
+
+    def counted(name, fn):
+        def run(*args):
+            calls[name] = calls.get(name, 0) + 1
+            return fn(*args)
+
+        return run
+
+    saved = dict(r.compiled), dict(r.samplers)
+    r.compiled = {k: counted(("fwd", *k), f) for k, f in r.compiled.items()}
+    r.samplers = {k: counted(("smp", *k), f) for k, f in r.samplers.items()}
+    r.prev_tokens = r.prev_tokens + 7  # a previous step's samples: priming must clear them
+    before = [np.asarray(x) for x in jax.tree_util.tree_leaves(r.kv_cache)]
+    r._primed.clear()
+    try:
+        runs, _ = r.prime()
+    finally:
+        r.compiled, r.samplers = saved
+    forwards = {k for k in calls if k[0] == "fwd"}
+    samplers = {k for k in calls if k[0] == "smp"}
+    assert forwards == {("fwd", *k) for k in r.compiled}
+    assert samplers == {("smp", *k) for k in r.samplers}
+    assert len(r.samplers) > len(r.seq_buckets)  # several flag variants per sequence bucket
+    # each run is one forward and one sampler: every forward with the plainest sampler, the
+    # other sampler variants after their sequence bucket's smallest forward
+    runs = len(r.compiled) + len(r.samplers) - len(r.seq_buckets)
+    assert (
+        r.primed_runs == runs == sum(calls[k] for k in forwards) == sum(calls[k] for k in samplers)
+    )
+    after = [np.asarray(x) for x in jax.tree_util.tree_leaves(r.kv_cache)]
+    assert all(np.array_equal(a, b) for a, b in zip(before, after))
+    assert not np.asarray(r.prev_tokens).any()
+
+
+def test_primed_engine_gives_the_same_tokens(unprimed):
+    primed = LLM(**ENGINE, prime_steps=True)
+    assert primed.engine.runner.primed_runs > 0
+    assert _run(primed) == _run(unprimed)
+
+
+def test_default_is_on_only_on_a_gpu(unprimed):
+    from paxengine.config import EngineConfig
+
+    assert EngineConfig().prime_steps is None
+    auto = LLM(**ENGINE)  # this machine has no GPU: nothing is primed
+    assert auto.engine.runner.primed_runs == 0
+
+
+@pytest.mark.parametrize("flag,value", [("--prime-steps", True), ("--no-prime-steps", False)])
+def test_serve_flag(flag, value):
+    from serving.cli import parse
+
+    ecfg, _ = parse(["--model", "dummy:tiny", flag])
+    assert ecfg.prime_steps is value
+
+
+def test_background_built_steps_run_while_the_server_idles(monkeypatch):
+    gate = threading.Event()
+    build_later = Runner._build_later
+
+    def held(self, jobs):  # the background waits until the test lets it go
+        gate.wait(120)
+        build_later(self, jobs)
+
+    monkeypatch.setattr(Runner, "_build_later", held)
+    engine = AsyncEngine(**ENGINE, prime_steps=True, background_compile=True)
+    core, r = engine.core, engine.core.runner
+    assert not r.unprimed() and 0 < r.primed_runs  # the first buckets ran before serving
+    gate.set()
+    assert r.wait_background(300) and r.unprimed()
+    core.groups["busy"] = None  # a request in the engine: nothing is primed now
+    try:
+        assert core.prime_idle() is False and r.unprimed()
+    finally:
+        del core.groups["busy"]
+
+    async def main():
+        await engine.start()
+        for _ in range(600):  # the idle loop runs them, a few at a time
+            if not r.unprimed():
+                break
+            await asyncio.sleep(0.05)
+        params = SamplingParams(max_tokens=6, ignore_eos=True, temperature=0)
+        outs = [o async for o in engine.generate("after", PROMPTS[3], params)]
+        await engine.shutdown()
+        return outs[-1].outputs[0].token_ids
+
+    started = time.monotonic()
+    tokens = asyncio.run(main())
+    assert not r.unprimed(), f"still unprimed after {time.monotonic() - started:.1f} s"
+    ref = LLM(**ENGINE, prime_steps=False)
+    params = SamplingParams(max_tokens=6, ignore_eos=True, temperature=0)
+    assert tokens == ref.generate([PROMPTS[3]], params, use_tqdm=False)[0].outputs[0].token_ids
