@@ -146,7 +146,8 @@ def _prompts(state: ServerState, req: CompletionRequest) -> list[tuple[str, list
             out.append((item, ids))
         else:
             state.check_tokens(item)
-            out.append((tok.decode(list(item)), list(item)))
+            # the text only echo shows: decoding a long prompt is host time a burst queues behind
+            out.append((tok.decode(list(item)) if req.echo else "", list(item)))
     return out
 
 

@@ -376,3 +376,18 @@ def test_no_cors_headers_by_default(fake):
         "/v1/completions", headers={**origin, "Access-Control-Request-Method": "POST"}
     )
     assert "access-control-allow-origin" not in pre.headers
+
+
+def test_token_prompt_is_decoded_only_for_echo(fake, monkeypatch):
+    engine, c = fake
+    decoded = []
+    real = engine.tokenizer.decode
+    monkeypatch.setattr(
+        engine.tokenizer, "decode", lambda ids, **kw: decoded.append(list(ids)) or real(ids, **kw)
+    )
+    for echo in (False, True):
+        decoded.clear()
+        r = c.post("/v1/completions", json={"prompt": [97, 98], "max_tokens": 2, "echo": echo})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"].startswith("ab") is echo
+        assert ([97, 98] in decoded) is echo
