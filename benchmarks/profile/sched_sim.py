@@ -1,10 +1,11 @@
 """The real Scheduler against a step-cost model: how a scheduling policy moves served throughput
 and tail latency, on the CPU, before a GPU lease measures it.
 
-    python -m benchmarks.profile.sched_sim [--concurrency 16,64] [--policies base,none,...]
+    python -m benchmarks.profile.sched_sim [--concurrency 16,64] [--budgets 512,none]
+        [--backlog-budgets none,4096] [--rates 4,8,16 --range-ratio 0.9 --output-len 256]
 
 A closed-loop client (vLLM `bench serve --max-concurrency C`, random 1024/128 prompts, as the
-GPU run's serve stage) drives paxengine.scheduler.Scheduler and its KVCacheManager; each step's
+GPU run's serve stage), or Poisson arrivals (`--rates`, the GPU run's poisson stage), drives paxengine.scheduler.Scheduler and its KVCacheManager; each step's
 time comes from `step_ms`, a model of an 8B bf16 step on the H200 fitted to the step traces of
 benchmarks/results/gpu_2026-12-01_packed/ (decode step of 63 rows 7.3 ms, 2,048-token mixed
 steps ~26 us a prompt token, 8,192-token steps ~23.5 us). It ranks policies; it does not
@@ -22,6 +23,7 @@ import random
 
 import numpy as np
 
+from benchmarks.bench.datasets import random_dataset
 from paxengine.batch import pick
 from paxengine.kv_cache import KVCacheManager
 from paxengine.request import Request
@@ -76,8 +78,12 @@ def simulate(
     seed: int = 0,
     lag_steps: int = 2,
     backlog_budget: int | None = None,
+    rate: float | None = None,
+    range_ratio: float = 0.0,
 ) -> dict:
-    """Runs `num_prompts` requests through a closed loop of `concurrency` clients; returns
+    """Runs `num_prompts` requests through a closed loop of `concurrency` clients, or with
+    `rate` as Poisson arrivals of that many a second (bench serve --request-rate); lengths
+    uniform within `range_ratio` around the means, as bench serve's random dataset. Returns
     bench serve's summary (output tok/s, TTFT / TPOT / ITL percentiles in ms).
 
     lag_steps: the steps that start between a request's last step and its client's next
@@ -85,6 +91,7 @@ def simulate(
     scheduled as N is read, before the client (answered from N's outputs) sends again: the
     replacement first runs in N+3, so 2 steps start in between (0: the next step)."""
     rng = random.Random(seed)
+    reqs = random_dataset(num_prompts, input_len, output_len, range_ratio, 128_000, seed=seed)
     kv = KVCacheManager(engine["num_blocks"], engine["block_size"])
     sched = Scheduler(
         kv,
@@ -95,12 +102,13 @@ def simulate(
         decode_step_token_budget=budget,
         backlog_step_token_budget=backlog_budget,
     )
-    params = SamplingParams(max_tokens=output_len, ignore_eos=True)
     clock, sent, arrivals = 0.0, 0, []  # arrivals: (time, id) not yet added
     lagging: list[tuple[int, int]] = []  # (the step it may join, id): sent, not yet seen
-    for _ in range(min(concurrency, num_prompts)):
-        heapq.heappush(arrivals, (0.0, sent))
+    at = 0.0
+    for _ in range(num_prompts if rate else min(concurrency, num_prompts)):
+        heapq.heappush(arrivals, (at, sent))
         sent += 1
+        at += rng.expovariate(rate) if rate else 0.0
     token_times: dict[str, list[float]] = {}
     start: dict[str, float] = {}
     steps = 0
@@ -111,8 +119,8 @@ def simulate(
         while arrivals and arrivals[0][0] <= clock:
             t, i = heapq.heappop(arrivals)
             rid = f"r{i}"
-            prompt = [rng.randrange(128_000) for _ in range(input_len)]
-            sched.add(Request(rid, prompt, params, seed=i))
+            params = SamplingParams(max_tokens=reqs[i].output_len, ignore_eos=True)
+            sched.add(Request(rid, reqs[i].prompt, params, seed=i))
             start[rid], token_times[rid] = t, []
         if not sched.has_work():
             if arrivals:
@@ -146,7 +154,8 @@ def simulate(
         "budget": budget,
         "backlog_budget": backlog_budget,
         "steps": steps,
-        "output_tok_s": round(num_prompts * output_len / (last - first), 1),
+        "rate": rate,
+        "output_tok_s": round(sum(r.output_len for r in reqs) / (last - first), 1),
         "ttft_p50": pct(ttft, 50),
         "ttft_p99": pct(ttft, 99),
         "tpot_p50": pct(tpot, 50),
@@ -164,17 +173,36 @@ def main(argv=None) -> None:
         "--backlog-budgets", default="none", help="backlog_step_token_budget values, each run"
     )
     ap.add_argument("--prompts-per-concurrency", type=int, default=4)
+    ap.add_argument(
+        "--rates", default=None, help="Poisson arrival rates (req/s) instead of --concurrency"
+    )
+    ap.add_argument("--seconds", type=float, default=30, help="a rate's arrivals (at least 32)")
+    ap.add_argument("--range-ratio", type=float, default=0.0)
     ap.add_argument("--input-len", type=int, default=1024)
     ap.add_argument("--output-len", type=int, default=128)
     a = ap.parse_args(argv)
-    for c in (int(x) for x in a.concurrency.split(",")):
+    loads = (
+        [(None, float(r)) for r in a.rates.split(",")]
+        if a.rates
+        else [(int(c), None) for c in a.concurrency.split(",")]
+    )
+    for c, rate in loads:
+        n = max(32, round(rate * a.seconds)) if rate else c * a.prompts_per_concurrency
         for b in a.budgets.split(","):
             for k in a.backlog_budgets.split(","):
                 budget, backlog = (None if x == "none" else int(x) for x in (b, k))
                 if backlog is not None and (budget is None or backlog < budget):
                     continue  # the engine refuses it
-                n = c * a.prompts_per_concurrency
-                r = simulate(c, n, a.input_len, a.output_len, budget, backlog_budget=backlog)
+                r = simulate(
+                    c or 0,
+                    n,
+                    a.input_len,
+                    a.output_len,
+                    budget,
+                    backlog_budget=backlog,
+                    rate=rate,
+                    range_ratio=a.range_ratio,
+                )
                 print(json.dumps(r))
 
 
