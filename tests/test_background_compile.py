@@ -6,6 +6,7 @@ import threading
 
 import pytest
 
+import paxengine.runner as runner_module
 from paxengine import LLM, SamplingParams
 from paxengine.runner import Runner, compiles_after_warmup, first_buckets
 
@@ -57,6 +58,9 @@ def test_serves_before_the_background_is_done_and_gives_the_same_tokens(monkeypa
         build_later(self, jobs)
 
     monkeypatch.setattr(Runner, "_build_later", held)
+    # samplers are shared by every runner of the process: ones an earlier test built for these
+    # shapes would be there before the background built them
+    monkeypatch.setattr(runner_module, "_SAMPLERS", {})
     llm = LLM(**ENGINE, background_compile=True)
     r = llm.engine.runner
     try:
