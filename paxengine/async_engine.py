@@ -213,7 +213,7 @@ class AsyncEngine:
         try:
             while not self._stop.is_set():
                 block = not self.core.has_unfinished()
-                if block and getattr(self.core, "prime_idle", bool)():  # more to prime: no wait
+                if block and self.core.prime_idle():  # more to prime: look again without waiting
                     block = False
                 try:
                     item = self._inbox.get(block=block, timeout=0.5 if block else None)

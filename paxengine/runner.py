@@ -215,8 +215,7 @@ class Runner:
         self.store = store
         self.sampler_flags = list(sampler_flags)  # the variants compiled (sampling.choose_flags)
         self.background: threading.Thread | None = None  # see _compile_all
-        self.primed_runs = 0  # steps `prime` ran
-        self._primed: set[tuple] = set()  # the (T, S) forwards and (S, flags) samplers it ran
+        self._primed: set[tuple] = set()  # the (T, S) forwards and (S, flags) samplers run once
         self._compile_all(show_progress, background_compile)
         for S in seq_buckets:  # made now: an array made while serving is a compile of its own
             self._no_shift(S)
@@ -428,8 +427,8 @@ class Runner:
         """(T, S, sampler flags) runs that reach every compiled forward and sampler not run yet:
         each forward with its S's plainest built sampler, each other sampler after its S's
         smallest forward. Sorted: every process of a mesh runs them in the same order."""
-        built, smp = sorted(list(self.compiled)), sorted(list(self.samplers))  # snapshots: the
-        forwards = [k for k in built if k not in self._primed]  # background may add meanwhile
+        built, smp = sorted(self.compiled), sorted(self.samplers)  # snapshots: the background
+        forwards = [k for k in built if k not in self._primed]  # may add to both meanwhile
         samplers = [k for k in smp if k not in self._primed]
         runs, used = [], set()
         for T, S in forwards:
@@ -442,6 +441,11 @@ class Runner:
             if T is not None and (S, flags) not in used:
                 runs.append((T, S, flags))
         return runs
+
+    @property
+    def num_primed(self) -> int:
+        """The forwards and samplers `prime` has run."""
+        return len(self._primed)
 
     def unprimed(self) -> bool:
         """Whether a compiled step or sampler has not run yet (the background built it)."""
@@ -467,7 +471,6 @@ class Runner:
         if result is not None:
             jax.block_until_ready(result[0])
         self.prev_tokens = jnp.zeros_like(self.prev_tokens)
-        self.primed_runs += len(runs)
         return len(runs), time.perf_counter() - t
 
     def wait_background(self, timeout: float | None = None) -> bool:

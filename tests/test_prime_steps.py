@@ -10,22 +10,14 @@ import time
 import jax
 import numpy as np
 import pytest
+from test_background_compile import ENGINE as BACKGROUND_ENGINE
+from test_background_compile import PROMPTS
 
 from paxengine import LLM, AsyncEngine, SamplingParams
 from paxengine.runner import Runner
 
-ENGINE = dict(
-    model="dummy:tiny",
-    max_model_len=128,
-    max_num_seqs=8,
-    max_num_batched_tokens=64,
-    token_buckets=[16, 32, 64],
-    seq_buckets=[2, 8],
-    num_kv_blocks=64,
-    store_executables=False,
-    show_progress=False,
-)
-PROMPTS = [list(range(5, 5 + n)) for n in (3, 9, 17, 40, 6, 25)]
+# the background-compile tests' engine, with the grammar samplers (structured outputs) on
+ENGINE = {**BACKGROUND_ENGINE, "structured_outputs": True}
 PARAMS = [
     SamplingParams(max_tokens=10, ignore_eos=True, temperature=0),
     SamplingParams(max_tokens=10, ignore_eos=True, temperature=0.8, top_p=0.9, seed=5),
@@ -63,7 +55,7 @@ def test_runs_every_executable_once_and_writes_no_kv(unprimed):
     before = [np.asarray(x) for x in jax.tree_util.tree_leaves(r.kv_cache)]
     r._primed.clear()
     try:
-        runs, _ = r.prime()
+        ran, _ = r.prime()
     finally:
         r.compiled, r.samplers = saved
     forwards = {k for k in calls if k[0] == "fwd"}
@@ -73,10 +65,10 @@ def test_runs_every_executable_once_and_writes_no_kv(unprimed):
     assert len(r.samplers) > len(r.seq_buckets)  # several flag variants per sequence bucket
     # each run is one forward and one sampler: every forward with the plainest sampler, the
     # other sampler variants after their sequence bucket's smallest forward
-    runs = len(r.compiled) + len(r.samplers) - len(r.seq_buckets)
-    assert (
-        r.primed_runs == runs == sum(calls[k] for k in forwards) == sum(calls[k] for k in samplers)
-    )
+    expected = len(r.compiled) + len(r.samplers) - len(r.seq_buckets)
+    assert ran == expected == sum(calls[k] for k in forwards) == sum(calls[k] for k in samplers)
+    assert r.num_primed == len(r.compiled) + len(r.samplers) and not r.unprimed()
+    assert r.prime()[0] == 0  # all ran already
     after = [np.asarray(x) for x in jax.tree_util.tree_leaves(r.kv_cache)]
     assert all(np.array_equal(a, b) for a, b in zip(before, after))
     assert not np.asarray(r.prev_tokens).any()
@@ -84,7 +76,7 @@ def test_runs_every_executable_once_and_writes_no_kv(unprimed):
 
 def test_primed_engine_gives_the_same_tokens(unprimed):
     primed = LLM(**ENGINE, prime_steps=True)
-    assert primed.engine.runner.primed_runs > 0
+    assert primed.engine.runner.num_primed > 0
     assert _run(primed) == _run(unprimed)
 
 
@@ -93,7 +85,7 @@ def test_default_is_on_only_on_a_gpu(unprimed):
 
     assert EngineConfig().prime_steps is None
     auto = LLM(**ENGINE)  # this machine has no GPU: nothing is primed
-    assert auto.engine.runner.primed_runs == 0
+    assert auto.engine.runner.num_primed == 0
 
 
 @pytest.mark.parametrize("flag,value", [("--prime-steps", True), ("--no-prime-steps", False)])
@@ -115,7 +107,7 @@ def test_background_built_steps_run_while_the_server_idles(monkeypatch):
     monkeypatch.setattr(Runner, "_build_later", held)
     engine = AsyncEngine(**ENGINE, prime_steps=True, background_compile=True)
     core, r = engine.core, engine.core.runner
-    assert not r.unprimed() and 0 < r.primed_runs  # the first buckets ran before serving
+    assert not r.unprimed() and 0 < r.num_primed  # the first buckets ran before serving
     gate.set()
     assert r.wait_background(300) and r.unprimed()
     core.groups["busy"] = None  # a request in the engine: nothing is primed now

@@ -5,8 +5,8 @@ and tail latency, on the CPU, before a GPU lease measures it.
         [--backlog-budgets none,4096] [--rates 4,8,16 --range-ratio 0.9 --output-len 256]
 
 A closed-loop client (vLLM `bench serve --max-concurrency C`, random 1024/128 prompts, as the
-GPU run's serve stage), or Poisson arrivals (`--rates`, the GPU run's poisson stage), drives paxengine.scheduler.Scheduler and its KVCacheManager; each step's
-time comes from `step_ms`, a model of an 8B bf16 step on the H200 fitted to the step traces of
+GPU run's serve stage) or Poisson arrivals (`--rates`, as its poisson stage) drive
+paxengine.scheduler.Scheduler and its KVCacheManager; each step's time comes from `step_ms`, a model of an 8B bf16 step on the H200 fitted to the step traces of
 benchmarks/results/gpu_2026-12-01_packed/ (decode step of 63 rows 7.3 ms, 2,048-token mixed
 steps ~26 us a prompt token, 8,192-token steps ~23.5 us). It ranks policies; it does not
 replace measuring them: against the H200 runs of benchmarks/results/gpu_2026-12-02_serve_budget/
