@@ -37,7 +37,7 @@ from paxengine.spec_decode import parse_speculative_config
 from paxengine.spec_decode.chain import ChainSpec, build_chained
 from paxengine.step_trace import StepTrace
 from paxengine.structured import GrammarCompiler
-from paxengine.validation import validate_request
+from paxengine.validation import check_request, prompt_and_ids
 
 log = logging.getLogger("paxengine")
 
@@ -286,43 +286,13 @@ class EngineCore:
 
     # -- requests -------------------------------------------------------------------------------
     def tokenize_prompt(self, prompt) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
-            prompt = prompt.get("prompt")
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise InvalidRequest(
-                    "this model has no tokenizer: pass prompt_token_ids", param="prompt"
-                )
-            return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, (list, tuple)):
-            return None, list(prompt)
-        raise InvalidRequest(
-            f"a prompt is a string, a list of token ids or "
-            f"{{'prompt_token_ids': [...]}}, got {type(prompt).__name__}",
-            param="prompt",
-        )
+        return prompt_and_ids(self.tokenizer, prompt)
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Also compiles a structured-output constraint (cached by its text): a grammar that does
         not compile is refused here, and the step loop only ever copies compiled ones. Thread
         safe: the server runs it in a worker thread before `generate` validates again."""
-        validate_request(prompt_token_ids, params, self.info.limits)
-        if params.priority != 0 and self.config.scheduling_policy != "priority":
-            raise InvalidRequest(
-                f"priority: {params.priority} asks for priority scheduling, which this engine "
-                "does not run (start it with scheduling_policy 'priority', "
-                "--scheduling-policy priority)",
-                param="priority",
-            )
-        if params.structured_outputs is not None:
-            if not self.config.structured_outputs:
-                raise InvalidRequest(
-                    "structured output is off on this server (structured_outputs: false)",
-                    param="structured_outputs",
-                )
-            self.grammars.compile(params.structured_outputs)
+        check_request(prompt_token_ids, params, self.info.limits, self.config, self.grammars)
 
     def add_request(
         self,

@@ -60,6 +60,15 @@ class Tokenizer:
             tok.token_to_id(t.content) for t in tok.get_added_tokens_decoder().values() if t.special
         }
 
+    # The compiled chat template does not pickle: it is compiled again on the other side (an
+    # engine in its own process sends its tokenizer to the server's process once, at start-up).
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k != "_template"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._template = _compile_template(self.chat_template) if self.chat_template else None
+
     # -- encoding -------------------------------------------------------------------------------
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = self.tok.encode(text, add_special_tokens=add_special_tokens).ids

@@ -67,3 +67,43 @@ def validate_request(
             f"blocks than the pool holds ({limits.max_kv_tokens} tokens)",
             param="max_tokens",
         )
+
+
+def prompt_and_ids(tokenizer, prompt) -> tuple[str | None, list[int]]:
+    """A prompt (text, token ids, or {'prompt_token_ids': [...]}) -> (its text or None, ids)."""
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        prompt = prompt.get("prompt")
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise InvalidRequest("this model has no tokenizer: pass prompt_token_ids", param="prompt")
+        return prompt, tokenizer.encode(prompt)
+    if isinstance(prompt, (list, tuple)):
+        return None, list(prompt)
+    raise InvalidRequest(
+        f"a prompt is a string, a list of token ids or "
+        f"{{'prompt_token_ids': [...]}}, got {type(prompt).__name__}",
+        param="prompt",
+    )
+
+
+def check_request(prompt_token_ids, params: SamplingParams, limits: Limits, config, grammars):
+    """`validate_request` plus what the engine's configuration refuses; compiles a
+    structured-output constraint with `grammars` (cached by its text), so a grammar that does
+    not compile is refused here. Thread safe."""
+    validate_request(prompt_token_ids, params, limits)
+    if params.priority != 0 and config.scheduling_policy != "priority":
+        raise InvalidRequest(
+            f"priority: {params.priority} asks for priority scheduling, which this engine "
+            "does not run (start it with scheduling_policy 'priority', "
+            "--scheduling-policy priority)",
+            param="priority",
+        )
+    if params.structured_outputs is not None:
+        if not config.structured_outputs:
+            raise InvalidRequest(
+                "structured output is off on this server (structured_outputs: false)",
+                param="structured_outputs",
+            )
+        grammars.compile(params.structured_outputs)

@@ -193,6 +193,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="CORS: request headers (default Authorization,Content-Type,X-Request-Id)",
     )
     _bool_pair(s, "allow-credentials", "CORS: allow cookies / auth from those origins")
+    _bool_pair(
+        s,
+        "engine-process",
+        "run the engine's step loop in a process of its own (default: yes for one engine; "
+        "--no-engine-process runs it on a thread of the server's process)",
+    )
     s.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"])
     return p
 
@@ -286,6 +292,14 @@ def main(argv: Optional[list[str]] = None) -> int:
             ecfg.num_processes,
         )
         return 2
+    one_engine = not ecfg.kv_transfer_config and ecfg.data_parallel_size == 1
+    if scfg.engine_process and not one_engine:
+        log.error(
+            "cannot start the engine: --engine-process runs one engine in a process of its own; "
+            "data-parallel replicas and disaggregated engines run on threads of the server's "
+            "process (leave engine_process unset or pass --no-engine-process)"
+        )
+        return 2
     t0 = time.perf_counter()
     try:
         # loads the model and compiles the buckets (each replica's)
@@ -295,8 +309,12 @@ def main(argv: Optional[list[str]] = None) -> int:
             engine = DisaggregatedEngine(ecfg)
         elif ecfg.data_parallel_size > 1:
             engine = DataParallelEngine(ecfg)
-        else:
+        elif scfg.engine_process is False:
             engine = AsyncEngine(ecfg)
+        else:
+            from paxengine.engine_process import ProcessEngine
+
+            engine = ProcessEngine(ecfg)
     except (ValueError, FileNotFoundError, NotImplementedError) as e:
         log.error("cannot start the engine: %s", e)
         return 2

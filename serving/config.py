@@ -48,6 +48,10 @@ class ServerConfig:
         default_factory=lambda: ["Authorization", "Content-Type", "X-Request-Id"]
     )
     allow_credentials: bool = False
+    # the engine's step loop in a process of its own (vLLM's layout), so that the server's event
+    # loop and the step loop never wait for one GIL; None: yes, where one engine serves (data-
+    # parallel replicas and disaggregated engines run on threads of the server's process)
+    engine_process: Optional[bool] = None
 
     def __post_init__(self):
         for name in ("allowed_origins", "allowed_methods", "allowed_headers"):

@@ -32,8 +32,13 @@ from paxengine.step_trace import ENV as STEP_TRACE_ENV
 # name -> (engine flags over the spec's serve flags (None: the flag dropped; "" a bare switch),
 # Python run in the server's process before it starts (None: nothing))
 VARIANTS = {
-    "base": ({}, None),  # the spec's serve flags: budget 512, 4,096 while a backlog waits
+    # the spec's serve flags: budget 512, 4,096 while a backlog waits; the engine in a process
+    # of its own (serve's default)
+    "base": ({}, None),
     "nobacklog": ({"backlog_step_token_budget": None}, None),  # 512 always
+    # the step loop on a thread of the server's process (sharing its GIL), as before 2026-12-03
+    "thread": ({"no_engine_process": ""}, None),
+    "nobacklog_thread": ({"backlog_step_token_budget": None, "no_engine_process": ""}, None),
     "b2048": ({"decode_step_token_budget": 2048, "backlog_step_token_budget": None}, None),
     "b1024": ({"decode_step_token_budget": 1024, "backlog_step_token_budget": None}, None),
     "backlog2048": ({"backlog_step_token_budget": 2048}, None),
@@ -45,8 +50,12 @@ VARIANTS = {
     "background": ({"background_compile": "", "log_level": "info"}, None),
     # a 128-row sequence bucket: 64 decodes beside a prompt or two run in 128 rows, not 256
     "seq128": ({"seq_buckets": "8,64,128,256,512"}, None),
-    # probe: the backlog budget once the prompt tokens waiting reach 1x it (the engine: 2x)
-    "thr1": ({}, "import paxengine.scheduler as s; s.BACKLOG_TRIGGER = 1"),
+    # probe: the backlog budget once the prompt tokens waiting reach 1x it (the engine: 2x); the
+    # boot code runs in the server's process, so the engine's loop must run there too
+    "thr1": (
+        {"no_engine_process": ""},
+        "import paxengine.scheduler as s; s.BACKLOG_TRIGGER = 1",
+    ),
 }
 
 

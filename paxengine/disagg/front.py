@@ -34,16 +34,16 @@ class _DecodeEngine(AsyncEngine):
 
         q = _Mailbox()
         self._streams[request_id] = (asyncio.get_running_loop(), q)
-        self._inbox.put(("handoff", request_id, handoff))
+        self._post("handoff", request_id, handoff)
         return self._outputs(request_id, q)
 
-    def _handle(self, kind: str, rid: str, payload) -> None:
+    def other(self, kind: str, rid: str, payload) -> None:
         if kind != "handoff":
-            return super()._handle(kind, rid, payload)
+            return super().other(kind, rid, payload)
         try:
             self.core.receive(payload)
         except Exception as e:
-            self._deliver(rid, e)
+            self.deliver([(rid, e)])
 
 
 class DisaggregatedEngine:

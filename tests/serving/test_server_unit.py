@@ -222,21 +222,28 @@ def test_cli_main_wires_engine_app_and_uvicorn(monkeypatch, tmp_path, caplog):
     import logging
 
     import paxengine.async_engine
+    import paxengine.engine_process
     import serving.cli
 
     seen = {}
 
-    def fake_engine(cfg):
-        seen["engine_config"] = cfg
-        return FakeEngine(cfg)
+    def fake_engine(kind):
+        def build(cfg):
+            seen["engine_config"], seen["kind"] = cfg, kind
+            return FakeEngine(cfg)
+
+        return build
 
     def fake_serve(app, engine, scfg):
         seen["app"], seen["server_config"] = app, scfg
         return 0
 
-    monkeypatch.setattr(paxengine.async_engine, "AsyncEngine", fake_engine)
+    monkeypatch.setattr(paxengine.async_engine, "AsyncEngine", fake_engine("thread"))
+    monkeypatch.setattr(paxengine.engine_process, "ProcessEngine", fake_engine("process"))
     monkeypatch.setattr(serving.cli, "serve", fake_serve)
     from serving.cli import main
+
+    assert main(["--no-engine-process"]) == 0 and seen["kind"] == "thread"
 
     with caplog.at_level(logging.INFO, logger="serving"):
         rc = main(
@@ -254,7 +261,7 @@ def test_cli_main_wires_engine_app_and_uvicorn(monkeypatch, tmp_path, caplog):
                 "interactivity",
             ]
         )
-    assert rc == 0
+    assert rc == 0 and seen["kind"] == "process"  # the default: the engine in its own process
     cfg = seen["engine_config"]
     assert cfg.max_num_seqs == 3 and cfg.max_num_batched_tokens == 512 and cfg.model is None
     assert seen["server_config"].port == 8123 and seen["server_config"].host == "127.0.0.1"
