@@ -166,7 +166,9 @@ class Frontend:
 
     def _end_all(self, e: BaseException) -> None:
         """The loop died: every open stream ends with EngineDead."""
-        self._deliver_all([(rid, EngineDead(f"engine loop died: {e!r}")) for rid in list(self._streams)])
+        self._deliver_all(
+            [(rid, EngineDead(f"engine loop died: {e!r}")) for rid in list(self._streams)]
+        )
 
 
 class AsyncEngine(Frontend):

@@ -272,7 +272,9 @@ class ProcessEngine(Frontend):
         except BaseException as e:
             if not (self._stopping and isinstance(e, EOFError)):
                 log.error("the engine process stopped: %r (exit code %s)", e, self._proc.exitcode)
-            self.error = e if not isinstance(e, EOFError) else EngineDead("the engine process exited")
+            self.error = (
+                e if not isinstance(e, EOFError) else EngineDead("the engine process exited")
+            )
             self._end_all(self.error)
             for done in list(self._replies.values()):
                 if not done.done():

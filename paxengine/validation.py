@@ -77,7 +77,9 @@ def prompt_and_ids(tokenizer, prompt) -> tuple[str | None, list[int]]:
         prompt = prompt.get("prompt")
     if isinstance(prompt, str):
         if tokenizer is None:
-            raise InvalidRequest("this model has no tokenizer: pass prompt_token_ids", param="prompt")
+            raise InvalidRequest(
+                "this model has no tokenizer: pass prompt_token_ids", param="prompt"
+            )
         return prompt, tokenizer.encode(prompt)
     if isinstance(prompt, (list, tuple)):
         return None, list(prompt)
