@@ -82,7 +82,6 @@ def _rpa_kernel(
     split_mask,
     reverse_tiles,
     pv_fp16,
-    kv_prefetch,
     num_tiles,
     has_out_in,
 ):
@@ -145,34 +144,19 @@ def _rpa_kernel(
     k_is_compute = k_ref.dtype == compute_dtype
     v_is_fp8 = v_ref.dtype.itemsize == 1
 
-    def kv_rows(b):
+    def body(b, carry, masked):
+        acc, m_prev, l_prev = carry
         kv = b * block_k + jnp.arange(block_k, dtype=jnp.int32)  # absolute KV positions
         page = bt_ref[seq * P + jnp.minimum(kv // bs, P - 1)]
-        return kv, (head_base + page) * bs + kv % bs
-
-    def body(b, carry, masked):
-        if kv_prefetch:
-            # This block's K / V came with the carry (loaded during the previous block); the
-            # next block's loads start now and are in flight under this block's math.
-            acc, m_prev, l_prev, k, v_raw = carry
-            kv, _ = kv_rows(b)
-            _, next_rows = kv_rows(jnp.minimum(b + 1, b1 - 1))
-            k_next, v_next = k_ref[next_rows], v_ref[next_rows]
-        else:
-            acc, m_prev, l_prev = carry
-            kv, rows = kv_rows(b)
-            k = k_ref[rows]  # [block_k, D]
+        rows = (head_base + page) * bs + kv % bs
+        k = k_ref[rows]  # [block_k, D]
         if not k_is_compute:
             k = k.astype(compute_dtype)
-        kv_ok = kv < kv_len
-        if kv_prefetch:
-            v = v_raw
-            if masked:  # (loaded unmasked: zero the rows at or past kv_len, NaN patterns too)
-                v = jnp.where(kv_ok[:, None], v.astype(compute_dtype), 0)
-        elif masked:
+        if masked:
             # V rows past kv_len may hold anything (NaN bit patterns too): load zeros there, since
             # p == 0 would still give 0 * NaN = NaN in the PV product.
             # (fp8: the Triton lowering cannot make an fp8 `other`, so zero after the upcast.)
+            kv_ok = kv < kv_len
             if v_is_fp8:
                 v = jnp.where(kv_ok[:, None], v_ref[rows].astype(compute_dtype), 0)
             else:
@@ -210,8 +194,6 @@ def _rpa_kernel(
             p_lo = (p - p_hi.astype(jnp.float32)).astype(pv_dtype)
             pv += jnp.dot(p_lo, v, preferred_element_type=jnp.float32)
         acc = acc * alpha[:, None] + pv
-        if kv_prefetch:
-            return acc, m_new, l_new, k_next, v_next
         return acc, m_new, l_new
 
     masked_body = functools.partial(body, masked=True)
@@ -220,9 +202,6 @@ def _rpa_kernel(
         jnp.full((M,), MASK_VALUE, jnp.float32),
         jnp.zeros((M,), jnp.float32),
     )
-    if kv_prefetch:  # the first block's K / V (of block b0 even when there is none: unused)
-        _, rows0 = kv_rows(b0)
-        carry += (k_ref[rows0], v_ref[rows0])
     if split_mask:
         # Blocks [i0, i1) need no mask: every kv < pos0 + 1 <= kv_len is causal-visible to all
         # rows (full_hi), and (window) every kv > last query position - window (full_lo).
@@ -240,7 +219,7 @@ def _rpa_kernel(
         carry = lax.fori_loop(i1, b1, masked_body, carry)
     else:
         carry = lax.fori_loop(b0, b1, masked_body, carry)
-    acc, m_i, l_i = carry[:3]
+    acc, m_i, l_i = carry
 
     # Masked-out rows point past the end: never touched on the GPU, dropped in interpret mode
     # (where a masked lane aliasing a live row could otherwise write back a stale value).
@@ -323,7 +302,6 @@ def triton_attention(
         split_mask=bool(tun.split_mask),
         reverse_tiles=bool(tun.reverse_tiles),
         pv_fp16=bool(tun.pv_fp16),
-        kv_prefetch=bool(tun.kv_prefetch),
         num_tiles=num_tiles,
         has_out_in=out_in is not None,
     )

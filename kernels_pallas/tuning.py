@@ -36,11 +36,6 @@ class Tuning:
     # first launch with decode tiles (decode default tuning, one tile per sequence slot, M = 16),
     # the rest to a second launch with this tuning, writing into the first one's output.
     mixed_split: bool = False
-    # Triton kernel: each KV block's K / V pages are loaded one block ahead, in registers
-    # carried through the loop, so their loads are in flight under the previous block's math
-    # (the fp8 decode launch read pages at ~2.9 TB/s with 2 CTAs an SM stalled on its loads,
-    # gpu_2026-12-01_fp8_decode/ncu_fp8_default.txt). Costs the registers of one raw block.
-    kv_prefetch: bool = False
     # The main launch through the Mosaic GPU kernel (attention_mgpu.py: TMA, wgmma, warp
     # specialisation) where it applies (bf16/fp16, no window / soft cap / fp8, jax >= 0.11),
     # with its own KV block and pipeline depth; else the fields above (Triton) apply.

@@ -199,20 +199,6 @@ FP8_DECODE_2 = [  # round 2 (--round2): around round 1's winner
     dict(_SPLIT_ONE_PV, block_k=64, num_stages=3),
     {},
 ]
-# --prefetch: K / V loaded a block ahead through the loop's carry (Tuning.kv_prefetch), with
-# and without Triton's own pipelining (num_stages 1), at 64 / 128 / 256-position blocks
-_PF = dict(kv_prefetch=True)
-PREFETCH = [
-    {},
-    _PF,
-    dict(_PF, num_stages=1),
-    dict(_PF, block_k=64),
-    dict(_PF, block_k=64, num_stages=1),
-    dict(_PF, num_warps=8),
-    dict(_PF, num_warps=8, num_stages=1),
-    dict(_PF, block_k=256, num_warps=8, num_stages=1),
-    dict(_PF, block_k=64, num_warps=8),
-]
 QUICK_CANDIDATES = [
     {},
     _OLD_LOOP,
@@ -256,8 +242,6 @@ def tune(args, result, t_start):
         if args.quick:
             return QUICK_CANDIDATES
         decode = name.startswith(("decode_", "engine_b1"))
-        if decode and args.prefetch:
-            return PREFETCH
         if decode and args.round2:
             return FP8_DECODE_2
         return FP8_DECODE if fp8 and decode else CANDIDATES[name]
@@ -379,7 +363,6 @@ def main(argv=None) -> None:
     ap.add_argument(
         "--round2", action="store_true", help="decode shapes: FP8_DECODE_2's candidates"
     )
-    ap.add_argument("--prefetch", action="store_true", help="decode shapes: PREFETCH's candidates")
     ap.add_argument(
         "--budget",
         type=float,

@@ -94,8 +94,7 @@ def test_sliding_window_soft_cap():
         ([(1, 300), (1, 128), (1, 7), (1, 257)], 4, 4),
     ],
 )
-@pytest.mark.parametrize("tuning", [{}, dict(kv_prefetch=True)])
-def test_fp8_kv(seqs, T, S, tuning):
+def test_fp8_kv(seqs, T, S):
     rng = np.random.default_rng()
     b = make_batch(
         rng,
@@ -109,7 +108,7 @@ def test_fp8_kv(seqs, T, S, tuning):
     )
     kw = dict(sm_scale=0.125, k_scale=0.5, v_scale=2.0)
     out = ragged_paged_attention(
-        b["q"], b["k_cache"], b["v_cache"], 0, b["md"], interpret=True, **kw, **tuning
+        b["q"], b["k_cache"], b["v_cache"], 0, b["md"], interpret=True, **kw
     )
     ref = ref_ragged_paged_attention(
         b["q"].astype(jnp.float32), b["k_cache"], b["v_cache"], 0, b["md"], **kw
@@ -150,14 +149,6 @@ VARIANTS = {
     "mixed_split_window": (
         dict(mixed_split=True, block_q=4, split_mask=False),
         dict(sliding_window=30, soft_cap=6.0),
-    ),
-    # K / V loaded a block ahead through the loop's carry: over masked and mask-free loops,
-    # split-K ranges and a window's masked front blocks
-    "kv_prefetch": (dict(block_k=16, block_q=2, kv_prefetch=True), {}),
-    "kv_prefetch_one_loop": (dict(block_k=16, split_mask=False, kv_prefetch=True), {}),
-    "kv_prefetch_window_split_k": (
-        dict(block_k=16, k_splits=3, kv_prefetch=True),
-        dict(sliding_window=37, soft_cap=8.0),
     ),
     # the long-prefill default's shape of tile: 256 rows (64 tokens x 4 heads), fp16 PV
     "big_tiles_fp16pv": (
