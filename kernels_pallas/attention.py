@@ -82,7 +82,6 @@ def _rpa_kernel(
     split_mask,
     reverse_tiles,
     pv_fp16,
-    v_dn,
     num_tiles,
     has_out_in,
 ):
@@ -153,20 +152,11 @@ def _rpa_kernel(
         k = k_ref[rows]  # [block_k, D]
         if not k_is_compute:
             k = k.astype(compute_dtype)
-        kv_ok = kv < kv_len
-        if v_dn:
-            # V pages stored [D, bs]: the block's V^T [D, block_k], positions contiguous within a
-            # page, i.e. along the PV product's contraction axis (no transpose on the way to the
-            # MMA, which 8-bit operands cannot get from ldmatrix).
-            d = jnp.arange(D, dtype=jnp.int32)
-            vt = v_ref[(head_base + page)[None, :] * D + d[:, None], (kv % bs)[None, :]]
-            if masked:
-                vt = jnp.where(kv_ok[None, :], vt.astype(compute_dtype), 0)
-            v = vt.T
-        elif masked:
+        if masked:
             # V rows past kv_len may hold anything (NaN bit patterns too): load zeros there, since
             # p == 0 would still give 0 * NaN = NaN in the PV product.
             # (fp8: the Triton lowering cannot make an fp8 `other`, so zero after the upcast.)
+            kv_ok = kv < kv_len
             if v_is_fp8:
                 v = jnp.where(kv_ok[:, None], v_ref[rows].astype(compute_dtype), 0)
             else:
@@ -278,7 +268,6 @@ def triton_attention(
     v_scale=None,
     interpret=False,
     out_in=None,
-    v_dn=False,
 ):
     """One launch of the kernel over the tiles of `meta` ([num_tiles, 8], `tiles.py`) with the
     static choices of `tun` (a `Tuning`). q [T, Hq, D]; caches [L, Hkv, NB, bs, D]; bt_flat
@@ -313,7 +302,6 @@ def triton_attention(
         split_mask=bool(tun.split_mask),
         reverse_tiles=bool(tun.reverse_tiles),
         pv_fp16=bool(tun.pv_fp16),
-        v_dn=bool(v_dn),
         num_tiles=num_tiles,
         has_out_in=out_in is not None,
     )
@@ -334,7 +322,7 @@ def triton_attention(
         kv_scales(k_scale, v_scale),
         q.reshape(T * Hq, D),
         k_cache.reshape(rows, D),
-        v_cache.reshape(rows // bs * D, bs) if v_dn else v_cache.reshape(rows, D),
+        v_cache.reshape(rows, D),
     )
     if out_in is not None:
         args += (out_in,)

@@ -61,7 +61,6 @@ def ragged_paged_attention(
     mosaic_decode=None,
     mosaic_decode_wgs=None,
     num_sms=132,
-    v_dn=False,
 ):
     """Ragged paged attention through the Pallas kernels.
     q [T, Hq, D]; caches [L, Hkv, NB, bs, D] -> [T, Hq, D].
@@ -72,9 +71,7 @@ def ragged_paged_attention(
     """
     T, Hq, D = q.shape
     _, Hkv, _, bs, Dk = k_cache.shape
-    # v_dn: V pages stored [D, bs] (positions contiguous), the Triton kernel only
-    v_shape = k_cache.shape[:3] + (D, bs) if v_dn else k_cache.shape
-    assert Dk == D and v_cache.shape == v_shape and Hq % Hkv == 0
+    assert Dk == D and v_cache.shape == k_cache.shape and Hq % Hkv == 0
     # V pages are K's dtype or the engine's choice for it (fp16 under bf16), never another mix.
     assert v_cache.dtype in (k_cache.dtype, value_cache_dtype(k_cache.dtype)), (
         k_cache.dtype,
@@ -127,7 +124,6 @@ def ragged_paged_attention(
         k_scale=k_scale,
         v_scale=v_scale,
         interpret=interpret,
-        v_dn=v_dn,
     )
 
     # Interpret mode takes a Mosaic kernel only when asked for by name: GPU interpret mode is
@@ -135,7 +131,6 @@ def ragged_paged_attention(
     def decode_by_mosaic(t):
         return (
             t.mosaic_decode
-            and not v_dn
             and (mosaic_decode or not interpret)
             and mgpu_decode.decode_eligible(
                 q.dtype,
@@ -163,7 +158,6 @@ def ragged_paged_attention(
         ).reshape(T, Hq, D)
     if (
         tun.mosaic
-        and not v_dn
         and (mosaic or not interpret)
         and tun.k_splits == 1
         and attention_mgpu.mosaic_eligible(
