@@ -10,14 +10,15 @@ The wire is one multiprocessing Pipe. Down: core_loop's messages (add, abort, re
 by a thread of their own so that a full pipe never blocks the event loop. Up: ("ready", ...) or
 ("failed", ...) once, then ("out", items, stats, taken, waiting tokens) after each step or batch
 of messages, ("reply", token, value, error) for a reset, and ("dead", text) if the loop dies.
-Outputs go up without their prompt, which this side holds: a 1,024-id prompt in every output of
-every step would be most of the bytes.
+Outputs go up without their prompt, which this side holds (a 1,024-id prompt in every output of
+every step would be most of the bytes), and as deltas (paxengine/output_delta.py): each item is
+(request id, what is new in its output since the last message, None) or (request id, None, an
+exception as `_to_wire` values); this side rebuilds the cumulative outputs the streams expect.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import itertools
 import logging
 import multiprocessing
@@ -32,6 +33,7 @@ from paxengine.async_engine import Frontend
 from paxengine.client import ModelInfo
 from paxengine.config import EngineConfig
 from paxengine.errors import EngineDead, EngineError, EngineOverloaded, InvalidRequest, StepFailed
+from paxengine.output_delta import DeltaDecoder, DeltaEncoder
 from paxengine.outputs import RequestOutput
 from paxengine.sampling_params import SamplingParams
 from paxengine.validation import check_request, prompt_and_ids
@@ -69,6 +71,7 @@ class _ChildTransport:
         self.core, self.conn = core, conn
         self._seqs = self._tokens = 0  # adds taken since the last message up
         self._unsent = False
+        self._delta = DeltaEncoder()
 
     def take(self, block: bool) -> list[tuple]:
         if self._unsent:  # adds taken and nothing sent since: the front end's count waits
@@ -95,15 +98,13 @@ class _ChildTransport:
         raise ValueError(f"unknown engine message {kind!r}")
 
     def _send(self, items) -> None:
-        up = [
-            (
-                rid,
-                dataclasses.replace(x, prompt=None, prompt_token_ids=None)
-                if isinstance(x, RequestOutput)
-                else _to_wire(x),
-            )
-            for rid, x in items
-        ]
+        up = []
+        for rid, x in items:
+            if isinstance(x, RequestOutput):
+                up.append((rid, self._delta.encode(rid, x), None))
+            else:  # the request ends with it
+                self._delta.drop(rid)
+                up.append((rid, None, _to_wire(x)))
         waiting_tokens = 0
         if self.core.config.max_waiting_tokens is not None:
             waiting_tokens = sum(r.num_prompt_tokens for r in self.core.scheduler.waiting)
@@ -177,6 +178,7 @@ class ProcessEngine(Frontend):
             self._grammars = GrammarCompiler(self._tokenizer, *grammar_args)
         self._waiting_tokens = 0
         self._prompts: dict[str, dict] = {}  # request id -> its prompt, until its final output
+        self._delta = DeltaDecoder()  # each request's cumulative output, until its final one
         self._replies: dict[int, Future] = {}
         self._reply_ids = itertools.count()
         self._outbox: queue.Queue = queue.Queue()
@@ -259,7 +261,7 @@ class ProcessEngine(Frontend):
                     _, items, self._stats, (seqs, tokens), self._waiting_tokens = msg
                     if seqs or tokens:
                         self._taken(seqs, tokens)
-                    self._deliver_all([(rid, self._restore(rid, x)) for rid, x in items])
+                    self._deliver_all([(rid, self._restore(rid, d, e)) for rid, d, e in items])
                 elif msg[0] == "reply":
                     _, token, value, error = msg
                     done = self._replies.pop(token)
@@ -276,16 +278,19 @@ class ProcessEngine(Frontend):
                 e if not isinstance(e, EOFError) else EngineDead("the engine process exited")
             )
             self._end_all(self.error)
+            self._delta.state.clear()  # no more outputs come
             for done in list(self._replies.values()):
                 if not done.done():
                     done.set_exception(EngineDead(f"engine loop died: {self.error!r}"))
             self._replies.clear()
 
-    def _restore(self, rid: str, x):
-        """An output with its prompt back, or the exception the engine raised."""
-        if not isinstance(x, RequestOutput):
+    def _restore(self, rid: str, delta, error):
+        """The cumulative output, with its prompt back, or the exception the engine raised."""
+        if error is not None:
             self._prompts.pop(rid, None)
-            return _from_wire(x)
+            self._delta.drop(rid)
+            return _from_wire(error)
+        x = self._delta.decode(rid, delta)
         prompt = self._prompts.pop(rid, None) if x.finished else self._prompts.get(rid)
         if prompt is not None:
             x.prompt, x.prompt_token_ids = prompt["prompt"], prompt["prompt_token_ids"]
