@@ -112,9 +112,8 @@ def _decoding(sched, *names_and_lens):
     return reqs
 
 
-def test_a_backlog_of_prompts_gets_the_larger_budget_until_it_is_short():
-    kv = KVCacheManager(1024, 4, enable_prefix_caching=False)
-    sched = Scheduler(
+def _backlog_sched(kv):
+    return Scheduler(
         kv,
         max_num_seqs=16,
         max_num_batched_tokens=64,
@@ -122,15 +121,39 @@ def test_a_backlog_of_prompts_gets_the_larger_budget_until_it_is_short():
         decode_step_token_budget=8,
         backlog_step_token_budget=32,
     )
+
+
+def test_the_step_budget_grows_with_the_backlog_of_prompts():
+    kv = KVCacheManager(1024, 4, enable_prefix_caching=False)
+    sched = _backlog_sched(kv)
     _decoding(sched, ("a", 3), ("b", 3))
     for i in range(3):  # 3 x 30 = 90 prompt tokens waiting >= 2 x 32
+        sched.add(Request(f"w{i}", list(range(1, 31)), SamplingParams(max_tokens=4), seed=0))
+    sizes = []
+    for _ in range(4):
+        out = sched.schedule()
+        assert sum(out.num_scheduled_tokens[r] for r in ("a", "b")) == 2  # decodes first
+        sizes.append(out.total_tokens)
+        sched.update_from_output(out, {rid: [7] for rid in out.sampling})
+    # 90 waiting: 32; 60 left (>= 2 x 16): 16; 46: 16; 32: 16; then 18 (< 2 x 16): 8
+    assert sizes == [32, 16, 16, 16]
+    assert sched.schedule().total_tokens == 8
+
+
+def test_the_jump_rule_keeps_the_small_budget_below_twice_the_large(monkeypatch):
+    import paxengine.scheduler as scheduler
+
+    monkeypatch.setattr(scheduler, "BACKLOG_STEPS", "jump")
+    kv = KVCacheManager(1024, 4, enable_prefix_caching=False)
+    sched = _backlog_sched(kv)
+    _decoding(sched, ("a", 3), ("b", 3))
+    for i in range(3):
         sched.add(Request(f"w{i}", list(range(1, 31)), SamplingParams(max_tokens=4), seed=0))
     out = sched.schedule()
     assert out.total_tokens == 32  # 2 decodes + 30 prompt tokens
     sched.update_from_output(out, {rid: [7] for rid in out.sampling})
     out = sched.schedule()  # 60 prompt tokens left, under 2 x 32: the small budget again
     assert out.total_tokens == 8
-    assert sum(out.num_scheduled_tokens[r] for r in ("a", "b")) == 2
 
 
 def _running(kv, sched, name, prompt_len, computed, outputs=()):

@@ -36,6 +36,9 @@ VARIANTS = {
     # of its own (serve's default)
     "base": ({}, None),
     "nobacklog": ({"backlog_step_token_budget": None}, None),  # 512 always
+    # the backlog rule before 2026-12-03: 512, or 4,096 once 8,192 prompt tokens wait (base:
+    # doubling 512 -> 4,096 as the backlog reaches twice each); the engine's process inherits it
+    "jump": ({}, "import os; os.environ['PAXENGINE_BACKLOG_STEPS'] = 'jump'"),
     # the step loop on a thread of the server's process (sharing its GIL), as before 2026-12-03
     "thread": ({"no_engine_process": ""}, None),
     "nobacklog_thread": ({"backlog_step_token_budget": None, "no_engine_process": ""}, None),
