@@ -3,20 +3,14 @@
 import asyncio
 
 import pytest
+from engines import TINY
 
 from paxengine import AsyncEngine, EngineDead, SamplingParams
 
 
 @pytest.fixture(scope="module")
 def engine():
-    return AsyncEngine(
-        max_model_len=128,
-        max_num_seqs=4,
-        max_num_batched_tokens=32,
-        show_progress=False,
-        token_buckets=[16, 32],
-        seq_buckets=[4],
-    )
+    return AsyncEngine(**TINY)
 
 
 def test_a_slow_reader_holds_one_output(engine):

@@ -13,6 +13,7 @@ import time
 from types import SimpleNamespace
 
 import pytest
+from engines import TINY
 
 from paxengine import EngineDead, InvalidRequest, SamplingParams
 from paxengine.engine import EngineCore
@@ -22,14 +23,6 @@ from paxengine.output_delta import DeltaDecoder, DeltaEncoder
 from paxengine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from paxengine.structured import StructuredOutputs
 
-CONFIG = dict(
-    max_model_len=128,
-    max_num_seqs=4,
-    max_num_batched_tokens=32,
-    show_progress=False,
-    token_buckets=[16, 32],
-    seq_buckets=[4],
-)
 PROMPTS = ["Count: 1, 2, 3,", "The capital of France is", "Tell me a story"]
 
 
@@ -49,7 +42,7 @@ E2E = {
 
 @pytest.fixture(scope="module")
 def engine():
-    e = ProcessEngine(**CONFIG)
+    e = ProcessEngine(**TINY)
     yield e
     if e._proc.is_alive():
         e._proc.kill()
@@ -57,7 +50,7 @@ def engine():
 
 @pytest.fixture(scope="module")
 def core():
-    return EngineCore(**CONFIG)
+    return EngineCore(**TINY)
 
 
 async def _collect(engine, rid, prompt, params):
