@@ -21,8 +21,9 @@ class EngineConfig:
     # while requests decode, a step's tokens (decodes first, then prompt chunks) stay under this:
     # it bounds how long a prefill stalls their next token; None: max_num_batched_tokens
     decode_step_token_budget: int | None = None
-    # the cap instead while the prompts waiting to prefill hold >= 2x this many tokens: a burst
-    # of arrivals is prefilled in large steps (its TTFT tail), a trickle rides in small ones
+    # the largest cap while prompts wait to prefill: decode_step_token_budget doubles up to it
+    # as the waiting prompt tokens reach 2x each doubled cap (scheduler._decoding_step_budget):
+    # a burst of arrivals is prefilled in large steps (its TTFT tail), a trickle in small ones
     backlog_step_token_budget: int | None = None
     block_size: int = 16
     num_kv_blocks: int | None = None  # explicit pool size; else from the memory budget

@@ -148,8 +148,7 @@ class ProcessEngine(Frontend):
 
     def __init__(self, config: EngineConfig | None = None, **overrides):
         super().__init__()
-        cfg = (config or EngineConfig()).replace(**overrides) if overrides else config
-        cfg = cfg or EngineConfig()
+        cfg = (config or EngineConfig()).replace(**overrides)
         ctx = multiprocessing.get_context("spawn")  # never fork a process that may hold threads
         self._conn, child_conn = ctx.Pipe()
         self._proc = ctx.Process(

@@ -49,8 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument(
         "--backlog-step-token-budget",
         type=int,
-        help="the cap instead of --decode-step-token-budget while prompts holding twice this "
-        "many tokens wait to prefill (a burst's TTFT tail; default: none)",
+        help="the largest cap while prompts wait to prefill: --decode-step-token-budget doubles "
+        "up to it as the prompt tokens waiting reach twice each doubled cap (TTFT under load; "
+        "default: none)",
     )
     e.add_argument("--block-size", type=int)
     e.add_argument("--num-kv-blocks", type=int)
