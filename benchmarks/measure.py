@@ -134,13 +134,13 @@ def matmul_rate(
 
 
 class CompileCounter:
-    """XLA compilations in this process since this counter was made: paxengine.runner's count
+    """XLA compilations in this process since this counter was made: paxengine.step_build's count
     (every backend compile, the engine's and any other jit's; persistent-cache hits are not
     compiles), so a benchmark's "compiles during timed runs" is the number the engine's
     `xla_compiles_after_warmup` metric reports."""
 
     def __init__(self):
-        from paxengine.runner import compile_count
+        from paxengine.step_build import compile_count
 
         self._count = compile_count
         self._start = compile_count()

@@ -73,7 +73,7 @@ def environment(extra: dict | None = None) -> dict:
         "transformers_version": version("transformers"),
         "commit": commit,
         "commit_dirty": dirty,
-        # options that change what XLA compiles (runner.xla_compile_options)
+        # options that change what XLA compiles (step_build.xla_compile_options)
         "xla_flags": os.environ.get("XLA_FLAGS") or None,
         "paxengine_xla_options": os.environ.get("PAXENGINE_XLA_OPTIONS") or None,
     }

@@ -53,7 +53,7 @@ class EngineConfig:
     num_processes: int = 1
     process_id: int = 0
     dispatch_thread: bool = False  # launch steps from a worker thread (see EngineCore.step)
-    # build the few buckets that serve any step first (runner.first_buckets) and the others on
+    # build the few buckets that serve any step first (step_build.first_buckets) and the others on
     # a background thread while serving: a cold start is ready sooner, and until a bucket is
     # built its steps run in the smallest built one that holds them (padded, slower)
     background_compile: bool = False

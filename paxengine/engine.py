@@ -25,16 +25,13 @@ from paxengine.models.quant import weight_dtype
 from paxengine.output import RequestGroup, SequenceOutput
 from paxengine.outputs import RequestOutput
 from paxengine.request import Request
-from paxengine.runner import (
-    Runner,
-    compiles_after_warmup,
-    enable_persistent_cache,
-)
+from paxengine.runner import Runner
 from paxengine.sampling import ALL_FLAGS, build_sampling_tensors, verify_drafts
 from paxengine.sampling_params import SamplingParams
 from paxengine.scheduler import Scheduler, SchedulerOutput
 from paxengine.spec_decode import parse_speculative_config
 from paxengine.spec_decode.chain import ChainSpec, build_chained
+from paxengine.step_build import compiles_after_warmup, enable_persistent_cache
 from paxengine.step_trace import StepTrace
 from paxengine.structured import GrammarCompiler
 from paxengine.validation import check_request, prompt_and_ids

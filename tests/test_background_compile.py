@@ -6,9 +6,9 @@ import threading
 
 import pytest
 
-import paxengine.runner as runner_module
+import paxengine.step_build as step_build
 from paxengine import LLM, SamplingParams
-from paxengine.runner import Runner, compiles_after_warmup, first_buckets
+from paxengine.step_build import StepBuilder, compiles_after_warmup, first_buckets
 
 ENGINE = dict(
     model="dummy:tiny",
@@ -51,16 +51,16 @@ def test_first_buckets_hold_every_step():
 
 def test_serves_before_the_background_is_done_and_gives_the_same_tokens(monkeypatch):
     gate = threading.Event()
-    build_later = Runner._build_later
+    build_later = StepBuilder._build_later
 
     def held(self, jobs):  # the background waits until the test lets it go
         gate.wait(120)
         build_later(self, jobs)
 
-    monkeypatch.setattr(Runner, "_build_later", held)
+    monkeypatch.setattr(StepBuilder, "_build_later", held)
     # samplers are shared by every runner of the process: ones an earlier test built for these
     # shapes would be there before the background built them
-    monkeypatch.setattr(runner_module, "_SAMPLERS", {})
+    monkeypatch.setattr(step_build, "_SAMPLERS", {})
     llm = LLM(**ENGINE, background_compile=True)
     r = llm.engine.runner
     try:

@@ -17,7 +17,7 @@ import jax
 events = []
 jax.monitoring.register_event_listener(lambda name, **kw: events.append(name))
 from paxengine import LLM, SamplingParams
-from paxengine.runner import compile_count
+from paxengine.step_build import compile_count
 llm = LLM(model="dummy:tiny", max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16,
           token_buckets=[16], seq_buckets=[4], layer_loop="unroll", show_progress=False,
           compilation_cache_dir=sys.argv[1], store_executables=sys.argv[2] == "1")

@@ -9,7 +9,7 @@ from prompts import PROMPTS
 
 from paxengine import LLM, SamplingParams
 from paxengine.reference import reference_generate
-from paxengine.runner import compile_count
+from paxengine.step_build import compile_count
 
 MAX_TOKENS = 16
 # 16 prompts of mixed lengths (4 to ~70 tokens), some sharing prefixes.

@@ -14,7 +14,7 @@ from test_background_compile import ENGINE as BACKGROUND_ENGINE
 from test_background_compile import PROMPTS
 
 from paxengine import LLM, AsyncEngine, SamplingParams
-from paxengine.runner import Runner
+from paxengine.step_build import StepBuilder
 
 # the background-compile tests' engine, with the grammar samplers (structured outputs) on
 ENGINE = {**BACKGROUND_ENGINE, "structured_outputs": True}
@@ -53,7 +53,7 @@ def test_runs_every_executable_once_and_writes_no_kv(unprimed):
     r.samplers = {k: counted(("smp", *k), f) for k, f in r.samplers.items()}
     r.prev_tokens = r.prev_tokens + 7  # a previous step's samples: priming must clear them
     before = [np.asarray(x) for x in jax.tree_util.tree_leaves(r.kv_cache)]
-    r._primed.clear()
+    r.builder._primed.clear()
     try:
         ran, _ = r.prime()
     finally:
@@ -98,13 +98,13 @@ def test_serve_flag(flag, value):
 
 def test_background_built_steps_run_while_the_server_idles(monkeypatch):
     gate = threading.Event()
-    build_later = Runner._build_later
+    build_later = StepBuilder._build_later
 
     def held(self, jobs):  # the background waits until the test lets it go
         gate.wait(120)
         build_later(self, jobs)
 
-    monkeypatch.setattr(Runner, "_build_later", held)
+    monkeypatch.setattr(StepBuilder, "_build_later", held)
     engine = AsyncEngine(**ENGINE, prime_steps=True, background_compile=True)
     core, r = engine.core, engine.core.runner
     assert not r.unprimed() and 0 < r.num_primed  # the first buckets ran before serving

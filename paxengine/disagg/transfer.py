@@ -27,7 +27,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from paxengine import runner as runner_module
+from paxengine.step_build import mark_warm
 
 
 class TransferFailed(RuntimeError):
@@ -162,8 +162,8 @@ class KVTransfer:
             )
             idx = jax.ShapeDtypeStruct((n,), jnp.int32, sharding=self._dst_idx)
             self._scatters[n] = scatter.lower(_abstract(self.dst.kv_cache), buffers, idx).compile()
-        # these compiles belong to start-up, not to serving (runner.compiles_after_warmup)
-        runner_module._warm_at = runner_module.compile_count()
+        # these compiles belong to start-up, not to serving (step_build.compiles_after_warmup)
+        mark_warm()
 
     def _split(self, n: int) -> list[tuple[int, int]]:
         """[start, size) pieces covering n pages: the largest sizes first."""

@@ -40,8 +40,9 @@ import numpy as np
 
 from paxengine.batch import StepArrays
 from paxengine.request import Request
-from paxengine.runner import Runner, compile_count, resolve_layer_loop
+from paxengine.runner import Runner, resolve_layer_loop
 from paxengine.sampling import build_sampling_tensors
+from paxengine.step_build import compile_count
 
 log = logging.getLogger("paxengine")
 

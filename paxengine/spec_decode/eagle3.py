@@ -55,8 +55,9 @@ from paxengine.models.config import ModelConfig, from_hf_config
 from paxengine.models.llama import _attention, rms_norm, rope_inv_freq, rope_tables
 from paxengine.models.quant import linear
 from paxengine.request import Request
-from paxengine.runner import AuxHidden, Runner, _abstract, compile_count
+from paxengine.runner import AuxHidden, Runner
 from paxengine.spec_decode.draft_model import DraftProposer, _State, _Work
+from paxengine.step_build import _abstract, compile_count
 
 log = logging.getLogger("paxengine")
 

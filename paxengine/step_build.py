@@ -1,0 +1,365 @@
+"""Building a Runner's step executables: every (T, S) forward, chained verify step and sampler
+variant, loaded from the executable store or traced and compiled at start-up (or the first few
+now and the rest in the background), then run once each (priming).
+
+Why a module of its own: building is start-up work with its own state (what is planned, built
+and primed, the background thread, the compile counters) and its own cost model (tracing holds
+the GIL, XLA's compile releases it); `runner.py` only runs what this fills into its dicts, and
+nothing here runs while serving but the background's builds and `prime`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+from tqdm import tqdm
+
+import kernels_pallas
+from paxengine.batch import StepArrays, bucket_pairs, pick
+from paxengine.executables import bypassing_jax_cache
+from paxengine.models import quant
+from paxengine.sampling import (
+    SamplingTensors,
+    abstract_sampling_tensors,
+    build_sampling_tensors,
+    pack_samples,
+    sample,
+)
+
+if TYPE_CHECKING:
+    from paxengine.runner import Runner
+
+log = logging.getLogger("paxengine")
+_compile_count = 0
+_warm_at = 0  # the count when the latest runner of this process finished warming up
+_SAMPLERS: dict[tuple, object] = {}  # (S, V, history, rows, flags) -> compiled, per process
+
+
+BACKGROUND_THREAD = "paxengine-background-compile"
+
+
+def _count_compiles(event: str, duration: float, **kw) -> None:
+    """Compiles of a serving process's steps; the background's planned ones (Runner
+    background_compile) are start-up work, not recompiles."""
+    global _compile_count
+    if event == "/jax/core/compile/backend_compile_duration":
+        if not threading.current_thread().name.startswith(BACKGROUND_THREAD):
+            _compile_count += 1
+
+
+jax.monitoring.register_event_duration_secs_listener(_count_compiles)
+
+
+def compile_count() -> int:
+    """XLA backend compiles in this process so far (tests assert it stays flat after warm-up)."""
+    return _compile_count
+
+
+def compiles_after_warmup() -> int:
+    """Compiles since the last runner of this process was warm: one replica's warm-up is not
+    another's recompile (data-parallel replicas share the process and the counter)."""
+    return _compile_count - _warm_at
+
+
+def mark_warm() -> None:
+    """The compiles so far belong to start-up (`compiles_after_warmup` counts from here)."""
+    global _warm_at
+    _warm_at = compile_count()
+
+
+def enable_persistent_cache(path: str | None) -> Path | None:
+    """JAX's compilation cache in `path` (default ~/.cache/paxengine/jax); returns the folder, or
+    None when it cannot be made."""
+    d = Path(path or Path.home() / ".cache/paxengine/jax")
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return None
+    jax.config.update("jax_compilation_cache_dir", str(d))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    return d
+
+
+def xla_compile_options() -> dict | None:
+    """XLA options for every step's forward, from PAXENGINE_XLA_OPTIONS (a JSON object, e.g.
+    '{"xla_gpu_autotune_level": 0}'): for measuring what an option costs at compile and run
+    time on the GPU (benchmarks.profile.fp8_compile) without a rebuild. Part of the executable
+    store's key."""
+    raw = os.environ.get("PAXENGINE_XLA_OPTIONS", "").strip()
+    if not raw:
+        return None
+    import json
+
+    opts = json.loads(raw)
+    if not isinstance(opts, dict):
+        raise ValueError(f"PAXENGINE_XLA_OPTIONS must be a JSON object, got {raw!r}")
+    return opts
+
+
+def _smallest_holding(pairs, n: int) -> tuple[int, int] | None:
+    """The smallest (T, S) bucket with n tokens and n sampled rows (a chained step's shape)."""
+    return min((p for p in pairs if p[0] >= n and p[1] >= n), default=None)
+
+
+def _abstract(x: jax.Array) -> jax.ShapeDtypeStruct:
+    """x's shape and dtype, and its sharding where it has a mesh's (tensor parallelism): one
+    device's array lowers as it would itself (no sharding annotations)."""
+    sharding = x.sharding if isinstance(x.sharding, jax.sharding.NamedSharding) else None
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+
+def first_buckets(pairs, token_buckets, seq_buckets) -> list[tuple[int, int]]:
+    """The buckets a start-up with background compilation builds first: for each sequence
+    bucket S the smallest token bucket holding S rows (a decode step of any batch size runs in
+    one of these), and the largest (every prefill fits it)."""
+    first = [(pick(token_buckets, s), s) for s in seq_buckets if s <= token_buckets[-1]]
+    first.append((token_buckets[-1], seq_buckets[-1]))
+    return [p for p in dict.fromkeys(first) if p in pairs]
+
+
+class StepBuilder:
+    """Fills one Runner's `compiled`, `chained`, `samplers` and `_layouts`, and primes them. The
+    runner says what each bucket's program is (its `_forward_job` and `_chain_job`: a store key,
+    a lowering and XLA options; a subclass may lower another forward); the samplers are lowered
+    here, shared by every runner of the process with the same shapes."""
+
+    def __init__(self, runner: Runner):
+        self.runner = runner
+        self.compile_seconds = self.trace_seconds = 0.0
+        self.background: threading.Thread | None = None  # see build_all
+        self._primed: set[tuple] = set()  # the (T, S) forwards and (S, flags) samplers run once
+
+    def _sampler_key(self, S: int, flags) -> tuple:
+        r = self.runner
+        return (S, r.cfg.vocab_size, r.history_len, r.max_rows, tuple(flags), r.placement)
+
+    def _lower_sampler(self, S: int, flags):
+        r = self.runner
+        max_rows = r.max_rows
+        layout = r.sampling_layout(S, flags)
+        names = dict(zip(("penalties", "top", "logprobs", "grammar"), flags))
+
+        def sample_step(logits, packed, history, mask, shift):
+            x = layout.unpack(packed)
+            x["steps"] = x["steps"] + shift  # a chained step's keys: its rows' places, on device
+            st = SamplingTensors(**x, history=history, mask=mask, **names)
+            result = sample(logits, st)
+            padded = jnp.zeros(max_rows, jnp.int32).at[:S].set(result[0])
+            return pack_samples(result, st.logprobs), padded
+
+        sharding = r.tp.sharding(P()) if r.tp is not None else None
+        logits = jax.ShapeDtypeStruct((S, r.cfg.vocab_size), jnp.float32, sharding=sharding)
+        st = abstract_sampling_tensors(S, r.history_len, flags, r.cfg.vocab_size)
+        packed = jax.ShapeDtypeStruct((layout.size,), jnp.int32)
+        shift = jax.ShapeDtypeStruct((S,), jnp.int32, sharding=sharding)
+        return jax.jit(sample_step).lower(logits, packed, st.history, st.mask, shift)
+
+    def build_all(self, show_progress: bool, background: bool) -> None:
+        """Loads each bucket's executable from the store, or traces it (tracing holds the GIL)
+        and compiles it on a thread pool (XLA's compile releases it): an unrolled 8B model's
+        buckets compile side by side. The samplers are small and shared by every runner of the
+        process with the same shapes.
+
+        background: only the buckets that serve any step well enough are built now
+        (`first_buckets`, the cheapest and the all-flags sampler of every sequence bucket); the
+        others follow on a thread of their own while the engine serves, and until one is there a
+        step runs in the smallest compiled bucket that holds it (`Runner.bucket_for`)."""
+        r = self.runner
+        t0 = time.perf_counter()
+        pairs = bucket_pairs(r.token_buckets, r.seq_buckets)
+        sampler_keys = [(S, f) for S in r.seq_buckets for f in r.sampler_flags]
+        self.planned = pairs
+        r._layouts = {("fwd", T, S): r.step_layout(T, S) for T, S in pairs}
+        r._layouts.update({("smp", S, f): r.sampling_layout(S, f) for S, f in sampler_keys})
+        for S, f in sampler_keys:  # compiled by another runner of this process already
+            if self._sampler_key(S, f) in _SAMPLERS:
+                r.samplers[(S, f)] = _SAMPLERS[self._sampler_key(S, f)]
+        jobs = [(("fwd", T, S), r._forward_job(T, S)) for T, S in pairs]  # (key, lower, opts)
+        self.chain_planned = self._chain_pairs(pairs)
+        for T, S in self.chain_planned:
+            r._layouts[("chn", T, S)] = r._chain_layout(T, S)
+            jobs.append((("chn", T, S), r._chain_job(T, S)))
+        jobs += [
+            (("smp", S, f), self._sampler_job(S, f))
+            for S, f in sampler_keys
+            if (S, f) not in r.samplers
+        ]
+        later = []
+        if background:
+            first = set(first_buckets(pairs, r.token_buckets, r.seq_buckets))
+            cheap, full = min(r.sampler_flags, key=sum), max(r.sampler_flags, key=sum)
+            now = [
+                j
+                for j in jobs
+                if (j[0][0] == "fwd" and j[0][1:] in first)
+                or (j[0][0] == "smp" and j[0][2] in (cheap, full))
+            ]
+            later = sorted(
+                (j for j in jobs if j not in now), key=lambda j: (j[0][0] == "fwd", j[0][1:])
+            )
+            jobs = now
+        bar = tqdm(total=len(jobs), desc="compiling step buckets", disable=not show_progress)
+        self._build(jobs, bar.update)
+        bar.close()
+        self.compile_seconds = time.perf_counter() - t0
+        if later:
+            self.background = threading.Thread(
+                target=self._build_later, args=(later,), name=BACKGROUND_THREAD, daemon=True
+            )
+            self.background.start()
+
+    def _build(self, jobs, done) -> None:
+        store = self.runner.store
+        workers = max(1, min(len(jobs), (os.cpu_count() or 1) // 2, 8))
+        prefix = threading.current_thread().name  # the background's compiles are its own
+        no_jax_cache = bypassing_jax_cache() if store is not None else nullcontext()
+        with no_jax_cache, ThreadPoolExecutor(workers, thread_name_prefix=prefix) as pool:
+            # stored executables load side by side (a GPU executable loads its kernels)
+            stored = {}
+            if store is not None:
+                kernels_pallas.prepare_runtime()  # before any stored kernel is loaded
+                stored = {name: pool.submit(store.load, key) for name, (key, _, _) in jobs}
+            futures = {}
+            for name, (store_key, lower, opts) in jobs:
+                exe = stored[name].result() if name in stored else None
+                if exe is None:
+                    t = time.perf_counter()
+                    lowered = lower()
+                    self.trace_seconds += time.perf_counter() - t
+                    futures[name] = (store_key, pool.submit(lowered.compile, opts))
+                else:
+                    self._keep(name, exe)
+                    done(1)
+            for name, (store_key, fut) in futures.items():
+                exe = fut.result()
+                if store is not None:
+                    store.save(store_key, exe, label=str(name))
+                self._keep(name, exe)
+                done(1)
+
+    def _build_later(self, jobs) -> None:
+        t = time.perf_counter()
+        try:
+            self._build(jobs, lambda n: None)
+        except Exception as e:  # the compiled buckets keep serving; the missing ones stay missing
+            if isinstance(e, RuntimeError) and "interpreter shutdown" in str(e):
+                return  # the process is exiting while this compiled: nothing is left to serve
+            log.exception("compiling step buckets in the background failed")
+            return
+        log.info(
+            "%d more step executables ready in the background in %.1f s",
+            len(jobs),
+            time.perf_counter() - t,
+        )
+
+    def _priming_runs(self) -> list[tuple[int, int, tuple]]:
+        """(T, S, sampler flags) runs that reach every compiled forward and sampler not run yet:
+        each forward with its S's plainest built sampler, each other sampler after its S's
+        smallest forward. Sorted: every process of a mesh runs them in the same order."""
+        r = self.runner
+        built, smp = sorted(r.compiled), sorted(r.samplers)  # snapshots: the background
+        forwards = [k for k in built if k not in self._primed]  # may add to both meanwhile
+        samplers = [k for k in smp if k not in self._primed]
+        runs, used = [], set()
+        for T, S in forwards:
+            flags = min((f for s, f in smp if s == S), key=sum, default=None)
+            if flags is not None:
+                runs.append((T, S, flags))
+                used.add((S, flags))
+        for S, flags in samplers:
+            T = next((t for t, s in built if s == S), None)
+            if T is not None and (S, flags) not in used:
+                runs.append((T, S, flags))
+        return runs
+
+    @property
+    def num_primed(self) -> int:
+        """The forwards and samplers `prime` has run."""
+        return len(self._primed)
+
+    def unprimed(self) -> bool:
+        """Whether a compiled step or sampler has not run yet (the background built it)."""
+        r = self.runner
+        return any(k not in self._primed for k in list(r.compiled) + list(r.samplers))
+
+    def prime(self, limit: int | None = None) -> tuple[int, float]:
+        """Runs each compiled forward and sampler variant not run yet once, on an all-padding
+        batch (every slot -1: nothing is written to the KV cache; nobody reads the samples),
+        then clears the previous step's samples; at most `limit` runs. Returns (runs, seconds).
+        Why: a GPU executable's first run loads its kernels and sets up its launches, 30-165 ms
+        for an 8B bucket on the H200 (benchmarks/results/gpu_2026-12-03_bf16_lease/), and the
+        first requests after a start paid that in their TTFT. Not while a step is in flight:
+        the forward donates the KV cache."""
+        r = self.runner
+        t = time.perf_counter()
+        runs = self._priming_runs()[:limit]
+        result = None
+        for T, S, flags in runs:
+            st = build_sampling_tensors(
+                [], S, r.history_len, [], vocab_size=r.cfg.vocab_size, available=[flags]
+            )
+            result = r.execute(StepArrays.padding(T, S, r.max_blocks_per_seq, 0), st)
+            self._primed.update({(T, S), (S, flags)})
+        if result is not None:
+            jax.block_until_ready(result[0])
+        r.prev_tokens = jnp.zeros_like(r.prev_tokens)
+        return len(runs), time.perf_counter() - t
+
+    def wait_background(self, timeout: float | None = None) -> bool:
+        """Until the background's buckets are built (True), or timeout seconds (False)."""
+        if self.background is not None:
+            self.background.join(timeout)
+            return not self.background.is_alive()
+        return True
+
+    def store_key(self, name: str, static: tuple, args, T: int) -> tuple[str | None, dict | None]:
+        """A T-token step's store key (None without a store) and its XLA options, which are
+        part of the key."""
+        opts = self._xla_options(T)
+        if opts:
+            static += (tuple(sorted(opts.items())),)
+        store = self.runner.store
+        return (store.key(name, static, args) if store is not None else None), opts
+
+    def _xla_options(self, T: int) -> dict | None:
+        """XLA options for the forward of a T-token bucket: FP8 weights' own (quant.xla_options),
+        then PAXENGINE_XLA_OPTIONS."""
+        opts = quant.xla_options(T) if self.runner.fp8 else {}
+        return {**opts, **(xla_compile_options() or {})} or None
+
+    def _chain_pairs(self, pairs) -> list[tuple[int, int]]:
+        """The buckets chained steps of 1..chain.rows requests run in (K + 1 tokens and
+        sampled rows each): the smallest planned one that holds them."""
+        chain = self.runner.chain
+        if chain is None:
+            return []
+        need = [r * (chain.k + 1) for r in range(1, chain.rows + 1)]
+        fits = [_smallest_holding(pairs, n) for n in need]
+        return sorted({p for p in fits if p is not None})
+
+    def _sampler_job(self, S: int, flags):
+        static = self._sampler_key(S, flags)
+        store = self.runner.store
+        key = store.key("sampler", static, ()) if store is not None else None
+        return key, lambda: self._lower_sampler(S, flags), None
+
+    def _keep(self, name: tuple, exe) -> None:
+        r = self.runner
+        if name[0] == "fwd":
+            r.compiled[name[1:]] = exe
+        elif name[0] == "chn":
+            r.chained[name[1:]] = exe
+        else:
+            _SAMPLERS[self._sampler_key(*name[1:])] = exe
+            r.samplers[name[1:]] = exe
