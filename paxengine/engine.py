@@ -64,11 +64,7 @@ class _InFlight:
 
 class EngineCore:
     def __init__(self, config: EngineConfig | None = None, **overrides):
-        cfg = (
-            (config or EngineConfig()).replace(**overrides)
-            if overrides
-            else (config or EngineConfig())
-        )
+        cfg = (config or EngineConfig()).replace(**overrides)
         self.config = cfg
         engine_setup.check_role(cfg)
         parallel.init_distributed(cfg.coordinator_address, cfg.num_processes, cfg.process_id)
