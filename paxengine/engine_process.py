@@ -277,7 +277,8 @@ class ProcessEngine(Frontend):
                 e if not isinstance(e, EOFError) else EngineDead("the engine process exited")
             )
             self._end_all(self.error)
-            self._delta.state.clear()  # no more outputs come
+            self._delta.state.clear()  # no more outputs come: neither state is needed
+            self._prompts.clear()
             for done in list(self._replies.values()):
                 if not done.done():
                     done.set_exception(EngineDead(f"engine loop died: {self.error!r}"))
