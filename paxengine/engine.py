@@ -274,6 +274,7 @@ class EngineCore:
             "steps": self.steps,
             "failed_steps": self.failed_steps,
             "xla_compiles_after_warmup": compiles_after_warmup(),
+            "step_executables_pending": self.pending_executables(),
             **self.scheduler.spec_stats.as_dict(),
         }
 
@@ -331,6 +332,12 @@ class EngineCore:
 
     def has_unfinished(self) -> bool:
         return bool(self.groups) or self.inflight is not None
+
+    def pending_executables(self) -> int:
+        """Step executables the background has still to build, and (priming on) built ones that
+        have not run once: until 0 some steps run padded into larger buckets or load kernels."""
+        builder = self.runner.builder
+        return builder.pending + (builder.num_unprimed() if self.primes else 0)
 
     def prime_idle(self, limit: int = 4) -> bool:
         """With nothing to run: up to `limit` of the step executables the background built

@@ -9,7 +9,7 @@ process keeps the tokenizer, validation and the streams (`Frontend`), and never 
 The wire is one multiprocessing Pipe. Down: core_loop's messages (add, abort, reset, stop), sent
 by a thread of their own so that a full pipe never blocks the event loop. Up: ("ready", ...) or
 ("failed", ...) once, then ("out", items, stats, taken, waiting tokens) after each step or batch
-of messages, ("reply", token, value, error) for a reset, and ("dead", text) if the loop dies.
+of messages (and every 0.5 s of idling while a counter moves: the background's builds), ("reply", token, value, error) for a reset, and ("dead", text) if the loop dies.
 Outputs go up without their prompt, which this side holds (a 1,024-id prompt in every output of
 every step would be most of the bytes), and as deltas (paxengine/output_delta.py): each item is
 (request id, what is new in its output since the last message, None) or (request id, None, an
@@ -72,6 +72,7 @@ class _ChildTransport:
         self._seqs = self._tokens = 0  # adds taken since the last message up
         self._unsent = False
         self._delta = DeltaEncoder()
+        self._stats_sent: dict | None = None
 
     def take(self, block: bool) -> list[tuple]:
         if self._unsent:  # adds taken and nothing sent since: the front end's count waits
@@ -81,6 +82,8 @@ class _ChildTransport:
             items.append(self.conn.recv())
             while self.conn.poll():
                 items.append(self.conn.recv())
+        elif block and self.core.stats() != self._stats_sent:
+            self._send([])  # idle, and a counter moved (the background's builds): scrapes see it
         return items
 
     def deliver(self, items) -> None:
@@ -109,7 +112,8 @@ class _ChildTransport:
         if self.core.config.max_waiting_tokens is not None:
             waiting_tokens = sum(r.num_prompt_tokens for r in self.core.scheduler.waiting)
         taken = (self._seqs, self._tokens)
-        self.conn.send(("out", up, self.core.stats(), taken, waiting_tokens))
+        self._stats_sent = self.core.stats()
+        self.conn.send(("out", up, self._stats_sent, taken, waiting_tokens))
         self._seqs = self._tokens = 0
         self._unsent = False
 

@@ -138,6 +138,7 @@ class StepBuilder:
         self.runner = runner
         self.compile_seconds = self.trace_seconds = 0.0
         self.background: threading.Thread | None = None  # see build_all
+        self.pending = 0  # executables the background has still to build
         self._primed: set[tuple] = set()  # the (T, S) forwards and (S, flags) samplers run once
 
     def _sampler_key(self, S: int, flags) -> tuple:
@@ -214,6 +215,7 @@ class StepBuilder:
         bar.close()
         self.compile_seconds = time.perf_counter() - t0
         if later:
+            self.pending = len(later)
             self.background = threading.Thread(
                 target=self._build_later, args=(later,), name=BACKGROUND_THREAD, daemon=True
             )
@@ -250,8 +252,12 @@ class StepBuilder:
 
     def _build_later(self, jobs) -> None:
         t = time.perf_counter()
+
+        def one_less(n: int) -> None:
+            self.pending -= n
+
         try:
-            self._build(jobs, lambda n: None)
+            self._build(jobs, one_less)
         except Exception as e:  # the compiled buckets keep serving; the missing ones stay missing
             if isinstance(e, RuntimeError) and "interpreter shutdown" in str(e):
                 return  # the process is exiting while this compiled: nothing is left to serve
@@ -290,8 +296,11 @@ class StepBuilder:
 
     def unprimed(self) -> bool:
         """Whether a compiled step or sampler has not run yet (the background built it)."""
+        return self.num_unprimed() > 0
+
+    def num_unprimed(self) -> int:
         r = self.runner
-        return any(k not in self._primed for k in list(r.compiled) + list(r.samplers))
+        return sum(k not in self._primed for k in list(r.compiled) + list(r.samplers))
 
     def prime(self, limit: int | None = None) -> tuple[int, float]:
         """Runs each compiled forward and sampler variant not run yet once, on an all-padding

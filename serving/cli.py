@@ -61,7 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     _bool_pair(
         e,
         "background-compile",
-        "serve once the buckets that hold any step are compiled; compile the others behind",
+        "serve once the buckets that hold any step are compiled; compile the others behind "
+        "(default: on; the metric step_executables_pending counts them down)",
     )
     _bool_pair(
         e,

@@ -33,6 +33,12 @@ _GAUGES = [
     ),
     ("num_requests_waiting", "num_requests_waiting", "Number of requests waiting to be processed."),
     ("kv_cache_usage_perc", "kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage."),
+    (
+        "step_executables_pending",
+        "step_executables_pending",
+        "Step executables still compiling in the background (--background-compile); until 0 "
+        "some steps run padded into larger buckets.",
+    ),
 ]
 _COUNTERS = [
     (

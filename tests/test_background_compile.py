@@ -66,6 +66,14 @@ def test_serves_before_the_background_is_done_and_gives_the_same_tokens(monkeypa
     try:
         first = set(first_buckets(r.planned, ENGINE["token_buckets"], ENGINE["seq_buckets"]))
         assert set(r.compiled) == first != set(r.planned)
+        missing_samplers = [
+            (S, f)
+            for S in ENGINE["seq_buckets"]
+            for f in r.sampler_flags
+            if (S, f) not in r.samplers
+        ]
+        pending = llm.engine.stats()["step_executables_pending"]
+        assert pending == len(set(r.planned) - first) + len(missing_samplers) > 0
         cheap, full = min(r.sampler_flags, key=sum), max(r.sampler_flags, key=sum)
         assert r.available_flags(2) == [cheap, full]
         T, S = r.bucket_for(17, 2)  # (32, 2) is not built yet: a larger built bucket holds it
@@ -75,6 +83,7 @@ def test_serves_before_the_background_is_done_and_gives_the_same_tokens(monkeypa
         gate.set()
     assert r.wait_background(300)
     assert set(r.compiled) == set(r.planned)
+    assert llm.engine.stats()["step_executables_pending"] == 0
     assert r.available_flags(2) == r.sampler_flags
     # the background's planned compiles are start-up work, not recompiles
     assert compiles_after_warmup() == 0
@@ -86,10 +95,15 @@ def test_serves_before_the_background_is_done_and_gives_the_same_tokens(monkeypa
     assert before == after == _run(ref)
 
 
-def test_background_compile_is_off_by_default():
+def test_background_compile_is_off_offline_and_on_for_the_server():
     from paxengine.config import EngineConfig
+    from serving.cli import parse
 
-    assert EngineConfig().background_compile is False
+    assert EngineConfig().background_compile is False  # LLM: every bucket before the first step
+    ecfg, _ = parse(["--model", "dummy:tiny"])
+    assert ecfg.background_compile is True
+    ecfg, _ = parse(["--model", "dummy:tiny", "--performance-mode", "throughput"])
+    assert ecfg.background_compile is True
 
 
 @pytest.mark.parametrize(

@@ -388,6 +388,28 @@ def test_each_step_rebuilt_on_the_front_end_equals_the_engines_output(core):
     assert child._delta.sent == {} and front._delta.state == {} and front._prompts == {}
 
 
+def test_an_idle_child_sends_counters_that_moved():
+    """The background's builds count step_executables_pending down while no step runs: the
+    front end's stats (a scrape's) must follow without a request."""
+    stats = {"step_executables_pending": 5}
+    core = SimpleNamespace(config=SimpleNamespace(max_waiting_tokens=None), stats=stats.copy)
+    conn = _Conn()
+    conn.poll = lambda timeout=0: False  # nothing comes down
+    child = _ChildTransport(core, conn)
+    assert child.take(block=True) == [] and len(conn.sent) == 1  # the first look: sent
+    assert pickle.loads(conn.sent[-1])[2] == {"step_executables_pending": 5}
+    child.take(block=True)
+    child.take(block=False)  # a busy loop's look never sends on its own
+    assert len(conn.sent) == 1  # nothing moved: nothing sent
+    stats["step_executables_pending"] = 0
+    child.take(block=False)
+    assert len(conn.sent) == 1
+    child.take(block=True)
+    assert len(conn.sent) == 2
+    assert pickle.loads(conn.sent[-1])[:2] == ("out", [])
+    assert pickle.loads(conn.sent[-1])[2] == {"step_executables_pending": 0}
+
+
 def test_errors_and_aborts_end_the_state_on_both_sides():
     child, front, through = _wire()
     front._prompts.update({r: {"prompt": r, "prompt_token_ids": [9]} for r in "abc"})

@@ -108,8 +108,11 @@ def test_background_built_steps_run_while_the_server_idles(monkeypatch):
     engine = AsyncEngine(**ENGINE, prime_steps=True, background_compile=True)
     core, r = engine.core, engine.core.runner
     assert not r.unprimed() and 0 < r.num_primed  # the first buckets ran before serving
+    waiting = core.stats()["step_executables_pending"]
+    assert waiting == r.builder.pending > 0  # to build
     gate.set()
     assert r.wait_background(300) and r.unprimed()
+    assert core.stats()["step_executables_pending"] == waiting  # built now, but not run once
     core.groups["busy"] = None  # a request in the engine: nothing is primed now
     try:
         assert core.prime_idle() is False and r.unprimed()
@@ -130,6 +133,7 @@ def test_background_built_steps_run_while_the_server_idles(monkeypatch):
     started = time.monotonic()
     tokens = asyncio.run(main())
     assert not r.unprimed(), f"still unprimed after {time.monotonic() - started:.1f} s"
+    assert core.stats()["step_executables_pending"] == 0
     ref = LLM(**ENGINE, prime_steps=False)
     params = SamplingParams(max_tokens=6, ignore_eos=True, temperature=0)
     assert tokens == ref.generate([PROMPTS[3]], params, use_tqdm=False)[0].outputs[0].token_ids

@@ -49,8 +49,10 @@ VARIANTS = {
     # the interpreter's GIL switch interval 0.5 ms (Python's default: 5 ms)
     "switch": ({}, "import sys; sys.setswitchinterval(5e-4)"),
     "dispatch": ({"dispatch_thread": ""}, None),
-    # ready once the first buckets are built, the rest compiling behind (its log says when)
-    "background": ({"background_compile": "", "log_level": "info"}, None),
+    # every bucket built before the server is ready (serve's default until 2026-12-03: since,
+    # ready once the first buckets are built, the rest building behind)
+    "foreground": ({"no_background_compile": ""}, None),
+    "background": ({"background_compile": "", "log_level": "info"}, None),  # base, logging more
     # a 128-row sequence bucket: 64 decodes beside a prompt or two run in 128 rows, not 256
     "seq128": ({"seq_buckets": "8,64,128,256,512"}, None),
     # probe: the backlog budget once the prompt tokens waiting reach 1x it (the engine: 2x); the

@@ -92,6 +92,10 @@ def serve_stage(
             time.sleep(1)
         startup = time.perf_counter() - t
         log(f"{label} server ready in {startup:.1f} s")
+        wait = 300 if seconds_left() is None else min(300, seconds_left() - 120)
+        all_built = _wait_for_every_bucket(base, t, time.monotonic() + wait)
+        if all_built is None or all_built > startup + 1:
+            log(f"{label} every step executable built at {all_built} s (after that: timed runs)")
         sv = spec[workload]
         from paxengine.models.config import PRESETS
 
@@ -168,7 +172,7 @@ def serve_stage(
                     "tokens_per_chunk",
                 )
             }
-            save_partial(startup_s=startup, runs=dict(runs))
+            save_partial(startup_s=startup, all_built_s=all_built, runs=dict(runs))
         compiles_after = _scrape_compiles(base)
         server_compiles = {
             k: compiles_after[k] - compiles_before.get(k, 0.0) for k in compiles_after
@@ -177,6 +181,7 @@ def serve_stage(
         combined_file.write_text(json.dumps(combined, indent=1))
         return {
             "startup_s": startup,
+            "all_built_s": all_built,  # the background's builds done (timed runs after it)
             "bench_rc": max(rcs),
             "runs": runs,
             "server_compile_metrics_delta": server_compiles or None,
@@ -197,6 +202,27 @@ def serve_stage(
 def _scrape_compiles(base: str) -> dict:
     """Prometheus samples on the server's /metrics whose name mentions compil(e/ation), when it
     exports any (the serving runs' recompile count is their change)."""
+    return _scrape(base, "compil")
+
+
+def _pending_executables(base: str) -> float:
+    """paxengine's step executables still building in the background (0 for other servers)."""
+    return sum(_scrape(base, "step_executables_pending").values())
+
+
+def _wait_for_every_bucket(base: str, t0: float, deadline: float) -> float | None:
+    """Until the server's background builds are done (seconds since t0, None: never built
+    within the deadline): the timed runs measure the server at its full speed; the ready time
+    and this one are both recorded."""
+    while _pending_executables(base) > 0:
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(1)
+    return time.perf_counter() - t0
+
+
+def _scrape(base: str, part: str) -> dict:
+    """The samples on the server's /metrics whose name holds `part` (none when it has none)."""
     import urllib.request
 
     try:
@@ -206,7 +232,7 @@ def _scrape_compiles(base: str) -> dict:
         return {}
     found = {}
     for line in text.splitlines():
-        if line.startswith("#") or "compil" not in line.split("{")[0].split(" ")[0]:
+        if line.startswith("#") or part not in line.split("{")[0].split(" ")[0]:
             continue
         name, _, value = line.rpartition(" ")
         try:
