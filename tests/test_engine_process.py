@@ -316,6 +316,16 @@ def test_the_delta_codec_knows_every_output_field():
     assert RequestMetrics(*vars(m).values()) == m
 
 
+def _fake_core(stats, background=None, pending=lambda: 0):
+    """What _ChildTransport reads of an EngineCore."""
+    return SimpleNamespace(
+        config=SimpleNamespace(max_waiting_tokens=None),
+        stats=stats,
+        runner=SimpleNamespace(builder=SimpleNamespace(background=background)),
+        pending_executables=pending,
+    )
+
+
 class _Conn:
     """The child's end of the pipe: keeps what is sent, pickled as the pipe pickles it."""
 
@@ -330,7 +340,7 @@ def _wire(core=None):
     """_ChildTransport and ProcessEngine's reading side (`_restore`) joined by pickled messages
     instead of a process: `through(items)` delivers a step's items and returns (the items on the
     wire, what the front end rebuilt)."""
-    core = core or SimpleNamespace(config=SimpleNamespace(max_waiting_tokens=None), stats=dict)
+    core = core or _fake_core(dict)
     conn = _Conn()
     child = _ChildTransport(core, conn)
     front = SimpleNamespace(_prompts={}, _delta=DeltaDecoder())
@@ -392,7 +402,7 @@ def test_an_idle_child_sends_counters_that_moved():
     """The background's builds count step_executables_pending down while no step runs: the
     front end's stats (a scrape's) must follow without a request."""
     stats = {"step_executables_pending": 5}
-    core = SimpleNamespace(config=SimpleNamespace(max_waiting_tokens=None), stats=stats.copy)
+    core = _fake_core(stats.copy)
     conn = _Conn()
     conn.poll = lambda timeout=0: False  # nothing comes down
     child = _ChildTransport(core, conn)
@@ -408,6 +418,32 @@ def test_an_idle_child_sends_counters_that_moved():
     assert len(conn.sent) == 2
     assert pickle.loads(conn.sent[-1])[:2] == ("out", [])
     assert pickle.loads(conn.sent[-1])[2] == {"step_executables_pending": 0}
+
+
+def test_the_child_freezes_its_heap_once_the_background_is_done(monkeypatch):
+    """Once the background's builds are in (and run once), an idle child collects and freezes
+    the heap they left, once; never while busy or before they are done."""
+    import paxengine.engine_process as ep
+
+    frozen = []
+    monkeypatch.setattr(ep, "freeze_heap", lambda: frozen.append(1))
+    pending = [3]
+    core = _fake_core(dict, background=object(), pending=lambda: pending[0])
+    conn = _Conn()
+    conn.poll = lambda timeout=0: False
+    child = _ChildTransport(core, conn)
+    child.take(block=True)
+    assert frozen == []  # still building
+    pending[0] = 0
+    child.take(block=False)
+    assert frozen == []  # busy
+    child.take(block=True)
+    child.take(block=True)
+    assert frozen == [1]
+    # without a background (everything built before ready) the start-up froze it already
+    child = _ChildTransport(_fake_core(dict), conn)
+    child.take(block=True)
+    assert frozen == [1]
 
 
 def test_errors_and_aborts_end_the_state_on_both_sides():
