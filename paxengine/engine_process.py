@@ -9,7 +9,8 @@ process keeps the tokenizer, validation and the streams (`Frontend`), and never 
 The wire is one multiprocessing Pipe. Down: core_loop's messages (add, abort, reset, stop), sent
 by a thread of their own so that a full pipe never blocks the event loop. Up: ("ready", ...) or
 ("failed", ...) once, then ("out", items, stats, taken, waiting tokens) after each step or batch
-of messages (and every 0.5 s of idling while a counter moves: the background's builds), ("reply", token, value, error) for a reset, and ("dead", text) if the loop dies.
+of messages (and every 0.5 s of idling while a counter moves: the background's builds),
+("reply", token, value, error) for a reset, and ("dead", text) if the loop dies.
 Outputs go up without their prompt, which this side holds (a 1,024-id prompt in every output of
 every step would be most of the bytes), and as deltas (paxengine/output_delta.py): each item is
 (request id, what is new in its output since the last message, None) or (request id, None, an

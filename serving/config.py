@@ -1,7 +1,8 @@
 """Server configuration and how YAML, presets and flags combine into (EngineConfig, ServerConfig).
 
 Precedence, lowest first: EngineConfig defaults < the server's own (`SERVER_ENGINE_DEFAULTS`) <
-`performance_mode` preset < YAML keys < explicit command-line flags. YAML keys that are not EngineConfig fields must be server keys.
+`performance_mode` preset < YAML keys < explicit command-line flags. YAML keys that are not
+EngineConfig fields must be server keys.
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ PERFORMANCE_MODES: dict[str, dict[str, Any]] = {
 
 # Engine settings where a server wants another default than the offline LLM:
 # - background_compile: a server is ready once the few buckets that hold any step are built and
-#   builds the rest while it serves (H200, Llama-3.1-8B, a fresh machine: ready in 32 s instead
-#   of 87-110; a restart loads everything from the executable store either way). An offline run
+#   builds the rest while it serves (H200, Llama-3.1-8B, a fresh machine: ready in 39-43 s
+#   instead of 87-110; a restart loads everything from the executable store either way). An offline run
 #   wants every bucket before its first step instead.
 SERVER_ENGINE_DEFAULTS: dict[str, Any] = {"background_compile": True}
 

@@ -36,8 +36,8 @@ _GAUGES = [
     (
         "step_executables_pending",
         "step_executables_pending",
-        "Step executables still compiling in the background (--background-compile); until 0 "
-        "some steps run padded into larger buckets.",
+        "Step executables the background has still to build or run once (--background-compile); "
+        "until 0 some steps run padded into larger buckets.",
     ),
 ]
 _COUNTERS = [
