@@ -207,13 +207,13 @@ class EngineCore:
                 self.drafter.compiles,
             )
         engine_setup.log_ready(self.load_seconds, self.runner, store, num_blocks)
-        # run each step executable once before serving (Runner.prime); ones the background
+        # run each step executable once before serving (StepBuilder.prime); ones the background
         # builds later run between requests (prime_idle)
         self.primes = (
             cfg.prime_steps if cfg.prime_steps is not None else jax.default_backend() == "gpu"
         )
         if self.primes:
-            log.info("ran each step executable once in %.1f s", self.runner.prime()[1])
+            log.info("ran each step executable once in %.1f s", self.runner.builder.prime()[1])
         self.grammars = GrammarCompiler(
             self.tokenizer, loaded.config.vocab_size, self.eos_token_ids
         )
@@ -246,7 +246,7 @@ class EngineCore:
             kv_cache_dtype="fp8_e4m3" if kv_dtype_name == "fp8" else kv_dtype_name,
             kv_cache_scales=scales_from,
             kv_capacity_tokens=num_blocks * cfg.block_size,
-            buckets=tuple(sorted(self.runner.planned)),
+            buckets=tuple(sorted(self.runner.builder.planned)),
         )
 
     def _chain_spec(self, tp, max_rows: int) -> ChainSpec | None:
@@ -341,12 +341,12 @@ class EngineCore:
 
     def prime_idle(self, limit: int = 4) -> bool:
         """With nothing to run: up to `limit` of the step executables the background built
-        since start-up run once (Runner.prime), a few at a time so that a request arriving
+        since start-up run once (StepBuilder.prime), a few at a time so that a request arriving
         meanwhile waits for no more than those. True while some are left."""
-        if not self.primes or self.has_unfinished() or not self.runner.unprimed():
+        if not self.primes or self.has_unfinished() or not self.runner.builder.unprimed():
             return False
         try:
-            n, seconds = self.runner.prime(limit)
+            n, seconds = self.runner.builder.prime(limit)
         except Exception:  # the steps will meet it themselves; the server stays up meanwhile
             log.exception("running a background-built step executable once failed")
             self.primes = False
@@ -354,7 +354,7 @@ class EngineCore:
             self.kv.reset_prefix_cache()  # and every cached block's KV with it
             return False
         log.debug("ran %d more step executables once in %.2f s", n, seconds)
-        return self.runner.unprimed()
+        return self.runner.builder.unprimed()
 
     # -- one step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

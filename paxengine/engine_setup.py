@@ -162,10 +162,10 @@ def log_ready(load_seconds: float, runner, store, num_kv_blocks: int) -> None:
         load_seconds,
         num_kv_blocks,
         n_exe,
-        runner.compile_seconds,
+        runner.builder.compile_seconds,
         store.hits if store is not None else 0,
-        runner.trace_seconds,
+        runner.builder.trace_seconds,
         "; the other buckets compile in the background (until then a step may run in a larger one)"
-        if runner.background is not None
+        if runner.builder.background is not None
         else "",
     )

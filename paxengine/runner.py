@@ -9,7 +9,6 @@ trace again, so nothing compiles while serving.
 from __future__ import annotations
 
 import os
-import threading
 from dataclasses import dataclass
 
 import jax
@@ -37,7 +36,7 @@ from paxengine.sampling import (
     unpack_samples,
 )
 from paxengine.spec_decode.chain import ChainSpec, chain_layout, chained_inputs
-from paxengine.step_build import StepBuilder, _abstract, _smallest_holding, mark_warm
+from paxengine.step_build import StepBuilder, abstract_of, mark_warm, smallest_holding
 
 # A probe's knob (benchmarks/profile/cmdbuf_updates.py), off: the step's fresh input buffers
 # make XLA re-record the forward's CUDA graph every step (~1 ms of host time); copied into
@@ -147,37 +146,6 @@ class Runner:
             self._no_shift(S)
         mark_warm()
 
-    # -- start-up, done by the builder (step_build.StepBuilder) ---------------------------------
-    @property
-    def planned(self) -> list[tuple[int, int]]:
-        """Every (T, S) bucket, built now or in the background."""
-        return self.builder.planned
-
-    @property
-    def compile_seconds(self) -> float:
-        return self.builder.compile_seconds
-
-    @property
-    def trace_seconds(self) -> float:
-        return self.builder.trace_seconds
-
-    @property
-    def background(self) -> threading.Thread | None:
-        return self.builder.background
-
-    @property
-    def num_primed(self) -> int:
-        return self.builder.num_primed
-
-    def unprimed(self) -> bool:
-        return self.builder.unprimed()
-
-    def prime(self, limit: int | None = None) -> tuple[int, float]:
-        return self.builder.prime(limit)
-
-    def wait_background(self, timeout: float | None = None) -> bool:
-        return self.builder.wait_background(timeout)
-
     # -- the jitted step: a forward per (T, S) bucket, then a sampler per (S, flags) ------------
     # Each takes its host inputs packed into one int32 vector (paxengine/packing.py): one
     # transfer per executable instead of one per array.
@@ -257,7 +225,7 @@ class Runner:
     def _forward_job(self, T: int, S: int):
         # shapes only: a job the background lowers later must not hold the KV arrays, which
         # the steps donate (and free) meanwhile
-        params, kv = jax.tree.map(_abstract, (self.params, self._caches()))
+        params, kv = jax.tree.map(abstract_of, (self.params, self._caches()))
         args = (params, kv, *self._abstract_inputs(T, S))
         static = (self.cfg, self.backend, self.max_blocks_per_seq, self.max_rows, self.placement)
         if self.aux is not None:  # which layers' states it keeps is in the program, not its shapes
@@ -270,10 +238,10 @@ class Runner:
         return chain_layout(self.chain, T, S, self.max_blocks_per_seq, self.history_len)
 
     def _chain_job(self, T: int, S: int):
-        params, kv = jax.tree.map(_abstract, (self.params, self._caches()))
+        params, kv = jax.tree.map(abstract_of, (self.params, self._caches()))
         i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)
         layout = self._chain_layout(T, S)
-        args = (params, kv, i32(layout.size), i32(self.max_rows), _abstract(self.prev_drafts))
+        args = (params, kv, i32(layout.size), i32(self.max_rows), abstract_of(self.prev_drafts))
         static = (self.cfg, self.backend, self.max_blocks_per_seq, self.max_rows, self.chain)
         key, opts = self.builder.store_key("chain", static, args, T)
         return key, lambda: self._chain_fwd.lower(*args, layout=layout, T=T, S=S), opts
@@ -311,7 +279,7 @@ class Runner:
         """The compiled chained bucket for that many requests, or None (not chainable now)."""
         if self.chain is None or not 0 < num_requests <= self.chain.rows:
             return None
-        return _smallest_holding(self.chained, num_requests * (self.chain.k + 1))
+        return smallest_holding(self.chained, num_requests * (self.chain.k + 1))
 
     def bucket_for(self, num_tokens: int, num_seqs: int) -> tuple[int, int]:
         """The smallest compiled (T, S) that holds the step (T first): 17 single-token rows take

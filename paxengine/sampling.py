@@ -367,7 +367,7 @@ def build_sampling_tensors(
     mask = None
     if grammar:  # all ones (every token allowed) but in the constrained rows
         mask = np.full((s, mask_words(vocab_size)), -1, np.int32)
-        if constrained:  # none in a priming step (Runner.prime), which has no grammars
+        if constrained:  # none in a priming step (StepBuilder.prime), which has no grammars
             grammars.fill_masks(constrained, mask)
     # [S, H] only when a row uses a penalty (no S x max_model_len upload every step otherwise).
     history = None

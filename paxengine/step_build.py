@@ -107,12 +107,12 @@ def xla_compile_options() -> dict | None:
     return opts
 
 
-def _smallest_holding(pairs, n: int) -> tuple[int, int] | None:
+def smallest_holding(pairs, n: int) -> tuple[int, int] | None:
     """The smallest (T, S) bucket with n tokens and n sampled rows (a chained step's shape)."""
     return min((p for p in pairs if p[0] >= n and p[1] >= n), default=None)
 
 
-def _abstract(x: jax.Array) -> jax.ShapeDtypeStruct:
+def abstract_of(x: jax.Array) -> jax.ShapeDtypeStruct:
     """x's shape and dtype, and its sharding where it has a mesh's (tensor parallelism): one
     device's array lowers as it would itself (no sharding annotations)."""
     sharding = x.sharding if isinstance(x.sharding, jax.sharding.NamedSharding) else None
@@ -354,7 +354,7 @@ class StepBuilder:
         if chain is None:
             return []
         need = [r * (chain.k + 1) for r in range(1, chain.rows + 1)]
-        fits = [_smallest_holding(pairs, n) for n in need]
+        fits = [smallest_holding(pairs, n) for n in need]
         return sorted({p for p in fits if p is not None})
 
     def _sampler_job(self, S: int, flags):

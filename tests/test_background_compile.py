@@ -64,8 +64,10 @@ def test_serves_before_the_background_is_done_and_gives_the_same_tokens(monkeypa
     llm = LLM(**ENGINE, background_compile=True)
     r = llm.engine.runner
     try:
-        first = set(first_buckets(r.planned, ENGINE["token_buckets"], ENGINE["seq_buckets"]))
-        assert set(r.compiled) == first != set(r.planned)
+        first = set(
+            first_buckets(r.builder.planned, ENGINE["token_buckets"], ENGINE["seq_buckets"])
+        )
+        assert set(r.compiled) == first != set(r.builder.planned)
         missing_samplers = [
             (S, f)
             for S in ENGINE["seq_buckets"]
@@ -73,7 +75,7 @@ def test_serves_before_the_background_is_done_and_gives_the_same_tokens(monkeypa
             if (S, f) not in r.samplers
         ]
         pending = llm.engine.stats()["step_executables_pending"]
-        assert pending == len(set(r.planned) - first) + len(missing_samplers) > 0
+        assert pending == len(set(r.builder.planned) - first) + len(missing_samplers) > 0
         cheap, full = min(r.sampler_flags, key=sum), max(r.sampler_flags, key=sum)
         assert r.available_flags(2) == [cheap, full]
         T, S = r.bucket_for(17, 2)  # (32, 2) is not built yet: a larger built bucket holds it
@@ -81,8 +83,8 @@ def test_serves_before_the_background_is_done_and_gives_the_same_tokens(monkeypa
         before = _run(llm)
     finally:
         gate.set()
-    assert r.wait_background(300)
-    assert set(r.compiled) == set(r.planned)
+    assert r.builder.wait_background(300)
+    assert set(r.compiled) == set(r.builder.planned)
     assert llm.engine.stats()["step_executables_pending"] == 0
     assert r.available_flags(2) == r.sampler_flags
     # the background's planned compiles are start-up work, not recompiles
@@ -91,7 +93,7 @@ def test_serves_before_the_background_is_done_and_gives_the_same_tokens(monkeypa
     assert compiles_after_warmup() == 0
 
     ref = LLM(**ENGINE)  # every bucket built before it serves
-    assert ref.engine.runner.background is None
+    assert ref.engine.runner.builder.background is None
     assert before == after == _run(ref)
 
 

@@ -1,4 +1,4 @@
-"""Priming (EngineConfig.prime_steps, Runner.prime): before serving, every compiled forward and
+"""Priming (EngineConfig.prime_steps, StepBuilder.prime): before serving, every compiled forward and
 every sampler variant runs once on an all-padding batch, and those the background builds later
 run while the server idles. It must run each of them, write nothing to the KV cache, leave no
 previous-step samples behind, and change no output."""
@@ -55,7 +55,7 @@ def test_runs_every_executable_once_and_writes_no_kv(unprimed):
     before = [np.asarray(x) for x in jax.tree_util.tree_leaves(r.kv_cache)]
     r.builder._primed.clear()
     try:
-        ran, _ = r.prime()
+        ran, _ = r.builder.prime()
     finally:
         r.compiled, r.samplers = saved
     forwards = {k for k in calls if k[0] == "fwd"}
@@ -67,8 +67,8 @@ def test_runs_every_executable_once_and_writes_no_kv(unprimed):
     # other sampler variants after their sequence bucket's smallest forward
     expected = len(r.compiled) + len(r.samplers) - len(r.seq_buckets)
     assert ran == expected == sum(calls[k] for k in forwards) == sum(calls[k] for k in samplers)
-    assert r.num_primed == len(r.compiled) + len(r.samplers) and not r.unprimed()
-    assert r.prime()[0] == 0  # all ran already
+    assert r.builder.num_primed == len(r.compiled) + len(r.samplers) and not r.builder.unprimed()
+    assert r.builder.prime()[0] == 0  # all ran already
     after = [np.asarray(x) for x in jax.tree_util.tree_leaves(r.kv_cache)]
     assert all(np.array_equal(a, b) for a, b in zip(before, after))
     assert not np.asarray(r.prev_tokens).any()
@@ -76,7 +76,7 @@ def test_runs_every_executable_once_and_writes_no_kv(unprimed):
 
 def test_primed_engine_gives_the_same_tokens(unprimed):
     primed = LLM(**ENGINE, prime_steps=True)
-    assert primed.engine.runner.num_primed > 0
+    assert primed.engine.runner.builder.num_primed > 0
     assert _run(primed) == _run(unprimed)
 
 
@@ -85,7 +85,7 @@ def test_default_is_on_only_on_a_gpu(unprimed):
 
     assert EngineConfig().prime_steps is None
     auto = LLM(**ENGINE)  # this machine has no GPU: nothing is primed
-    assert auto.engine.runner.num_primed == 0
+    assert auto.engine.runner.builder.num_primed == 0
 
 
 @pytest.mark.parametrize("flag,value", [("--prime-steps", True), ("--no-prime-steps", False)])
@@ -107,22 +107,24 @@ def test_background_built_steps_run_while_the_server_idles(monkeypatch):
     monkeypatch.setattr(StepBuilder, "_build_later", held)
     engine = AsyncEngine(**ENGINE, prime_steps=True, background_compile=True)
     core, r = engine.core, engine.core.runner
-    assert not r.unprimed() and 0 < r.num_primed  # the first buckets ran before serving
+    assert (
+        not r.builder.unprimed() and 0 < r.builder.num_primed
+    )  # the first buckets ran before serving
     waiting = core.stats()["step_executables_pending"]
     assert waiting == r.builder.pending > 0  # to build
     gate.set()
-    assert r.wait_background(300) and r.unprimed()
+    assert r.builder.wait_background(300) and r.builder.unprimed()
     assert core.stats()["step_executables_pending"] == waiting  # built now, but not run once
     core.groups["busy"] = None  # a request in the engine: nothing is primed now
     try:
-        assert core.prime_idle() is False and r.unprimed()
+        assert core.prime_idle() is False and r.builder.unprimed()
     finally:
         del core.groups["busy"]
 
     async def main():
         await engine.start()
         for _ in range(600):  # the idle loop runs them, a few at a time
-            if not r.unprimed():
+            if not r.builder.unprimed():
                 break
             await asyncio.sleep(0.05)
         params = SamplingParams(max_tokens=6, ignore_eos=True, temperature=0)
@@ -132,7 +134,7 @@ def test_background_built_steps_run_while_the_server_idles(monkeypatch):
 
     started = time.monotonic()
     tokens = asyncio.run(main())
-    assert not r.unprimed(), f"still unprimed after {time.monotonic() - started:.1f} s"
+    assert not r.builder.unprimed(), f"still unprimed after {time.monotonic() - started:.1f} s"
     assert core.stats()["step_executables_pending"] == 0
     ref = LLM(**ENGINE, prime_steps=False)
     params = SamplingParams(max_tokens=6, ignore_eos=True, temperature=0)

@@ -47,7 +47,7 @@ def main() -> int:
         "preset": preset,
         "layer_loop": eng.runner.layer_loop,
         "buckets": len(eng.runner.compiled),
-        "compile_s": eng.runner.compile_seconds,
+        "compile_s": eng.runner.builder.compile_seconds,
         "startup_s": time.perf_counter() - t0,
     }
     print(res, flush=True)

@@ -39,7 +39,7 @@ outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore
                     use_tqdm=False)
 print(json.dumps({
     "import_s": t1 - t0, "engine_s": t2 - t1, "load_s": eng.load_seconds,
-    "executables_s": r.compile_seconds, "trace_s": r.trace_seconds,
+    "executables_s": r.builder.compile_seconds, "trace_s": r.builder.trace_seconds,
     "executables": len(r.compiled) + len(r.samplers),
     "from_store": r.store.hits if r.store else 0,
     "store_load_s": r.store.load_seconds if r.store else 0.0,

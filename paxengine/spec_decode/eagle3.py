@@ -57,7 +57,7 @@ from paxengine.models.quant import linear
 from paxengine.request import Request
 from paxengine.runner import AuxHidden, Runner
 from paxengine.spec_decode.draft_model import DraftProposer, _State, _Work
-from paxengine.step_build import _abstract, compile_count
+from paxengine.step_build import abstract_of, compile_count
 
 log = logging.getLogger("paxengine")
 
@@ -323,7 +323,12 @@ class Eagle3Runner(Runner):
 
     def _abstract_inputs(self, T: int, S: int):
         packed, prev_tokens = super()._abstract_inputs(T, S)
-        return packed, prev_tokens, _abstract(self.prev_hidden), _abstract(self.target.aux_cache)
+        return (
+            packed,
+            prev_tokens,
+            abstract_of(self.prev_hidden),
+            abstract_of(self.target.aux_cache),
+        )
 
     def _forward_fn(self, params, kv_cache, packed, prev_tokens, prev_hidden, aux_cache, *, layout):
         x = layout.unpack(packed)
@@ -356,7 +361,7 @@ class Eagle3Runner(Runner):
         return kv_cache, ids, hidden, logits
 
     def _forward_job(self, T: int, S: int):
-        params, kv = jax.tree.map(_abstract, (self.params, self.kv_cache))
+        params, kv = jax.tree.map(abstract_of, (self.params, self.kv_cache))
         args = (params, kv, *self._abstract_inputs(T, S))
         static = ("eagle3", self.norm_before_residual, self.cfg, self.backend)
         static += (self.max_blocks_per_seq, self.max_rows, self.placement)
