@@ -9,7 +9,7 @@ from kernels_pallas.dispatch import ragged_paged_attention
 from kernels_pallas.fp8_gemv import fp8_matmul
 from kernels_pallas.glu_quant import glu_quant
 from kernels_pallas.kv_write import write_kv
-from kernels_pallas.layout import quantize_kv, value_cache_dtype
+from kernels_pallas.layout import quantize_kv, v_transposed, value_cache_dtype, value_page_shape
 from kernels_pallas.metadata import AttentionMetadata, token_to_seq
 from kernels_pallas.reference import (
     ref_fp8_matmul,
@@ -30,6 +30,8 @@ __all__ = [
     "rope_write_kv",
     "quantize_kv",
     "value_cache_dtype",
+    "value_page_shape",
+    "v_transposed",
     "ragged_paged_attention",
     "default_tuning",
     "Tuning",

@@ -19,6 +19,11 @@ Work decomposition (all static shapes; the data decides which programs do work):
   `[L * Hkv * num_blocks * block_size, D]` through the block table (layer offset included, so a
   traced `layer` costs nothing and the cache is never sliced or copied; `flat_cache.py`), with
   an online softmax in fp32 (exp2 domain; `softmax.py`).
+* page_block (block_k == block_size): a KV block is one page, its id read once and K / V
+  loaded as contiguous tiles. fp8 caches of 64-token pages store V pages [D, bs]
+  (layout.v_transposed), viewed as `[L * Hkv * num_blocks * D, bs]`, and are read this way
+  only: the PV product's contraction (positions) is then contiguous, as 8-bit MMA operands
+  want it.
 * Split-K (flash-decoding): with k_splits > 1 each program takes 1/k_splits of the tile's KV
   blocks and writes un-normalised partials (acc, m, l); a small kernel merges them
   (merge_splits).
@@ -48,7 +53,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from kernels_pallas.flat_cache import kv_scales, row_index
-from kernels_pallas.layout import quantize_kv
+from kernels_pallas.layout import cache_v_transposed, quantize_kv
 from kernels_pallas.metadata import AttentionMetadata
 from kernels_pallas.softmax import LOG2E, MASK_VALUE, P_LOG2_GAIN
 from kernels_pallas.tuning import next_pow2
@@ -82,6 +87,8 @@ def _rpa_kernel(
     split_mask,
     reverse_tiles,
     pv_fp16,
+    page_block,
+    v_dn,
     num_tiles,
     has_out_in,
 ):
@@ -147,16 +154,34 @@ def _rpa_kernel(
     def body(b, carry, masked):
         acc, m_prev, l_prev = carry
         kv = b * block_k + jnp.arange(block_k, dtype=jnp.int32)  # absolute KV positions
-        page = bt_ref[seq * P + jnp.minimum(kv // bs, P - 1)]
-        rows = (head_base + page) * bs + kv % bs
-        k = k_ref[rows]  # [block_k, D]
+        kv_ok = kv < kv_len
+        if page_block:
+            # block_k == bs: a block is one page, its id a scalar, K / V contiguous tiles.
+            page = (head_base + bt_ref[seq * P + jnp.minimum(b, P - 1)]) * bs
+            k = k_ref[pl.ds(page, bs), :]
+        else:
+            page = bt_ref[seq * P + jnp.minimum(kv // bs, P - 1)]
+            rows = (head_base + page) * bs + kv % bs
+            k = k_ref[rows]  # [block_k, D]
         if not k_is_compute:
             k = k.astype(compute_dtype)
-        if masked:
+        if page_block:
+            if v_dn:  # V pages stored [D, bs]: positions (the PV contraction) contiguous
+                v = v_ref[pl.ds(page // bs * D, D), :]
+            else:
+                v = v_ref[pl.ds(page, bs), :]
+            if masked:
+                v = jnp.where(
+                    (kv_ok[None, :] if v_dn else kv_ok[:, None]),
+                    v.astype(compute_dtype) if v_is_fp8 else v,
+                    0,
+                )
+            if v_dn:
+                v = v.T
+        elif masked:
             # V rows past kv_len may hold anything (NaN bit patterns too): load zeros there, since
             # p == 0 would still give 0 * NaN = NaN in the PV product.
             # (fp8: the Triton lowering cannot make an fp8 `other`, so zero after the upcast.)
-            kv_ok = kv < kv_len
             if v_is_fp8:
                 v = jnp.where(kv_ok[:, None], v_ref[rows].astype(compute_dtype), 0)
             else:
@@ -281,6 +306,9 @@ def triton_attention(
     L, Hkv, NB, bs, _ = k_cache.shape
     P = md.block_tables.shape[1]
     G = Hq // Hkv
+    v_dn = cache_v_transposed(k_cache, v_cache)  # V pages [D, bs] (layout.v_transposed)
+    assert not tun.page_block or tun.block_k == bs, "page_block needs block_k == block_size"
+    assert tun.page_block or not v_dn, "[D, bs] V pages are read a page per block (page_block)"
     kernel = functools.partial(
         _rpa_kernel,
         T=T,
@@ -302,6 +330,8 @@ def triton_attention(
         split_mask=bool(tun.split_mask),
         reverse_tiles=bool(tun.reverse_tiles),
         pv_fp16=bool(tun.pv_fp16),
+        page_block=bool(tun.page_block),
+        v_dn=bool(v_dn),
         num_tiles=num_tiles,
         has_out_in=out_in is not None,
     )
@@ -322,7 +352,7 @@ def triton_attention(
         kv_scales(k_scale, v_scale),
         q.reshape(T * Hq, D),
         k_cache.reshape(rows, D),
-        v_cache.reshape(rows, D),
+        v_cache.reshape(rows // bs * D, bs) if v_dn else v_cache.reshape(rows, D),
     )
     if out_in is not None:
         args += (out_in,)

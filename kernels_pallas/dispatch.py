@@ -24,7 +24,7 @@ from kernels_pallas import attention_mgpu
 from kernels_pallas import attention_mgpu_decode as mgpu_decode
 from kernels_pallas.attention import merge_splits, triton_attention
 from kernels_pallas.flat_cache import layer_base
-from kernels_pallas.layout import value_cache_dtype
+from kernels_pallas.layout import cache_v_transposed, value_cache_dtype
 from kernels_pallas.metadata import AttentionMetadata
 from kernels_pallas.tiles import decode_tile_metadata, tile_count, tile_metadata
 from kernels_pallas.tuning import is_decode_bucket, plan_launches
@@ -60,10 +60,12 @@ def ragged_paged_attention(
     mosaic_schedule=None,
     mosaic_decode=None,
     mosaic_decode_wgs=None,
+    page_block=None,
     num_sms=132,
 ):
     """Ragged paged attention through the Pallas kernels.
-    q [T, Hq, D]; caches [L, Hkv, NB, bs, D] -> [T, Hq, D].
+    q [T, Hq, D]; caches [L, Hkv, NB, bs, D] (V pages [D, bs] where layout.v_transposed says
+    so: fp8 caches of 64-token pages) -> [T, Hq, D].
 
     `layer` may be a traced int32 scalar. fp8 caches are dequantized in-kernel with the
     per-tensor `k_scale` / `v_scale` (Python floats or scalar arrays). Tuning fields left None
@@ -71,7 +73,8 @@ def ragged_paged_attention(
     """
     T, Hq, D = q.shape
     _, Hkv, _, bs, Dk = k_cache.shape
-    assert Dk == D and v_cache.shape == k_cache.shape and Hq % Hkv == 0
+    v_t = cache_v_transposed(k_cache, v_cache)  # (checks V's shape; Triton kernel only)
+    assert Dk == D and Hq % Hkv == 0
     # V pages are K's dtype or the engine's choice for it (fp16 under bf16), never another mix.
     assert v_cache.dtype in (k_cache.dtype, value_cache_dtype(k_cache.dtype)), (
         k_cache.dtype,
@@ -87,6 +90,7 @@ def ragged_paged_attention(
         bs,
         num_sms,
         kv_itemsize=jnp.dtype(k_cache.dtype).itemsize,
+        v_t=v_t,
         block_q=block_q,
         block_k=block_k,
         k_splits=k_splits,
@@ -104,6 +108,7 @@ def ragged_paged_attention(
         mosaic_schedule=mosaic_schedule,
         mosaic_decode=mosaic_decode,
         mosaic_decode_wgs=mosaic_decode_wgs,
+        page_block=page_block,
     )
     num_tiles = tile_count(T, S, tun.block_q)
 
@@ -131,6 +136,7 @@ def ragged_paged_attention(
     def decode_by_mosaic(t):
         return (
             t.mosaic_decode
+            and not v_t
             and (mosaic_decode or not interpret)
             and mgpu_decode.decode_eligible(
                 q.dtype,
@@ -158,6 +164,7 @@ def ragged_paged_attention(
         ).reshape(T, Hq, D)
     if (
         tun.mosaic
+        and not v_t
         and (mosaic or not interpret)
         and tun.k_splits == 1
         and attention_mgpu.mosaic_eligible(

@@ -2,6 +2,8 @@
 
 A cache [L, Hkv, NB, bs, D] is reshaped (a bitcast: nothing is copied) to rows
 [L * Hkv * NB * bs, D] (the Triton kernels) or pages [L * Hkv * NB, bs, D] (the Mosaic ones).
+V pages stored [D, bs] (layout.v_transposed) are viewed as [L * Hkv * NB * D, bs]: row
+page * D + d holds dimension d of the page's bs positions.
 Page p of (layer, KV head h) is then page (layer * Hkv + h) * NB + p, so a traced `layer` is an
 offset a kernel adds (`layer_base`), never a slice of the cache. In the Triton kernels, rows a
 program must not touch are pointed past the end of the ref: a masked lane is never touched on
@@ -35,4 +37,17 @@ def row_index(rows, D):
     return (
         jnp.broadcast_to(rows[:, None], (n, D)),
         jnp.broadcast_to(jnp.arange(D, dtype=jnp.int32)[None, :], (n, D)),
+    )
+
+
+def t_row_index(rows, bs, D, d0=0, width=None):
+    """(row, col) index arrays [n, width] scattering dimensions [d0, d0 + width) (default all D)
+    of rows (numbered as in [.., bs, D] pages; past the end for masked ones, which stay past the
+    end) into a [D, bs]-paged V cache viewed as [pages * D, bs]."""
+    n = rows.shape[0]
+    width = D - d0 if width is None else width
+    d = d0 + jnp.arange(width, dtype=jnp.int32)[None, :]
+    return (
+        jnp.broadcast_to((rows // bs * D)[:, None] + d, (n, width)),
+        jnp.broadcast_to((rows % bs)[:, None], (n, width)),
     )

@@ -17,8 +17,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from kernels_pallas.flat_cache import kv_scales, layer_base, row_index
-from kernels_pallas.layout import quantize_kv
+from kernels_pallas.flat_cache import kv_scales, layer_base, row_index, t_row_index
+from kernels_pallas.layout import cache_v_transposed, quantize_kv
 from kernels_pallas.tuning import next_pow2
 
 
@@ -39,6 +39,8 @@ def _write_kernel(
     NBbs,
     block_t,
     quantize,
+    v_t,
+    bs,
 ):
     del kc_in, vc_in  # aliased to kc_out / vc_out
     i = pl.program_id(0)
@@ -64,7 +66,8 @@ def _write_kernel(
     idx = row_index(dst, D)
     # quantize_kv without a scale (applied above): the cast, fp16 pages clamped first.
     plt.store(kc_out.at[idx], quantize_kv(k, kc_out.dtype), mask=mask)
-    plt.store(vc_out.at[idx], quantize_kv(v, vc_out.dtype), mask=mask)
+    v_idx = t_row_index(dst, bs, D) if v_t else idx  # (past the end stays past the end)
+    plt.store(vc_out.at[v_idx], quantize_kv(v, vc_out.dtype), mask=mask)
 
 
 def write_kv(
@@ -83,7 +86,8 @@ def write_kv(
     num_warps=4,
     num_stages=1,
 ):
-    """Writes k/v [T, Hkv, D] into the caches [L, Hkv, NB, bs, D] at `slot_mapping` (-1 = skip).
+    """Writes k/v [T, Hkv, D] into the caches [L, Hkv, NB, bs, D] at `slot_mapping` (-1 = skip)
+    (V pages [D, bs] where layout.v_transposed says so).
 
     impl: "pallas", "xla" (the in-place XLA scatter of `ref_write_kv`) or "auto": on the H200
     (jitted loop, donated 1 GiB caches) the scatter took 12.9 us at T=64 against 17.6 us for the
@@ -91,6 +95,7 @@ def write_kv(
     kernel above; in interpret mode "auto" always runs the kernel (that is what it is there for).
     """
     L, Hkv, NB, bs, D = k_cache.shape
+    v_t = cache_v_transposed(k_cache, v_cache)
     T = k.shape[0]
     if impl == "xla" or (impl == "auto" and not interpret and T <= 256):
         from kernels_pallas.reference import ref_write_kv
@@ -105,15 +110,24 @@ def write_kv(
     kv_base = layer_base(layer, Hkv)
     scales = kv_scales(k_scale, v_scale)
     shape2 = (L * Hkv * NB * bs, D)
+    v_shape2 = (L * Hkv * NB * D, bs) if v_t else shape2
     kernel = functools.partial(
-        _write_kernel, T=T, Hkv=Hkv, H_pad=H_pad, NBbs=NB * bs, block_t=block_t, quantize=quantize
+        _write_kernel,
+        T=T,
+        Hkv=Hkv,
+        H_pad=H_pad,
+        NBbs=NB * bs,
+        block_t=block_t,
+        quantize=quantize,
+        v_t=v_t,
+        bs=bs,
     )
     kc, vc = pl.pallas_call(
         kernel,
         grid=(pl.cdiv(T, block_t),),
         out_shape=[
             jax.ShapeDtypeStruct(shape2, k_cache.dtype),
-            jax.ShapeDtypeStruct(shape2, v_cache.dtype),
+            jax.ShapeDtypeStruct(v_shape2, v_cache.dtype),
         ],
         input_output_aliases={5: 0, 6: 1},
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
@@ -126,6 +140,6 @@ def write_kv(
         k.reshape(T * Hkv, D),
         v.reshape(T * Hkv, D),
         k_cache.reshape(shape2),
-        v_cache.reshape(shape2),
+        v_cache.reshape(v_shape2),
     )
     return kc.reshape(k_cache.shape), vc.reshape(v_cache.shape)

@@ -37,3 +37,38 @@ def quantize_kv(x, cache_dtype, scale=None):
         fp8_max = float(jnp.finfo(dt).max)
         x = jnp.clip(x, -fp8_max, fp8_max)
     return x.astype(cache_dtype)
+
+
+# fp8 pages of this many tokens store V transposed (see v_transposed).
+V_TRANSPOSED_BLOCK = 64
+
+
+def v_transposed(kv_dtype, block_size: int) -> bool:
+    """Whether the V pages of a cache of `kv_dtype` with pages of `block_size` tokens are stored
+    [D, block_size] (positions contiguous) instead of [block_size, D]: fp8 caches with pages of
+    64 tokens (the engine's default page for fp8 KV). The Triton decode kernel then loads a whole page as one tile (a KV block is a
+    page) with the PV product's contraction axis contiguous, as the fp8 MMA wants its B operand;
+    H200, decode attention over fp8 pages, us (gpu_2026-12-03f_page_blocks/): B=300 ctx 1536
+    349.9 (16-token pages, gathered rows) -> 286.8; B=256 ctx 1024 212.1 -> 171.3; B=64 ctx 2048
+    116.8 -> 95.7; B=1 ctx 8192 26.5 -> 24.4; B=8 ctx 8192 75.6 -> 81.2. Gathered rows of
+    [bs, D] pages at 64 tokens measured no better than 16-token pages, and bf16 / fp16 pages
+    gained nothing from either, so they keep [bs, D]. 128-token pages decode a little faster
+    still (B=300: 274.7 us) but a KV block of 128 slowed the 2,048-token prefill 185.9 -> 266.6
+    us, so they keep [bs, D] and gathered rows too."""
+    return jnp.dtype(kv_dtype) == jnp.float8_e4m3fn and block_size == V_TRANSPOSED_BLOCK
+
+
+def value_page_shape(kv_dtype, block_size: int, head_dim: int) -> tuple[int, int]:
+    """The trailing two axes of a V cache (after [L, Hkv, NB])."""
+    if v_transposed(kv_dtype, block_size):
+        return (head_dim, block_size)
+    return (block_size, head_dim)
+
+
+def cache_v_transposed(k_cache, v_cache) -> bool:
+    """v_transposed of a (k_cache [L, Hkv, NB, bs, D], v_cache) pair, its V shape checked."""
+    _, _, _, bs, D = k_cache.shape
+    t = v_transposed(k_cache.dtype, bs)
+    want = tuple(k_cache.shape[:3]) + value_page_shape(k_cache.dtype, bs, D)
+    assert tuple(v_cache.shape) == want, ("V cache layout", k_cache.shape, v_cache.shape, want)
+    return t

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax import export as jax_export
 
-from kernels_pallas.layout import value_cache_dtype
+from kernels_pallas.layout import value_cache_dtype, value_page_shape
 from kernels_pallas.metadata import AttentionMetadata
 
 
@@ -95,7 +95,8 @@ def check_cuda_lowering(
     kv_dtype = kv_dtype or dtype
     shape = (num_layers, num_kv_heads, num_blocks, block_size, head_dim)
     k_cache = jax.ShapeDtypeStruct(shape, kv_dtype)
-    v_cache = jax.ShapeDtypeStruct(shape, v_dtype or value_cache_dtype(kv_dtype))
+    v_shape = shape[:3] + value_page_shape(kv_dtype, block_size, head_dim)  # the engine's layout
+    v_cache = jax.ShapeDtypeStruct(v_shape, v_dtype or value_cache_dtype(kv_dtype))
     q = jax.ShapeDtypeStruct((T, num_heads, head_dim), dtype)
     kv = jax.ShapeDtypeStruct((T, num_kv_heads, head_dim), dtype)
     scales = dict(k_scale=0.5, v_scale=0.25) if kv_scales else {}

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from kernels_pallas.layout import quantize_kv
+from kernels_pallas.layout import cache_v_transposed, quantize_kv
 from kernels_pallas.metadata import AttentionMetadata, token_to_seq
 
 _HI = lax.Precision.HIGHEST
@@ -23,8 +23,10 @@ _HI = lax.Precision.HIGHEST
 def ref_write_kv(
     k_cache, v_cache, layer, k, v, slot_mapping, *, k_scale=None, v_scale=None, **unused
 ):
-    """cache[layer, h, slot // bs, slot % bs] = k[t, h] for every token t with slot >= 0."""
+    """cache[layer, h, slot // bs, slot % bs] = k[t, h] for every token t with slot >= 0 (V at
+    [layer, h, slot // bs, :, slot % bs] where its pages are [D, bs]: layout.v_transposed)."""
     _, _, num_blocks, bs, _ = k_cache.shape
+    v_t = cache_v_transposed(k_cache, v_cache)
     valid = slot_mapping >= 0
     blk = jnp.where(valid, slot_mapping // bs, num_blocks)  # out of range -> dropped
     off = jnp.where(valid, slot_mapping % bs, 0)
@@ -32,9 +34,11 @@ def ref_write_kv(
     k_cache = k_cache.at[layer, :, blk, off].set(
         quantize_kv(k, k_cache.dtype, k_scale), mode="drop"
     )
-    v_cache = v_cache.at[layer, :, blk, off].set(
-        quantize_kv(v, v_cache.dtype, v_scale), mode="drop"
-    )
+    v_new = quantize_kv(v, v_cache.dtype, v_scale)
+    if v_t:  # (the advanced indices go first either way: [T, Hkv, D])
+        v_cache = v_cache.at[layer, :, blk, :, off].set(v_new, mode="drop")
+    else:
+        v_cache = v_cache.at[layer, :, blk, off].set(v_new, mode="drop")
     return k_cache, v_cache
 
 
@@ -102,6 +106,7 @@ def ref_ragged_paged_attention(
     del interpret
     T, Hq, D = q.shape
     _, Hkv, _, bs, _ = k_cache.shape
+    v_t = cache_v_transposed(k_cache, v_cache)
     G = Hq // Hkv
     S, P = md.block_tables.shape
     seq, pos, valid = token_to_seq(md, T)
@@ -114,7 +119,9 @@ def ref_ragged_paged_attention(
         pages = md.block_tables[s]  # [P]
         # One gather straight from the whole cache: slicing out the layer first would copy it.
         k = k_cache[layer, :, pages].swapaxes(0, 1).reshape(Hkv, P * bs, D).astype(jnp.float32) * ks
-        v = v_cache[layer, :, pages].swapaxes(0, 1).reshape(Hkv, P * bs, D).astype(jnp.float32) * vs
+        v = v_cache[layer, :, pages]  # [P, Hkv, bs, D] ([P, Hkv, D, bs] transposed)
+        v = (v.swapaxes(2, 3) if v_t else v).swapaxes(0, 1).reshape(Hkv, P * bs, D)
+        v = v.astype(jnp.float32) * vs
         qg = q_t.reshape(Hkv, G, D).astype(jnp.float32)
         logits = jnp.einsum("hgd,hkd->hgk", qg, k, precision=_HI) * sm_scale
         if soft_cap is not None:

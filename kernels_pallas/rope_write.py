@@ -12,7 +12,8 @@ needs no shuffle:
   token t is row (t * Htot + h) * 2 + j; k heads follow the q heads, v heads the k heads.
 - q_rot [T, Hq, D] -> [T * Hq * 2, D // 2], same scheme.
 - the caches [L, Hkv, NB, bs, D] -> [L * Hkv * NB * bs * 2, D // 2]: row
-  ((layer * Hkv + h) * NB * bs + slot) * 2 + j (kv_write.py's row, times two, plus the half).
+  ((layer * Hkv + h) * NB * bs + slot) * 2 + j (kv_write.py's row, times two, plus the half);
+  V pages stored [D, bs] (layout.v_transposed) -> [L * Hkv * NB * D, bs] (flat_cache.py).
 - cos / sin [T, D // 2] are gathered by token.
 
 Each program takes `block_t` tokens: block_t * Hq_pad q rows and block_t * Hkv_pad k and v rows
@@ -36,8 +37,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from kernels_pallas.flat_cache import kv_scales, layer_base, row_index
-from kernels_pallas.layout import quantize_kv
+from kernels_pallas.flat_cache import kv_scales, layer_base, row_index, t_row_index
+from kernels_pallas.layout import cache_v_transposed, quantize_kv
 from kernels_pallas.tuning import next_pow2
 
 
@@ -62,6 +63,8 @@ def _rope_write_kernel(
     NBbs,
     block_t,
     quantize,
+    v_t,
+    bs,
 ):
     del kc_in, vc_in  # aliased to kc_out / vc_out
     i = pl.program_id(0)
@@ -112,7 +115,14 @@ def _rope_write_kernel(
         v1, v2 = v1.astype(jnp.float32) * inv_v, v2.astype(jnp.float32) * inv_v
     # quantize_kv without a scale (applied above): the cast, fp16 pages clamped first.
     store_halves(kc_out, dst, ok, quantize_kv(k1, kc_out.dtype), quantize_kv(k2, kc_out.dtype))
-    store_halves(vc_out, dst, ok, quantize_kv(v1, vc_out.dtype), quantize_kv(v2, vc_out.dtype))
+    v1, v2 = quantize_kv(v1, vc_out.dtype), quantize_kv(v2, vc_out.dtype)
+    if v_t:  # [D, bs] V pages, viewed as [pages * D, bs]: each half at its D-rows of the page
+        half = v1.shape[1]
+        mask = jnp.broadcast_to(ok[:, None], v1.shape)
+        plt.store(vc_out.at[t_row_index(dst, bs, 2 * half, 0, half)], v1, mask=mask)
+        plt.store(vc_out.at[t_row_index(dst, bs, 2 * half, half, half)], v2, mask=mask)
+    else:
+        store_halves(vc_out, dst, ok, v1, v2)
 
 
 def rope_write_kv(
@@ -149,7 +159,7 @@ def rope_write_kv(
     T = qkv.shape[0]
     Hq = num_heads
     assert Hkv == num_kv_heads, (k_cache.shape, num_kv_heads)
-    assert v_cache.shape == k_cache.shape, (k_cache.shape, v_cache.shape)
+    v_t = cache_v_transposed(k_cache, v_cache)
     Htot = Hq + 2 * Hkv
     assert qkv.shape == (T, Htot * D), (qkv.shape, Hq, Hkv, D)
     assert D % 2 == 0 and next_pow2(D // 2) == D // 2, f"D // 2 must be a power of two: {D}"
@@ -161,6 +171,7 @@ def rope_write_kv(
     assert next_pow2(block_t) == block_t, f"block_t must be a power of two: {block_t}"
     quantize = k_scale is not None or v_scale is not None
     cache2 = (L * Hkv * NB * bs * 2, half)
+    v_cache2 = (L * Hkv * NB * D, bs) if v_t else cache2
     kernel = functools.partial(
         _rope_write_kernel,
         T=T,
@@ -171,6 +182,8 @@ def rope_write_kv(
         NBbs=NB * bs,
         block_t=block_t,
         quantize=quantize,
+        v_t=v_t,
+        bs=bs,
     )
     q_rot, kc, vc = pl.pallas_call(
         kernel,
@@ -178,7 +191,7 @@ def rope_write_kv(
         out_shape=[
             jax.ShapeDtypeStruct((T * Hq * 2, half), qkv.dtype),
             jax.ShapeDtypeStruct(cache2, k_cache.dtype),
-            jax.ShapeDtypeStruct(cache2, v_cache.dtype),
+            jax.ShapeDtypeStruct(v_cache2, v_cache.dtype),
         ],
         input_output_aliases={6: 1, 7: 2},
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
@@ -192,6 +205,6 @@ def rope_write_kv(
         sin.astype(jnp.float32),
         qkv.reshape(T * Htot * 2, half),
         k_cache.reshape(cache2),
-        v_cache.reshape(cache2),
+        v_cache.reshape(v_cache2),
     )
     return q_rot.reshape(T, Hq, D), kc.reshape(k_cache.shape), vc.reshape(v_cache.shape)

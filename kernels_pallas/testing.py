@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from kernels_pallas.layout import value_cache_dtype
+from kernels_pallas.layout import v_transposed, value_cache_dtype
 from kernels_pallas.metadata import AttentionMetadata
 
 
@@ -30,7 +30,8 @@ def make_batch(
     """seqs: list of (q_len, kv_len) with q_len <= kv_len. Pads to T tokens / S sequence rows.
 
     kv_dtype: the K pages' dtype (default dtype); v_dtype: the V pages' (default the engine's
-    choice, layout.value_cache_dtype(kv_dtype): fp16 under bf16).
+    choice, layout.value_cache_dtype(kv_dtype): fp16 under bf16). V pages are laid out as the
+    engine's ([D, bs] where layout.v_transposed says so; `v_rows` undoes it).
     Returns dict(q, k_cache, v_cache, k_new, v_new, md, num_tokens). Block tables are random
     permutations of physical blocks; the cache is random, and (poison=True) every slot that no
     sequence owns up to its length holds NaN, so a kernel that reads past a length shows it.
@@ -69,6 +70,8 @@ def make_batch(
                 owned[bt[i, pos // block_size], pos % block_size] = True
         kc[:, :, ~owned] = np.nan
         vc[:, :, ~owned] = np.nan
+    if v_transposed(kv_dtype, block_size):
+        vc = np.ascontiguousarray(vc.swapaxes(-1, -2))
     md = AttentionMetadata(
         jnp.asarray(slot),
         jnp.asarray(bt),
@@ -88,6 +91,14 @@ def make_batch(
         md=md,
         num_tokens=n_tok,
     )
+
+
+def v_rows(k_cache, v_cache):
+    """The V cache as [L, Hkv, NB, bs, D] (its pages transposed back where layout.v_transposed
+    stores them [D, bs]), for comparisons position by position."""
+    if v_transposed(k_cache.dtype, k_cache.shape[3]):
+        return v_cache.swapaxes(-1, -2)
+    return v_cache
 
 
 def sink_batch(

@@ -56,6 +56,9 @@ class Tuning:
     # Opt-in: on the H200 it measured 0-11% slower than the Triton decode launch.
     mosaic_decode: bool = False
     mosaic_decode_wgs: int = 2  # compute warpgroups of the decode kernel (1 or 2)
+    # Triton: a KV block is one page (block_k == block_size): its id read once, K / V loaded as
+    # contiguous tiles instead of gathered rows.
+    page_block: bool = False
 
 
 TUNING_FIELDS = tuple(f.name for f in dataclasses.fields(Tuning))
@@ -70,10 +73,20 @@ def default_tuning(
     block_size: int,
     num_sms: int = 132,
     kv_itemsize: int = 2,
+    v_t: bool = False,
 ) -> Tuning:
-    """Static choice from the bucket shape and the KV pages' item size (1: fp8; the engine may
-    override any field)."""
+    """Static choice from the bucket shape, the KV pages' item size (1: fp8) and whether V pages
+    are stored [D, bs] (`v_t`, layout.v_transposed); the engine may override any field."""
     tun = _default_16bit(T, S, Hq, Hkv, D, block_size, num_sms)
+    if v_t:
+        # [D, bs] V pages are read a page per KV block (the kernel's only way to read them).
+        # Decode, H200, fp8, 64-token pages, 2 / 3 / 4 stages, us (gpu_2026-12-03f_page_blocks/):
+        # B=64 ctx 2048 104.3 / 98.2 / 95.7; B=256 ctx 1024 173.5 / 170.1 / 171.3; B=1 ctx 8192
+        # 22.7 / 31.3 / 24.4; mixed 60 decodes + 448 140.2 / 142.3 / 140.6.
+        tun = dataclasses.replace(tun, page_block=True, block_k=block_size)
+        if is_decode_bucket(T, S):
+            return dataclasses.replace(tun, pv_split=False, split_mask=True, num_stages=4)
+        return dataclasses.replace(tun, pv_split=False)
     if kv_itemsize != 1:
         return tun
     # fp8 pages: V holds 3 mantissa bits, so P's second (lo) PV dot buys nothing, and a KV byte
@@ -168,10 +181,11 @@ def resolve_tuning(
     block_size: int,
     num_sms: int = 132,
     kv_itemsize: int = 2,
+    v_t: bool = False,
     **overrides,
 ) -> Tuning:
     """default_tuning with the fields given (not None) replaced."""
-    tun = default_tuning(T, S, Hq, Hkv, D, block_size, num_sms, kv_itemsize)
+    tun = default_tuning(T, S, Hq, Hkv, D, block_size, num_sms, kv_itemsize, v_t)
     bad = set(overrides) - set(TUNING_FIELDS)
     if bad:
         raise TypeError(f"unknown tuning fields {sorted(bad)}")
@@ -187,6 +201,7 @@ def plan_launches(
     block_size: int,
     num_sms: int = 132,
     kv_itemsize: int = 2,
+    v_t: bool = False,
     **overrides,
 ) -> tuple[Tuning, Tuning | None]:
     """The tunings of one call's launches: (main, decode), decode None unless a mixed bucket
@@ -195,16 +210,19 @@ def plan_launches(
     mask-loop choices: measured on the H200, that beats the pure decode defaults there (60
     decodes at ctx 2048 + a 448-token chunk: 194.7 vs 210.6 us; + a 1,988-token prefill with the
     256-row tiles' fp16 PV: 299.7 vs 324.9 us)."""
-    tun = resolve_tuning(T, S, Hq, Hkv, D, block_size, num_sms, kv_itemsize, **overrides)
+    tun = resolve_tuning(T, S, Hq, Hkv, D, block_size, num_sms, kv_itemsize, v_t, **overrides)
     if not (tun.mixed_split and T > 2 * S and S > 1 and tun.k_splits == 1):
         return tun, None
     dtun = dataclasses.replace(
-        default_tuning(S, S, Hq, Hkv, D, block_size, num_sms, kv_itemsize),
+        default_tuning(S, S, Hq, Hkv, D, block_size, num_sms, kv_itemsize, v_t),
         k_splits=1,
         pv_split=tun.pv_split,
         pv_fp16=tun.pv_fp16,
         split_mask=tun.split_mask,
         mosaic_decode=tun.mosaic_decode,
         mosaic_decode_wgs=tun.mosaic_decode_wgs,
+        page_block=tun.page_block,
     )
+    if tun.page_block:  # (a block is one page in both launches)
+        dtun = dataclasses.replace(dtun, block_k=tun.block_k)
     return tun, dtun

@@ -12,6 +12,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
+from kernels_pallas.layout import cache_v_transposed
 from kernels_pallas.metadata import AttentionMetadata
 from kernels_pallas.tiles import tile_count, tile_metadata
 
@@ -36,6 +37,7 @@ def xla_ragged_paged_attention(
 ):
     T, Hq, D = q.shape
     _, Hkv, _, bs, _ = k_cache.shape
+    v_t = cache_v_transposed(k_cache, v_cache)
     G = Hq // Hkv
     S, P = md.block_tables.shape
     if block_q is None:  # decode-shaped buckets hold one token per sequence: tiles of one
@@ -63,6 +65,7 @@ def xla_ragged_paged_attention(
         # [NT, ppc, Hkv, bs, D] straight from the whole cache (no per-layer copy)
         k = k_cache[layer, :, pages].astype(jnp.float32) * ks
         v = v_cache[layer, :, pages].astype(jnp.float32) * vs
+        v = v.swapaxes(3, 4) if v_t else v  # [D, bs] pages (layout.v_transposed)
         k = k.transpose(0, 2, 1, 3, 4).reshape(NT, Hkv, C, D)
         v = v.transpose(0, 2, 1, 3, 4).reshape(NT, Hkv, C, D)
         s = jnp.einsum("tqhgd,thkd->thgqk", qt, k, precision=_HI)

@@ -25,7 +25,9 @@ class EngineConfig:
     # as the waiting prompt tokens reach 2x each doubled cap (scheduler._decoding_step_budget):
     # a burst of arrivals is prefilled in large steps (its TTFT tail), a trickle in small ones
     backlog_step_token_budget: int | None = None
-    block_size: int = 16
+    # tokens per KV page; None: 64 for an fp8 cache (its V pages then stored [head_dim, 64], a
+    # page per attention block: kernels_pallas.layout.v_transposed), 16 otherwise
+    block_size: int | None = None
     num_kv_blocks: int | None = None  # explicit pool size; else from the memory budget
     gpu_memory_utilization: float = 0.9
     kv_cache_memory_bytes: int | None = None  # byte budget for the KV pool (CPU default: 512 MiB)

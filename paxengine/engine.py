@@ -117,7 +117,7 @@ class EngineCore:
         engine_setup.log_weights(params, loaded.prequantized, checked.on_gpu)
         num_blocks = plan_num_blocks(
             tp.local_config(loaded.config) if tp is not None else loaded.config,  # per device
-            cfg.block_size,
+            checked.block_size,
             kv_dtype,
             num_kv_blocks=cfg.num_kv_blocks,
             kv_cache_memory_bytes=cfg.kv_cache_memory_bytes,
@@ -128,15 +128,15 @@ class EngineCore:
             from paxengine.spec_decode.draft_model import share_kv_budget
 
             num_blocks = share_kv_budget(
-                num_blocks, loaded.config, draft.config, cfg.block_size, kv_dtype, DTYPES[dtype]
+                num_blocks, loaded.config, draft.config, checked.block_size, kv_dtype, DTYPES[dtype]
             )
         if eagle is not None and not cfg.num_kv_blocks:  # its KV pages and aux states too
             from paxengine.kv_memory import kv_bytes_per_block
 
-            t = kv_bytes_per_block(loaded.config, cfg.block_size, kv_dtype)
-            d = eagle.bytes_per_block(cfg.block_size, DTYPES[dtype])
+            t = kv_bytes_per_block(loaded.config, checked.block_size, kv_dtype)
+            d = eagle.bytes_per_block(checked.block_size, DTYPES[dtype])
             num_blocks = max(1, num_blocks * t // (t + d))
-        self.kv = KVCacheManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        self.kv = KVCacheManager(num_blocks, checked.block_size, cfg.enable_prefix_caching)
         max_tokens = cfg.max_num_batched_tokens
         tb = cfg.token_buckets or token_buckets(max_tokens)
         sb = cfg.seq_buckets or seq_buckets(cfg.max_num_seqs)
@@ -157,7 +157,7 @@ class EngineCore:
             loaded.config,
             params,
             num_blocks=num_blocks,
-            block_size=cfg.block_size,
+            block_size=checked.block_size,
             max_model_len=self.max_model_len,
             token_buckets=tb,
             seq_buckets=sb,
@@ -181,7 +181,7 @@ class EngineCore:
         shared = dict(
             dtype=DTYPES[dtype],
             num_blocks=num_blocks,
-            block_size=cfg.block_size,
+            block_size=checked.block_size,
             max_model_len=self.max_model_len,
             token_buckets=tb,
             seq_buckets=sb,
@@ -206,7 +206,9 @@ class EngineCore:
                 self.drafter.num_executables,
                 self.drafter.compiles,
             )
-        engine_setup.log_ready(self.load_seconds, self.runner, store, num_blocks)
+        engine_setup.log_ready(
+            self.load_seconds, self.runner, store, num_blocks, checked.block_size
+        )
         # run each step executable once before serving (StepBuilder.prime); ones the background
         # builds later run between requests (prime_idle)
         self.primes = (
@@ -245,7 +247,7 @@ class EngineCore:
             weight_dtype=weight_dtype(self.runner.params),
             kv_cache_dtype="fp8_e4m3" if kv_dtype_name == "fp8" else kv_dtype_name,
             kv_cache_scales=scales_from,
-            kv_capacity_tokens=num_blocks * cfg.block_size,
+            kv_capacity_tokens=num_blocks * checked.block_size,
             buckets=tuple(sorted(self.runner.builder.planned)),
         )
 

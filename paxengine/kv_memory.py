@@ -19,7 +19,8 @@ def allocate_kv_cache(
 ):
     """scan: one (k, v) pair of [L, Hkv, NB, bs, D]; unroll: a list of L pairs of [1, ...] (each
     layer writes its own donated buffer in place). V pages of a bf16 cache are fp16 (same size,
-    no conversion in the attention kernels: kernels_pallas.value_cache_dtype). Under tensor
+    no conversion in the attention kernels: kernels_pallas.value_cache_dtype); those of an fp8
+    cache of 64+-token pages are [D, bs] (kernels_pallas.value_page_shape). Under tensor
     parallelism the KV-head axis is split over the devices (one head per device at least:
     copies of a shared head each hold its pages), each device's share allocated in place."""
     v_dtype = kernels_pallas.value_cache_dtype(kv_dtype)
@@ -30,11 +31,15 @@ def allocate_kv_cache(
         zeros = lambda shape, dt: jax.jit(  # noqa: E731
             lambda: jnp.zeros(shape, dt), out_shardings=tp.sharding(parallel.CACHE_SPEC)
         )()
+    page = (block_size, cfg.head_dim)
+    v_page = kernels_pallas.value_page_shape(kv_dtype, block_size, cfg.head_dim)
     if layer_loop == "scan":
-        shape = (cfg.num_layers, heads, num_blocks, block_size, cfg.head_dim)
-        return (zeros(shape, kv_dtype), zeros(shape, v_dtype))
-    shape = (1, heads, num_blocks, block_size, cfg.head_dim)
-    return [(zeros(shape, kv_dtype), zeros(shape, v_dtype)) for _ in range(cfg.num_layers)]
+        lead = (cfg.num_layers, heads, num_blocks)
+        return (zeros(lead + page, kv_dtype), zeros(lead + v_page, v_dtype))
+    lead = (1, heads, num_blocks)
+    return [
+        (zeros(lead + page, kv_dtype), zeros(lead + v_page, v_dtype)) for _ in range(cfg.num_layers)
+    ]
 
 
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, kv_dtype) -> int:

@@ -31,6 +31,7 @@ MISSING = "/nonexistent/model-dir"
         ),
         (dict(scheduling_policy="lottery"), "lottery"),
         (dict(data_parallel_size=2), "runs one replica"),
+        (dict(block_size=-16), "block_size must be a positive number of tokens"),
     ],
 )
 def test_bad_settings_are_named_before_the_model_loads(settings, message):
@@ -43,3 +44,16 @@ def test_a_good_config_gets_as_far_as_the_model():
     with pytest.raises(Exception) as e:
         EngineCore(model=MISSING, show_progress=False, kv_cache_dtype="fp8", quantization="fp8")
     assert "must be" not in str(e.value) and "not supported" not in str(e.value)
+
+
+def test_block_size_defaults_to_the_kv_caches_page():
+    """fp8 caches take 64-token pages (V stored [D, 64]: kernels_pallas.layout.v_transposed),
+    others vLLM's 16; a block_size given is kept."""
+    from paxengine.config import EngineConfig
+    from paxengine.engine_setup import check_config
+
+    assert check_config(EngineConfig(kv_cache_dtype="fp8"), on_gpu=True).block_size == 64
+    assert check_config(EngineConfig(), on_gpu=True).block_size == 16
+    assert check_config(EngineConfig(kv_cache_dtype="bfloat16"), on_gpu=False).block_size == 16
+    fp8_16 = EngineConfig(kv_cache_dtype="fp8", block_size=16)
+    assert check_config(fp8_16, on_gpu=True).block_size == 16

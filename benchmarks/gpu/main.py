@@ -20,6 +20,8 @@ Stages (each in its own process, so each frees the GPU's memory for the next):
                 the offline workloads with FP8 weights and an FP8 KV cache (workloads "fp8")
   pax-serve-fp8, vllm-serve-fp8
                 the serve workload with the same FP8 settings
+  pax-offline-fp8bs16
+                the same with 16-token KV pages (fp8 caches default to 64)
   pax-offline-tp2, vllm-offline-tp2
                 the offline workloads with the model split over two GPUs (workloads "tp2";
                 run on the nvidia-h200-x2 kind)
@@ -58,6 +60,7 @@ STAGES = {
     "vllm-offline": offline.stage_vllm_offline,
     "pax-offline-fp8": partial(offline.stage_pax_offline, variant="fp8"),
     "vllm-offline-fp8": partial(offline.stage_vllm_offline, variant="fp8"),
+    "pax-offline-fp8bs16": partial(offline.stage_pax_offline, variant="fp8bs16"),
     "pax-offline-tp2": partial(offline.stage_pax_offline, variant="tp2"),
     "vllm-offline-tp2": partial(offline.stage_vllm_offline, variant="tp2"),
     "vllm-serve": serving.stage_vllm_serve,

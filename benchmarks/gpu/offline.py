@@ -108,7 +108,12 @@ def stage_pax_offline(spec: dict, out: Path, variant: str | None = None) -> dict
     llm = LLM(config=cfg)
     startup = time.perf_counter() - t
     log(f"paxengine started in {startup:.1f} s ({llm.engine.info.weight_dtype} weights)")
-    save_partial(startup_s=startup, engine_stats=llm.engine.stats(), engine_overrides=extra)
+    save_partial(
+        startup_s=startup,
+        engine_stats=llm.engine.stats(),
+        engine_overrides=extra,
+        kv_block_size=llm.engine.kv.block_size,
+    )
     vocab = PRESETS[spec["preset"]].vocab_size
 
     def gen(reqs):
@@ -117,7 +122,7 @@ def stage_pax_offline(spec: dict, out: Path, variant: str | None = None) -> dict
 
     gen(random_dataset(4, 64, 8, vocab_size=vocab, seed=7))  # warm-up (untimed)
     compiles = CompileCounter()
-    res = {"startup_s": startup}
+    res = {"startup_s": startup, "kv_block_size": llm.engine.kv.block_size}
     res.update(itl(gen, spec, vocab))
     save_partial(jax_compiles_during_timed_runs=compiles.n)
     res["offline"] = offline(gen, spec, vocab, llm.engine.stats)

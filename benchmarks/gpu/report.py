@@ -114,6 +114,7 @@ def summary_rows(merged: dict) -> list[tuple[str, ...]]:
                 cell = (lambda r: f(r.get(a), fmt)) if b is None else (lambda r: pair(r, a, b, fmt))
                 rows.append((f"Poisson {rate:g} req/s {label}", cell(p), cell(v), "-", ""))
     rows += variant_rows(merged, f, "fp8", "FP8", VLLM_PEER_FP8)
+    rows += variant_rows(merged, f, "fp8bs16", "FP8, 16-token pages", {})
     rows += variant_rows(merged, f, "tp2", "TP=2", {})
     sc = pax_s.get("server_compile_metrics_delta")
     pax_c = f(pax_o.get("jax_compiles_during_timed_runs"), "d") + " offline"

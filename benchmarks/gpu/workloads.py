@@ -56,6 +56,12 @@ FULL = {
         "pax_engine": {"quantization": "fp8", "kv_cache_dtype": "fp8"},
         "vllm_engine": {"quantization": "fp8", "kv_cache_dtype": "fp8"},
     },
+    # the same with 16-token KV pages (fp8 caches default to 64, V pages [D, 64]: the pages
+    # the layout was measured against, side by side in one lease)
+    "fp8bs16": {
+        "pax_engine": {"quantization": "fp8", "kv_cache_dtype": "fp8", "block_size": 16},
+        "vllm_engine": {"quantization": "fp8", "kv_cache_dtype": "fp8", "block_size": 16},
+    },
     # the two-GPU stages (issue #19; device kind nvidia-h200-x2): the same model split in two
     "tp2": {
         "pax_engine": {"tensor_parallel_size": 2},
@@ -112,6 +118,12 @@ QUICK = {
     "fp8": {
         "pax_engine": {"quantization": "fp8", "kv_cache_dtype": "fp8"},
         "vllm_engine": {"quantization": "fp8", "kv_cache_dtype": "fp8"},
+    },
+    # the same with 16-token KV pages (fp8 caches default to 64, V pages [D, 64]: the pages
+    # the layout was measured against, side by side in one lease)
+    "fp8bs16": {
+        "pax_engine": {"quantization": "fp8", "kv_cache_dtype": "fp8", "block_size": 16},
+        "vllm_engine": {"quantization": "fp8", "kv_cache_dtype": "fp8", "block_size": 16},
     },
     "tp2": {  # the tiny preset's 4 heads, 2 KV heads and 128 channels split in two
         "pax_engine": {"tensor_parallel_size": 2},

@@ -24,6 +24,7 @@ from kernels_pallas import (
     ragged_paged_attention,
     ref_ragged_paged_attention,
     value_cache_dtype,
+    value_page_shape,
 )
 from kernels_pallas.testing import rel_err
 
@@ -72,8 +73,9 @@ def log(*a) -> None:
 
 def build(seqs, T, S, key, num_blocks=None, kv_dtype=DT, v_dtype=None):
     """Device-side random caches (fast for GBs) + host-built metadata with permuted blocks.
-    V pages take the engine's dtype (value_cache_dtype: fp16 under bf16) unless v_dtype says.
-    The page size is this module's BS, read at call time (decode_page_size.py changes it)."""
+    V pages take the engine's dtype (value_cache_dtype: fp16 under bf16) unless v_dtype says,
+    and its layout ([D, bs] for 64-token fp8 pages: value_page_shape). The page size is this
+    module's BS, read at call time (decode_page_size.py changes it)."""
     rng = np.random.default_rng(int(key))
     pages = [-(-kv // BS) for _, kv in seqs]
     P = max(pages)
@@ -99,7 +101,8 @@ def build(seqs, T, S, key, num_blocks=None, kv_dtype=DT, v_dtype=None):
     k1, k2, k3 = jax.random.split(jax.random.key(int(key)), 3)
     shape = (1, HKV, NB, BS, D)
     kc = jax.random.normal(k1, shape, jnp.float32).astype(kv_dtype)
-    vc = jax.random.normal(k2, shape, jnp.float32).astype(v_dtype or value_cache_dtype(kv_dtype))
+    v_shape = shape[:3] + value_page_shape(kv_dtype, BS, D)
+    vc = jax.random.normal(k2, v_shape, jnp.float32).astype(v_dtype or value_cache_dtype(kv_dtype))
     q = jax.random.normal(k3, (T, HQ, D), jnp.float32).astype(DT)
     return q, kc, vc, md
 

@@ -40,7 +40,7 @@ class Piece:
 
     start: int
     n: int
-    pages: tuple  # a buffer per dtype group: [layers (K or V), H, n, block_size, D]
+    pages: tuple  # a buffer per dtype group: [layers (K or V), H, n, *page] (page: bs, D or D, bs)
 
 
 @dataclass
@@ -81,12 +81,13 @@ def _abstract(tree):
 
 
 def dtype_groups(leaves) -> list[list[int]]:
-    """The cache's arrays by dtype (K pages and, for a bf16 cache, fp16 V pages): a piece is one
-    buffer per group, every layer's pages stacked on the leading axis, so an unrolled cache of
-    32 layers still moves as one or two large copies, not 64 small ones."""
+    """The cache's arrays by dtype and page shape (K pages; V pages where they differ: fp16
+    under a bf16 cache, [D, bs] in a 64-token fp8 one): a piece is one buffer per group, every
+    layer's pages stacked on the leading axis, so an unrolled cache of 32 layers still moves as
+    one or two large copies, not 64 small ones."""
     groups: dict = {}
     for i, a in enumerate(leaves):
-        groups.setdefault(a.dtype, []).append(i)
+        groups.setdefault((a.dtype, a.shape[1:2] + a.shape[3:]), []).append(i)
     return list(groups.values())
 
 
@@ -137,7 +138,7 @@ class KVTransfer:
         self._src_idx = _replicated(s_leaves[0])
         self._dst_idx = _replicated(d_leaves[0])
         groups = dtype_groups(s_leaves)
-        # a piece's buffers: [sum of the group's leading axes, H, n, block_size, D] each, placed
+        # a piece's buffers: [sum of the group's leading axes, H, n, *page] each, placed
         # as the group's first cache array is (split by KV head under tensor parallelism)
         self._dst_shardings = tuple(d_leaves[g[0]].sharding for g in groups)
         gather = jax.jit(

@@ -303,7 +303,7 @@ def test_fp8_and_two_device_stages_run_and_report(tmp_path):
             "benchmarks.gpu.main",
             "--quick",
             "--stages",
-            "pax-offline-fp8,pax-offline-tp2,pax-serve-fp8",
+            "pax-offline-fp8,pax-offline-fp8bs16,pax-offline-tp2,pax-serve-fp8",
             "--out",
             str(tmp_path / "out"),
             "--work",
@@ -317,7 +317,7 @@ def test_fp8_and_two_device_stages_run_and_report(tmp_path):
     )
     assert r.returncode == 0, r.stderr[-3000:] + r.stdout[-3000:]
     merged = json.loads((tmp_path / "out" / "gpu_bench.json").read_text())
-    for stage in ("pax-offline-fp8", "pax-offline-tp2"):
+    for stage in ("pax-offline-fp8", "pax-offline-fp8bs16", "pax-offline-tp2"):
         assert merged["stages"][stage]["ok"], merged["stages"][stage]
         assert merged["stages"][stage]["jax_compiles_during_timed_runs"] == 0
     serve = merged["stages"]["pax-serve-fp8"]
@@ -328,4 +328,8 @@ def test_fp8_and_two_device_stages_run_and_report(tmp_path):
     assert serve["runs"][f"c{c}"]["completed"] > 0
     table = report.markdown_table(merged)
     assert "| FP8 batch-1 ITL (ms) |" in table and "| TP=2 offline 8x(32,8) output tok/s |" in table
+    assert "| FP8, 16-token pages batch-1 ITL (ms) |" in table
+    # fp8 caches take 64-token pages unless the config says 16
+    stages = ("pax-offline-fp8", "pax-offline-fp8bs16")
+    assert [merged["stages"][s]["kv_block_size"] for s in stages] == [64, 16]
     assert f"| FP8 serve c={c} output tok/s |" in table

@@ -86,15 +86,20 @@ def test_sliding_window_soft_cap():
 
 
 @pytest.mark.parametrize(
-    "seqs,T,S",
+    "seqs,T,S,bs,D",
     [
-        ([(1, 40), (9, 33)], 16, 3),  # a prefill bucket
+        ([(1, 40), (9, 33)], 16, 3, 16, 64),  # a prefill bucket
         # a decode bucket: fp8 pages' own decode tuning (one PV dot, mask-free interior blocks);
         # contexts end inside, at and past a 128-position KV block
-        ([(1, 300), (1, 128), (1, 7), (1, 257)], 4, 4),
+        ([(1, 300), (1, 128), (1, 7), (1, 257)], 4, 4, 16, 64),
+        # 64-token pages, V stored [D, bs] (layout.v_transposed), a page per KV block: decode
+        # (split-K), a mixed bucket (its decode rows in a launch of their own) and prefill chunks
+        ([(1, 300), (1, 128), (1, 7), (1, 257)], 4, 4, 64, 128),
+        ([(1, 40), (9, 33), (1, 64), (1, 129)], 16, 4, 64, 64),
+        ([(70, 200), (1, 65), (33, 33), (17, 64)], 128, 5, 64, 128),
     ],
 )
-def test_fp8_kv(seqs, T, S):
+def test_fp8_kv(seqs, T, S, bs, D):
     rng = np.random.default_rng()
     b = make_batch(
         rng,
@@ -103,10 +108,13 @@ def test_fp8_kv(seqs, T, S):
         S=S,
         num_heads=8,
         num_kv_heads=2,
+        head_dim=D,
+        block_size=bs,
         dtype=jnp.bfloat16,
         kv_dtype=jnp.float8_e4m3fn,
     )
-    kw = dict(sm_scale=0.125, k_scale=0.5, v_scale=2.0)
+    assert b["v_cache"].shape[3:] == ((D, bs) if bs == 64 else (bs, D))
+    kw = dict(sm_scale=D**-0.5, k_scale=0.5, v_scale=2.0)
     out = ragged_paged_attention(
         b["q"], b["k_cache"], b["v_cache"], 0, b["md"], interpret=True, **kw
     )
@@ -114,6 +122,13 @@ def test_fp8_kv(seqs, T, S):
         b["q"].astype(jnp.float32), b["k_cache"], b["v_cache"], 0, b["md"], **kw
     )
     assert rel_err(out, ref, b["num_tokens"]) < 2e-3
+    if bs == 64:  # the oracle reads the [D, bs] pages as the kernel does: check it on [bs, D]
+        k, v = b["k_cache"], b["v_cache"]
+        v16 = v.swapaxes(-1, -2).astype(jnp.bfloat16)  # a 16-bit cache keeps [bs, D] pages
+        ref16 = ref_ragged_paged_attention(
+            b["q"].astype(jnp.float32), k.astype(jnp.bfloat16), v16, 0, b["md"], **kw
+        )
+        assert rel_err(ref, ref16, b["num_tokens"]) < 1e-5
 
 
 def test_oracle_matches_dense_attention():

@@ -11,26 +11,32 @@ from kernels_pallas import (
     ref_write_kv,
     write_kv,
 )
-from kernels_pallas.testing import make_batch, rel_err
+from kernels_pallas.testing import make_batch, rel_err, v_rows
+
+FP8_SCALES = dict(k_scale=0.5, v_scale=0.25)
 
 
 @pytest.mark.parametrize(
-    "dtype,kv_dtype,scales",
+    "dtype,kv_dtype,scales,bs",
     [
-        (jnp.float32, jnp.float32, {}),
-        (jnp.bfloat16, jnp.bfloat16, {}),
-        (jnp.bfloat16, jnp.float8_e4m3fn, dict(k_scale=0.5, v_scale=0.25)),
+        (jnp.float32, jnp.float32, {}, 16),
+        (jnp.bfloat16, jnp.bfloat16, {}, 16),
+        (jnp.bfloat16, jnp.float8_e4m3fn, FP8_SCALES, 16),
+        # 64-token fp8 pages: V pages stored [D, bs] (layout.v_transposed)
+        (jnp.bfloat16, jnp.float8_e4m3fn, FP8_SCALES, 64),
     ],
 )
-def test_write_kv(dtype, kv_dtype, scales):
+def test_write_kv(dtype, kv_dtype, scales, bs):
     rng = np.random.default_rng()
     b = make_batch(
         rng,
-        [(3, 20), (1, 9), (6, 6)],
-        T=16,
-        S=4,
+        [(3, 20), (1, 9), (6, 6), (40, 130)],
+        T=56,
+        S=5,
         num_heads=6,
         num_kv_heads=3,
+        head_dim=32,
+        block_size=bs,
         dtype=dtype,
         kv_dtype=kv_dtype,
         poison=False,
@@ -40,7 +46,15 @@ def test_write_kv(dtype, kv_dtype, scales):
     args = (b["k_cache"], b["v_cache"], jnp.int32(1), b["k_new"], b["v_new"], slots)
     kc, vc = jax.jit(lambda *a: write_kv(*a, interpret=True, **scales))(*args)
     rk, rv = ref_write_kv(*args, **scales)
-    for got, want, old in ((kc, rk, b["k_cache"]), (vc, rv, b["v_cache"])):
+    assert (
+        vc.shape
+        == b["v_cache"].shape
+        == (2, 3, b["v_cache"].shape[2])
+        + ((32, bs) if bs == 64 and kv_dtype == jnp.float8_e4m3fn else (bs, 32))
+    )
+    kc0 = b["k_cache"]
+    vc, rv, vc0 = v_rows(kc0, vc), v_rows(kc0, rv), v_rows(kc0, b["v_cache"])  # as [bs, D] pages
+    for got, want, old in ((kc, rk, kc0), (vc, rv, vc0)):
         got32 = np.asarray(got.astype(jnp.float32))
         np.testing.assert_array_equal(got32, np.asarray(want.astype(jnp.float32)))
         # layer 0 and every slot not in slot_mapping are untouched

@@ -92,6 +92,27 @@ CONFIGS = {
     "rope_write_fp8_t16": dict(
         T=16, S=16, P=128, kv_dtype=jnp.float8_e4m3fn, kv_scales=True, rope_write=True, **LLAMA8B
     ),
+    # fp8 pages of 64 tokens (the engine's default for fp8 KV): V pages [D, bs], a page per
+    # KV block, in the write, the fused RoPE write, decode, mixed and prefill launches
+    "fp8_bs64_decode": dict(
+        T=64, S=64, P=32, block_size=64, kv_dtype=jnp.float8_e4m3fn, kv_scales=True, **LLAMA8B
+    ),
+    "fp8_bs64_mixed": dict(
+        T=512, S=64, P=32, block_size=64, kv_dtype=jnp.float8_e4m3fn, kv_scales=True, **LLAMA8B
+    ),
+    "fp8_bs64_prefill": dict(
+        T=2048, S=4, P=32, block_size=64, kv_dtype=jnp.float8_e4m3fn, kv_scales=True, **LLAMA8B
+    ),
+    "rope_write_fp8_bs64_t16": dict(
+        T=16,
+        S=16,
+        P=32,
+        block_size=64,
+        kv_dtype=jnp.float8_e4m3fn,
+        kv_scales=True,
+        rope_write=True,
+        **LLAMA8B,
+    ),
     "rope_write_smollm": dict(
         T=16, S=4, P=64, num_heads=9, num_kv_heads=3, head_dim=64, rope_write=True
     ),

@@ -6,7 +6,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernels_pallas import ref_rope_write_kv, ref_write_kv, rope_write_kv, value_cache_dtype
+from kernels_pallas import (
+    ref_rope_write_kv,
+    ref_write_kv,
+    rope_write_kv,
+    value_cache_dtype,
+    value_page_shape,
+)
+from kernels_pallas.testing import v_rows
 from paxengine.models.llama import apply_rope, rope_tables
 
 FP8 = jnp.float8_e4m3fn
@@ -31,8 +38,9 @@ def make_inputs(rng, *, T, Hq, Hkv, D, dtype, kv_dtype, L=3, bs=16, NB=None, pad
     qkv = jnp.asarray(rng.standard_normal((T, (Hq + 2 * Hkv) * D)) * 2, dtype)
     cos, sin = _cos_sin(*_angles(rng, T, D))
     shape = (L, Hkv, NB, bs, D)
+    v_shape = shape[:3] + value_page_shape(kv_dtype, bs, D)  # [D, bs] for 64-token fp8 pages
     kc = jnp.asarray(rng.standard_normal(shape), kv_dtype)
-    vc = jnp.asarray(rng.standard_normal(shape), value_cache_dtype(kv_dtype))
+    vc = jnp.asarray(rng.standard_normal(v_shape), value_cache_dtype(kv_dtype))
     perm = rng.permutation(NB)
     pos = rng.choice(NB * bs, T, replace=False)
     slots = (perm[pos // bs] * bs + pos % bs).astype(np.int32)
@@ -50,8 +58,10 @@ def _check(got, want, old, slots, layer):
     np.testing.assert_array_equal(_f32(q), _f32(rq))
     assert q.dtype == rq.dtype and q.shape == rq.shape
     n_written = int((np.asarray(slots) >= 0).sum())
-    for new, ref, prev in ((kc, rk, old[0]), (vc, rv, old[1])):
-        assert new.dtype == prev.dtype and new.shape == prev.shape
+    for new, ref, prev, is_v in ((kc, rk, old[0], False), (vc, rv, old[1], True)):
+        assert new.dtype == prev.dtype and new.shape == prev.shape == ref.shape
+        if is_v:  # compare position by position
+            new, ref, prev = (v_rows(old[0], x) for x in (new, ref, prev))
         new32, prev32 = _f32(new), _f32(prev)
         np.testing.assert_array_equal(new32, _f32(ref))
         # other layers and every slot not in slot_mapping are untouched
@@ -64,9 +74,12 @@ def _check(got, want, old, slots, layer):
 LLAMA, SMOL, TINY = (32, 8, 128), (9, 3, 64), (4, 2, 32)
 BF16, F32 = jnp.bfloat16, jnp.float32
 CASES = {
-    # heads (Hq, Hkv, D), T, activations, K cache dtype, scales, padded tokens, block_t
+    # heads (Hq, Hkv, D), T, activations, K cache dtype, scales, padded tokens, block_t[, bs]
     "llama_t1_bf16": (LLAMA, 1, BF16, BF16, {}, (), None),
     "llama_t16_fp8": (LLAMA, 16, BF16, FP8, SCALES, (5, 14, 15), None),
+    # 64-token fp8 pages: V stored [D, bs] (layout.v_transposed)
+    "llama_t16_fp8_bs64": (LLAMA, 16, BF16, FP8, SCALES, (5, 14, 15), None, 64),
+    "tiny_t37_fp8_bs64": (TINY, 37, F32, FP8, SCALES, (7, 36), 4, 64),
     "smol_t37_bf16": (SMOL, 37, BF16, BF16, {}, (0, 20, 35, 36), None),
     "smol_t16_f32": (SMOL, 16, F32, F32, {}, (3,), None),
     "smol_t1_pad": (SMOL, 1, BF16, BF16, {}, (0,), None),  # q_rot only, caches untouched
@@ -77,9 +90,11 @@ CASES = {
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_rope_write_kv(name):
-    (Hq, Hkv, D), T, dtype, kv_dtype, scales, pad, block_t = CASES[name]
+    (Hq, Hkv, D), T, dtype, kv_dtype, scales, pad, block_t, *bs = CASES[name]
     rng = np.random.default_rng(1)
-    args = make_inputs(rng, T=T, Hq=Hq, Hkv=Hkv, D=D, dtype=dtype, kv_dtype=kv_dtype, pad=pad)
+    args = make_inputs(
+        rng, T=T, Hq=Hq, Hkv=Hkv, D=D, dtype=dtype, kv_dtype=kv_dtype, pad=pad, bs=(bs or [16])[0]
+    )
     qkv, cos, sin, kc, vc, slots = args
     layer = jnp.int32(1)
     heads = dict(num_heads=Hq, num_kv_heads=Hkv)

@@ -18,6 +18,8 @@ from kernels_pallas.xla_attention import xla_ragged_paged_attention
         dict(seqs=[(20, 50), (1, 70), (9, 9)]),  # chunk with context + mixed
         dict(seqs=[(3, 3), (33, 100)], window=24, cap=30.0),
         dict(seqs=[(5, 21), (1, 64)], num_heads=8, num_kv_heads=8),
+        # fp8 pages of 64 tokens: V stored [D, bs] (layout.v_transposed)
+        dict(seqs=[(20, 150), (1, 70), (9, 9)], kv_dtype=jnp.float8_e4m3fn, block_size=64),
     ],
 )
 def test_xla_attention_matches_oracle(case):
@@ -30,6 +32,8 @@ def test_xla_attention_matches_oracle(case):
         head_dim=32,
         num_heads=case.get("num_heads", 8),
         num_kv_heads=case.get("num_kv_heads", 2),
+        kv_dtype=case.get("kv_dtype"),
+        block_size=case.get("block_size", 16),
         poison=False,
     )
     kw = dict(sm_scale=0.2, sliding_window=case.get("window"), soft_cap=case.get("cap"))
