@@ -46,15 +46,18 @@ V_TRANSPOSED_BLOCK = 64
 def v_transposed(kv_dtype, block_size: int) -> bool:
     """Whether the V pages of a cache of `kv_dtype` with pages of `block_size` tokens are stored
     [D, block_size] (positions contiguous) instead of [block_size, D]: fp8 caches with pages of
-    64 tokens (the engine's default page for fp8 KV). The Triton decode kernel then loads a whole page as one tile (a KV block is a
-    page) with the PV product's contraction axis contiguous, as the fp8 MMA wants its B operand;
-    H200, decode attention over fp8 pages, us (gpu_2026-12-03f_page_blocks/): B=300 ctx 1536
-    349.9 (16-token pages, gathered rows) -> 286.8; B=256 ctx 1024 212.1 -> 171.3; B=64 ctx 2048
-    116.8 -> 95.7; B=1 ctx 8192 26.5 -> 24.4; B=8 ctx 8192 75.6 -> 81.2. Gathered rows of
-    [bs, D] pages at 64 tokens measured no better than 16-token pages, and bf16 / fp16 pages
-    gained nothing from either, so they keep [bs, D]. 128-token pages decode a little faster
-    still (B=300: 274.7 us) but a KV block of 128 slowed the 2,048-token prefill 185.9 -> 266.6
-    us, so they keep [bs, D] and gathered rows too."""
+    64 tokens (the engine's default page for fp8 KV). The Triton kernel then loads a whole page
+    as one tile (a KV block is a page) with the PV product's contraction axis contiguous, as the
+    fp8 MMA wants its B operand. H200, decode attention over fp8 pages, 16-token pages (gathered
+    rows) -> these, us (gpu_2026-12-04_fp8_pages/page_blocks.json): B=300 ctx 1536 349.2 ->
+    286.9; B=256 ctx 1024 212.5 -> 173.7; B=64 ctx 2048 115.1 -> 101.3; 60 decodes + a 448
+    chunk 157.0 -> 139.7; long contexts at small batch lose (B=8 ctx 8192 72.6 -> 82.9, B=1
+    27.2 -> 30.0); the engine's 300 x (1000, 1000) went 13,177 -> 14,669 tok/s in that lease.
+    The exploration before it (gpu_2026-12-03f_page_blocks/): gathered rows of [bs, D] pages at
+    64 tokens were no better than 16-token pages, and bf16 / fp16 pages no faster either way
+    (so they keep [bs, D]); 128-token pages decoded a little faster still (B=300: 274.7 us), but
+    a KV block of 128 slowed the 2,048-token prefill 185.9 -> 266.6 us, so they keep [bs, D]
+    and gathered rows too."""
     return jnp.dtype(kv_dtype) == jnp.float8_e4m3fn and block_size == V_TRANSPOSED_BLOCK
 
 

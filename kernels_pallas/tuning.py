@@ -80,9 +80,9 @@ def default_tuning(
     tun = _default_16bit(T, S, Hq, Hkv, D, block_size, num_sms)
     if v_t:
         # [D, bs] V pages are read a page per KV block (the kernel's only way to read them).
-        # Decode, H200, fp8, 64-token pages, 2 / 3 / 4 stages, us (gpu_2026-12-03f_page_blocks/):
-        # B=64 ctx 2048 104.3 / 98.2 / 95.7; B=256 ctx 1024 173.5 / 170.1 / 171.3; B=1 ctx 8192
-        # 22.7 / 31.3 / 24.4; mixed 60 decodes + 448 140.2 / 142.3 / 140.6.
+        # Decode stages, H200, fp8, 64-token pages, 2 / 3 / 4 stages, us: B=64 ctx 2048 104.3 /
+        # 98.2 / 95.7, B=1 ctx 8192 22.7 / 31.3 / 24.4 (gpu_2026-12-03f_page_blocks/); 100.9 /
+        # 97.7 / 101.3 and 31.5 / 28.2 / 30.0 a day later (gpu_2026-12-04_fp8_pages/): noise.
         tun = dataclasses.replace(tun, page_block=True, block_k=block_size)
         if is_decode_bucket(T, S):
             return dataclasses.replace(tun, pv_split=False, split_mask=True, num_stages=4)
