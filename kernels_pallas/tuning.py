@@ -83,9 +83,18 @@ def default_tuning(
         # Decode stages, H200, fp8, 64-token pages, 2 / 3 / 4 stages, us: B=64 ctx 2048 104.3 /
         # 98.2 / 95.7, B=1 ctx 8192 22.7 / 31.3 / 24.4 (gpu_2026-12-03f_page_blocks/); 100.9 /
         # 97.7 / 101.3 and 31.5 / 28.2 / 30.0 a day later (gpu_2026-12-04_fp8_pages/): noise.
+        # Split-K twice the 16-bit choice where that splits at all (fewer programs than SMs):
+        # a 64-position block halves a program's work between loads, and one program per SM
+        # left long contexts at small batch slower than 16-token pages. H200, us, default / 2x
+        # splits / 16-token pages (gpu_2026-12-04_fp8_pages/page_blocks_splits.json): B=8 ctx
+        # 8192 77.8 / 63.6 / 73.0; B=1 ctx 8192 28.5 / 24.4 / 25.1; where it does not split
+        # (B=64 ctx 2048), 2 splits cost 96.8 -> 106.5.
         tun = dataclasses.replace(tun, page_block=True, block_k=block_size)
         if is_decode_bucket(T, S):
-            return dataclasses.replace(tun, pv_split=False, split_mask=True, num_stages=4)
+            splits = min(2 * tun.k_splits, 32) if tun.k_splits > 1 else 1
+            return dataclasses.replace(
+                tun, pv_split=False, split_mask=True, num_stages=4, k_splits=splits
+            )
         return dataclasses.replace(tun, pv_split=False)
     if kv_itemsize != 1:
         return tun

@@ -237,6 +237,7 @@ def test_fp8_weights_and_kv_survive_preemption_and_prefix_hits():
         seq_buckets=[4],
         show_progress=False,
         attention_backend="xla",
+        block_size=16,  # (fp8 KV defaults to 64: the block arithmetic below is in 16s)
     )
     # a shared preamble of one full 16-token block: the second run hits the cache
     preamble = "You are a helpful assistant. Answer in one short sentence and be precise. "

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 
 import benchmarks.kernels.harness as K
 from kernels_pallas.layout import v_transposed
+from kernels_pallas.tuning import default_tuning
 
 SHAPES = {
     "decode_b256_ctx1024": ([(1, 1024)] * 256, 256, 256),
@@ -39,12 +40,19 @@ SHAPES = {
 }
 
 
-def variants(kv_dtype, bs):
+def variants(kv_dtype, bs, T, S):
     """(name, tuning overrides) at pages of bs tokens: the default, and for [D, bs] V pages
-    the decode pipeline depths it was chosen from."""
+    the decode pipeline depths it was chosen from and twice its split-K (a 64-position block
+    halves a program's work between loads: long contexts at small batch may want more)."""
     out = [("default", {})]
     if v_transposed(kv_dtype, bs):
-        out += [("2stages", dict(num_stages=2)), ("3stages", dict(num_stages=3))]
+        itemsize = jnp.dtype(kv_dtype).itemsize
+        d = default_tuning(T, S, K.HQ, K.HKV, K.D, bs, kv_itemsize=itemsize, v_t=True)
+        out += [
+            ("2stages", dict(num_stages=2)),
+            ("3stages", dict(num_stages=3)),
+            ("2x_splits", dict(k_splits=2 * d.k_splits)),
+        ]
     return out
 
 
@@ -67,7 +75,7 @@ def main():
                 n = sum(ql for ql, _ in seqs)
                 q, kc, vc, md = K.build(seqs, T, S, 11, kv_dtype=kv_dtype)
                 ref = K.oracle(q, kc, vc, md)
-                for var, tun in variants(kv_dtype, bs):
+                for var, tun in variants(kv_dtype, bs, T, S):
                     if var != "default" and not name.startswith("decode"):
                         continue
                     row = dict(

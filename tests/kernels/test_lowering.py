@@ -134,9 +134,16 @@ def test_broken_rule_is_caught():
         check_cuda_lowering(T=16, S=4, P=8, block_k=48)
 
 
+CACHES = {  # the engine's default page per KV dtype
+    "bf16": dict(block_size=16),
+    "fp8_bs64": dict(block_size=64, kv_dtype=jnp.float8_e4m3fn, kv_scales=True),
+}
+
+
 def _engine_kernel_configs():
-    """One (T, S) bucket per distinct set of kernel launches the engine compiles at Llama-3.1-8B
-    shapes: for the GPU benchmark's buckets and for the buckets derived by default."""
+    """One (T, S, cache) per distinct set of kernel launches the engine compiles at
+    Llama-3.1-8B shapes: for the GPU benchmark's buckets and for the buckets derived by default,
+    with bf16 16-token pages and fp8 64-token pages (the defaults of each KV dtype)."""
     from benchmarks.gpu.workloads import FULL
     from kernels_pallas.tuning import plan_launches
     from paxengine.batch import bucket_pairs, seq_buckets, token_buckets
@@ -147,18 +154,23 @@ def _engine_kernel_configs():
         (token_buckets(e["max_num_batched_tokens"]), seq_buckets(e["max_num_seqs"])),
     ]
     configs = {}
-    for tb, sb in bucket_sets:
-        for T, S in bucket_pairs(tb, sb):
-            key = plan_launches(T, S, 32, 8, 128, 16)
-            configs.setdefault(key, (T, S))
+    for name, cache in CACHES.items():
+        fp8 = "kv_dtype" in cache
+        for tb, sb in bucket_sets:
+            for T, S in bucket_pairs(tb, sb):
+                key = plan_launches(
+                    T, S, 32, 8, 128, cache["block_size"], kv_itemsize=1 if fp8 else 2, v_t=fp8
+                )
+                configs.setdefault((name, key), (T, S, name))
     return list(configs.values())
 
 
 ENGINE_CONFIGS = _engine_kernel_configs()
 
 
-@pytest.mark.parametrize("T,S", ENGINE_CONFIGS)
-def test_engine_buckets_lower_for_cuda(T, S):
+@pytest.mark.parametrize("T,S,cache", ENGINE_CONFIGS)
+def test_engine_buckets_lower_for_cuda(T, S, cache):
     """Every distinct launch plan of the engine's GPU buckets lowers (not just hand-picked ones)."""
-    txt = check_cuda_lowering(T=T, S=S, P=256, **LLAMA8B)
+    P = 256 * 16 // CACHES[cache]["block_size"]
+    txt = check_cuda_lowering(T=T, S=S, P=P, **LLAMA8B, **CACHES[cache])
     assert "triton" in txt or "mosaic_gpu" in txt  # long prefills: Mosaic GPU on jax 0.11
