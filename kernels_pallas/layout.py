@@ -51,8 +51,9 @@ def v_transposed(kv_dtype, block_size: int) -> bool:
     fp8 MMA wants its B operand. H200, decode attention over fp8 pages, 16-token pages (gathered
     rows) -> these, us (gpu_2026-12-04_fp8_pages/page_blocks.json): B=300 ctx 1536 349.2 ->
     286.9; B=256 ctx 1024 212.5 -> 173.7; B=64 ctx 2048 115.1 -> 101.3; 60 decodes + a 448
-    chunk 157.0 -> 139.7; long contexts at small batch lose (B=8 ctx 8192 72.6 -> 82.9, B=1
-    27.2 -> 30.0); the engine's 300 x (1000, 1000) went 13,177 -> 14,669 tok/s in that lease.
+    chunk 157.0 -> 139.7; long contexts at small batch too, with twice the split-K
+    (tuning.default_tuning; page_blocks_splits.json: B=8 ctx 8192 73.0 -> 63.6, B=1 25.1 ->
+    24.4); the engine's 300 x (1000, 1000) went 13,177 -> 14,669 tok/s in that lease.
     The exploration before it (gpu_2026-12-03f_page_blocks/): gathered rows of [bs, D] pages at
     64 tokens were no better than 16-token pages, and bf16 / fp16 pages no faster either way
     (so they keep [bs, D]); 128-token pages decoded a little faster still (B=300: 274.7 us), but
