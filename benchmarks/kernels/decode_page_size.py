@@ -12,11 +12,7 @@ first. Writes $OUT/decode_page_size.json.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import sys
-
-import jax
 
 import benchmarks.kernels.harness as K
 
@@ -69,19 +65,7 @@ def main():
                 f"| {r['page_size']} | {r['shape']} | {r['variant']} | {r['us']:.1f} | "
                 f"{r['TBps']:.2f} | {r['rel_err']:.1e} |"
             )
-    dev = jax.devices()[0]
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "decode_page_size.json"), "w") as fh:
-        json.dump(
-            dict(
-                device=dev.device_kind,
-                jax=jax.__version__,
-                command=" ".join(["python -m benchmarks.kernels.decode_page_size"] + sys.argv[1:]),
-                rows=rows,
-            ),
-            fh,
-            indent=1,
-        )
+    K.write_rows(args.out, "decode_page_size", rows)
 
 
 if __name__ == "__main__":

@@ -182,6 +182,16 @@ def run_record(timing: str) -> dict:
     )
 
 
+def write_rows(out, name, rows, **extra):
+    """Write <out>/<name>.json for the benchmark module `benchmarks.kernels.<name>`: the device,
+    jax version, the command that ran, `extra` fields and the rows."""
+    os.makedirs(out, exist_ok=True)
+    command = " ".join([f"python -m benchmarks.kernels.{name}"] + sys.argv[1:])
+    result = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, command=command)
+    with open(os.path.join(out, f"{name}.json"), "w") as fh:
+        json.dump(dict(result, **extra, rows=rows), fh, indent=1, default=str)
+
+
 def save(result, rows, out, fname="kernels"):
     """Write <fname>_h200.json (or <fname>_<backend>.json) under `out`, with the log so far."""
     result["rows"] = rows

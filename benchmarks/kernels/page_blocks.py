@@ -17,11 +17,8 @@ $OUT/page_blocks.json.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import sys
 
-import jax
 import jax.numpy as jnp
 
 import benchmarks.kernels.harness as K
@@ -103,19 +100,7 @@ def main():
             print(f"{head} {r['us']:.1f} | {r['TBps']:.2f} | {r['rel_err']:.1e} |")
         else:
             print(f"{head} {r.get('error', '?')[:100]} | | |")
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "page_blocks.json"), "w") as fh:
-        json.dump(
-            dict(
-                device=jax.devices()[0].device_kind,
-                jax=jax.__version__,
-                command=" ".join(["python -m benchmarks.kernels.page_blocks"] + sys.argv[1:]),
-                rows=rows,
-            ),
-            fh,
-            indent=1,
-            default=str,
-        )
+    K.write_rows(args.out, "page_blocks", rows)
 
 
 if __name__ == "__main__":

@@ -13,11 +13,8 @@ $OUT/v_page_dtype.json. Decode shapes also run the opt-in Mosaic decode kernel o
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import sys
 
-import jax
 import jax.numpy as jnp
 
 import benchmarks.kernels.harness as K
@@ -95,20 +92,7 @@ def main():
                 f"{r['TFLOPs']:.0f} | {r['pct_matmul']:.1f} | {r['TBps']:.2f} | "
                 f"{r['rel_err']:.1e} |"
             )
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "v_page_dtype.json"), "w") as fh:
-        json.dump(
-            dict(
-                device=jax.devices()[0].device_kind,
-                jax=jax.__version__,
-                command=" ".join(["python -m benchmarks.kernels.v_page_dtype"] + sys.argv[1:]),
-                matmul_flops_per_s=rate,
-                rows=rows,
-            ),
-            fh,
-            indent=1,
-            default=str,
-        )
+    K.write_rows(args.out, "v_page_dtype", rows, matmul_flops_per_s=rate)
 
 
 if __name__ == "__main__":
