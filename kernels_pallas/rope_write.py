@@ -89,10 +89,14 @@ def _rope_write_kernel(
         x2 = x2.astype(jnp.float32)
         return (x1 * c - x2 * s).astype(dtype), (x2 * c + x1 * s).astype(dtype)
 
-    def store_halves(ref, dst, ok, y1, y2):  # dst: [R] head rows, masked ones past the end
+    def store_halves(ref, dst, ok, y1, y2, transposed=False):
+        """dst: [R] head rows, masked ones past the end; transposed: into [D, bs] V pages
+        viewed as [pages * D, bs], half j at dimensions [j * D/2, (j + 1) * D/2) of the page."""
         mask = jnp.broadcast_to(ok[:, None], y1.shape)
-        plt.store(ref.at[row_index(dst * 2, y1.shape[1])], y1, mask=mask)
-        plt.store(ref.at[row_index(dst * 2 + 1, y2.shape[1])], y2, mask=mask)
+        w = y1.shape[1]
+        for j, y in enumerate((y1, y2)):
+            idx = t_row_index(dst, bs, 2 * w, j * w, w) if transposed else row_index(dst * 2 + j, w)
+            plt.store(ref.at[idx], y, mask=mask)
 
     # q: rotated, written for every token < T
     ok, tc, hc = rows(Hq, Hq_pad)
@@ -116,13 +120,7 @@ def _rope_write_kernel(
     # quantize_kv without a scale (applied above): the cast, fp16 pages clamped first.
     store_halves(kc_out, dst, ok, quantize_kv(k1, kc_out.dtype), quantize_kv(k2, kc_out.dtype))
     v1, v2 = quantize_kv(v1, vc_out.dtype), quantize_kv(v2, vc_out.dtype)
-    if v_t:  # [D, bs] V pages, viewed as [pages * D, bs]: each half at its D-rows of the page
-        half = v1.shape[1]
-        mask = jnp.broadcast_to(ok[:, None], v1.shape)
-        plt.store(vc_out.at[t_row_index(dst, bs, 2 * half, 0, half)], v1, mask=mask)
-        plt.store(vc_out.at[t_row_index(dst, bs, 2 * half, half, half)], v2, mask=mask)
-    else:
-        store_halves(vc_out, dst, ok, v1, v2)
+    store_halves(vc_out, dst, ok, v1, v2, transposed=v_t)
 
 
 def rope_write_kv(
