@@ -11,18 +11,9 @@ import pytest
 
 from paxengine.disagg.transfer import KVTransfer, dtype_groups
 from paxengine.kv_memory import allocate_kv_cache
-from paxengine.models.config import ModelConfig
+from paxengine.models.config import PRESETS
 
-CFG = ModelConfig(
-    arch="llama",
-    vocab_size=64,
-    hidden_size=64,
-    intermediate_size=128,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=32,
-)
+CFG = PRESETS["tiny"]  # head_dim 16: [D, 64] and [64, D] V pages differ in shape
 
 
 def _random_cache(rng, cache):
