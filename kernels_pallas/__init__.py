@@ -1,9 +1,10 @@
 """paxengine kernels: attention, the KV write (plain or fused with RoPE) and the FP8-weight
-matmul and the gated activation quantized for it, jnp oracles and Pallas kernels.
+matmul, the gated activation quantized for it, the residual add with RMSNorm, jnp oracles and Pallas kernels.
 
 Contract: ARCHITECTURE.md ("KV cache and attention"). See README.md here for the design.
 """
 
+from kernels_pallas.add_norm import add_rms_norm
 from kernels_pallas.attention_mgpu import prepare_runtime
 from kernels_pallas.dispatch import ragged_paged_attention
 from kernels_pallas.fp8_gemv import fp8_matmul
@@ -12,6 +13,7 @@ from kernels_pallas.kv_write import write_kv
 from kernels_pallas.layout import quantize_kv, v_transposed, value_cache_dtype, value_page_shape
 from kernels_pallas.metadata import AttentionMetadata, token_to_seq
 from kernels_pallas.reference import (
+    ref_add_rms_norm,
     ref_fp8_matmul,
     ref_glu_quant,
     ref_ragged_paged_attention,
@@ -41,4 +43,6 @@ __all__ = [
     "ref_fp8_matmul",
     "glu_quant",
     "ref_glu_quant",
+    "add_rms_norm",
+    "ref_add_rms_norm",
 ]

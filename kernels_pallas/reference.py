@@ -174,3 +174,26 @@ def ref_glu_quant(y, row_scales, col_scales):
     s = jnp.where(amax > 0, amax / fmax, 1.0)
     q = jnp.clip(a * (1.0 / s)[:, None], -fmax, fmax).astype(jnp.float8_e4m3fn)
     return q, s
+
+
+def ref_add_rms_norm(h, y, weight, *, eps, row_scales=None, col_scales=None, quantize=False):
+    """The oracle of `add_norm.add_rms_norm`, in the model's own steps and roundings: the
+    scaled product rounded to h's dtype, h' = h + d in h's dtype, x = weight * (h' * rsqrt(
+    mean(h'^2) + eps) rounded to h's dtype), then per-row e4m3 values and f32 scales
+    (max|x| / 448, 1 where 0) when quantize. -> (h', x) or (h', q, s)."""
+    f32 = jnp.float32
+    if y is not None:
+        d = y.astype(f32)
+        if row_scales is not None:
+            d = d * jnp.asarray(row_scales, f32)[:, None] * jnp.asarray(col_scales, f32)[None]
+        h = h + d.astype(h.dtype)
+    hf = h.astype(f32)
+    hf = hf * jax.lax.rsqrt(jnp.mean(hf * hf, axis=-1, keepdims=True) + eps)
+    x = weight * hf.astype(h.dtype)
+    if not quantize:
+        return h, x
+    fmax = float(jnp.finfo(jnp.float8_e4m3fn).max)
+    xf = x.astype(f32)
+    amax = jnp.max(jnp.abs(xf), axis=-1)
+    s = jnp.where(amax > 0, amax / fmax, 1.0)
+    return h, jnp.clip(xf / s[:, None], -fmax, fmax).astype(jnp.float8_e4m3fn), s

@@ -22,7 +22,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from paxengine.models.config import ModelConfig
-from paxengine.models.quant import gated_mlp, linear
+from paxengine.models.norm import norm_into
+from paxengine.models.quant import gated_mlp, linear, linear_parts
 from paxengine.models.weights import is_per_layer
 
 Attend = Callable[[jax.Array, jax.Array, jax.Array, Any, jax.Array], tuple[jax.Array, Any]]
@@ -128,10 +129,15 @@ def _layer(cfg: ModelConfig, attend: Attend, rope, carry, xs, *, reduce=_identit
     identity on one device."""
     h, kv_cache = carry
     w, layer = xs
-    x = rms_norm(h, w["attn_norm"], cfg.rms_norm_eps)
+    eps = cfg.rms_norm_eps
+    qkv = [w["wqkv"]] if "wqkv" in w else [w["wq"], w["wk"], w["wv"]]
+    _, x = norm_into(h, None, w["attn_norm"], eps, qkv)
     o, kv_cache = _attention(cfg, attend, rope, w, x, kv_cache, layer)
-    h = h + reduce(linear(o.astype(h.dtype), w["wo"]))
-    x = rms_norm(h, w["mlp_norm"], cfg.rms_norm_eps)
+    o = o.astype(h.dtype)
+    # one device: the o projection's W8A8 product goes unscaled into the add + norm kernel
+    delta = linear_parts(o, w["wo"]) if reduce is _identity else reduce(linear(o, w["wo"]))
+    gate_up = [w["w_gate_up"]] if "w_gate_up" in w else [w["w_gate"], w["w_up"]]
+    h, x = norm_into(h, delta, w["mlp_norm"], eps, gate_up)
     if "w_gate_up" in w:
         mlp = gated_mlp(x, w["w_gate_up"], w["w_down"])
     else:

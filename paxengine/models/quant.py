@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -128,25 +129,46 @@ def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     return jnp.clip(xf / scales[:, None], -FP8_MAX, FP8_MAX).astype(FP8_DTYPE), scales
 
 
+class Fp8Rows(NamedTuple):
+    """Activation rows already quantized for a W8A8 GEMM (`quantize_rows`'s output, e.g. from
+    the fused add + RMSNorm kernel, models/norm.py): `linear` and `gated_mlp` take them in
+    place of x on the W8A8 path. dtype: the model dtype the product is returned in."""
+
+    values: jax.Array  # [M, K] e4m3
+    scales: jax.Array  # [M] f32
+    dtype: Any
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.values.shape
+
+
 _CONTRACT_IN = (((1,), (1,)), ((), ()))  # x [M, in] . values [out, in]
 
 
 def w8a8_product_dtype():
     """The dtype the W8A8 GEMM writes its unscaled product in, before the per-token and
-    per-channel scales: f32, or x's dtype where PAXENGINE_KERNEL_FP8_GEMM_OUT=model (the
-    product is then rounded twice, once before the scales and once after: ~1 ulp of bf16 more;
-    an A/B knob for `benchmarks.kernels.fp8_mlp`, in the executables' key)."""
-    return os.environ.get("PAXENGINE_KERNEL_FP8_GEMM_OUT", "f32")
+    per-channel scales: the model's ("model", the default) or f32 where
+    PAXENGINE_KERNEL_FP8_GEMM_OUT=f32 (an A/B knob, in the executables' key). In the model
+    dtype the product is rounded twice, before the scales and after (~1 ulp of bf16 more), and
+    the kernels after the GEMM read half the bytes: on the H200 the 256 x (1024, 128) FP8 run's
+    steps took 33.98 against 34.56 ms (benchmarks/results/gpu_2026-12-04c_defaults/)."""
+    return os.environ.get("PAXENGINE_KERNEL_FP8_GEMM_OUT", "model")
 
 
-def _scaled_dot(xq, xs, w: Fp8Weight, dtype, product: str | None = None) -> jax.Array:
-    """(xq * xs[:, None]) @ w in `dtype`: the fp8 x fp8 GEMM (cuBLASLt on the GPU), its product in
-    f32 or ("model") `dtype`, both scales applied after it."""
+def _unscaled_dot(xq, w: Fp8Weight, dtype, product: str | None = None) -> jax.Array:
+    """xq @ w.values: the fp8 x fp8 GEMM (cuBLASLt on the GPU), its product in f32 or ("model")
+    `dtype`, no scales applied."""
     product = product or w8a8_product_dtype()
     if product not in ("f32", "model"):
         raise ValueError(f"W8A8 product dtype must be 'f32' or 'model', got {product!r}")
     acc = jnp.float32 if product == "f32" else dtype
-    y = jax.lax.dot_general(xq, w.values, _CONTRACT_IN, preferred_element_type=acc)
+    return jax.lax.dot_general(xq, w.values, _CONTRACT_IN, preferred_element_type=acc)
+
+
+def _scaled_dot(xq, xs, w: Fp8Weight, dtype, product: str | None = None) -> jax.Array:
+    """(xq * xs[:, None]) @ w in `dtype`, both scales applied after the GEMM."""
+    y = _unscaled_dot(xq, w, dtype, product)
     return (y.astype(jnp.float32) * xs[:, None] * w.scales[None, :]).astype(dtype)
 
 
@@ -158,6 +180,10 @@ def matmul_w8a8(x: jax.Array, w: Fp8Weight, product: str | None = None) -> jax.A
 
 def matmul_fp8(x: jax.Array, w: Fp8Weight, path: str) -> jax.Array:
     """x [M, in] @ the weight, in x's dtype, by one of `fp8_path`'s paths."""
+    if isinstance(x, Fp8Rows):
+        if path != "w8a8":
+            raise ValueError(f"quantized activation rows take the W8A8 path, not {path!r}")
+        return _scaled_dot(x.values, x.scales, w, x.dtype)
     if path == "w8a8":
         return matmul_w8a8(x, w)
     if path == "gemv":
@@ -182,10 +208,29 @@ def _path_for(x: jax.Array) -> str:
 
 
 def linear(x: jax.Array, w) -> jax.Array:
-    """x [M, in] @ w for a plain [in, out] weight or an Fp8Weight."""
+    """x [M, in] (or Fp8Rows, for an Fp8Weight on the W8A8 path) @ w for a plain [in, out]
+    weight or an Fp8Weight."""
     if isinstance(w, Fp8Weight):
         return matmul_fp8(x, w, _path_for(x))
     return x @ w
+
+
+def takes_fp8_rows(rows: int, weights) -> bool:
+    """Whether every weight in `weights` is an Fp8Weight on the W8A8 path at `rows` rows: then
+    the input can come pre-quantized (Fp8Rows)."""
+    on_gpu = jax.default_backend() == "gpu"
+    path = fp8_path(rows, on_gpu, on_gpu and fp8_units())
+    return path == "w8a8" and all(isinstance(w, Fp8Weight) for w in weights)
+
+
+def linear_parts(x: jax.Array, w) -> tuple:
+    """x @ w as (y, row_scales, col_scales) with y * row_scales[:, None] * col_scales[None, :]
+    the product: a W8A8 GEMM's unscaled product and its scales (so the next kernel applies
+    them, models/norm.py), else (x @ w, None, None)."""
+    if isinstance(w, Fp8Weight) and _path_for(x) == "w8a8":
+        xq, xs = quantize_rows(x)
+        return _unscaled_dot(xq, w, x.dtype), xs, w.scales
+    return linear(x, w), None, None
 
 
 def linear_glu(gate_up: jax.Array, w) -> jax.Array:
@@ -218,10 +263,11 @@ def gated_mlp(x: jax.Array, w_gate_up, w_down) -> jax.Array:
     instead (the same f32 math; interpret mode would take seconds a prefill bucket)."""
     fp8 = isinstance(w_gate_up, Fp8Weight) and isinstance(w_down, Fp8Weight)
     if fp8 and _path_for(x) == "w8a8" and fused_glu_quant():
-        xq, xs = quantize_rows(x)
-        y = jax.lax.dot_general(xq, w_gate_up.values, _CONTRACT_IN, preferred_element_type=x.dtype)
+        xq, xs = (x.values, x.scales) if isinstance(x, Fp8Rows) else quantize_rows(x)
+        dtype = x.dtype
+        y = jax.lax.dot_general(xq, w_gate_up.values, _CONTRACT_IN, preferred_element_type=dtype)
         aq, a_scales = _glu_quant(y, xs, w_gate_up.scales)
-        return _scaled_dot(aq, a_scales, w_down, x.dtype)
+        return _scaled_dot(aq, a_scales, w_down, dtype)
     return linear_glu(linear(x, w_gate_up), w_down)
 
 
