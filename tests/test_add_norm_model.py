@@ -39,7 +39,7 @@ def logits(smollm, monkeypatch):
 
     def run(params, path, kernel):
         monkeypatch.setattr(quant, "fp8_path", lambda *a: path)
-        monkeypatch.setattr(norm, "add_norm_kernel", lambda rows: kernel)
+        monkeypatch.setattr(norm, "add_norm_kernel", lambda rows, hidden: kernel)
         monkeypatch.setattr(kernels_pallas, "add_rms_norm", functools.partial(real, interpret=True))
         jax.clear_caches()  # executables traced the other way must not be reused
         return reference_logits(params, smollm.config, ids)
@@ -88,6 +88,7 @@ def test_only_small_steps_take_the_kernel_on_a_gpu(monkeypatch):
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     assert norm.add_norm_kernel(1) and norm.add_norm_kernel(norm.ADD_NORM_MAX_ROWS)
     assert not norm.add_norm_kernel(norm.ADD_NORM_MAX_ROWS + 1)
+    assert norm.add_norm_kernel(1, 16384) and not norm.add_norm_kernel(1, 16385)  # wider: XLA
     monkeypatch.setenv("PAXENGINE_KERNEL_ADD_NORM_MAX_ROWS", "0")
     assert not norm.add_norm_kernel(1)
     monkeypatch.setattr(jax, "default_backend", lambda: "cpu")

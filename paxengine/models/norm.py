@@ -31,9 +31,12 @@ from paxengine.models.quant import Fp8Rows, takes_fp8_rows
 ADD_NORM_MAX_ROWS = 16
 
 
-def add_norm_kernel(rows: int) -> bool:
+def add_norm_kernel(rows: int, hidden: int = 0) -> bool:
+    """Whether a step of `rows` token rows of `hidden` features takes the kernel."""
+    from kernels_pallas.add_norm import MAX_WIDTH
+
     limit = int(os.environ.get("PAXENGINE_KERNEL_ADD_NORM_MAX_ROWS", ADD_NORM_MAX_ROWS))
-    return jax.default_backend() == "gpu" and rows <= limit
+    return jax.default_backend() == "gpu" and rows <= limit and hidden <= MAX_WIDTH
 
 
 def norm_into(h: jax.Array, delta, weight: jax.Array, eps: float, next_weights) -> tuple:
@@ -43,7 +46,7 @@ def norm_into(h: jax.Array, delta, weight: jax.Array, eps: float, next_weights) 
 
     y, rs, cs = delta if isinstance(delta, tuple) else (delta, None, None)
     quantize = takes_fp8_rows(h.shape[0], next_weights)
-    fn = add_rms_norm if add_norm_kernel(h.shape[0]) else ref_add_rms_norm
+    fn = add_rms_norm if add_norm_kernel(*h.shape) else ref_add_rms_norm
     out = fn(h, y, weight, eps=eps, row_scales=rs, col_scales=cs, quantize=quantize)
     if not quantize:
         return out
