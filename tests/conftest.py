@@ -28,6 +28,14 @@ def smollm():
     return load_model(None, "float32", progress=False)
 
 
+@pytest.fixture(scope="module")
+def fp8_params(smollm):
+    """The embedded SmolLM2's projections quantized to FP8 (per output channel)."""
+    from paxengine.models.quant import quantize_params
+
+    return quantize_params(dict(smollm.params, layers=dict(smollm.params["layers"])))
+
+
 @pytest.fixture(scope="session")
 def hf_tokenizer():
     """transformers' tokenizer of the embedded GGUF file: the tokenizer tests need only this, not

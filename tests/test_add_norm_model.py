@@ -16,18 +16,12 @@ import pytest
 
 import kernels_pallas
 from paxengine.models import norm, quant
-from paxengine.models.quant import quantize_params
 from paxengine.reference import reference_logits
 
 TEXT = (
     "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg "
     "combined movable metal type with an oil-based ink and a wooden press"
 )
-
-
-@pytest.fixture(scope="module")
-def fp8_params(smollm):
-    return quantize_params(dict(smollm.params, layers=dict(smollm.params["layers"])))
 
 
 @pytest.fixture

@@ -23,7 +23,6 @@ from paxengine.models.quant import (
     linear,
     matmul_fp8,
     quantize_fp8,
-    quantize_params,
     quantize_rows,
     weight_dtype,
 )
@@ -115,11 +114,6 @@ TEXT = (
     "same simple idea: arrange the letters once, and copy them many times.\n\ndef fibonacci(n):\n"
     "    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n"
 )
-
-
-@pytest.fixture(scope="module")
-def fp8_params(smollm):
-    return quantize_params(dict(smollm.params, layers=dict(smollm.params["layers"])))
 
 
 @pytest.fixture
