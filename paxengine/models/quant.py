@@ -152,7 +152,7 @@ def w8a8_product_dtype():
     PAXENGINE_KERNEL_FP8_GEMM_OUT=f32 (an A/B knob, in the executables' key). In the model
     dtype the product is rounded twice, before the scales and after (~1 ulp of bf16 more), and
     the kernels after the GEMM read half the bytes: on the H200 the 256 x (1024, 128) FP8 run's
-    steps took 33.98 against 34.56 ms (benchmarks/results/gpu_2026-12-04c_defaults/)."""
+    steps took 33.84 against 34.48 ms (benchmarks/results/gpu_2026-12-04c_defaults/, call 1)."""
     return os.environ.get("PAXENGINE_KERNEL_FP8_GEMM_OUT", "model")
 
 
@@ -203,8 +203,12 @@ def _gemv(x: jax.Array, w: Fp8Weight, glu: bool = False) -> jax.Array:
 
 
 def _path_for(x: jax.Array) -> str:
+    return _path_for_rows(x.shape[0])
+
+
+def _path_for_rows(rows: int) -> str:
     on_gpu = jax.default_backend() == "gpu"
-    return fp8_path(x.shape[0], on_gpu, on_gpu and fp8_units())
+    return fp8_path(rows, on_gpu, on_gpu and fp8_units())
 
 
 def linear(x: jax.Array, w) -> jax.Array:
@@ -218,9 +222,7 @@ def linear(x: jax.Array, w) -> jax.Array:
 def takes_fp8_rows(rows: int, weights) -> bool:
     """Whether every weight in `weights` is an Fp8Weight on the W8A8 path at `rows` rows: then
     the input can come pre-quantized (Fp8Rows)."""
-    on_gpu = jax.default_backend() == "gpu"
-    path = fp8_path(rows, on_gpu, on_gpu and fp8_units())
-    return path == "w8a8" and all(isinstance(w, Fp8Weight) for w in weights)
+    return _path_for_rows(rows) == "w8a8" and all(isinstance(w, Fp8Weight) for w in weights)
 
 
 def linear_parts(x: jax.Array, w) -> tuple:
@@ -264,10 +266,9 @@ def gated_mlp(x: jax.Array, w_gate_up, w_down) -> jax.Array:
     fp8 = isinstance(w_gate_up, Fp8Weight) and isinstance(w_down, Fp8Weight)
     if fp8 and _path_for(x) == "w8a8" and fused_glu_quant():
         xq, xs = (x.values, x.scales) if isinstance(x, Fp8Rows) else quantize_rows(x)
-        dtype = x.dtype
-        y = jax.lax.dot_general(xq, w_gate_up.values, _CONTRACT_IN, preferred_element_type=dtype)
+        y = jax.lax.dot_general(xq, w_gate_up.values, _CONTRACT_IN, preferred_element_type=x.dtype)
         aq, a_scales = _glu_quant(y, xs, w_gate_up.scales)
-        return _scaled_dot(aq, a_scales, w_down, dtype)
+        return _scaled_dot(aq, a_scales, w_down, x.dtype)
     return linear_glu(linear(x, w_gate_up), w_down)
 
 
