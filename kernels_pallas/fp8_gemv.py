@@ -66,15 +66,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from kernels_pallas.tuning import next_pow2
+
 NUM_SMS = 132  # H200
 METHODS = ("dot", "wdot", "reduce", "reduce_step")
 REDUCE_MAX_M = 8  # the reduce methods keep an accumulator (and load x) per row of x
 _X_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 _W_DTYPES = (jnp.float8_e4m3fn, jnp.float8_e5m2)
-
-
-def next_pow2(x: int) -> int:
-    return 1 << max(int(x) - 1, 0).bit_length()
 
 
 def _is_pow2(x) -> bool:

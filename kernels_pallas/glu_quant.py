@@ -25,6 +25,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from kernels_pallas.tuning import next_pow2
+
 E4M3 = jnp.float8_e4m3fn
 E4M3_MAX = float(jnp.finfo(E4M3).max)  # 448
 
@@ -90,7 +92,7 @@ def default_blocks(M: int, I: int) -> tuple[int, int, int]:
     17.6 us against 25.6 for the best column walk; at M = 8,192 4 rows a program walking 512
     columns at a time, twice (the second walk from L2) 325 us against 404-418 for whole rows
     (and 92.8 us at M = 2,048). Rows wider than 16,384 always walk."""
-    width = 1 << max(I - 1, 0).bit_length()
+    width = next_pow2(I)
     if width <= WHOLE_ROW_MAX and M < WHOLE_ROW_MAX_M:
         return 1, width, max(4, min(16, width // 1024))
     return 4, 512, 4
@@ -125,7 +127,7 @@ def glu_quant(
     for name, v in (("block_rows", block_rows), ("block_cols", block_cols)):
         if v < 1 or v & (v - 1):
             raise ValueError(f"{name} must be a power of 2, got {v}")
-    block_cols = min(block_cols, 1 << max(I - 1, 0).bit_length())
+    block_cols = min(block_cols, next_pow2(I))
     kernel = functools.partial(
         _glu_quant_kernel, M=M, I=I, block_rows=block_rows, block_cols=block_cols
     )

@@ -61,11 +61,11 @@ from kernels_pallas.fp8_gemv import (
     Fp8MatmulTuning,
     default_tuning,
     fp8_matmul,
-    next_pow2,
     resolve_tuning,
     split_plan,
 )
 from kernels_pallas.reference import ref_fp8_matmul
+from kernels_pallas.tuning import next_pow2
 
 MS = (1, 8, 16, 32, 64)
 KNS = ((4096, 6144), (4096, 28672), (14336, 4096), (4096, 4096))
