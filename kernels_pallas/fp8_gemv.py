@@ -70,6 +70,8 @@ from kernels_pallas.tuning import next_pow2
 
 NUM_SMS = 132  # H200
 METHODS = ("dot", "wdot", "reduce", "reduce_step")
+COMPUTES = ("x", "f16")
+F16_MAX = 65504.0
 REDUCE_MAX_M = 8  # the reduce methods keep an accumulator (and load x) per row of x
 _X_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 _W_DTYPES = (jnp.float8_e4m3fn, jnp.float8_e5m2)
@@ -93,6 +95,12 @@ class Fp8MatmulTuning:
     # Load block b + 1's weights before block b's are used (register double-buffering, on
     # top of whatever pipelining Triton does with num_stages).
     prefetch: bool = False
+    # dot / wdot operands: "x", the activations' dtype; "f16": 16-bit activations go in as f16
+    # (clamped to +-65504; bf16's 8 significant bits fit f16's 11, so that is exact in range)
+    # and the weights upcast to f16, one instruction a pair of e4m3 values (sm89+: cvt
+    # f16x2.e4m3x2), where a bf16 operand goes through f32 (two more conversions a value, on
+    # the GPU's 16-a-cycle conversion pipe). f32 activations stay f32.
+    compute: str = "x"
 
 
 def default_tuning(M: int, K: int, N: int, num_sms: int = NUM_SMS) -> Fp8MatmulTuning:
@@ -151,6 +159,10 @@ def resolve_tuning(M: int, K: int, N: int, **overrides) -> Fp8MatmulTuning:
         tun = dataclasses.replace(tun, **over)
     if tun.method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {tun.method!r}")
+    if tun.compute not in COMPUTES:
+        raise ValueError(f"compute must be one of {COMPUTES}, got {tun.compute!r}")
+    if tun.compute == "f16" and tun.method not in ("dot", "wdot"):
+        raise ValueError(f"compute 'f16' is for the dot methods, not {tun.method!r}")
     for name in ("block_n", "block_k"):
         v = getattr(tun, name)
         if not _is_pow2(v):
@@ -222,6 +234,12 @@ def _fp8_matmul_kernel(
     w_dtype = compute_dtype if is_dot else f32
     precision = lax.Precision.HIGHEST if compute_dtype == f32 else None
 
+    def cast(v, dt):
+        """v in dt; into f16 from a wider range (bf16 activations) clamped, never inf."""
+        if dt == jnp.float16 and v.dtype != jnp.float16:
+            return jnp.clip(v.astype(f32), -F16_MAX, F16_MAX).astype(dt)
+        return v.astype(dt)
+
     def cols(k0, masked):
         return k0 + jnp.arange(block_k, dtype=jnp.int32) < K if masked else None
 
@@ -246,14 +264,14 @@ def _fp8_matmul_kernel(
         def raw(col, dt):
             idx = (idx_m, pl.ds(col, block_k))
             if mask is None:
-                return x_ref[idx].astype(dt)
-            return plt.load(x_ref.at[idx], mask=mask, other=0.0).astype(dt)
+                return cast(x_ref[idx], dt)
+            return cast(plt.load(x_ref.at[idx], mask=mask, other=0.0), dt)
 
         if not glu:
             return raw(k0, dtype)
         gate, up = raw(k0, f32), raw(K + k0, f32)
         silu = (gate / (1.0 + jnp.exp(-gate))).astype(x_dtype).astype(f32)
-        return (silu * up).astype(x_dtype).astype(dtype)
+        return cast((silu * up).astype(x_dtype), dtype)
 
     def load_x(k0, k_ok):
         """dot / wdot: x's [block_m, block_k] block; reduce*: its M rows of [block_k]."""
@@ -357,6 +375,7 @@ def fp8_matmul(
     num_stages=None,
     method=None,
     prefetch=None,
+    compute=None,
     glu=False,
 ) -> jax.Array:
     """y = x @ (w_values * w_scales[:, None]).T, accumulated in f32, in out_dtype (x's dtype).
@@ -397,6 +416,7 @@ def fp8_matmul(
         num_stages=num_stages,
         method=method,
         prefetch=prefetch,
+        compute=compute,
     )
     splits, per = split_plan(K, tun.block_k, tun.k_splits)
     if tun.method in ("dot", "wdot"):
@@ -404,6 +424,9 @@ def fp8_matmul(
         m_blocks = -(-M // block_m)
     else:
         block_m, m_blocks = M, 1
+    compute_dtype = jnp.dtype(x.dtype)
+    if tun.compute == "f16" and x.dtype != jnp.float32:
+        compute_dtype = jnp.dtype(jnp.float16)
     kernel = functools.partial(
         _fp8_matmul_kernel,
         M=M,
@@ -416,7 +439,7 @@ def fp8_matmul(
         per=per,
         method=tun.method,
         prefetch=bool(tun.prefetch),
-        compute_dtype=jnp.dtype(x.dtype),
+        compute_dtype=compute_dtype,
         glu=bool(glu),
     )
     if splits == 1:
@@ -431,6 +454,7 @@ def fp8_matmul(
         interpret=interpret,
         name=f"fp8_matmul_{tun.method}_n{tun.block_n}_k{tun.block_k}_s{splits}"
         + ("_pf" if tun.prefetch else "")
+        + ("_f16" if compute_dtype == jnp.float16 and x.dtype != jnp.float16 else "")
         + ("_glu" if glu else ""),
     )(x, w_values, w_scales.astype(jnp.float32))
     if splits > 1:

@@ -39,8 +39,9 @@ SHAPES = {
 
 def variants(kv_dtype, bs, T, S):
     """(name, tuning overrides) at pages of bs tokens: the default, and for [D, bs] V pages
-    the decode pipeline depths it was chosen from and twice its split-K (a 64-position block
-    halves a program's work between loads: long contexts at small batch may want more)."""
+    the decode pipeline depths it was chosen from, twice its split-K (a 64-position block
+    halves a program's work between loads: long contexts at small batch may want more) and
+    2 / 8 warps a program (fp8 pages cost conversions a byte, not only bandwidth)."""
     out = [("default", {})]
     if v_transposed(kv_dtype, bs):
         itemsize = jnp.dtype(kv_dtype).itemsize
@@ -49,6 +50,8 @@ def variants(kv_dtype, bs, T, S):
             ("2stages", dict(num_stages=2)),
             ("3stages", dict(num_stages=3)),
             ("2x_splits", dict(k_splits=2 * d.k_splits)),
+            ("2warps", dict(num_warps=2)),
+            ("8warps", dict(num_warps=8)),
         ]
     return out
 
