@@ -5,10 +5,14 @@ latency and throughput are the same arithmetic for both:
   ITL: (time of a generate of n2 output tokens - one of n1) / (n2 - n1), all decode steps and
   their scheduling included, median of the spec's reps, per batch size;
   throughput: output tokens / wall time of one generate call per workload.
+
+For an A/B that needs only some rows: GPU_BENCH_ITL_BATCHES (comma list, "" for none) and
+GPU_BENCH_OFFLINE (comma list of workload names) narrow the spec.
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from pathlib import Path
@@ -23,7 +27,10 @@ def itl(gen, spec, vocab: int) -> dict:
     w = spec["itl"]
     res = {}
     seed = 100
-    for b in w["batches"]:
+    batches = w["batches"]
+    if "GPU_BENCH_ITL_BATCHES" in os.environ:
+        batches = [int(b) for b in os.environ["GPU_BENCH_ITL_BATCHES"].split(",") if b]
+    for b in batches:
         vals = []
         for _ in range(w["reps"]):
             times = {}
@@ -48,7 +55,10 @@ def offline(gen, spec, vocab: int, stats=None) -> dict:
     engine counters (steps, preemptions), recorded per workload."""
     res = {}
     rate = None  # output tok/s of the last workload, to project the next one's duration
+    only = os.environ.get("GPU_BENCH_OFFLINE")
     for k, w in enumerate(spec["offline"]):
+        if only is not None and w["name"] not in only.split(","):
+            continue
         left = seconds_left()
         if rate and left is not None:
             projected = 1.2 * w["num_prompts"] * w["output_len"] / rate + 5

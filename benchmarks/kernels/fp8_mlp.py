@@ -33,7 +33,7 @@ import numpy as np
 
 from benchmarks.device_trace import kernel_times, trace_device
 from benchmarks.record import environment, write_to_out
-from kernels_pallas import glu_quant
+from kernels_pallas import glu_quant, ref_glu_quant
 from kernels_pallas.glu_quant import default_blocks
 from paxengine.models.llama import rms_norm
 from paxengine.models.quant import dequantize, gated_mlp, linear, quantize_fp8, xla_options
@@ -86,25 +86,38 @@ def run(f, x, layers, reps: int) -> float:
 
 def glu_sweep(m: int, I: int, key) -> list[dict]:
     """glu_quant alone on an [m, 2I] bf16 product: device us per call by (block_rows,
-    block_cols, num_warps), 5 calls traced; the first config is the default."""
+    block_cols, num_warps, IEEE or fast silu), 5 calls traced, each checked against the oracle
+    (share of equal e4m3 codes, scale error); the first two configs are the default blocks."""
     y = jax.random.normal(key, (m, 2 * I), jnp.float32).astype(jnp.bfloat16) * 100
     rs, cs = jnp.full((m,), 1e-2), jnp.full((2 * I,), 1e-2)
     whole = 1 << max(I - 1, 0).bit_length()
-    configs = [default_blocks(m, I)] + [(1, whole, w) for w in (4, 8, 16, 32)]
-    configs += [(2, whole, 16), (2, whole, 32)]
-    configs += [(br, bc, nw) for br in (2, 4) for bc in (512, 1024) for nw in (4, 8)]
+    configs = [(*default_blocks(m, I), fast) for fast in (False, True)]
+    configs += [(1, whole, w, fast) for w in (8, 16, 32) for fast in (False, True)]
+    configs += [
+        (br, bc, nw, fast)
+        for br in (2, 4)
+        for bc in (512, 1024)
+        for nw in (4, 8)
+        for fast in (False, True)
+    ]
+    qr, sr = jax.jit(ref_glu_quant)(y, rs, cs)
+    codes_ref = np.asarray(qr.astype(jnp.float32))
     rows = []
-    for br, bc, nw in configs:
+    for br, bc, nw, fast in configs:
         f = jax.jit(
-            lambda y, rs, cs, br=br, bc=bc, nw=nw: glu_quant(
-                y, rs, cs, block_rows=br, block_cols=bc, num_warps=nw
+            lambda y, rs, cs, br=br, bc=bc, nw=nw, fast=fast: glu_quant(
+                y, rs, cs, block_rows=br, block_cols=bc, num_warps=nw, fast=fast
             )
         )
+        cfg = [br, bc, nw, "fast" if fast else "ieee"]
         try:
-            jax.block_until_ready(f(y, rs, cs))
+            q, s = jax.block_until_ready(f(y, rs, cs))
         except Exception as e:  # noqa: BLE001 - recorded, the sweep goes on
-            rows.append({"M": m, "config": [br, bc, nw], "error": f"{type(e).__name__}: {e}"[:200]})
+            rows.append({"M": m, "config": cfg, "error": f"{type(e).__name__}: {e}"[:200]})
             continue
+        # against the oracle: the share of e4m3 codes that differ (a rounding flip), the scales
+        same = float((np.asarray(q.astype(jnp.float32)) == codes_ref).mean())
+        s_err = float(np.max(np.abs(np.asarray(s) / np.asarray(sr) - 1)))
 
         def five(f=f):
             for _ in range(5):
@@ -114,7 +127,16 @@ def glu_sweep(m: int, I: int, key) -> list[dict]:
         times, _ = kernel_times(trace_device(five))
         us = sum(v for k, v in times.items() if "glu_quant" in k) / 5
         gbps = (m * 2 * I * 2 + m * I) / us / 1e3  # HBM bytes a call must move / time
-        rows.append({"M": m, "config": [br, bc, nw], "us": round(us, 1), "GBps": round(gbps)})
+        rows.append(
+            {
+                "M": m,
+                "config": cfg,
+                "us": round(us, 1),
+                "GBps": round(gbps),
+                "codes_equal": same,
+                "scale_rel_err": s_err,
+            }
+        )
         print(rows[-1], flush=True)
     return rows
 
@@ -127,6 +149,7 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="tiny shapes (a CPU smoke test)")
     ap.add_argument("--hlo", action="store_true")
     ap.add_argument("--glu-sweep", action="store_true")
+    ap.add_argument("--glu-only", action="store_true", help="the GLU sweep alone, no layers")
     args = ap.parse_args(argv)
     on_gpu = jax.default_backend() == "gpu"
     H, I, Q, KV = (64, 128, 64, 16) if args.quick else (4096, 14336, 4096, 1024)
@@ -143,10 +166,10 @@ def main(argv=None) -> int:
     for m in ms:
         x = jax.random.normal(jax.random.fold_in(key, m), (m, H), jnp.float32).astype(jnp.bfloat16)
         want = x.astype(jnp.float32)
-        for w in ref_w:
+        for w in () if args.glu_only else ref_w:
             want = jax.jit(lambda x, w: layer(x, w, Q))(want, w)
-        want = np.asarray(want)
-        for name, env in VARIANTS.items():
+        want = np.asarray(want) if not args.glu_only else None
+        for name, env in () if args.glu_only else VARIANTS.items():
             for k in (_OUT, _GLU):
                 os.environ.pop(k, None)
             os.environ.update(env or {})
@@ -180,7 +203,7 @@ def main(argv=None) -> int:
                     fh.write(text)
             print(row, flush=True)
             res["rows"].append(row)
-        if args.glu_sweep and on_gpu:
+        if (args.glu_sweep or args.glu_only) and on_gpu:
             res.setdefault("glu_sweep", []).extend(glu_sweep(m, I, key))
     for k in (_OUT, _GLU):
         os.environ.pop(k, None)

@@ -52,6 +52,8 @@ def variants(kv_dtype, bs, T, S):
             ("2x_splits", dict(k_splits=2 * d.k_splits)),
             ("2warps", dict(num_warps=2)),
             ("8warps", dict(num_warps=8)),
+            ("2warps_2stages", dict(num_warps=2, num_stages=2)),
+            ("2warps_3stages", dict(num_warps=2, num_stages=3)),
         ]
     return out
 
@@ -62,6 +64,7 @@ def main():
     ap.add_argument("--kv-dtype", default="fp8,bf16")
     ap.add_argument("--only", default=",".join(SHAPES))
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--variants", default="", help="comma list of variant names (default all)")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
     args = ap.parse_args()
     rows, loops = [], {}
@@ -77,6 +80,8 @@ def main():
                 ref = K.oracle(q, kc, vc, md)
                 for var, tun in variants(kv_dtype, bs, T, S):
                     if var != "default" and not name.startswith("decode"):
+                        continue
+                    if args.variants and var not in args.variants.split(","):
                         continue
                     row = dict(
                         shape=name,

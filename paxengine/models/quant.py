@@ -276,8 +276,14 @@ def _glu_quant(y, row_scales, col_scales):
     from kernels_pallas import glu_quant, ref_glu_quant
 
     if jax.default_backend() == "gpu":
-        return glu_quant(y, row_scales, col_scales)
+        return glu_quant(y, row_scales, col_scales, fast=glu_fast_math())
     return ref_glu_quant(y, row_scales, col_scales)
+
+
+def glu_fast_math() -> bool:
+    """The GLU kernel's silu from the GPU's approximate exp2 and reciprocal
+    (PAXENGINE_KERNEL_FP8_GLU_FAST=1; an A/B knob, in the executables' key)."""
+    return os.environ.get("PAXENGINE_KERNEL_FP8_GLU_FAST", "0") == "1"
 
 
 def quantize_params(params: dict) -> dict:
