@@ -20,6 +20,7 @@ from functools import partial
 import jax
 
 import kernels_pallas
+from kernels_pallas.tuning import TUNING_FIELDS, is_decode_bucket
 from kernels_pallas.xla_attention import xla_ragged_paged_attention
 from paxengine.models.config import ModelConfig
 
@@ -32,6 +33,20 @@ FUSED_ROPE_MAX_TOKENS = 16
 
 def fused_rope_max_tokens() -> int:
     return int(os.environ.get("PAXENGINE_KERNEL_FUSED_ROPE_MAX_TOKENS", FUSED_ROPE_MAX_TOKENS))
+
+
+def decode_tuning_overrides() -> dict:
+    """Tuning fields for the attention kernel's decode-bucket launches from
+    PAXENGINE_KERNEL_ATTN_DECODE_TUNING ("num_warps=2,num_stages=3"; integer fields of
+    kernels_pallas.tuning.Tuning): an A/B knob, part of the executables' key."""
+    spec = os.environ.get("PAXENGINE_KERNEL_ATTN_DECODE_TUNING", "")
+    out = {}
+    for item in filter(None, spec.split(",")):
+        name, _, value = item.partition("=")
+        if name not in TUNING_FIELDS or not value.lstrip("-").isdigit():
+            raise ValueError(f"PAXENGINE_KERNEL_ATTN_DECODE_TUNING: bad item {item!r}")
+        out[name] = int(value)
+    return out
 
 
 def _scales(kv_scale):
@@ -55,7 +70,9 @@ class PagedAttend:
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
         if backend == "pallas":
             self.write = partial(kernels_pallas.write_kv, interpret=interpret)
-            self.attn = partial(kernels_pallas.ragged_paged_attention, interpret=interpret)
+            T, S = md.slot_mapping.shape[0], md.block_tables.shape[0]
+            over = decode_tuning_overrides() if is_decode_bucket(T, S) else {}
+            self.attn = partial(kernels_pallas.ragged_paged_attention, interpret=interpret, **over)
         elif backend == "xla":
             self.write, self.attn = kernels_pallas.ref_write_kv, xla_ragged_paged_attention
         else:

@@ -7,7 +7,7 @@ latency and throughput are the same arithmetic for both:
   throughput: output tokens / wall time of one generate call per workload.
 
 For an A/B that needs only some rows: GPU_BENCH_ITL_BATCHES (comma list, "" for none) and
-GPU_BENCH_OFFLINE (comma list of workload names) narrow the spec.
+GPU_BENCH_OFFLINE (workload names separated by ";": the names hold commas) narrow the spec.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def offline(gen, spec, vocab: int, stats=None) -> dict:
     rate = None  # output tok/s of the last workload, to project the next one's duration
     only = os.environ.get("GPU_BENCH_OFFLINE")
     for k, w in enumerate(spec["offline"]):
-        if only is not None and w["name"] not in only.split(","):
+        if only is not None and w["name"] not in only.split(";"):
             continue
         left = seconds_left()
         if rate and left is not None:
