@@ -92,8 +92,15 @@ def default_tuning(
         tun = dataclasses.replace(tun, page_block=True, block_k=block_size)
         if is_decode_bucket(T, S):
             splits = min(2 * tun.k_splits, 32) if tun.k_splits > 1 else 1
+            # 2 warps a program from FP8_DECODE_TWO_WARP_PROGRAMS programs on (below, 4).
+            warps = 2 if Hkv * S >= FP8_DECODE_TWO_WARP_PROGRAMS else tun.num_warps
             return dataclasses.replace(
-                tun, pv_split=False, split_mask=True, num_stages=4, k_splits=splits
+                tun,
+                pv_split=False,
+                split_mask=True,
+                num_stages=4,
+                k_splits=splits,
+                num_warps=warps,
             )
         return dataclasses.replace(tun, pv_split=False)
     if kv_itemsize != 1:
@@ -106,6 +113,15 @@ def default_tuning(
     if is_decode_bucket(T, S):
         return dataclasses.replace(tun, pv_split=False, split_mask=True, num_stages=2)
     return dataclasses.replace(tun, pv_split=False)
+
+
+# fp8 64-token pages, decode: 2 warps a program once there are this many (KV head, sequence)
+# programs. H200, us, 4 / 2 warps, two calls (benchmarks/results/gpu_2026-12-04d_f16_gemv/):
+# B=300 ctx 1536 (2,400 programs) 281.5 / 266.7 and 278.5 / 262.8; B=256 ctx 1024 (2,048)
+# 176.2 / 178.8 and 168.9 / 177.1; B=64 ctx 2048 99.7 / 97.9 and 97.6 / 99.0; 8 warps 1.4-1.6x
+# slower everywhere. The FP8 engine with 2 warps in every decode bucket: 300 x (1000, 1000)
+# 14,775 against 14,537 output tok/s, 256 x (1024, 128) 5,669 against 5,852 (call 3).
+FP8_DECODE_TWO_WARP_PROGRAMS = 2400
 
 
 def _default_16bit(

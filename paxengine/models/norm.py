@@ -6,7 +6,8 @@ GEMM does not quantize them again. delta: None (the norm alone), an array, or a 
 (unscaled product, row scales, column scales) from `quant.linear_parts`, whose scales are
 applied here.
 
-On the GPU, in steps of at most ADD_NORM_MAX_ROWS token rows, this is one Pallas kernel
+On the GPU, in steps of at most ADD_NORM_MAX_ROWS token rows and in every step whose rows go
+on to W8A8 GEMMs, this is one Pallas kernel
 (`kernels_pallas.add_rms_norm`): XLA launches up to four kernels for it (the scaling and add,
 the norm's reduction, the quantization's row max and its convert), each reading the [T, H]
 stream again, and a small step pays for each launch. Elsewhere its jnp oracle runs: the model's
@@ -29,14 +30,23 @@ from paxengine.models.quant import Fp8Rows, takes_fp8_rows
 # 19.73 against 19.79 (even): the kernel in the small buckets, XLA's fusions from there.
 # PAXENGINE_KERNEL_ADD_NORM_MAX_ROWS overrides it (0: never; part of the executables' key).
 ADD_NORM_MAX_ROWS = 16
+# Where the normed rows feed W8A8 GEMMs (they are quantized too: XLA's fusions then also take a
+# row max and a convert), the kernel runs at every row count: H200, FP8 weights + KV, one lease,
+# each variant its own process (benchmarks/results/gpu_2026-12-04d_f16_gemv/, call 3):
+# 300 x (1000, 1000) 14,655 against 14,537 output tok/s, 256 x (1024, 128) 6,010 against 5,852.
+# PAXENGINE_KERNEL_ADD_NORM_W8A8=0 gives those steps ADD_NORM_MAX_ROWS' rule back.
 
 
-def add_norm_kernel(rows: int, hidden: int = 0) -> bool:
-    """Whether a step of `rows` token rows of `hidden` features takes the kernel."""
+def add_norm_kernel(rows: int, hidden: int = 0, quantize: bool = False) -> bool:
+    """Whether a step of `rows` token rows of `hidden` features takes the kernel (quantize: the
+    rows go on quantized, to W8A8 GEMMs)."""
     from kernels_pallas.add_norm import MAX_WIDTH
 
-    limit = int(os.environ.get("PAXENGINE_KERNEL_ADD_NORM_MAX_ROWS", ADD_NORM_MAX_ROWS))
-    return jax.default_backend() == "gpu" and rows <= limit and hidden <= MAX_WIDTH
+    if jax.default_backend() != "gpu" or hidden > MAX_WIDTH:
+        return False
+    if quantize and os.environ.get("PAXENGINE_KERNEL_ADD_NORM_W8A8", "1") == "1":
+        return True
+    return rows <= int(os.environ.get("PAXENGINE_KERNEL_ADD_NORM_MAX_ROWS", ADD_NORM_MAX_ROWS))
 
 
 def norm_into(h: jax.Array, delta, weight: jax.Array, eps: float, next_weights) -> tuple:
@@ -46,7 +56,7 @@ def norm_into(h: jax.Array, delta, weight: jax.Array, eps: float, next_weights) 
 
     y, rs, cs = delta if isinstance(delta, tuple) else (delta, None, None)
     quantize = takes_fp8_rows(h.shape[0], next_weights)
-    fn = add_rms_norm if add_norm_kernel(*h.shape) else ref_add_rms_norm
+    fn = add_rms_norm if add_norm_kernel(*h.shape, quantize=quantize) else ref_add_rms_norm
     out = fn(h, y, weight, eps=eps, row_scales=rs, col_scales=cs, quantize=quantize)
     if not quantize:
         return out
