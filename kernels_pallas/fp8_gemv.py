@@ -53,6 +53,11 @@ and loop overhead per call to every variant, XLA's too):
   W8A16 in this [N, K] layout (a Triton GEMM fusion XLA autotunes: 31 us = 3.7 TB/s at M=8);
   1.7 TB/s at M=64. XLA W8A16 with the weights in [K, N] (the engine's layout today) is
   about our kernel's speed at M=8-16.
+- Tried and dropped (2026-12-04, benchmarks/results/gpu_2026-12-04d_f16_gemv/, call 1, tree
+  488e160): the dot methods with f16 operands (e4m3 -> f16 is one instruction a pair, -> bf16
+  goes through f32). Slower for "dot" at M = 1-16 (4096 x 28672, M=8, 32 x 512 tiles: 76 vs
+  56 us), faster only for "wdot" (51 vs 71 us), and nothing reached XLA's W8A16 at M = 8-16
+  (32 us): the conversion is not what bounds these paths.
 """
 
 from __future__ import annotations
@@ -70,8 +75,6 @@ from kernels_pallas.tuning import next_pow2
 
 NUM_SMS = 132  # H200
 METHODS = ("dot", "wdot", "reduce", "reduce_step")
-COMPUTES = ("x", "f16")
-F16_MAX = 65504.0
 REDUCE_MAX_M = 8  # the reduce methods keep an accumulator (and load x) per row of x
 _X_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
 _W_DTYPES = (jnp.float8_e4m3fn, jnp.float8_e5m2)
@@ -95,12 +98,6 @@ class Fp8MatmulTuning:
     # Load block b + 1's weights before block b's are used (register double-buffering, on
     # top of whatever pipelining Triton does with num_stages).
     prefetch: bool = False
-    # dot / wdot operands: "x", the activations' dtype; "f16": 16-bit activations go in as f16
-    # (clamped to +-65504; bf16's 8 significant bits fit f16's 11, so that is exact in range)
-    # and the weights upcast to f16, one instruction a pair of e4m3 values (sm89+: cvt
-    # f16x2.e4m3x2), where a bf16 operand goes through f32 (two more conversions a value, on
-    # the GPU's 16-a-cycle conversion pipe). f32 activations stay f32.
-    compute: str = "x"
 
 
 def default_tuning(M: int, K: int, N: int, num_sms: int = NUM_SMS) -> Fp8MatmulTuning:
@@ -159,10 +156,6 @@ def resolve_tuning(M: int, K: int, N: int, **overrides) -> Fp8MatmulTuning:
         tun = dataclasses.replace(tun, **over)
     if tun.method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {tun.method!r}")
-    if tun.compute not in COMPUTES:
-        raise ValueError(f"compute must be one of {COMPUTES}, got {tun.compute!r}")
-    if tun.compute == "f16" and tun.method not in ("dot", "wdot"):
-        raise ValueError(f"compute 'f16' is for the dot methods, not {tun.method!r}")
     for name in ("block_n", "block_k"):
         v = getattr(tun, name)
         if not _is_pow2(v):
@@ -234,12 +227,6 @@ def _fp8_matmul_kernel(
     w_dtype = compute_dtype if is_dot else f32
     precision = lax.Precision.HIGHEST if compute_dtype == f32 else None
 
-    def cast(v, dt):
-        """v in dt; into f16 from a wider range (bf16 activations) clamped, never inf."""
-        if dt == jnp.float16 and v.dtype != jnp.float16:
-            return jnp.clip(v.astype(f32), -F16_MAX, F16_MAX).astype(dt)
-        return v.astype(dt)
-
     def cols(k0, masked):
         return k0 + jnp.arange(block_k, dtype=jnp.int32) < K if masked else None
 
@@ -264,14 +251,14 @@ def _fp8_matmul_kernel(
         def raw(col, dt):
             idx = (idx_m, pl.ds(col, block_k))
             if mask is None:
-                return cast(x_ref[idx], dt)
-            return cast(plt.load(x_ref.at[idx], mask=mask, other=0.0), dt)
+                return x_ref[idx].astype(dt)
+            return plt.load(x_ref.at[idx], mask=mask, other=0.0).astype(dt)
 
         if not glu:
             return raw(k0, dtype)
         gate, up = raw(k0, f32), raw(K + k0, f32)
         silu = (gate / (1.0 + jnp.exp(-gate))).astype(x_dtype).astype(f32)
-        return cast((silu * up).astype(x_dtype), dtype)
+        return (silu * up).astype(x_dtype).astype(dtype)
 
     def load_x(k0, k_ok):
         """dot / wdot: x's [block_m, block_k] block; reduce*: its M rows of [block_k]."""
@@ -375,7 +362,6 @@ def fp8_matmul(
     num_stages=None,
     method=None,
     prefetch=None,
-    compute=None,
     glu=False,
 ) -> jax.Array:
     """y = x @ (w_values * w_scales[:, None]).T, accumulated in f32, in out_dtype (x's dtype).
@@ -416,7 +402,6 @@ def fp8_matmul(
         num_stages=num_stages,
         method=method,
         prefetch=prefetch,
-        compute=compute,
     )
     splits, per = split_plan(K, tun.block_k, tun.k_splits)
     if tun.method in ("dot", "wdot"):
@@ -424,9 +409,6 @@ def fp8_matmul(
         m_blocks = -(-M // block_m)
     else:
         block_m, m_blocks = M, 1
-    compute_dtype = jnp.dtype(x.dtype)
-    if tun.compute == "f16" and x.dtype != jnp.float32:
-        compute_dtype = jnp.dtype(jnp.float16)
     kernel = functools.partial(
         _fp8_matmul_kernel,
         M=M,
@@ -439,7 +421,7 @@ def fp8_matmul(
         per=per,
         method=tun.method,
         prefetch=bool(tun.prefetch),
-        compute_dtype=compute_dtype,
+        compute_dtype=jnp.dtype(x.dtype),
         glu=bool(glu),
     )
     if splits == 1:
@@ -454,7 +436,6 @@ def fp8_matmul(
         interpret=interpret,
         name=f"fp8_matmul_{tun.method}_n{tun.block_n}_k{tun.block_k}_s{splits}"
         + ("_pf" if tun.prefetch else "")
-        + ("_f16" if compute_dtype == jnp.float16 and x.dtype != jnp.float16 else "")
         + ("_glu" if glu else ""),
     )(x, w_values, w_scales.astype(jnp.float32))
     if splits > 1:

@@ -5,7 +5,8 @@ nothing rounds to 8 or 16 bits after the norm (float32 activations, upcast path)
 equal the oracle path's (the model's own ops); where something does, a last-bit difference of
 the norm (its sum's order) flips roundings that 30 layers amplify, so both paths are held to the
 float32 model instead: the kernel's logits no further from it than the oracle path's. On the
-GPU the kernel runs in the small buckets only (ADD_NORM_MAX_ROWS); here every step takes it."""
+GPU the kernel runs in the small buckets (ADD_NORM_MAX_ROWS) and wherever its rows feed W8A8
+GEMMs; here every step takes it."""
 
 import functools
 
@@ -33,7 +34,7 @@ def logits(smollm, monkeypatch):
 
     def run(params, path, kernel):
         monkeypatch.setattr(quant, "fp8_path", lambda *a: path)
-        monkeypatch.setattr(norm, "add_norm_kernel", lambda rows, hidden: kernel)
+        monkeypatch.setattr(norm, "add_norm_kernel", lambda rows, hidden, quantize=False: kernel)
         monkeypatch.setattr(kernels_pallas, "add_rms_norm", functools.partial(real, interpret=True))
         jax.clear_caches()  # executables traced the other way must not be reused
         return reference_logits(params, smollm.config, ids)
@@ -78,16 +79,23 @@ def test_bf16_with_the_kernel_is_as_close_to_float32(smollm, logits):
     )
 
 
-def test_only_small_steps_take_the_kernel_on_a_gpu(monkeypatch):
+def test_small_and_w8a8_steps_take_the_kernel_on_a_gpu(monkeypatch):
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     assert norm.add_norm_kernel(1) and norm.add_norm_kernel(norm.ADD_NORM_MAX_ROWS)
     assert not norm.add_norm_kernel(norm.ADD_NORM_MAX_ROWS + 1)
+    assert norm.add_norm_kernel(8192, 4096, quantize=True)  # rows going on to W8A8 GEMMs
     assert norm.add_norm_kernel(1, 16384) and not norm.add_norm_kernel(1, 16385)  # wider: XLA
+    assert not norm.add_norm_kernel(8192, 16385, quantize=True)
+    monkeypatch.setenv("PAXENGINE_KERNEL_ADD_NORM_W8A8", "0")  # the row rule for those too
+    assert not norm.add_norm_kernel(8192, 4096, quantize=True)
+    assert norm.add_norm_kernel(8, 4096, quantize=True)
     monkeypatch.setenv("PAXENGINE_KERNEL_ADD_NORM_MAX_ROWS", "0")
     assert not norm.add_norm_kernel(1)
     monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
+    monkeypatch.delenv("PAXENGINE_KERNEL_ADD_NORM_W8A8")
     monkeypatch.setenv("PAXENGINE_KERNEL_ADD_NORM_MAX_ROWS", "100000")
     assert not norm.add_norm_kernel(1)  # no GPU: the oracle
+    assert not norm.add_norm_kernel(8192, 4096, quantize=True)
 
 
 def test_fp8_rows_take_only_the_w8a8_path():

@@ -59,3 +59,34 @@ def test_pallas_backend_matches_oracle(smollm, oracle, layer_loop, monkeypatch):
         assert o.outputs[0].token_ids == oracle[p], p
     kv = llm.engine.kv
     assert kv.num_free_blocks == kv.num_blocks
+
+
+def test_decode_tuning_knob_reaches_decode_buckets_only(smollm, monkeypatch):
+    """PAXENGINE_KERNEL_ATTN_DECODE_TUNING (an A/B knob): its fields go to the attention
+    kernel's launches of decode buckets (T <= 2 S), not to prefill / mixed ones; a bad item is
+    refused by name."""
+    import jax.numpy as jnp
+
+    from kernels_pallas import AttentionMetadata
+    from paxengine.attention import PagedAttend, decode_tuning_overrides
+
+    def attend(T, S):
+        z = jnp.zeros
+        md = AttentionMetadata(
+            z((T,), jnp.int32),
+            z((S, 4), jnp.int32),
+            z((S,), jnp.int32),
+            z((S + 1,), jnp.int32),
+            z((1,), jnp.int32),
+        )
+        return PagedAttend(md, "pallas", smollm.config).attn.keywords
+
+    monkeypatch.setenv("PAXENGINE_KERNEL_ATTN_DECODE_TUNING", "num_warps=2,num_stages=3")
+    assert decode_tuning_overrides() == {"num_warps": 2, "num_stages": 3}
+    assert attend(16, 16)["num_warps"] == 2 and attend(16, 16)["num_stages"] == 3
+    assert "num_warps" not in attend(64, 4)  # a prefill bucket keeps its defaults
+    monkeypatch.setenv("PAXENGINE_KERNEL_ATTN_DECODE_TUNING", "warps=2")
+    with pytest.raises(ValueError, match="bad item 'warps=2'"):
+        decode_tuning_overrides()
+    monkeypatch.delenv("PAXENGINE_KERNEL_ATTN_DECODE_TUNING")
+    assert decode_tuning_overrides() == {} and "num_warps" not in attend(16, 16)

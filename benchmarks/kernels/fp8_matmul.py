@@ -78,20 +78,11 @@ SWEEP = dict(
     num_warps=(2, 4, 8),
     num_stages=(2, 3, 4),
 )
-DESCENT_MS = (1, 8, 16)  # shapes whose sweep goes on past the seeds (the issue's goal: M = 1, 8)
+DESCENT_MS = (1, 8)  # shapes whose sweep goes on past the seeds (the issue's goal: M = 1, 8)
 L2_SPAN = 160e6  # bytes the weight copies of one loop span together (L2: 50-60 MB)
 SMEM_LIMIT = 200 * 1024
 ERR_OK = 1e-2
-FIELDS = (
-    "method",
-    "block_n",
-    "block_k",
-    "k_splits",
-    "num_warps",
-    "num_stages",
-    "prefetch",
-    "compute",
-)
+FIELDS = ("method", "block_n", "block_k", "k_splits", "num_warps", "num_stages", "prefetch")
 
 LOG: list[str] = []
 
@@ -235,31 +226,13 @@ SEEDS_LARGE_M = [
 ]
 
 
-# The dot methods with f16 operands (Fp8MatmulTuning.compute; the weights' upcast one instruction
-# a pair): first in the queue of every M <= 32, since the bf16 dot paths above were measured
-# through the slower upcast.
-SEEDS_F16 = [
-    ("dot", 32, 512, 4, 3, False),
-    ("dot", 64, 256, 4, 3, False),
-    ("dot", 16, 1024, 4, 3, False),
-    ("dot", 32, 512, 8, 3, False),
-    ("dot", 64, 512, 8, 3, False),
-    ("dot", 32, 256, 2, 4, False),
-    ("wdot", 64, 256, 4, 3, False),
-    ("wdot", 128, 128, 4, 4, False),
-]
-
-
-def seeds(M, K, N, f16_first=True):
-    """The default first, then (M <= 32) SEEDS_F16 with f16 operands, then SEEDS_* (k_splits
-    filling 132 SMs; on every fourth, also a second k_splits for 2 programs per SM)."""
+def seeds(M, K, N):
+    """The default first, then SEEDS_* (k_splits filling 132 SMs; on every fourth, also a
+    second k_splits for 2 programs per SM)."""
     d = default_tuning(M, K, N)
     out = [d]
     table = SEEDS_TINY_M if M <= 2 else SEEDS_SMALL_M if M <= 16 else SEEDS_LARGE_M
-    table = [(*t, "x") for t in table]
-    if M <= 32 and f16_first:
-        table = [(*t, "f16") for t in SEEDS_F16] + table
-    for i, (method, bn, bk, nw, ns, pf, compute) in enumerate(table):
+    for i, (method, bn, bk, nw, ns, pf) in enumerate(table):
         for target in (132, 264) if i % 4 == 0 else (132,):
             ks = auto_splits(M, K, N, bn, bk, target)
             out.append(
@@ -271,7 +244,6 @@ def seeds(M, K, N, f16_first=True):
                     num_stages=ns,
                     method=method,
                     prefetch=pf,
-                    compute=compute,
                 )
             )
     return out
@@ -287,14 +259,9 @@ def neighbours(tun, M):
             if v != getattr(tun, f):
                 out.append(dataclasses.replace(tun, **{f: v}))
     out.append(dataclasses.replace(tun, prefetch=not tun.prefetch))
-    if tun.method in ("dot", "wdot"):
-        out.append(dataclasses.replace(tun, compute="x" if tun.compute == "f16" else "f16"))
     for m in ("dot", "wdot") + (("reduce", "reduce_step") if M <= REDUCE_MAX_M else ()):
         if m != tun.method:
-            compute = tun.compute if m in ("dot", "wdot") else "x"
-            out.append(
-                dataclasses.replace(tun, method=m, block_n=max(16, tun.block_n), compute=compute)
-            )
+            out.append(dataclasses.replace(tun, method=m, block_n=max(16, tun.block_n)))
     return out
 
 

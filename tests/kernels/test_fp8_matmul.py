@@ -107,56 +107,6 @@ def test_bf16_activations(method):
     _check(y32, x, v, s, 2e-6)
 
 
-F16_CASES = [
-    ("dot", 1, 100, 40, 16, 32, 1),
-    ("dot", 8, 200, 48, 32, 64, 2),
-    ("dot", 17, 72, 33, 16, 16, 2),
-    ("wdot", 8, 100, 40, 16, 32, 2),
-    ("wdot", 64, 64, 32, 16, 16, 4),
-]
-
-
-@pytest.mark.parametrize("case", F16_CASES, ids=["-".join(map(str, c)) for c in F16_CASES])
-def test_f16_operands_against_oracle(case):
-    """compute='f16': bf16 activations and e4m3 weights meet in f16, both exact there (bf16's 8
-    significant bits and e4m3's 4 fit f16's 11, in range), so the product is as accurate as
-    the bf16 path's; f32 activations keep f32 (the flag changes nothing for them)."""
-    method, M, K, N, bn, bk, ks = case
-    rng = np.random.default_rng(sum(case[1:]))
-    x, v, s = _operands(rng, M, K, N, x_dtype=jnp.bfloat16)
-    tun = dict(block_n=bn, block_k=bk, k_splits=ks, method=method)
-    y = fp8_matmul(x, v, s, compute="f16", out_dtype=jnp.float32, interpret=True, **tun)
-    _check(y, x, v, s, 2e-6)
-    ref = fp8_matmul(x, v, s, out_dtype=jnp.float32, interpret=True, **tun)
-    _, bound = _f64(x, v, s)
-    assert (np.abs(np.asarray(y, np.float64) - np.asarray(ref, np.float64)) <= 4e-6 * bound).all()
-    x32 = x.astype(jnp.float32)
-    y32 = fp8_matmul(x32, v, s, compute="f16", interpret=True, **tun)
-    assert np.array_equal(np.asarray(y32), np.asarray(fp8_matmul(x32, v, s, interpret=True, **tun)))
-
-
-def test_f16_operands_clamp_activations_past_its_range():
-    """bf16 activations beyond f16's 65504 are clamped to it (never inf): the product is the
-    oracle's over the clamped x, finite."""
-    rng = np.random.default_rng(21)
-    x, v, s = _operands(rng, 2, 64, 32, x_dtype=jnp.bfloat16)
-    x = x.at[0, 3].set(3e5).at[1, 7].set(-1e6)
-    y = fp8_matmul(
-        x, v, s, compute="f16", method="dot", block_n=16, block_k=32, out_dtype=jnp.float32,
-        interpret=True,
-    )
-    xc = jnp.clip(x.astype(jnp.float32), -fm.F16_MAX, fm.F16_MAX)
-    assert np.all(np.isfinite(np.asarray(y)))
-    _check(y, xc, v, s, 2e-6)
-
-
-def test_f16_operands_only_for_the_dot_methods():
-    with pytest.raises(ValueError, match="compute 'f16' is for the dot methods"):
-        fm.resolve_tuning(1, 64, 32, method="reduce_step", compute="f16")
-    with pytest.raises(ValueError, match="compute must be one of"):
-        fm.resolve_tuning(1, 64, 32, method="dot", compute="bf16")
-
-
 def test_f16_activations_and_jit():
     rng = np.random.default_rng(8)
     x, v, s = _operands(rng, 8, 96, 40, x_dtype=jnp.float16, spread=(-3.0, 0.0))
@@ -287,13 +237,6 @@ def test_every_method_lowers_for_cuda():
         for M, K, N, ks in [(3, 4096, 6144, 1), (8, 14336, 4096, 4), (5, 576, 192, 2)]:
             txt = _lower(M, K, N, method=method, prefetch=pf, block_n=bn, block_k=bk, k_splits=ks)
             assert "triton" in txt, (method, pf, M, K, N)
-
-
-def test_f16_operands_lower_for_cuda():
-    for method, M in itertools.product(("dot", "wdot"), (1, 8, 16)):
-        for K, N in [(4096, 28672), (14336, 4096)]:
-            txt = _lower(M, K, N, method=method, compute="f16", block_n=64, block_k=256)
-            assert "triton" in txt, (method, M, K, N)
 
 
 def test_glu_lowers_for_cuda():
