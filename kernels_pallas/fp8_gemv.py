@@ -100,7 +100,9 @@ class Fp8MatmulTuning:
     prefetch: bool = False
 
 
-def default_tuning(M: int, K: int, N: int, num_sms: int = NUM_SMS) -> Fp8MatmulTuning:
+def default_tuning(
+    M: int, K: int, N: int, num_sms: int = NUM_SMS, x_fp8: bool = False
+) -> Fp8MatmulTuning:
     """Static choice from (M, K, N). From the first H200 sweeps (`python -m
     benchmarks.kernels.fp8_matmul`, jax 0.11.2, 2026-12-01; ~35 candidates per shape, ranked by
     loop time): the rule per M class that came closest to each shape's best (within ~4-9% on
@@ -113,10 +115,16 @@ def default_tuning(M: int, K: int, N: int, num_sms: int = NUM_SMS) -> Fp8MatmulT
     - M <= 32: the same, split-K to >= 1 program an SM;
     - M > 32: wdot 128 x 128, 4 warps, 4 stages (the weight block as the 128-row operand:
       1.5-1.7x faster than dot 64 x 256 at M=64).
-    num_stages matters little (+-3%) and k_splits only where N / block_n < num_sms."""
-    if M <= 2 and (K, N) in _MEASURED_ONE_ROW:
+    num_stages matters little (+-3%) and k_splits only where N / block_n < num_sms.
+
+    x_fp8 (e4m3 activations, the W8A8 GEMV): fp8 x fp8 tensor-core dots, no conversion a weight;
+    wdot 64 x 256 (the weight block as wgmma's 64-row operand), 4 warps, 3 stages, split-K to
+    >= 2 programs an SM at every M: a first guess, to be replaced by the sweep's rows."""
+    if x_fp8:
+        method, block_n, block_k, warps, stages, target = "wdot", 64, 256, 4, 3, 2
+    elif M <= 2 and (K, N) in _MEASURED_ONE_ROW:
         return _MEASURED_ONE_ROW[(K, N)]
-    if M <= 2:
+    elif M <= 2:
         method, block_n, block_k, warps, stages, target = "reduce_step", 8, 1024, 2, 3, 2
     elif M <= 16:
         method, block_n, block_k, warps, stages, target = "dot", 64, 256, 4, 3, 2
@@ -148,9 +156,10 @@ _MEASURED_ONE_ROW = {
 }
 
 
-def resolve_tuning(M: int, K: int, N: int, **overrides) -> Fp8MatmulTuning:
-    """default_tuning(M, K, N) with the non-None overrides; checks the result (ValueError)."""
-    tun = default_tuning(M, K, N)
+def resolve_tuning(M: int, K: int, N: int, x_fp8: bool = False, **overrides) -> Fp8MatmulTuning:
+    """default_tuning(M, K, N, x_fp8=x_fp8) with the non-None overrides; checks the result
+    (ValueError)."""
+    tun = default_tuning(M, K, N, x_fp8=x_fp8)
     over = {k: v for k, v in overrides.items() if v is not None}
     if over:
         tun = dataclasses.replace(tun, **over)
@@ -195,8 +204,7 @@ def _fp8_matmul_kernel(
     x_ref,
     w_ref,
     s_ref,
-    o_ref,
-    *,
+    *refs,
     M,
     K,
     N,
@@ -209,7 +217,9 @@ def _fp8_matmul_kernel(
     prefetch,
     compute_dtype,
     glu,
+    x_fp8,
 ):
+    xs_ref, o_ref = refs if x_fp8 else (None, *refs)  # xs_ref: fp8 activations' row scales
     n0 = pl.program_id(0) * block_n
     sp = pl.program_id(1)
     m0 = pl.program_id(2) * block_m
@@ -219,13 +229,16 @@ def _fp8_matmul_kernel(
     n_ok = None  # channels past N: loaded (undefined), never stored
     if N % block_n:
         n_ok = n0 + jnp.arange(block_n, dtype=jnp.int32) < N
-    m_ok = None  # rows of x past M: zeros, never stored
+    m_ok = None  # rows of x past M: zeros (fp8 x: undefined), never stored
     if method in ("dot", "wdot") and M % block_m:
         m_ok = m0 + jnp.arange(block_m, dtype=jnp.int32) < M
     is_dot = method in ("dot", "wdot")
     x_dtype = x_ref.dtype
-    w_dtype = compute_dtype if is_dot else f32
     precision = lax.Precision.HIGHEST if compute_dtype == f32 else None
+    # fp8 x in the dot methods: the full blocks are fp8 x fp8 dots (no operand converted); K's
+    # partial last block goes through f16 (exact for e4m3), where its columns past K can be
+    # zeroed (the Triton lowering cannot make an fp8 constant).
+    tail_dtype = jnp.dtype(jnp.float16) if (x_fp8 and is_dot) else compute_dtype
 
     def cols(k0, masked):
         return k0 + jnp.arange(block_k, dtype=jnp.int32) < K if masked else None
@@ -237,8 +250,8 @@ def _fp8_matmul_kernel(
         # (no `other`: the Triton lowering cannot make an fp8 constant; see upcast)
         return w_ref[idx] if mask is None else plt.load(w_ref.at[idx], mask=mask)
 
-    def upcast(w, k_ok):
-        w = w.astype(w_dtype)  # exact: every e4m3 value is a bf16 / f16 / f32 value
+    def upcast(w, k_ok, dt):
+        w = w.astype(dt if is_dot else f32)  # exact: every e4m3 value is a bf16 / f16 / f32 value
         if k_ok is not None:  # columns past K: zeros (their x columns are zeros too)
             w = jnp.where(k_ok[None, :], w, 0)
         return w
@@ -252,7 +265,12 @@ def _fp8_matmul_kernel(
             idx = (idx_m, pl.ds(col, block_k))
             if mask is None:
                 return x_ref[idx].astype(dt)
-            return plt.load(x_ref.at[idx], mask=mask, other=0.0).astype(dt)
+            if not x_fp8:
+                return plt.load(x_ref.at[idx], mask=mask, other=0.0).astype(dt)
+            v = plt.load(x_ref.at[idx], mask=mask)  # (no fp8 `other`, as for the weights)
+            if jnp.dtype(dt).itemsize == 1:  # a full block's rows past M: never stored
+                return v
+            return jnp.where(mask, v.astype(dt), 0)
 
         if not glu:
             return raw(k0, dtype)
@@ -260,11 +278,11 @@ def _fp8_matmul_kernel(
         silu = (gate / (1.0 + jnp.exp(-gate))).astype(x_dtype).astype(f32)
         return (silu * up).astype(x_dtype).astype(dtype)
 
-    def load_x(k0, k_ok):
-        """dot / wdot: x's [block_m, block_k] block; reduce*: its M rows of [block_k]."""
+    def load_x(k0, k_ok, dt):
+        """dot / wdot: x's [block_m, block_k] block in dt; reduce*: its M rows of [block_k]."""
         if is_dot:
             mask = _mask2(m_ok, k_ok, (block_m, block_k))
-            return x_block(pl.ds(m0, block_m), k0, mask, compute_dtype)
+            return x_block(pl.ds(m0, block_m), k0, mask, dt)
         # (a Python int row index breaks interpret mode)
         return [x_block(jnp.int32(m), k0, k_ok, f32) for m in range(M)]
 
@@ -289,7 +307,8 @@ def _fp8_matmul_kernel(
     def step(b, acc, masked):
         k0 = b * block_k
         k_ok = cols(k0, masked)
-        return accumulate(acc, upcast(load_w(k0, k_ok), k_ok), load_x(k0, k_ok))
+        dt = tail_dtype if masked else compute_dtype
+        return accumulate(acc, upcast(load_w(k0, k_ok), k_ok, dt), load_x(k0, k_ok, dt))
 
     def full_loop(lo, hi, acc):
         """Blocks [lo, hi) (all full). prefetch: block b + 1's weights are loaded (into
@@ -300,7 +319,9 @@ def _fp8_matmul_kernel(
         def body(b, carry):
             acc, w = carry
             w_next = load_w(jnp.minimum(b + 1, hi - 1) * block_k, None)
-            acc = accumulate(acc, upcast(w, None), load_x(b * block_k, None))
+            acc = accumulate(
+                acc, upcast(w, None, compute_dtype), load_x(b * block_k, None, compute_dtype)
+            )
             return acc, w_next
 
         w0 = load_w(jnp.minimum(lo, k_full - 1) * block_k, None)
@@ -327,10 +348,21 @@ def _fp8_matmul_kernel(
         scale = plt.load(s_ref.at[pl.ds(n0, block_n)], mask=n_ok, other=0.0)
     lead = () if k_splits == 1 else (sp,)  # o_ref: y [M, N], or partials [k_splits, M, N]
     if is_dot:
+        if x_fp8:  # the activation rows' scales too
+            xs_idx = pl.ds(m0, block_m)
+            if m_ok is None:
+                x_scale = xs_ref[xs_idx]
+            else:
+                x_scale = plt.load(xs_ref.at[xs_idx], mask=m_ok, other=0.0)
         if method == "dot":
             y = acc * scale[None, :]
+            if x_fp8:
+                y = y * x_scale[:, None]
         else:
-            y = (acc * scale[:, None]).T
+            y = acc * scale[:, None]
+            if x_fp8:
+                y = y * x_scale[None, :]
+            y = y.T
         idx = (*lead, pl.ds(m0, block_m), pl.ds(n0, block_n))
         mask = _mask2(m_ok, n_ok, (block_m, block_n))
         if mask is None:
@@ -340,7 +372,10 @@ def _fp8_matmul_kernel(
     else:
         for m in range(M):
             a = jnp.sum(acc[m], axis=1) if method == "reduce" else acc[m]
-            y = (a * scale).astype(o_ref.dtype)
+            y = a * scale
+            if x_fp8:
+                y = y * xs_ref[jnp.int32(m)]
+            y = y.astype(o_ref.dtype)
             idx = (*lead, jnp.int32(m), pl.ds(n0, block_n))
             if n_ok is None:
                 o_ref[idx] = y
@@ -353,6 +388,7 @@ def fp8_matmul(
     w_values,
     w_scales,
     *,
+    x_scales=None,
     out_dtype=None,
     interpret=False,
     block_n=None,
@@ -366,7 +402,9 @@ def fp8_matmul(
 ) -> jax.Array:
     """y = x @ (w_values * w_scales[:, None]).T, accumulated in f32, in out_dtype (x's dtype).
 
-    x [M, K] bf16 / f16 / f32; w_values [N, K] float8_e4m3fn (or e5m2); w_scales [N] f32.
+    x [M, K] bf16 / f16 / f32, or e4m3 with x_scales [M] f32 (the W8A8 GEMV: x stands for
+    x * x_scales[:, None]; out_dtype must be given; the dot methods multiply fp8 by fp8);
+    w_values [N, K] float8_e4m3fn (or e5m2); w_scales [N] f32.
     Tuning fields left None come from `default_tuning(M, K, N)`; `method` "dot" / "reduce"
     (module docstring). interpret=True runs Pallas' interpret mode (CPU).
     glu=True: x is [M, 2K], a gated MLP's [gate | up], and the kernel multiplies
@@ -386,15 +424,28 @@ def fp8_matmul(
         raise ValueError(f"w_scales must be [N] = [{N}], got {w_scales.shape}")
     if M < 1 or N < 1 or K < 1:
         raise ValueError(f"empty operands: M={M}, K={K}, N={N}")
-    if not any(x.dtype == d for d in _X_DTYPES):
-        raise ValueError(f"x must be bf16, f16 or f32, got {x.dtype}")
+    x_fp8 = x.dtype == jnp.float8_e4m3fn
+    if not (x_fp8 or any(x.dtype == d for d in _X_DTYPES)):
+        raise ValueError(f"x must be bf16, f16, f32 or float8_e4m3fn, got {x.dtype}")
     if not any(w_values.dtype == d for d in _W_DTYPES):
         raise ValueError(f"w_values must be float8_e4m3fn (or e5m2), got {w_values.dtype}")
+    if x_fp8:
+        if x_scales is None or out_dtype is None:
+            raise ValueError("float8_e4m3fn activations need x_scales [M] and an out_dtype")
+        if x_scales.shape != (M,):
+            raise ValueError(f"x_scales must be [M] = [{M}], got {x_scales.shape}")
+        if glu:
+            raise ValueError("glu takes 16-bit activations ([gate | up]), not float8_e4m3fn")
+        if w_values.dtype != jnp.float8_e4m3fn:
+            raise ValueError(f"fp8 activations take e4m3 weights, got {w_values.dtype}")
+    elif x_scales is not None:
+        raise ValueError(f"x_scales go with float8_e4m3fn activations, not {x.dtype}")
     out_dtype = jnp.dtype(out_dtype or x.dtype)
     tun = resolve_tuning(
         M,
         K,
         N,
+        x_fp8=x_fp8,
         block_n=block_n,
         block_k=block_k,
         k_splits=k_splits,
@@ -423,6 +474,7 @@ def fp8_matmul(
         prefetch=bool(tun.prefetch),
         compute_dtype=jnp.dtype(x.dtype),
         glu=bool(glu),
+        x_fp8=bool(x_fp8),
     )
     if splits == 1:
         out_shape = jax.ShapeDtypeStruct((M, N), out_dtype)
@@ -436,8 +488,9 @@ def fp8_matmul(
         interpret=interpret,
         name=f"fp8_matmul_{tun.method}_n{tun.block_n}_k{tun.block_k}_s{splits}"
         + ("_pf" if tun.prefetch else "")
-        + ("_glu" if glu else ""),
-    )(x, w_values, w_scales.astype(jnp.float32))
+        + ("_glu" if glu else "")
+        + ("_x8" if x_fp8 else ""),
+    )(x, w_values, w_scales.astype(jnp.float32), *([x_scales.astype(jnp.float32)] if x_fp8 else []))
     if splits > 1:
         y = jnp.sum(y, axis=0).astype(out_dtype)
     return y

@@ -146,18 +146,22 @@ def ref_ragged_paged_attention(
     return out.astype(q.dtype)
 
 
-def ref_fp8_matmul(x, w_values, w_scales, out_dtype=None, glu=False):
+def ref_fp8_matmul(x, w_values, w_scales, out_dtype=None, glu=False, x_scales=None):
     """y = x @ (w_values * w_scales[:, None]).T in f32 (HIGHEST precision), as out_dtype
     (default x's). x [M, K]; w_values [N, K] fp8 (the [out, in] layout); w_scales [N] f32:
     weight[n, k] = w_values[n, k] * w_scales[n]. The oracle of `fp8_matmul.fp8_matmul`.
     glu: x is [M, 2K] = [gate | up] and the product is taken of silu(gate) * up, each op
-    rounded to x's dtype (as the model's separate elementwise step computes it)."""
+    rounded to x's dtype (as the model's separate elementwise step computes it).
+    x_scales [M]: x (e4m3) stands for x * x_scales[:, None]."""
     if glu:
         gate, up = jnp.split(x, 2, axis=-1)
         silu = (gate.astype(jnp.float32) * jax.nn.sigmoid(gate.astype(jnp.float32))).astype(x.dtype)
         x = (silu.astype(jnp.float32) * up.astype(jnp.float32)).astype(x.dtype)
     w = w_values.astype(jnp.float32) * jnp.asarray(w_scales, jnp.float32)[:, None]
-    y = jnp.dot(x.astype(jnp.float32), w.T, precision=_HI)
+    xf = x.astype(jnp.float32)
+    if x_scales is not None:
+        xf = xf * jnp.asarray(x_scales, jnp.float32)[:, None]
+    y = jnp.dot(xf, w.T, precision=_HI)
     return y.astype(out_dtype or x.dtype)
 
 

@@ -128,7 +128,8 @@ def pin_path(monkeypatch):
     jax.clear_caches()
 
 
-@pytest.mark.parametrize("path", ["w8a16", "w8a8"])
+# w8a8_gemv: the W8A8 GEMV kernel (e4m3 rows, fp8 x fp8 dots; interpret mode) for every matmul
+@pytest.mark.parametrize("path", ["w8a16", "w8a8", "w8a8_gemv"])
 def test_smollm2_fp8_agrees_with_float32_teacher_forced(smollm, fp8_params, pin_path, path):
     pin_path(path)
     ids = smollm.tokenizer.encode(TEXT)
@@ -146,7 +147,13 @@ def test_smollm2_fp8_agrees_with_float32_teacher_forced(smollm, fp8_params, pin_
         f"fp8 ({path}) vs float32 over {len(ids)} positions: top-1 agreement {agree:.3f}, "
         f"mean KL {kl:.4f}"
     )
-    assert agree >= 0.9 and kl < 0.05  # measured: w8a16 0.925 / 0.016
+    # measured: w8a16 0.925 / 0.016, w8a8 0.913 / 0.024, w8a8_gemv 0.896 / 0.028. The GEMV and
+    # the GEMMs quantize the same rows the same way (the kernel's tests hold each product to
+    # f32 rounding); a last-bit difference (summation order) flips an e4m3 rounding now and then
+    # and 30 layers amplify it: the embeddings nudged by 2^-22 move the W8A8 GEMMs' own top-1 on
+    # 5.8% of these positions (logits 9.4%), the GEMV path differs from them on 4.6% (7.2%).
+    # So its bar is that spread below the GEMMs'.
+    assert agree >= (0.88 if path == "w8a8_gemv" else 0.9) and kl < 0.05
     assert weight_dtype(fp8_params) == "fp8_e4m3" and weight_dtype(smollm.params) == "float32"
     layer = fp8_params["layers"]
     assert isinstance(layer["w_down"], Fp8Weight) and not isinstance(layer["attn_norm"], Fp8Weight)
@@ -211,6 +218,22 @@ def test_engine_with_fp8_weights_matches_its_oracle(
         gaps = steps.max(-1) - steps[np.arange(len(got)), got]
         assert gaps.max() < 0.25, (p, gaps)
         assert np.mean(gaps == 0) >= 0.75, (p, gaps)
+
+
+def test_w8a8_gemv_rows_come_from_their_switch(monkeypatch):
+    """PAXENGINE_KERNEL_FP8_W8A8_GEMV_MAX_ROWS=n: GPU steps of <= n rows take the W8A8 GEMV
+    (quantized rows from the norm kernel included); 0, the default, leaves the measured paths."""
+    monkeypatch.setenv("PAXENGINE_KERNEL_FP8_W8A8_GEMV_MAX_ROWS", "16")
+    assert fp8_path(1, on_gpu=True) == "w8a8_gemv" and fp8_path(16, on_gpu=True) == "w8a8_gemv"
+    assert fp8_path(17, on_gpu=True) == "w8a16" and fp8_path(W8A8_MIN_ROWS, True) == "w8a8"
+    assert fp8_path(1, on_gpu=False) == "w8a16"  # a GPU kernel
+    assert fp8_path(1, True, has_fp8_units=False) == "w8a16"
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(quant, "fp8_units", lambda *a: True)
+    w = quantize_fp8(jnp.ones((8, 8)))
+    assert quant.takes_fp8_rows(8, [w]) and not quant.takes_fp8_rows(17, [w])
+    monkeypatch.delenv("PAXENGINE_KERNEL_FP8_W8A8_GEMV_MAX_ROWS")
+    assert fp8_path(1, on_gpu=True) == "gemv" and not quant.takes_fp8_rows(8, [w])
 
 
 def test_unknown_quantization_is_refused_by_name():

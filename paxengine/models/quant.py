@@ -82,6 +82,16 @@ def concat_out(parts: list[Fp8Weight]) -> Fp8Weight:
 #   per-tensor activation scales; per-token scales apply after the dot, to be confirmed there).
 GEMV_MAX_ROWS = 1
 W8A8_MIN_ROWS = 64
+# Steps of up to this many rows may take the W8A8 GEMV instead (PAXENGINE_KERNEL_FP8_W8A8_GEMV_
+# MAX_ROWS; 0, the default, until the H200 has measured it): the activation rows quantized per
+# token as on the W8A8 path (the norm kernel hands them over quantized), then fp8 x fp8
+# tensor-core dots that stream the weights with no conversion a weight (kernels_pallas.fp8_gemv,
+# x_scales). The same numerics as the W8A8 buckets, at every row count.
+W8A8_GEMV_MAX_ROWS = 0
+
+
+def w8a8_gemv_max_rows() -> int:
+    return int(os.environ.get("PAXENGINE_KERNEL_FP8_W8A8_GEMV_MAX_ROWS", W8A8_GEMV_MAX_ROWS))
 
 
 def fp8_units(device=None) -> bool:
@@ -95,12 +105,15 @@ def fp8_units(device=None) -> bool:
 
 
 def fp8_path(rows: int, on_gpu: bool, has_fp8_units: bool = True) -> str:
-    """ "w8a8" | "gemv" | "w8a16" for a matmul of `rows` activation rows. A GPU without FP8
-    units upcasts every matmul (the CPU still takes the FP8 paths' math, so tests cover it)."""
+    """ "w8a8" | "w8a8_gemv" | "gemv" | "w8a16" for a matmul of `rows` activation rows. A GPU
+    without FP8 units upcasts every matmul (the CPU still takes the FP8 paths' math, so tests
+    cover it)."""
     if on_gpu and not has_fp8_units:
         return "w8a16"
     if rows >= W8A8_MIN_ROWS:
         return "w8a8"
+    if on_gpu and rows <= w8a8_gemv_max_rows():
+        return "w8a8_gemv"
     if on_gpu and rows <= GEMV_MAX_ROWS:
         return "gemv"
     return "w8a16"
@@ -181,11 +194,15 @@ def matmul_w8a8(x: jax.Array, w: Fp8Weight, product: str | None = None) -> jax.A
 def matmul_fp8(x: jax.Array, w: Fp8Weight, path: str) -> jax.Array:
     """x [M, in] @ the weight, in x's dtype, by one of `fp8_path`'s paths."""
     if isinstance(x, Fp8Rows):
+        if path == "w8a8_gemv":
+            return _gemv8(x.values, x.scales, w, x.dtype)
         if path != "w8a8":
             raise ValueError(f"quantized activation rows take the W8A8 path, not {path!r}")
         return _scaled_dot(x.values, x.scales, w, x.dtype)
     if path == "w8a8":
         return matmul_w8a8(x, w)
+    if path == "w8a8_gemv":
+        return _gemv8(*quantize_rows(x), w, x.dtype)
     if path == "gemv":
         return _gemv(x, w)
     if path == "w8a16":
@@ -200,6 +217,14 @@ def _gemv(x: jax.Array, w: Fp8Weight, glu: bool = False) -> jax.Array:
 
     interpret = jax.default_backend() != "gpu"  # (tests pin this path on the CPU)
     return fp8_matmul(x, w.values, w.scales, out_dtype=x.dtype, glu=glu, interpret=interpret)
+
+
+def _gemv8(xq, xs, w: Fp8Weight, dtype) -> jax.Array:
+    """The W8A8 GEMV: e4m3 rows xq with their scales xs @ the weight, in dtype."""
+    from kernels_pallas import fp8_matmul
+
+    interpret = jax.default_backend() != "gpu"  # (tests pin this path on the CPU)
+    return fp8_matmul(xq, w.values, w.scales, x_scales=xs, out_dtype=dtype, interpret=interpret)
 
 
 def _path_for(x: jax.Array) -> str:
@@ -220,9 +245,10 @@ def linear(x: jax.Array, w) -> jax.Array:
 
 
 def takes_fp8_rows(rows: int, weights) -> bool:
-    """Whether every weight in `weights` is an Fp8Weight on the W8A8 path at `rows` rows: then
+    """Whether every weight in `weights` is an Fp8Weight on a W8A8 path at `rows` rows: then
     the input can come pre-quantized (Fp8Rows)."""
-    return _path_for_rows(rows) == "w8a8" and all(isinstance(w, Fp8Weight) for w in weights)
+    path = _path_for_rows(rows)
+    return path in ("w8a8", "w8a8_gemv") and all(isinstance(w, Fp8Weight) for w in weights)
 
 
 def linear_parts(x: jax.Array, w) -> tuple:
@@ -264,6 +290,12 @@ def gated_mlp(x: jax.Array, w_gate_up, w_down) -> jax.Array:
     the whole product (benchmarks/kernels/fp8_mlp.py). On a CPU the kernel's jnp oracle runs
     instead (the same f32 math; interpret mode would take seconds a prefill bucket)."""
     fp8 = isinstance(w_gate_up, Fp8Weight) and isinstance(w_down, Fp8Weight)
+    if fp8 and _path_for(x) == "w8a8_gemv" and fused_glu_quant():
+        # the GEMV applies the gate | up scales itself: the GLU kernel's scales are ones
+        y = linear(x, w_gate_up)
+        ones_r, ones_c = jnp.ones(y.shape[:1], jnp.float32), jnp.ones(y.shape[1:], jnp.float32)
+        aq, a_scales = _glu_quant(y, ones_r, ones_c)
+        return _gemv8(aq, a_scales, w_down, y.dtype)
     if fp8 and _path_for(x) == "w8a8" and fused_glu_quant():
         xq, xs = (x.values, x.scales) if isinstance(x, Fp8Rows) else quantize_rows(x)
         y = jax.lax.dot_general(xq, w_gate_up.values, _CONTRACT_IN, preferred_element_type=x.dtype)

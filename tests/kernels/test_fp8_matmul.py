@@ -107,6 +107,68 @@ def test_bf16_activations(method):
     _check(y32, x, v, s, 2e-6)
 
 
+# (method, M, K, N, block_n, block_k, k_splits): e4m3 activations with row scales (the W8A8
+# GEMV): K's partial last block (through f16), rows past a 16-row block, split-K, and the
+# reduce methods (x upcast there).
+X8_CASES = [
+    ("dot", 1, 100, 40, 16, 32, 1),
+    ("dot", 17, 72, 33, 16, 16, 2),
+    ("wdot", 8, 200, 48, 16, 64, 2),
+    ("wdot", 3, 256, 64, 32, 64, 1),
+    ("reduce_step", 2, 100, 40, 8, 32, 1),
+    ("reduce", 3, 130, 24, 16, 64, 2),
+]
+
+
+@pytest.mark.parametrize("case", X8_CASES, ids=["-".join(map(str, c)) for c in X8_CASES])
+def test_fp8_activations_against_oracle(case):
+    method, M, K, N, bn, bk, ks = case
+    rng = np.random.default_rng(sum(case[1:]))
+    x, v, s = _operands(rng, M, K, N)
+    xq = jnp.clip(x * 60, -448, 448).astype(E4M3)
+    xs = jnp.asarray(10.0 ** rng.uniform(-3, 0, M), jnp.float32)
+    tun = dict(block_n=bn, block_k=bk, k_splits=ks, method=method)
+    y = fp8_matmul(xq, v, s, x_scales=xs, out_dtype=jnp.float32, interpret=True, **tun)
+    assert y.dtype == jnp.float32
+    x_eff = xq.astype(jnp.float32) * xs[:, None]  # what the e4m3 rows stand for
+    _check(y, x_eff, v, s, 2e-6)
+    ref = ref_fp8_matmul(xq, v, s, out_dtype=jnp.float32, x_scales=xs)
+    _, bound = _f64(x_eff, v, s)
+    assert (np.abs(np.asarray(y, np.float64) - np.asarray(ref, np.float64)) <= 4e-6 * bound).all()
+    yb = fp8_matmul(xq, v, s, x_scales=xs, out_dtype=jnp.bfloat16, interpret=True, **tun)
+    assert yb.dtype == jnp.bfloat16
+    _check(yb, x_eff, v, s, 2e-6)
+
+
+def test_fp8_activations_default_tuning_and_checks():
+    rng = np.random.default_rng(12)
+    x, v, s = _operands(rng, 4, 96, 40)
+    xq, xs = jnp.clip(x * 60, -448, 448).astype(E4M3), jnp.full((4,), 0.02, jnp.float32)
+    y = jax.jit(
+        lambda a, b, c, d: fp8_matmul(a, b, c, x_scales=d, out_dtype=jnp.float32, interpret=True)
+    )(xq, v, s, xs)
+    _check(y, xq.astype(jnp.float32) * xs[:, None], v, s, 2e-6)
+    assert fm.default_tuning(1, 4096, 28672, x_fp8=True).method in ("dot", "wdot")
+    with pytest.raises(ValueError, match="need x_scales"):
+        fp8_matmul(xq, v, s, out_dtype=jnp.float32, interpret=True)
+    with pytest.raises(ValueError, match="need x_scales"):
+        fp8_matmul(xq, v, s, x_scales=xs, interpret=True)
+    with pytest.raises(ValueError, match=r"x_scales must be \[M\]"):
+        fp8_matmul(xq, v, s, x_scales=xs[:3], out_dtype=jnp.float32, interpret=True)
+    with pytest.raises(ValueError, match="x_scales go with float8_e4m3fn"):
+        fp8_matmul(x, v, s, x_scales=xs, interpret=True)
+    with pytest.raises(ValueError, match="glu takes 16-bit"):
+        fp8_matmul(
+            jnp.concatenate([xq, xq], 1),
+            v,
+            s,
+            x_scales=xs,
+            out_dtype=jnp.float32,
+            glu=True,
+            interpret=True,
+        )
+
+
 def test_f16_activations_and_jit():
     rng = np.random.default_rng(8)
     x, v, s = _operands(rng, 8, 96, 40, x_dtype=jnp.float16, spread=(-3.0, 0.0))
@@ -206,7 +268,7 @@ def test_input_checks():
         fp8_matmul(jnp.zeros((2, 48), jnp.bfloat16), v, s, interpret=True)
     with pytest.raises(ValueError, match="w_scales"):
         fp8_matmul(x, v, s[:16], interpret=True)
-    with pytest.raises(ValueError, match="bf16, f16 or f32"):
+    with pytest.raises(ValueError, match="bf16, f16, f32 or float8_e4m3fn"):
         fp8_matmul(x.astype(jnp.int8), v, s, interpret=True)
 
 
@@ -237,6 +299,24 @@ def test_every_method_lowers_for_cuda():
         for M, K, N, ks in [(3, 4096, 6144, 1), (8, 14336, 4096, 4), (5, 576, 192, 2)]:
             txt = _lower(M, K, N, method=method, prefetch=pf, block_n=bn, block_k=bk, k_splits=ks)
             assert "triton" in txt, (method, pf, M, K, N)
+
+
+def test_fp8_activations_lower_for_cuda():
+    """The W8A8 GEMV (fp8 x fp8 dots) at decode rows: the default tuning and the dot method, a
+    K that leaves a partial block (its f16 tail) included."""
+    for M, (K, N), tun in itertools.product(
+        (1, 8, 16), LLAMA8B_KN[:3] + [(576, 192)], ({}, dict(method="dot", block_n=64))
+    ):
+        specs = (
+            jax.ShapeDtypeStruct((M, K), E4M3),
+            jax.ShapeDtypeStruct((N, K), E4M3),
+            jax.ShapeDtypeStruct((N,), jnp.float32),
+            jax.ShapeDtypeStruct((M,), jnp.float32),
+        )
+        f = lambda x, v, s, xs, tun=tun: fp8_matmul(  # noqa: E731
+            x, v, s, x_scales=xs, out_dtype=jnp.bfloat16, **tun
+        )
+        assert "triton" in lower_for_cuda(f, *specs).mlir_module(), (M, K, N, tun)
 
 
 def test_glu_lowers_for_cuda():
