@@ -13,7 +13,13 @@ import jax.numpy as jnp
 import kernels_pallas.layout
 from paxengine import kv_scales, parallel
 from paxengine.config import EngineConfig
-from paxengine.models.quant import GEMV_MAX_ROWS, W8A8_MIN_ROWS, fp8_units, weight_dtype
+from paxengine.models.quant import (
+    GEMV_MAX_ROWS,
+    W8A8_MIN_ROWS,
+    fp8_units,
+    w8a8_gemv_max_rows,
+    weight_dtype,
+)
 from paxengine.models.weights import unstack_layers
 from paxengine.runner import resolve_layer_loop
 from paxengine.scheduler import check_policy
@@ -161,9 +167,17 @@ def log_weights(params, prequantized, on_gpu: bool) -> None:
         weight_dtype(params),
         f"from the checkpoint: {prequantized}" if prequantized else "quantized online at load",
         W8A8_MIN_ROWS,
-        f"<= {GEMV_MAX_ROWS} the Pallas FP8 GEMV" if on_gpu else "smaller ones upcast the weights",
+        _small_path_words() if on_gpu else "smaller ones upcast the weights",
         "" if on_gpu else "; on this CPU FP8 is a correctness path (no FP8 units): not faster",
     )
+
+
+def _small_path_words() -> str:
+    n = w8a8_gemv_max_rows()
+    if n >= GEMV_MAX_ROWS:
+        return f"<= {n} the Pallas W8A8 GEMV (e4m3 rows, fp8 x fp8 dots)"
+    gemv = f"<= {GEMV_MAX_ROWS} the Pallas FP8 GEMV"
+    return f"<= {n} the Pallas W8A8 GEMV, {gemv}" if n > 0 else gemv
 
 
 def log_ready(load_seconds: float, runner, store, num_kv_blocks: int, block_size: int) -> None:

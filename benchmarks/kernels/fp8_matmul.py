@@ -1,7 +1,11 @@
 """The FP8-weight GEMV / skinny GEMM kernel (kernels_pallas/fp8_gemv.py) on Llama-3.1-8B
 decode shapes: checked against its oracle, a sweep of tunings, and XLA side by side.
 
-  python -m benchmarks.kernels.fp8_matmul [--quick] [--no-sweep] [--budget S] [--out DIR]
+  python -m benchmarks.kernels.fp8_matmul [--quick] [--no-sweep] [--budget S] [--x8] [--out DIR]
+
+--x8 times the W8A8 GEMV instead: each call quantizes its bf16 rows per token and the kernel
+multiplies e4m3 rows by the e4m3 weights (fp8 x fp8 dots), checked against the oracle of the
+quantized rows; the XLA rows stay as they are (bf16 rows).
 
 For M in {1, 8, 16, 32, 64} and (K, N) in {(4096, 6144) qkv, (4096, 28672) gate+up,
 (14336, 4096) down, (4096, 4096) o}: bf16 activations, random e4m3 weights [N, K] with
@@ -66,6 +70,7 @@ from kernels_pallas.fp8_gemv import (
 )
 from kernels_pallas.reference import ref_fp8_matmul
 from kernels_pallas.tuning import next_pow2
+from paxengine.models.quant import quantize_rows
 
 MS = (1, 8, 16, 32, 64)
 KNS = ((4096, 6144), (4096, 28672), (14336, 4096), (4096, 4096))
@@ -226,12 +231,29 @@ SEEDS_LARGE_M = [
 ]
 
 
-def seeds(M, K, N):
+# --x8 (the W8A8 GEMV: e4m3 activation rows, fp8 x fp8 dots): the dot methods only.
+SEEDS_X8 = [
+    ("wdot", 64, 128, 4, 4, False),
+    ("wdot", 128, 128, 4, 4, False),
+    ("dot", 64, 256, 4, 3, False),
+    ("wdot", 64, 512, 4, 3, False),
+    ("dot", 32, 512, 4, 3, False),
+    ("wdot", 128, 256, 8, 3, False),
+    ("dot", 64, 128, 4, 4, False),
+    ("wdot", 32, 256, 4, 3, False),
+    ("wdot", 64, 256, 8, 4, False),
+    ("dot", 16, 512, 4, 3, False),
+]
+
+
+def seeds(M, K, N, x8=False):
     """The default first, then SEEDS_* (k_splits filling 132 SMs; on every fourth, also a
     second k_splits for 2 programs per SM)."""
-    d = default_tuning(M, K, N)
+    d = default_tuning(M, K, N, x_fp8=x8)
     out = [d]
     table = SEEDS_TINY_M if M <= 2 else SEEDS_SMALL_M if M <= 16 else SEEDS_LARGE_M
+    if x8:
+        table = SEEDS_X8
     for i, (method, bn, bk, nw, ns, pf) in enumerate(table):
         for target in (132, 264) if i % 4 == 0 else (132,):
             ks = auto_splits(M, K, N, bn, bk, target)
@@ -249,8 +271,8 @@ def seeds(M, K, N):
     return out
 
 
-def neighbours(tun, M):
-    """Tunings one field away from `tun`."""
+def neighbours(tun, M, x8=False):
+    """Tunings one field away from `tun` (x8: the dot methods only)."""
     out = []
     for f, vals in SWEEP.items():
         if f == "block_n" and tun.method.startswith("reduce"):
@@ -259,7 +281,7 @@ def neighbours(tun, M):
             if v != getattr(tun, f):
                 out.append(dataclasses.replace(tun, **{f: v}))
     out.append(dataclasses.replace(tun, prefetch=not tun.prefetch))
-    for m in ("dot", "wdot") + (("reduce", "reduce_step") if M <= REDUCE_MAX_M else ()):
+    for m in ("dot", "wdot") + (("reduce", "reduce_step") if M <= REDUCE_MAX_M and not x8 else ()):
         if m != tun.method:
             out.append(dataclasses.replace(tun, method=m, block_n=max(16, tun.block_n)))
     return out
@@ -291,6 +313,13 @@ def main(argv=None) -> None:
         help="1: device times from a profiler trace (default: on a GPU)",
     )
     ap.add_argument("--only-m", default="", help="comma list of M (default all)")
+    ap.add_argument(
+        "--x8",
+        action="store_true",
+        help="the W8A8 GEMV: each call quantizes its bf16 rows per token (quant.quantize_rows, "
+        "as the engine's norm kernel hands them over) and the kernel multiplies e4m3 by e4m3; "
+        "kernel_us is the Pallas kernel alone",
+    )
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     args = ap.parse_args(argv)
     if args.trace is None:
@@ -315,6 +344,7 @@ def main(argv=None) -> None:
         f"median over {args.rounds} interleaved rounds; weight copies spanning >= "
         f"{L2_SPAN / 1e6:.0f} MB",
         dtype="bfloat16",
+        x8=bool(args.x8),
     )
 
     key = jax.random.key(0)
@@ -328,13 +358,33 @@ def main(argv=None) -> None:
         x = jax.random.normal(jax.random.fold_in(key, 1000 + M * 7 + K + N), (M, K), dt)
         w0 = weights[(K, N)][0]
         data[(M, K, N)] = x
-        refs[(M, K, N)] = jax.block_until_ready(
-            jax.jit(ref_fp8_matmul, static_argnums=3)(x, w0["values"], w0["scales"], jnp.float32)
-        )
+        if args.x8:  # the oracle of the quantized rows
+            xq, xs = quantize_rows(x)
+            refs[(M, K, N)] = ref_fp8_matmul(
+                xq, w0["values"], w0["scales"], jnp.float32, x_scales=xs
+            )
+        else:
+            refs[(M, K, N)] = jax.block_until_ready(
+                jax.jit(ref_fp8_matmul, static_argnums=3)(
+                    x, w0["values"], w0["scales"], jnp.float32
+                )
+            )
     log(f"{len(shapes)} shapes; data + oracle ready [{time.time() - t_start:.0f}s]")
 
     rows = []
     compiled = {}  # row index -> (loop, args)
+
+    def pallas_call_of(tun):
+        """fn(x, v, s) of one tuning: the kernel on bf16 rows, or (--x8) on the rows quantized."""
+        one = functools.partial(fp8_matmul, interpret=interpret, **dataclasses.asdict(tun))
+        if not args.x8:
+            return lambda x, v, s: one(x, v, s)
+
+        def x8(x, v, s):
+            xq, xs = quantize_rows(x)
+            return one(xq, v, s, x_scales=xs, out_dtype=x.dtype)
+
+        return x8
 
     def save():
         """DIR/fp8_matmul.json with what is measured so far (a run cut short keeps its rows)."""
@@ -387,10 +437,9 @@ def main(argv=None) -> None:
             row = dict(M=M, K=K, N=N, kind=name)
             run_row(row, fn, fields, shape, wbytes)
             log(f"  M={M:3d} K={K:5d} N={N:5d} {name:26s} {fmt(row)}")
-        tun = default_tuning(M, K, N)
-        one = functools.partial(fp8_matmul, interpret=interpret, **dataclasses.asdict(tun))
+        tun = default_tuning(M, K, N, x_fp8=args.x8)
         row = dict(M=M, K=K, N=N, kind="pallas", default=True, tuning=dataclasses.asdict(tun))
-        run_row(row, lambda x, v, s, one=one: one(x, v, s), ("values", "scales"), shape, 1)
+        run_row(row, pallas_call_of(tun), ("values", "scales"), shape, 1)
         log(f"  M={M:3d} K={K:5d} N={N:5d} default {key_of(tun)!s:26s} {fmt(row)}")
 
     save()
@@ -399,8 +448,8 @@ def main(argv=None) -> None:
         state = {}
         for shape in shapes:
             M, K, N = shape
-            d = default_tuning(*shape)
-            queue = [t for t in seeds(*shape)[1:] if valid(t, *shape)]
+            d = default_tuning(*shape, x_fp8=args.x8)
+            queue = [t for t in seeds(*shape, x8=args.x8)[1:] if valid(t, *shape)]
             if args.quick:
                 queue = queue[:2]
             state[shape] = dict(queue=queue, seen={key_of(d)}, passes=0)
@@ -417,9 +466,8 @@ def main(argv=None) -> None:
                 if time.time() - t_start > args.budget:
                     skipped += 1
                     continue
-                one = functools.partial(fp8_matmul, interpret=interpret, **dataclasses.asdict(tun))
                 row = dict(M=M, K=K, N=N, kind="pallas", tuning=dataclasses.asdict(tun))
-                run_row(row, lambda x, v, s, one=one: one(x, v, s), ("values", "scales"), shape, 1)
+                run_row(row, pallas_call_of(tun), ("values", "scales"), shape, 1)
                 log(
                     f"  M={M:3d} K={K:5d} N={N:5d} {key_of(tun)!s:34s} {fmt(row)}"
                     f"  [{time.time() - t_start:.0f}s]"
@@ -436,10 +484,12 @@ def main(argv=None) -> None:
                     ]
                     if good:
                         best = min(good, key=lambda r: r["us"])
-                        bt = dataclasses.replace(default_tuning(*shape), **best["tuning"])
+                        bt = dataclasses.replace(
+                            default_tuning(*shape, x_fp8=args.x8), **best["tuning"]
+                        )
                         st["queue"] = [
                             t
-                            for t in neighbours(bt, M)
+                            for t in neighbours(bt, M, args.x8)
                             if valid(t, *shape) and key_of(t) not in st["seen"]
                         ]
         if skipped:
