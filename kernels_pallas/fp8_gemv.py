@@ -33,6 +33,9 @@ Design (bandwidth first):
 * Split-K (narrow N: the down projection, k/v): grid axis 1 takes `per` consecutive K blocks
   each; the kernel writes scaled f32 partials [k_splits, M, N] that one jnp sum reduces
   outside (XLA: one small fusion), so the grid has enough programs to fill the 132 SMs.
+* e4m3 activations with per-row scales (`x_scales`: the W8A8 GEMV, rows quantized as on the
+  W8A8 GEMM path): the dot methods multiply fp8 by fp8 on the tensor cores, no weight converted,
+  and both scales apply with the channel scales at the end; K's partial last block runs in f16.
 * Ragged shapes by masking, nothing padded or copied outside: rows of x past M load as zeros
   and are not stored; channels past N load undefined values (only their own output columns see
   them, and those are not stored); K's last, partial block runs once after the unmasked loop,
