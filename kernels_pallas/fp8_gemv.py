@@ -35,7 +35,8 @@ Design (bandwidth first):
   outside (XLA: one small fusion), so the grid has enough programs to fill the 132 SMs.
 * e4m3 activations with per-row scales (`x_scales`: the W8A8 GEMV, rows quantized as on the
   W8A8 GEMM path): the dot methods multiply fp8 by fp8 on the tensor cores, no weight converted,
-  and both scales apply with the channel scales at the end; K's partial last block runs in f16.
+  and both scales apply with the channel scales at the end; K's partial last block runs in f16
+  (rows of x past M load undefined there: only their own output rows, never stored, see them).
 * Ragged shapes by masking, nothing padded or copied outside: rows of x past M load as zeros
   and are not stored; channels past N load undefined values (only their own output columns see
   them, and those are not stored); K's last, partial block runs once after the unmasked loop,
