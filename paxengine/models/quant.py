@@ -212,19 +212,21 @@ def matmul_fp8(x: jax.Array, w: Fp8Weight, path: str) -> jax.Array:
     raise ValueError(f"unknown fp8 matmul path {path!r}")
 
 
-def _gemv(x: jax.Array, w: Fp8Weight, glu: bool = False) -> jax.Array:
+def _gemv(x: jax.Array, w: Fp8Weight, glu: bool = False, x_scales=None, dtype=None) -> jax.Array:
+    """The Pallas GEMV in `dtype` (x's): x 16-bit, or (the W8A8 GEMV) e4m3 rows with their
+    scales x_scales."""
     from kernels_pallas import fp8_matmul
 
     interpret = jax.default_backend() != "gpu"  # (tests pin this path on the CPU)
-    return fp8_matmul(x, w.values, w.scales, out_dtype=x.dtype, glu=glu, interpret=interpret)
+    out_dtype = dtype or x.dtype
+    return fp8_matmul(
+        x, w.values, w.scales, x_scales=x_scales, out_dtype=out_dtype, glu=glu, interpret=interpret
+    )
 
 
 def _gemv8(xq, xs, w: Fp8Weight, dtype) -> jax.Array:
     """The W8A8 GEMV: e4m3 rows xq with their scales xs @ the weight, in dtype."""
-    from kernels_pallas import fp8_matmul
-
-    interpret = jax.default_backend() != "gpu"  # (tests pin this path on the CPU)
-    return fp8_matmul(xq, w.values, w.scales, x_scales=xs, out_dtype=dtype, interpret=interpret)
+    return _gemv(xq, w, x_scales=xs, dtype=dtype)
 
 
 def _path_for(x: jax.Array) -> str:
@@ -287,16 +289,19 @@ def gated_mlp(x: jax.Array, w_gate_up, w_down) -> jax.Array:
     W8A8 buckets with both weights in FP8 take the gate | up GEMM's unscaled product (in x's
     dtype) straight to `glu_quant`, which applies the scales, forms silu(gate) * up and
     quantizes it per row for the down GEMM in one pass; XLA made that two fusions each reading
-    the whole product (benchmarks/kernels/fp8_mlp.py). On a CPU the kernel's jnp oracle runs
-    instead (the same f32 math; interpret mode would take seconds a prefill bucket)."""
+    the whole product (benchmarks/kernels/fp8_mlp.py). Buckets on the W8A8 GEMV path take the
+    same kernel between the two GEMVs (their product comes scaled: its scales are ones). On a CPU
+    the kernel's jnp oracle runs instead (the same f32 math; interpret mode would take seconds a
+    prefill bucket)."""
     fp8 = isinstance(w_gate_up, Fp8Weight) and isinstance(w_down, Fp8Weight)
-    if fp8 and _path_for(x) == "w8a8_gemv" and fused_glu_quant():
+    path = _path_for(x) if fp8 and fused_glu_quant() else None
+    if path == "w8a8_gemv":
         # the GEMV applies the gate | up scales itself: the GLU kernel's scales are ones
         y = linear(x, w_gate_up)
         ones_r, ones_c = jnp.ones(y.shape[:1], jnp.float32), jnp.ones(y.shape[1:], jnp.float32)
         aq, a_scales = _glu_quant(y, ones_r, ones_c)
         return _gemv8(aq, a_scales, w_down, y.dtype)
-    if fp8 and _path_for(x) == "w8a8" and fused_glu_quant():
+    if path == "w8a8":
         xq, xs = (x.values, x.scales) if isinstance(x, Fp8Rows) else quantize_rows(x)
         y = jax.lax.dot_general(xq, w_gate_up.values, _CONTRACT_IN, preferred_element_type=x.dtype)
         aq, a_scales = _glu_quant(y, xs, w_gate_up.scales)
