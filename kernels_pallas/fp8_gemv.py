@@ -68,6 +68,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
+import os
 
 import jax
 import jax.numpy as jnp
@@ -124,6 +126,8 @@ def default_tuning(
     x_fp8 (e4m3 activations, the W8A8 GEMV): fp8 x fp8 tensor-core dots, no conversion a weight;
     wdot 64 x 256 (the weight block as wgmma's 64-row operand), 4 warps, 3 stages, split-K to
     >= 2 programs an SM at every M: a first guess, to be replaced by the sweep's rows."""
+    if x_fp8 and (measured := _x8_sweep_best(M, K, N)) is not None:
+        return measured
     if x_fp8:
         method, block_n, block_k, warps, stages, target = "wdot", 64, 256, 4, 3, 2
     elif M <= 2 and (K, N) in _MEASURED_ONE_ROW:
@@ -158,6 +162,30 @@ _MEASURED_ONE_ROW = {
     (14336, 4096): Fp8MatmulTuning(8, 1024, 1, 4, 4, method="reduce"),
     (4096, 4096): Fp8MatmulTuning(8, 1024, 2, 2, 3, method="reduce_step"),
 }
+
+
+def _x8_sweep_best(M: int, K: int, N: int) -> Fp8MatmulTuning | None:
+    """For an A/B before a sweep's rows are committed: PAXENGINE_KERNEL_FP8_X8_TUNING names the
+    JSON of `python -m benchmarks.kernels.fp8_matmul --x8`; its best tuning for (K, N) at the
+    smallest swept M >= M (else the largest) is taken. Unset: None."""
+    path = os.environ.get("PAXENGINE_KERNEL_FP8_X8_TUNING")
+    if not path:
+        return None
+    rows = [b for b in _sweep_best_rows(path) if (b["K"], b["N"]) == (K, N)]
+    if not rows:
+        return None
+    above = [b for b in rows if b["M"] >= M]
+    pick = min(above, key=lambda b: b["M"]) if above else max(rows, key=lambda b: b["M"])
+    return Fp8MatmulTuning(**pick["tuning"])
+
+
+@functools.lru_cache(maxsize=4)
+def _sweep_best_rows(path: str) -> tuple:
+    with open(path) as f:
+        doc = json.load(f)
+    if not doc.get("x8"):
+        raise ValueError(f"PAXENGINE_KERNEL_FP8_X8_TUNING: {path} is not an --x8 sweep")
+    return tuple(doc["best"])
 
 
 def resolve_tuning(M: int, K: int, N: int, x_fp8: bool = False, **overrides) -> Fp8MatmulTuning:

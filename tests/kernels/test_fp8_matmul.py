@@ -3,6 +3,7 @@ numpy, the kernel (interpret mode) against the oracle, input checks, and CUDA lo
 configurations the default tuning picks (Triton's rules are only enforced there)."""
 
 import itertools
+import json
 
 import jax
 import jax.numpy as jnp
@@ -167,6 +168,31 @@ def test_fp8_activations_default_tuning_and_checks():
             glu=True,
             interpret=True,
         )
+
+
+def test_x8_tuning_from_a_sweep_file(tmp_path, monkeypatch):
+    """PAXENGINE_KERNEL_FP8_X8_TUNING: a `--x8` sweep's best row for (K, N) at the smallest
+    swept M >= M (else the largest) replaces the W8A8 GEMV's rule; other shapes keep it."""
+
+    def best(M, block_n, k_splits):
+        tun = dict(block_n=block_n, block_k=128, k_splits=k_splits, num_warps=4, num_stages=4)
+        return {"M": M, "K": 4096, "N": 6144, "tuning": dict(tun, method="wdot", prefetch=False)}
+
+    path = tmp_path / "fp8_matmul.json"
+    path.write_text(json.dumps({"x8": True, "best": [best(1, 32, 2), best(16, 128, 4)]}))
+    rule, rule_o = (fm.default_tuning(8, 4096, n, x_fp8=True) for n in (6144, 4096))
+    monkeypatch.setenv("PAXENGINE_KERNEL_FP8_X8_TUNING", str(path))
+    assert fm.default_tuning(1, 4096, 6144, x_fp8=True).block_n == 32
+    assert fm.default_tuning(8, 4096, 6144, x_fp8=True).block_n == 128
+    assert fm.default_tuning(64, 4096, 6144, x_fp8=True).k_splits == 4
+    assert fm.default_tuning(8, 4096, 4096, x_fp8=True) == rule_o
+    monkeypatch.delenv("PAXENGINE_KERNEL_FP8_X8_TUNING")
+    assert fm.default_tuning(8, 4096, 6144, x_fp8=True) == rule
+    bf16_sweep = tmp_path / "bf16.json"
+    bf16_sweep.write_text(json.dumps({"x8": False, "best": []}))
+    monkeypatch.setenv("PAXENGINE_KERNEL_FP8_X8_TUNING", str(bf16_sweep))
+    with pytest.raises(ValueError, match="not an --x8 sweep"):
+        fm.default_tuning(1, 4096, 6144, x_fp8=True)
 
 
 def test_f16_activations_and_jit():
