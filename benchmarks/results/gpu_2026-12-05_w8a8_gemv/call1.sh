@@ -10,7 +10,7 @@ mkdir -p /tmp/vparts && cp .vp8/* /tmp/vparts/ && ls /tmp/vparts | tr '\n' ' '; 
 bash benchmarks/gpu/gpu_vllm_install.sh > /tmp/vinstall.log 2>&1 &  # for call 2, beside the sweep
 nvidia-smi --query-gpu=name,clocks.max.sm --format=csv,noheader | tee $OUT/gpu.txt
 mkdir -p $OUT/sweep
-timeout 200 python3 -m benchmarks.kernels.fp8_matmul --x8 --only-m 1,16 --budget 115 --out $OUT/sweep \
+timeout 200 python3 -m benchmarks.kernels.fp8_matmul --x8 --only-m 1,16 --budget 100 --out $OUT/sweep \
   > $OUT/sweep/log.txt 2>&1
 wait; echo "== sweep + vLLM install ($SECONDS s): $(tail -1 /tmp/vinstall.log)"; grep -iE "best|error" $OUT/sweep/log.txt | tail -12
 TUNED=/tmp/x8_sweep.json
@@ -27,9 +27,9 @@ run() {  # name, env...
 }
 run off PAXENGINE_KERNEL_FP8_W8A8_GEMV_MAX_ROWS=0
 [ -f $TUNED ] && run tuned PAXENGINE_KERNEL_FP8_W8A8_GEMV_MAX_ROWS=16 PAXENGINE_KERNEL_FP8_X8_TUNING=$TUNED
-run rule PAXENGINE_KERNEL_FP8_W8A8_GEMV_MAX_ROWS=16
 run off_2 PAXENGINE_KERNEL_FP8_W8A8_GEMV_MAX_ROWS=0
 [ -f $TUNED ] && run tuned_2 PAXENGINE_KERNEL_FP8_W8A8_GEMV_MAX_ROWS=16 PAXENGINE_KERNEL_FP8_X8_TUNING=$TUNED
+run rule PAXENGINE_KERNEL_FP8_W8A8_GEMV_MAX_ROWS=16
 python3 benchmarks/results/gpu_2026-12-05_w8a8_gemv/pick.py $OUT $TUNED | tee /tmp/pax_fp8_env
 ls -d /tmp/vsite
 for d in $OUT/*/; do rm -rf $d/dummy_model $d/*.png 2>/dev/null; done
