@@ -10,7 +10,7 @@ mkdir -p /tmp/vparts && cp .vp8/* /tmp/vparts/ && ls /tmp/vparts | tr '\n' ' '; 
 bash benchmarks/gpu/gpu_vllm_install.sh > /tmp/vinstall.log 2>&1 &  # for call 2, beside the sweep
 nvidia-smi --query-gpu=name,clocks.max.sm --format=csv,noheader | tee $OUT/gpu.txt
 mkdir -p $OUT/sweep
-timeout 200 python3 -m benchmarks.kernels.fp8_matmul --x8 --only-m 1,16 --budget 100 --out $OUT/sweep \
+timeout 200 python3 -m benchmarks.kernels.fp8_matmul --x8 --only-m 1,16 --budget ${SWEEP_BUDGET:-100} --out $OUT/sweep \
   > $OUT/sweep/log.txt 2>&1
 wait; echo "== sweep + vLLM install ($SECONDS s): $(tail -1 /tmp/vinstall.log)"; grep -iE "best|error" $OUT/sweep/log.txt | tail -12
 TUNED=/tmp/x8_sweep.json
