@@ -83,10 +83,12 @@ def concat_out(parts: list[Fp8Weight]) -> Fp8Weight:
 GEMV_MAX_ROWS = 1
 W8A8_MIN_ROWS = 64
 # Steps of up to this many rows may take the W8A8 GEMV instead (PAXENGINE_KERNEL_FP8_W8A8_GEMV_
-# MAX_ROWS; 0, the default, until the H200 has measured it): the activation rows quantized per
-# token as on the W8A8 path (the norm kernel hands them over quantized), then fp8 x fp8
-# tensor-core dots that stream the weights with no conversion a weight (kernels_pallas.fp8_gemv,
-# x_scales). The same numerics as the W8A8 buckets, at every row count.
+# MAX_ROWS): the activation rows quantized per token as on the W8A8 path (the norm kernel hands
+# them over quantized), then fp8 x fp8 tensor-core dots that stream the weights with no
+# conversion a weight (kernels_pallas.fp8_gemv, x_scales). The same numerics as the W8A8
+# buckets, at every row count. 0, the default: on an H100 (2026-12-05,
+# benchmarks/results/gpu_2026-12-05_w8a8_gemv) 16 made batch-1 ITL 4.04 ms against 3.49 and
+# batch-8 4.28 against 4.13, with its tuning unswept.
 W8A8_GEMV_MAX_ROWS = 0
 
 
