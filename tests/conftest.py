@@ -28,6 +28,19 @@ def smollm():
     return load_model(None, "float32", progress=False)
 
 
+@pytest.fixture(scope="session")
+def short_smollm():
+    """Four of SmolLM2's layers (devices.truncated_smollm2: an HF directory of their real weights
+    and the tokenizer; its path is `.source`), for tests of what every layer does alike: an
+    engine against its oracle, one path against another. The 30 layers cost the compiles, the
+    oracle's forwards and the Pallas kernels' interpret mode ~7x what these do."""
+    from devices import truncated_smollm2
+
+    from paxengine.models.loader import load_model
+
+    return load_model(truncated_smollm2(), "float32", progress=False)
+
+
 @pytest.fixture(scope="module")
 def fp8_params(smollm):
     """The embedded SmolLM2's projections quantized to FP8 (per output channel)."""

@@ -4,7 +4,7 @@ both serve, a shared prefix stays on the replica that cached it, and per-replica
 import json
 
 import pytest
-from devices import SMALL, run_worker
+from devices import SMALL, run_worker, truncated_smollm2
 
 from paxengine import LLM
 
@@ -13,7 +13,7 @@ SMALL_DP = dict(SMALL, max_model_len=256, max_num_batched_tokens=64, token_bucke
 
 @pytest.fixture(scope="module")
 def dp(two_device_cache):
-    small = dict(SMALL_DP, compilation_cache_dir=two_device_cache)
+    small = dict(SMALL_DP, model=truncated_smollm2(), compilation_cache_dir=two_device_cache)
     return run_worker("dp_worker.py", [json.dumps(small)], 2)
 
 

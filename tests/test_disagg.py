@@ -6,7 +6,7 @@ the server streams one response per request. The worker runs it all (tests/disag
 import json
 
 import pytest
-from devices import SMALL, run_worker
+from devices import SMALL, run_worker, truncated_smollm2
 
 from paxengine import LLM
 from paxengine.disagg.config import parse_kv_transfer_config
@@ -17,7 +17,7 @@ SMALL_PD = dict(SMALL, max_model_len=256, max_num_batched_tokens=64, token_bucke
 
 @pytest.fixture(scope="module")
 def pd(two_device_cache):
-    small = dict(SMALL_PD, compilation_cache_dir=two_device_cache)
+    small = dict(SMALL_PD, model=truncated_smollm2(), compilation_cache_dir=two_device_cache)
     return run_worker("disagg_worker.py", [json.dumps(small)], 2)
 
 

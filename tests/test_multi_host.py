@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from devices import SMALL
+from devices import SMALL, truncated_smollm2
 
 from paxengine import LLM, SamplingParams
 
@@ -25,7 +25,7 @@ def _free_port() -> int:
 
 
 def test_three_processes_tp3_generate_what_one_process_does():
-    engine = dict(ENGINE)
+    engine = dict(ENGINE, model=truncated_smollm2())  # four of SmolLM2's layers
     # also makes sure the weights cache the others read is filled (this process's, as every
     # test's: converting SmolLM2 into a fresh one cost ~8 s here)
     one = LLM(show_progress=False, **engine)

@@ -397,7 +397,7 @@ def test_random_mix_identical_with_and_without_speculation(plain, spec):
     pool = COPY + FREE + ["a b c a b c a b c a b"]
     prompts, params = [], []
     for _ in range(16):
-        kw = {"max_tokens": int(rng.integers(1, 30)), "seed": int(rng.integers(100))}
+        kw = {"max_tokens": int(rng.integers(1, 20)), "seed": int(rng.integers(100))}
         if rng.random() < 0.5:
             kw.update(temperature=0.8, top_p=float(rng.choice([1.0, 0.9])), top_k=20)
         else:
@@ -454,8 +454,9 @@ def test_chained_verify_steps_equal_unchained_ones(plain, wide):
     which are the plain engine's texts; a penalty in the batch reads first again."""
     eng = wide.engine
     prompts = [COPY[0], COPY[1], COPY[2]]
-    greedy = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True, logprobs=1)
-    seeded = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=60, seed=5, ignore_eos=True)
+    # 40 tokens: 17 chained steps here (60 gave 30); each token is a step of the 16-row engine
+    greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=1)
+    seeded = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=40, seed=5, ignore_eos=True)
     runs = {}
     for chain in (False, True):
         eng.chain_verify = chain

@@ -5,7 +5,7 @@ import json
 import os
 
 import pytest
-from devices import SMALL, run_worker
+from devices import SMALL, run_worker, truncated_smollm2
 
 from paxengine import LLM
 
@@ -27,9 +27,11 @@ def run_on_devices(n: int, runs: list[dict], cache_dir: str) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def smollm_runs(tmp_path_factory):
-    """SmolLM2 (9 query heads, 3 KV heads) on 3 devices: TP=1 and TP=3, per-layer (fused) and
-    stacked layouts, FP8 weights + FP8 KV, and a restart of TP=3 from the executable store."""
+    """SmolLM2 (9 query heads, 3 KV heads; four of its layers, devices.SMOLLM2_LAYERS: every
+    layer is split the same way) on 3 devices: TP=1 and TP=3, per-layer (fused) and stacked
+    layouts, FP8 weights + FP8 KV, and a restart of TP=3 from the executable store."""
     cache = str(tmp_path_factory.mktemp("tp3"))
+    model = truncated_smollm2()
     runs = [
         {"engine": dict(ENGINE, layer_loop="unroll"), "prompts": PROMPTS, "max_tokens": 10},
         {"engine": dict(ENGINE, layer_loop="unroll", tensor_parallel_size=3)},
@@ -42,6 +44,7 @@ def smollm_runs(tmp_path_factory):
         {"engine": dict(ENGINE, layer_loop="unroll")},
     ]
     for r in runs:
+        r["engine"]["model"] = model
         r.setdefault("prompts", PROMPTS)
         r.setdefault("max_tokens", 10)
     return run_on_devices(3, runs, cache)
