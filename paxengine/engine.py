@@ -19,7 +19,7 @@ from paxengine.engine_setup import DTYPES
 from paxengine.errors import InvalidRequest, StepFailed
 from paxengine.executables import ExecutableStore
 from paxengine.kv_cache import KVCacheManager
-from paxengine.kv_memory import plan_num_blocks
+from paxengine.kv_memory import claim_device_memory, plan_num_blocks, pool_fraction
 from paxengine.models.loader import load_model
 from paxengine.models.quant import weight_dtype
 from paxengine.output import RequestGroup, SequenceOutput
@@ -67,8 +67,16 @@ class EngineCore:
         cfg = (config or EngineConfig()).replace(**overrides)
         self.config = cfg
         engine_setup.check_role(cfg)
+        pool_not_claimed = claim_device_memory(cfg.gpu_memory_utilization)  # before JAX's backend
         parallel.init_distributed(cfg.coordinator_address, cfg.num_processes, cfg.process_id)
         checked = engine_setup.check_config(cfg, jax.default_backend() == "gpu")
+        if checked.on_gpu and pool_not_claimed:
+            log.info(
+                "JAX's device memory pool was not sized by gpu_memory_utilization (%s): the KV "
+                "cache keeps within %.0f%% of the pool in effect",
+                pool_not_claimed,
+                100 * min(1.0, cfg.gpu_memory_utilization / pool_fraction()),
+            )
         dtype, kv_dtype_name, kv_dtype = checked.dtype, checked.kv_dtype_name, checked.kv_dtype
         self.spec = parse_speculative_config(cfg.speculative_config)
         self.dtype = dtype

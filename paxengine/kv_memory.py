@@ -13,6 +13,44 @@ import kernels_pallas
 from paxengine import parallel
 from paxengine.models.config import ModelConfig
 
+# gpu_memory_utilization is, as in vLLM, the share of each GPU's memory the engine may take. JAX's
+# allocator sizes its pool once, when its GPU backend starts: 75% of the card unless
+# XLA_CLIENT_MEM_FRACTION (or the older XLA_PYTHON_CLIENT_MEM_FRACTION) says otherwise. Left at
+# 75%, an 80 GB H100 held 17,408 KV blocks of 16 tokens where vLLM at 0.9 holds 28,123 (its 300 x
+# (1000, 1000) preempted 132 times and ran at 0.89x vLLM; benchmarks/results/gpu_2026-12-05b_same_lease/).
+POOL_FRACTION_VARS = ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION")
+JAX_DEFAULT_POOL_FRACTION = 0.75
+# Of the engine's share, this part stays free beside the activation reserve: the step
+# executables' temporaries and what else the plan cannot see (an H100 at 8,192-token steps: 4.7 GB
+# above the weights and the KV pool at its peak, 2026-12-05).
+HEADROOM = 0.1
+
+
+def pool_fraction() -> float:
+    """The share of each GPU's memory JAX's allocator pool takes (read when its backend starts)."""
+    for var in POOL_FRACTION_VARS:
+        if os.environ.get(var):
+            return float(os.environ[var])
+    return JAX_DEFAULT_POOL_FRACTION
+
+
+def claim_device_memory(utilization: float) -> str | None:
+    """Before JAX's GPU backend starts, size its pool to `utilization` of each device. Returns
+    None when it did, else why the pool stays as it is (a fraction the user set, or a backend
+    already started): the KV plan then keeps within the engine's share of that pool."""
+    if not 0 < utilization <= 1:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization}")
+    for var in POOL_FRACTION_VARS:
+        if os.environ.get(var):  # the user's, or an earlier engine's of this process
+            same = float(os.environ[var]) == utilization
+            return None if same else f"{var}={os.environ[var]} was set"
+    from jax._src import xla_bridge
+
+    if xla_bridge.backends_are_initialized():
+        return "JAX's backends had started before the engine"
+    os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] = repr(float(utilization))
+    return None
+
 
 def allocate_kv_cache(
     cfg: ModelConfig, num_blocks: int, block_size: int, kv_dtype, layer_loop: str, tp=None
@@ -69,7 +107,10 @@ def plan_num_blocks(
     stats = dev.memory_stats() if hasattr(dev, "memory_stats") else None
     if dev.platform == "gpu" and stats and "bytes_limit" in stats:
         reserve = int(os.environ.get("PAXENGINE_ACTIVATION_RESERVE", 4 << 30))
-        free = gpu_memory_utilization * stats["bytes_limit"] - live_bytes(dev) - reserve
+        # the engine's share of the device: the pool (claim_device_memory made it that share),
+        # or the share's part of a larger pool someone else chose
+        budget = stats["bytes_limit"] * min(1.0, gpu_memory_utilization / pool_fraction())
+        free = (1 - HEADROOM) * budget - live_bytes(dev) - reserve
         free -= free % FREE_QUANTUM
         if free < per_block:
             raise ValueError(

@@ -4,6 +4,7 @@ pool's shape keys every step executable), from the live arrays, not the allocato
 from __future__ import annotations
 
 import jax.numpy as jnp
+import pytest
 
 from paxengine import kv_memory
 from paxengine.models.config import PRESETS
@@ -95,3 +96,81 @@ def test_live_bytes_counts_live_arrays_on_the_device_only():
         [sys.executable, "-c", LIVE_BYTES_CHECK], capture_output=True, text=True, timeout=120
     )
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
+
+
+def test_the_share_of_a_pool_sized_for_the_engine_or_larger(monkeypatch):
+    """gpu_memory_utilization is the engine's share of the device, as in vLLM: all of a pool
+    claim_device_memory sized to it, that share's part of a larger pool the user chose."""
+    weights = 16 * GiB
+    monkeypatch.setattr(kv_memory, "live_bytes", lambda dev: weights)
+    per_block = kv_memory.kv_bytes_per_block(PRESETS["llama-3.1-8b"], 16, jnp.bfloat16)
+
+    def expect(budget):
+        free = 0.9 * budget - weights - 4 * GiB
+        return int((free - free % GiB) // per_block)
+
+    for var in kv_memory.POOL_FRACTION_VARS:
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")  # what the engine claims
+    assert _plan(_FakeGpu(72 * GiB, 0), util=0.9) == expect(72 * GiB)
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")  # the user's larger pool
+    assert _plan(_FakeGpu(76 * GiB, 0), util=0.5) == expect(76 * GiB * 0.5 / 0.95)
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION")
+    monkeypatch.setenv("XLA_CLIENT_MEM_FRACTION", "0.6")  # jaxlib's newer name
+    assert _plan(_FakeGpu(60 * GiB, 0), util=0.3) == expect(30 * GiB)
+
+
+def test_utilization_out_of_range_is_refused():
+    for bad in (0, -0.1, 1.5):
+        with pytest.raises(ValueError, match="gpu_memory_utilization must be in"):
+            kv_memory.claim_device_memory(bad)
+
+
+CLAIM_CHECK = """
+import os, sys
+for var in ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION"):
+    os.environ.pop(var, None)
+from paxengine import kv_memory
+if sys.argv[1] == "engine":  # the engine claims before its config check starts JAX's backend
+    from paxengine.engine import EngineCore
+    try:
+        EngineCore(model="dummy:tiny", gpu_memory_utilization=0.8, kv_cache_dtype="bogus")
+    except ValueError as e:
+        assert "kv_cache_dtype" in str(e), e
+    from jax._src import xla_bridge
+    assert xla_bridge.backends_are_initialized()
+    print(os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"])
+elif sys.argv[1] == "fresh":
+    assert kv_memory.claim_device_memory(0.8) is None
+    assert kv_memory.claim_device_memory(0.8) is None  # a second engine of the process
+    print(os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"], kv_memory.pool_fraction())
+    print(kv_memory.claim_device_memory(0.5))  # the pool was set: it stays
+elif sys.argv[1] == "user":
+    os.environ["XLA_CLIENT_MEM_FRACTION"] = "0.6"
+    print(kv_memory.claim_device_memory(0.9), os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"))
+else:  # the backend already started: too late to size the pool
+    import jax
+    jax.devices()
+    print(kv_memory.claim_device_memory(0.9), os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"))
+"""
+
+
+@pytest.mark.parametrize(
+    "case, expected",
+    [
+        ("fresh", "0.8 0.8\nXLA_PYTHON_CLIENT_MEM_FRACTION=0.8 was set"),
+        ("user", "XLA_CLIENT_MEM_FRACTION=0.6 was set None"),
+        ("started", "JAX's backends had started before the engine None"),
+        ("engine", "0.8"),
+    ],
+)
+def test_claim_sizes_the_pool_only_before_the_backend_starts(case, expected):
+    """Each in a process of its own: JAX reads the pool's fraction once, at its backend's start."""
+    import subprocess
+    import sys
+
+    r = subprocess.run(
+        [sys.executable, "-c", CLAIM_CHECK, case], capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip() == expected
