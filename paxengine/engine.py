@@ -19,7 +19,7 @@ from paxengine.engine_setup import DTYPES
 from paxengine.errors import InvalidRequest, StepFailed
 from paxengine.executables import ExecutableStore
 from paxengine.kv_cache import KVCacheManager
-from paxengine.kv_memory import claim_device_memory, plan_num_blocks, pool_fraction
+from paxengine.kv_memory import claim_device_memory, plan_num_blocks, pool_fraction, pool_peak
 from paxengine.models.loader import load_model
 from paxengine.models.quant import weight_dtype
 from paxengine.output import RequestGroup, SequenceOutput
@@ -224,6 +224,9 @@ class EngineCore:
         )
         if self.primes:
             log.info("ran each step executable once in %.1f s", self.runner.builder.prime()[1])
+            dev = tp.mesh.devices.flat[0] if tp is not None else jax.devices()[0]
+            if (peak := pool_peak(dev)) is not None:  # the KV plan's margin, measured
+                log.info("device memory: %s", peak)
         self.grammars = GrammarCompiler(
             self.tokenizer, loaded.config.vocab_size, self.eos_token_ids
         )

@@ -121,6 +121,16 @@ def plan_num_blocks(
     return max(1, (512 << 20) // per_block)  # CPU default: 512 MiB of KV
 
 
+def pool_peak(dev) -> str | None:
+    """The allocator's peak against its pool, for the log once every step has run; None where
+    the device keeps no such count (the CPU)."""
+    stats = dev.memory_stats() if hasattr(dev, "memory_stats") else None
+    if not stats or "bytes_limit" not in stats or "peak_bytes_in_use" not in stats:
+        return None
+    peak, pool = stats["peak_bytes_in_use"], stats["bytes_limit"]
+    return f"peak {peak / 1e9:.1f} GB of the {pool / 1e9:.1f} GB pool ({pool - peak:,} bytes never used)"
+
+
 # The pool's size is in every step executable's key (the KV arrays' shapes): it must come out
 # the same on every start of the same engine, or a restart misses the executable store. The
 # allocator's bytes_in_use did not (H200, one machine, six starts: 37,580 to 38,492 blocks, so

@@ -174,3 +174,15 @@ def test_claim_sizes_the_pool_only_before_the_backend_starts(case, expected):
     )
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.strip() == expected
+
+
+def test_pool_peak_reads_the_allocators_counts():
+    dev = _FakeGpu(80 * 10**9, 0)
+    dev.stats["peak_bytes_in_use"] = 72_300_000_000
+    assert kv_memory.pool_peak(dev) == (
+        "peak 72.3 GB of the 80.0 GB pool (7,700,000,000 bytes never used)"
+    )
+    assert kv_memory.pool_peak(_FakeGpu(80 * 10**9, 0)) is None  # no peak count
+    import jax
+
+    assert kv_memory.pool_peak(jax.devices("cpu")[0]) is None
