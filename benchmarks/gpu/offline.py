@@ -117,12 +117,17 @@ def stage_pax_offline(spec: dict, out: Path, variant: str | None = None) -> dict
     t = time.perf_counter()
     llm = LLM(config=cfg)
     startup = time.perf_counter() - t
-    log(f"paxengine started in {startup:.1f} s ({llm.engine.info.weight_dtype} weights)")
+    kv = llm.engine.kv
+    log(
+        f"paxengine started in {startup:.1f} s ({llm.engine.info.weight_dtype} weights, "
+        f"a KV cache of {kv.num_blocks * kv.block_size:,} tokens)"
+    )
     save_partial(
         startup_s=startup,
         engine_stats=llm.engine.stats(),
         engine_overrides=extra,
-        kv_block_size=llm.engine.kv.block_size,
+        kv_block_size=kv.block_size,
+        kv_blocks=kv.num_blocks,
     )
     vocab = PRESETS[spec["preset"]].vocab_size
 
@@ -132,7 +137,7 @@ def stage_pax_offline(spec: dict, out: Path, variant: str | None = None) -> dict
 
     gen(random_dataset(4, 64, 8, vocab_size=vocab, seed=7))  # warm-up (untimed)
     compiles = CompileCounter()
-    res = {"startup_s": startup, "kv_block_size": llm.engine.kv.block_size}
+    res = {"startup_s": startup, "kv_block_size": kv.block_size, "kv_blocks": kv.num_blocks}
     res.update(itl(gen, spec, vocab))
     save_partial(jax_compiles_during_timed_runs=compiles.n)
     res["offline"] = offline(gen, spec, vocab, llm.engine.stats)
