@@ -1,6 +1,6 @@
-"""Run in a subprocess by test_data_parallel.py with XLA_FLAGS giving it 2 CPU devices: a
-DP=2 SmolLM2 server (TestClient) under a shared-prefix workload and unrelated prompts. Prints
-one JSON line of what the test checks."""
+"""Run in a subprocess by test_disagg.py (its data-parallel tests) with XLA_FLAGS giving it 2
+CPU devices: a DP=2 SmolLM2 server (TestClient) under a shared-prefix workload and unrelated
+prompts. Prints one JSON line of what the test checks."""
 
 import json
 import sys

@@ -1,7 +1,12 @@
 """Disaggregated prefill (issue #23) on 2 simulated CPU devices: a prefill engine on device 0
 hands each prompt's KV pages and first token to a decode engine on device 1; the tokens are one
 engine's, every block comes back on both sides, the decode side's prefix cache saves pages, and
-the server streams one response per request. The worker runs it all (tests/disagg_worker.py)."""
+the server streams one response per request. The worker runs it all (tests/disagg_worker.py).
+
+Data-parallel replicas (issue #19, tests/dp_worker.py) are here too: the same engine settings on
+the same 2 devices, and the same compilation cache (conftest.two_device_cache) is a session's of
+one xdist worker: in one file, the second of the two loads its steps instead of compiling them
+(in two, they may land on both workers and each compiles everything)."""
 
 import json
 
@@ -13,6 +18,7 @@ from paxengine.disagg.config import parse_kv_transfer_config
 from paxengine.engine import EngineCore
 
 SMALL_PD = dict(SMALL, max_model_len=256, max_num_batched_tokens=64, token_buckets=[16, 64])
+SMALL_DP = SMALL_PD  # the same engines: the same steps, compiled once for both
 
 
 @pytest.fixture(scope="module")
@@ -178,3 +184,40 @@ def test_serve_builds_the_disaggregated_engine_and_refuses_a_bad_yaml(tmp_path, 
     monkeypatch.setattr(front, "DisaggregatedEngine", Probe)
     assert main(["--kv-transfer-config", '{"kv_role": "kv_both"}']) == 2
     assert built == [{"kv_role": "kv_both"}]
+
+
+# -- data-parallel replicas ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def dp(two_device_cache):
+    small = dict(SMALL_DP, model=truncated_smollm2(), compilation_cache_dir=two_device_cache)
+    return run_worker("dp_worker.py", [json.dumps(small)], 2)
+
+
+def test_each_replica_runs_on_its_own_device(dp):
+    assert dp["devices"] == [[0], [1]]
+
+
+def test_a_shared_prefix_stays_on_the_replica_that_cached_it(dp):
+    # the first request went to one replica; the three sharing its prefix followed it
+    assert dp["routed_prefix"] == [2, 3, 4] and dp["by_prefix"] == 3
+
+
+def test_both_replicas_serve_and_answer_as_one_engine(dp):
+    assert all(n > 0 for n in dp["routed"]) and sum(dp["routed"]) == 8
+    assert dp["texts"] == dp["single"]
+
+
+def test_no_replica_counts_another_replicas_warm_up_as_a_recompile(dp):
+    assert dp["compiles_after_warmup"] == [0, 0]
+
+
+def test_metrics_per_replica(dp):
+    engines = sorted(ln.split('engine="')[1].split('"')[0] for ln in dp["metrics"])
+    assert engines == ["0", "1"]
+
+
+def test_one_engine_core_refuses_data_parallel():
+    with pytest.raises(ValueError, match="runs one replica"):
+        LLM(data_parallel_size=2, show_progress=False)
