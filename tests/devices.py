@@ -59,7 +59,7 @@ def truncated_smollm2(layers: tuple[int, ...] = SMOLLM2_LAYERS) -> str:
     import numpy as np
     from safetensors.numpy import save_file
 
-    from paxengine.models.loader import cache_root, default_model_path, load_model
+    from paxengine.models.loader import _HF_LAYER, cache_root, default_model_path, load_model
 
     gguf = default_model_path()
     st = gguf.stat()
@@ -71,24 +71,15 @@ def truncated_smollm2(layers: tuple[int, ...] = SMOLLM2_LAYERS) -> str:
     c = m.config
     assert c.arch == "llama" and c.tie_word_embeddings and max(layers) < c.num_layers
     p = {k: np.asarray(v) for k, v in m.params["layers"].items()}
-    names = {
-        "wq": "self_attn.q_proj",
-        "wk": "self_attn.k_proj",
-        "wv": "self_attn.v_proj",
-        "wo": "self_attn.o_proj",
-        "w_gate": "mlp.gate_proj",
-        "w_up": "mlp.up_proj",
-        "w_down": "mlp.down_proj",
-    }
     sd = {
         "model.embed_tokens.weight": np.asarray(m.params["embed"]),
         "model.norm.weight": np.asarray(m.params["final_norm"]),
     }
     for j, i in enumerate(layers):
-        for ours, theirs in names.items():  # ours [in, out], HF's [out, in]
-            sd[f"model.layers.{j}.{theirs}.weight"] = np.ascontiguousarray(p[ours][i].T)
-        sd[f"model.layers.{j}.input_layernorm.weight"] = p["attn_norm"][i]
-        sd[f"model.layers.{j}.post_attention_layernorm.weight"] = p["mlp_norm"][i]
+        for theirs, ours in _HF_LAYER.items():  # the loader's map, read backwards
+            if ours in p:  # projections: ours [in, out], HF's [out, in]
+                w = p[ours][i]
+                sd[f"model.layers.{j}.{theirs}"] = np.ascontiguousarray(w.T) if w.ndim == 2 else w
     cfg = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
