@@ -21,9 +21,13 @@ from paxengine.models.config import ModelConfig
 POOL_FRACTION_VARS = ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION")
 JAX_DEFAULT_POOL_FRACTION = 0.75
 # Of the engine's share, this part stays free beside the activation reserve: the step
-# executables' temporaries and what else the plan cannot see (an H100 at 8,192-token steps: 4.7 GB
-# above the weights and the KV pool at its peak, 2026-12-05).
-HEADROOM = 0.1
+# executables' temporaries and what else the plan cannot see. Measured on an H100 at 8,192-token
+# steps, every executable compiled cold and run once: 4.7 GB above the weights and the KV pool at
+# its peak (benchmarks/results/gpu_2026-12-05b_same_lease/kv_pool.txt); the 4 GiB reserve plus 2%
+# of a 0.9 share (1.5 GB) covers it with 1.1 GB to spare before the plan's round-down to whole GiB.
+# 10% left 12 GB unused there and 368,640 KV tokens against vLLM's 449,968 (0.93x on 300 x (1000,
+# 1000), 116 preemptions; benchmarks/results/gpu_2026-12-05c_kv_share/).
+HEADROOM = 0.02
 
 
 def pool_fraction() -> float:

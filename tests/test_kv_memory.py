@@ -43,7 +43,7 @@ def test_blocks_do_not_follow_the_allocators_noise(monkeypatch):
     assert len(counts) == 1
     per_block = kv_memory.kv_bytes_per_block(PRESETS["llama-3.1-8b"], 16, jnp.bfloat16)
     (n,) = counts
-    free = 0.9 * 100 * GiB - weights - 4 * GiB
+    free = (1 - kv_memory.HEADROOM) * 100 * GiB - weights - 4 * GiB
     assert n * per_block == free - free % GiB  # whole GiB, rounded down
 
 
@@ -106,7 +106,7 @@ def test_the_share_of_a_pool_sized_for_the_engine_or_larger(monkeypatch):
     per_block = kv_memory.kv_bytes_per_block(PRESETS["llama-3.1-8b"], 16, jnp.bfloat16)
 
     def expect(budget):
-        free = 0.9 * budget - weights - 4 * GiB
+        free = (1 - kv_memory.HEADROOM) * budget - weights - 4 * GiB
         return int((free - free % GiB) // per_block)
 
     for var in kv_memory.POOL_FRACTION_VARS:

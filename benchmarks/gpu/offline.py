@@ -142,7 +142,23 @@ def stage_pax_offline(spec: dict, out: Path, variant: str | None = None) -> dict
     save_partial(jax_compiles_during_timed_runs=compiles.n)
     res["offline"] = offline(gen, spec, vocab, llm.engine.stats)
     res["jax_compiles_during_timed_runs"] = compiles.n
+    res.update(device_memory())  # the KV plan's margin after every workload ran
     return res
+
+
+def device_memory() -> dict:
+    """The allocator's peak and pool on the first device (bytes), where it keeps them."""
+    import jax
+
+    stats = jax.devices()[0].memory_stats() or {}
+    keys = {"peak_bytes_in_use": "device_peak_bytes", "bytes_limit": "device_pool_bytes"}
+    out = {name: stats[k] for k, name in keys.items() if k in stats}
+    if len(out) == 2:
+        log(
+            f"device memory: peak {out['device_peak_bytes'] / 1e9:.1f} GB of the "
+            f"{out['device_pool_bytes'] / 1e9:.1f} GB pool"
+        )
+    return out
 
 
 def stage_vllm_offline(spec: dict, out: Path, variant: str | None = None) -> dict:
