@@ -131,6 +131,7 @@ class EngineCore:
             kv_cache_memory_bytes=cfg.kv_cache_memory_bytes,
             gpu_memory_utilization=cfg.gpu_memory_utilization,
             device=tp.mesh.devices.flat[0] if tp is not None else None,
+            step_tokens=cfg.max_num_batched_tokens,
         )
         if draft is not None and not cfg.num_kv_blocks:  # the KV budget holds both models' pages
             from paxengine.spec_decode.draft_model import share_kv_budget

@@ -30,6 +30,18 @@ JAX_DEFAULT_POOL_FRACTION = 0.75
 HEADROOM = 0.02
 
 
+# The step executables' temporaries grow with the step's tokens: 4 GiB holds those of 8,192-token
+# steps of an 8B model (the peak above), twice that 16,384-token steps.
+RESERVE_STEP_TOKENS = 8192
+
+
+def activation_reserve(step_tokens: int) -> int:
+    """Bytes kept free for the steps' temporaries (PAXENGINE_ACTIVATION_RESERVE overrides)."""
+    if os.environ.get("PAXENGINE_ACTIVATION_RESERVE"):
+        return int(os.environ["PAXENGINE_ACTIVATION_RESERVE"])
+    return int((4 << 30) * max(1.0, step_tokens / RESERVE_STEP_TOKENS))
+
+
 def pool_fraction() -> float:
     """The share of each GPU's memory JAX's allocator pool takes (read when its backend starts)."""
     for var in POOL_FRACTION_VARS:
@@ -99,9 +111,10 @@ def plan_num_blocks(
     kv_cache_memory_bytes: int | None,
     gpu_memory_utilization: float,
     device=None,
+    step_tokens: int = RESERVE_STEP_TOKENS,
 ) -> int:
     """The pool size: explicit, from a byte budget, or from free memory of `device` (default
-    the first)."""
+    the first). `step_tokens` (max_num_batched_tokens) scales the activation reserve."""
     if num_kv_blocks:
         return int(num_kv_blocks)
     per_block = kv_bytes_per_block(cfg, block_size, kv_dtype)
@@ -110,7 +123,7 @@ def plan_num_blocks(
     dev = device if device is not None else jax.devices()[0]
     stats = dev.memory_stats() if hasattr(dev, "memory_stats") else None
     if dev.platform == "gpu" and stats and "bytes_limit" in stats:
-        reserve = int(os.environ.get("PAXENGINE_ACTIVATION_RESERVE", 4 << 30))
+        reserve = activation_reserve(step_tokens)
         # the engine's share of the device: the pool (claim_device_memory made it that share),
         # or the share's part of a larger pool someone else chose
         budget = stats["bytes_limit"] * min(1.0, gpu_memory_utilization / pool_fraction())

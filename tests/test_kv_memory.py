@@ -186,3 +186,28 @@ def test_pool_peak_reads_the_allocators_counts():
     import jax
 
     assert kv_memory.pool_peak(jax.devices("cpu")[0]) is None
+
+
+def test_the_activation_reserve_grows_with_the_steps_tokens(monkeypatch):
+    """Larger steps need larger temporaries: 16,384-token steps keep 8 GiB free, not 4; smaller
+    ones keep the 4 GiB floor; PAXENGINE_ACTIVATION_RESERVE overrides both."""
+    monkeypatch.delenv("PAXENGINE_ACTIVATION_RESERVE", raising=False)
+    for var in kv_memory.POOL_FRACTION_VARS:
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(kv_memory, "live_bytes", lambda dev: 16 * GiB)
+    per_block = kv_memory.kv_bytes_per_block(PRESETS["llama-3.1-8b"], 16, jnp.bfloat16)
+    dev = _FakeGpu(100 * GiB, 0)
+
+    def plan(tokens):
+        return kv_memory.plan_num_blocks(
+            PRESETS["llama-3.1-8b"], 16, jnp.bfloat16, num_kv_blocks=None,
+            kv_cache_memory_bytes=None, gpu_memory_utilization=0.75, device=dev,
+            step_tokens=tokens,
+        )  # fmt: skip
+
+    default = plan(8192)
+    assert plan(2048) == default
+    assert (default - plan(16384)) * per_block == 4 * GiB
+    monkeypatch.setenv("PAXENGINE_ACTIVATION_RESERVE", str(2 * GiB))
+    assert plan(16384) == plan(8192)
+    assert (plan(8192) - default) * per_block == 2 * GiB
