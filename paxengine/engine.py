@@ -19,7 +19,13 @@ from paxengine.engine_setup import DTYPES
 from paxengine.errors import InvalidRequest, StepFailed
 from paxengine.executables import ExecutableStore
 from paxengine.kv_cache import KVCacheManager
-from paxengine.kv_memory import claim_device_memory, plan_num_blocks, pool_fraction, pool_peak
+from paxengine.kv_memory import (
+    claim_device_memory,
+    plan_num_blocks,
+    pool_fraction,
+    pool_peak,
+    prime_or_explain,
+)
 from paxengine.models.loader import load_model
 from paxengine.models.quant import weight_dtype
 from paxengine.output import RequestGroup, SequenceOutput
@@ -224,7 +230,9 @@ class EngineCore:
             cfg.prime_steps if cfg.prime_steps is not None else jax.default_backend() == "gpu"
         )
         if self.primes:
-            log.info("ran each step executable once in %.1f s", self.runner.builder.prime()[1])
+            log.info(
+                "ran each step executable once in %.1f s", prime_or_explain(self.runner, num_blocks)
+            )
             dev = tp.mesh.devices.flat[0] if tp is not None else jax.devices()[0]
             if (peak := pool_peak(dev)) is not None:  # the KV plan's margin, measured
                 log.info("device memory: %s", peak)

@@ -138,6 +138,22 @@ def plan_num_blocks(
     return max(1, (512 << 20) // per_block)  # CPU default: 512 MiB of KV
 
 
+def prime_or_explain(runner, num_blocks: int) -> float:
+    """Runs every step executable once (StepBuilder.prime); returns the seconds. If the device
+    runs out of memory there, the KV plan left too little for the steps' temporaries: say so, and
+    what to change, instead of XLA's allocator message alone."""
+    try:
+        return runner.builder.prime()[1]
+    except jax.errors.JaxRuntimeError as e:
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        raise RuntimeError(
+            f"out of device memory running each step once at start-up, with {num_blocks} KV "
+            "blocks: lower gpu_memory_utilization or max_num_batched_tokens, set num_kv_blocks, "
+            "or raise PAXENGINE_ACTIVATION_RESERVE (bytes kept free for the steps' temporaries)"
+        ) from e
+
+
 def pool_peak(dev) -> str | None:
     """The allocator's peak against its pool, for the log once every step has run; None where
     the device keeps no such count (the CPU)."""

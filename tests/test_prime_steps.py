@@ -139,3 +139,23 @@ def test_background_built_steps_run_while_the_server_idles(monkeypatch):
     ref = LLM(**ENGINE, prime_steps=False)
     params = SamplingParams(max_tokens=6, ignore_eos=True, temperature=0)
     assert tokens == ref.generate([PROMPTS[3]], params, use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_running_out_of_memory_while_priming_says_what_to_change(monkeypatch):
+    """An OOM in the start-up runs means the KV plan left too little for the steps: the error
+    names the knobs; any other runtime error passes through as it is."""
+
+    def oom(self, limit=None):
+        raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 1 bytes")
+
+    monkeypatch.setattr(StepBuilder, "prime", oom)
+    with pytest.raises(RuntimeError, match="PAXENGINE_ACTIVATION_RESERVE") as info:
+        LLM(**ENGINE, prime_steps=True)
+    assert "KV blocks" in str(info.value) and "RESOURCE_EXHAUSTED" in str(info.value.__cause__)
+
+    def other(self, limit=None):
+        raise jax.errors.JaxRuntimeError("INTERNAL: something else")
+
+    monkeypatch.setattr(StepBuilder, "prime", other)
+    with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL"):
+        LLM(**ENGINE, prime_steps=True)
