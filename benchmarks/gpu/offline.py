@@ -147,16 +147,27 @@ def stage_pax_offline(spec: dict, out: Path, variant: str | None = None) -> dict
 
 
 def device_memory() -> dict:
-    """The allocator's peak and pool on the first device (bytes), where it keeps them."""
+    """The allocator's peak, pool and bytes in use on the first device, and the live arrays'
+    bytes (weights, KV, engine state; the rest in use is the runtime's own), where it keeps them."""
     import jax
 
-    stats = jax.devices()[0].memory_stats() or {}
-    keys = {"peak_bytes_in_use": "device_peak_bytes", "bytes_limit": "device_pool_bytes"}
+    from paxengine.kv_memory import live_bytes
+
+    dev = jax.devices()[0]
+    stats = dev.memory_stats() or {}
+    keys = {
+        "peak_bytes_in_use": "device_peak_bytes",
+        "bytes_limit": "device_pool_bytes",
+        "bytes_in_use": "device_bytes_in_use",
+    }
     out = {name: stats[k] for k, name in keys.items() if k in stats}
-    if len(out) == 2:
+    if len(out) == 3:
+        out["device_live_array_bytes"] = live_bytes(dev)
         log(
             f"device memory: peak {out['device_peak_bytes'] / 1e9:.1f} GB of the "
-            f"{out['device_pool_bytes'] / 1e9:.1f} GB pool"
+            f"{out['device_pool_bytes'] / 1e9:.1f} GB pool; in use "
+            f"{out['device_bytes_in_use'] / 1e9:.1f} GB, live arrays "
+            f"{out['device_live_array_bytes'] / 1e9:.1f} GB"
         )
     return out
 
