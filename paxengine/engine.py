@@ -21,7 +21,6 @@ from paxengine.executables import ExecutableStore
 from paxengine.kv_cache import KVCacheManager
 from paxengine.kv_memory import (
     claim_device_memory,
-    plan_num_blocks,
     pool_fraction,
     pool_peak,
     prime_or_explain,
@@ -129,28 +128,9 @@ class EngineCore:
         params, tp, store = prepared.params, prepared.tp, prepared.store
         self.kv_scales, scales_from = prepared.kv_scales, prepared.scales_from
         engine_setup.log_weights(params, loaded.prequantized, checked.on_gpu)
-        num_blocks = plan_num_blocks(
-            tp.local_config(loaded.config) if tp is not None else loaded.config,  # per device
-            checked.block_size,
-            kv_dtype,
-            num_kv_blocks=cfg.num_kv_blocks,
-            kv_cache_memory_bytes=cfg.kv_cache_memory_bytes,
-            gpu_memory_utilization=cfg.gpu_memory_utilization,
-            device=tp.mesh.devices.flat[0] if tp is not None else None,
-            step_tokens=cfg.max_num_batched_tokens,
+        num_blocks = engine_setup.plan_kv_blocks(
+            cfg, checked, loaded.config, tp, draft.config if draft is not None else None, eagle
         )
-        if draft is not None and not cfg.num_kv_blocks:  # the KV budget holds both models' pages
-            from paxengine.spec_decode.draft_model import share_kv_budget
-
-            num_blocks = share_kv_budget(
-                num_blocks, loaded.config, draft.config, checked.block_size, kv_dtype, DTYPES[dtype]
-            )
-        if eagle is not None and not cfg.num_kv_blocks:  # its KV pages and aux states too
-            from paxengine.kv_memory import kv_bytes_per_block
-
-            t = kv_bytes_per_block(loaded.config, checked.block_size, kv_dtype)
-            d = eagle.bytes_per_block(checked.block_size, DTYPES[dtype])
-            num_blocks = max(1, num_blocks * t // (t + d))
         self.kv = KVCacheManager(num_blocks, checked.block_size, cfg.enable_prefix_caching)
         max_tokens = cfg.max_num_batched_tokens
         tb = cfg.token_buckets or token_buckets(max_tokens)

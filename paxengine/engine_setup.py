@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import kernels_pallas.layout
 from paxengine import kv_scales, parallel
 from paxengine.config import EngineConfig
+from paxengine.kv_memory import kv_bytes_per_block, plan_num_blocks
 from paxengine.models.quant import (
     GEMV_MAX_ROWS,
     W8A8_MIN_ROWS,
@@ -196,3 +197,34 @@ def log_ready(load_seconds: float, runner, store, num_kv_blocks: int, block_size
         if runner.builder.background is not None
         else "",
     )
+
+
+def plan_kv_blocks(
+    cfg: EngineConfig, checked: Checked, model_config, tp, draft_config, eagle
+) -> int:
+    """The KV pool's blocks: kv_memory's plan for each device (the target's pages), shared with a
+    draft model's pages or an EAGLE-3 head's pages and aux states when neither is set by hand."""
+    num_blocks = plan_num_blocks(
+        tp.local_config(model_config) if tp is not None else model_config,  # per device
+        checked.block_size,
+        checked.kv_dtype,
+        num_kv_blocks=cfg.num_kv_blocks,
+        kv_cache_memory_bytes=cfg.kv_cache_memory_bytes,
+        gpu_memory_utilization=cfg.gpu_memory_utilization,
+        device=tp.mesh.devices.flat[0] if tp is not None else None,
+        step_tokens=cfg.max_num_batched_tokens,
+    )
+    if cfg.num_kv_blocks:
+        return num_blocks
+    dtype = DTYPES[checked.dtype]
+    if draft_config is not None:  # the KV budget holds both models' pages
+        from paxengine.spec_decode.draft_model import share_kv_budget
+
+        return share_kv_budget(
+            num_blocks, model_config, draft_config, checked.block_size, checked.kv_dtype, dtype
+        )
+    if eagle is not None:  # its KV pages and aux states too
+        t = kv_bytes_per_block(model_config, checked.block_size, checked.kv_dtype)
+        d = eagle.bytes_per_block(checked.block_size, dtype)
+        return max(1, num_blocks * t // (t + d))
+    return num_blocks
