@@ -203,7 +203,8 @@ def plan_kv_blocks(
     cfg: EngineConfig, checked: Checked, model_config, tp, draft_config, eagle
 ) -> int:
     """The KV pool's blocks: kv_memory's plan for each device (the target's pages), shared with a
-    draft model's pages or an EAGLE-3 head's pages and aux states when neither is set by hand."""
+    draft model's pages or an EAGLE-3 head's pages and aux states unless num_kv_blocks gives the
+    count by hand."""
     num_blocks = plan_num_blocks(
         tp.local_config(model_config) if tp is not None else model_config,  # per device
         checked.block_size,

@@ -151,7 +151,7 @@ def device_memory() -> dict:
     bytes (weights, KV, engine state; the rest in use is the runtime's own), where it keeps them."""
     import jax
 
-    from paxengine.kv_memory import live_bytes
+    from paxengine.kv_memory import live_bytes, pool_peak
 
     dev = jax.devices()[0]
     stats = dev.memory_stats() or {}
@@ -164,10 +164,8 @@ def device_memory() -> dict:
     if len(out) == 3:
         out["device_live_array_bytes"] = live_bytes(dev)
         log(
-            f"device memory: peak {out['device_peak_bytes'] / 1e9:.1f} GB of the "
-            f"{out['device_pool_bytes'] / 1e9:.1f} GB pool; in use "
-            f"{out['device_bytes_in_use'] / 1e9:.1f} GB, live arrays "
-            f"{out['device_live_array_bytes'] / 1e9:.1f} GB"
+            f"device memory: {pool_peak(dev)}; in use {out['device_bytes_in_use'] / 1e9:.1f} GB, "
+            f"live arrays {out['device_live_array_bytes'] / 1e9:.1f} GB"
         )
     return out
 
