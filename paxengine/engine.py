@@ -20,7 +20,9 @@ from paxengine.errors import InvalidRequest, StepFailed
 from paxengine.executables import ExecutableStore
 from paxengine.kv_cache import KVCacheManager
 from paxengine.kv_memory import (
+    activation_reserve,
     claim_device_memory,
+    largest_temporaries,
     pool_fraction,
     pool_peak,
     prime_or_explain,
@@ -216,6 +218,13 @@ class EngineCore:
             dev = tp.mesh.devices.flat[0] if tp is not None else jax.devices()[0]
             if (peak := pool_peak(dev)) is not None:  # the KV plan's margin, measured
                 log.info("device memory: %s", peak)
+            if (temp := largest_temporaries(self.runner.compiled)) is not None:
+                log.info(
+                    "largest step temporaries: %.2f GB (bucket %s; activation reserve %.2f GB)",
+                    temp[0] / 1e9,
+                    temp[1],
+                    activation_reserve(cfg.max_num_batched_tokens) / 1e9,
+                )
         self.grammars = GrammarCompiler(
             self.tokenizer, loaded.config.vocab_size, self.eos_token_ids
         )

@@ -164,6 +164,20 @@ def pool_peak(dev) -> str | None:
     return f"peak {peak / 1e9:.1f} GB of the {pool / 1e9:.1f} GB pool ({pool - peak:,} bytes never used)"
 
 
+def largest_temporaries(executables: dict) -> tuple[int, object] | None:
+    """The most temporary bytes XLA assigned one of `executables` (name -> compiled), and which:
+    what the activation reserve must hold. None where no executable reports its memory."""
+    best = None
+    for name, exe in executables.items():
+        try:
+            temp = exe.memory_analysis().temp_size_in_bytes
+        except Exception:  # a backend or a loaded executable without the analysis
+            continue
+        if best is None or temp > best[0]:
+            best = (int(temp), name)
+    return best
+
+
 # The pool's size is in every step executable's key (the KV arrays' shapes): it must come out
 # the same on every start of the same engine, or a restart misses the executable store. The
 # allocator's bytes_in_use did not (H200, one machine, six starts: 37,580 to 38,492 blocks, so

@@ -211,3 +211,29 @@ def test_the_activation_reserve_grows_with_the_steps_tokens(monkeypatch):
     monkeypatch.setenv("PAXENGINE_ACTIVATION_RESERVE", str(2 * GiB))
     assert plan(16384) == plan(8192)
     assert (plan(8192) - default) * per_block == 2 * GiB
+
+
+def test_largest_temporaries_names_the_executable_with_the_most():
+    """The start-up log's measure of what the activation reserve must hold: XLA's temporary bytes
+    of each compiled step, the largest and its bucket; an executable without the analysis is
+    skipped, and none at all gives None."""
+    import jax
+
+    def f(x):
+        return jnp.sin(x @ x.T).sum(0)
+
+    small = jax.jit(f).lower(jnp.ones((64, 256))).compile()
+    large = jax.jit(f).lower(jnp.ones((512, 256))).compile()
+
+    class NoAnalysis:
+        def memory_analysis(self):
+            raise NotImplementedError
+
+    temp, name = kv_memory.largest_temporaries({(64, 1): small, (512, 8): large, "x": NoAnalysis()})
+    assert name == (512, 8)
+    assert (
+        temp
+        == large.memory_analysis().temp_size_in_bytes
+        > small.memory_analysis().temp_size_in_bytes
+    )
+    assert kv_memory.largest_temporaries({"x": NoAnalysis()}) is None

@@ -108,6 +108,7 @@ def stage_pax_offline(spec: dict, out: Path, variant: str | None = None) -> dict
     from benchmarks.measure import CompileCounter
     from paxengine import LLM
     from paxengine.config import EngineConfig
+    from paxengine.kv_memory import largest_temporaries
     from paxengine.models.config import PRESETS
 
     extra = spec[variant]["pax_engine"] if variant else {}
@@ -143,6 +144,9 @@ def stage_pax_offline(spec: dict, out: Path, variant: str | None = None) -> dict
     res["offline"] = offline(gen, spec, vocab, llm.engine.stats)
     res["jax_compiles_during_timed_runs"] = compiles.n
     res.update(device_memory())  # the KV plan's margin after every workload ran
+    temp = largest_temporaries(llm.engine.runner.compiled)
+    if temp is not None:  # what the activation reserve must hold, by XLA's buffer assignment
+        res["step_temp_bytes"], res["step_temp_bucket"] = temp[0], list(temp[1])
     return res
 
 
