@@ -94,11 +94,13 @@ def test_report_table():
                 "jax_compiles_during_timed_runs": 0,
                 "offline": {"256x(1024,128)": {"output_tok_s": 3000.0}},
             },
+            "pax-offline-fp8bs16": {"ok": True, "itl_batch1_ms": 3.25},
             "pax-serve": {"ok": False, "error": "boom", "runs": {}},
             "vllm-offline": {"ok": True, "itl_batch1_ms": 4.74},
         },
     }
     md = report.markdown_table(merged)
+    assert "| FP8, 16-token pages batch-1 ITL (ms) | 3.25 |" in md
     assert "| batch-1 ITL (ms) | 5.00 | 4.74 | 4.74 | 3.80 |" in md
     assert "| offline 256x(1024,128) output tok/s | 3,000 | - | 3,962 | - |" in md
     assert "JAX compiles during timed runs (must be 0) | 0 offline |" in md
@@ -293,7 +295,8 @@ def test_kernels_compare_brackets_fa3(tmp_path):
 def test_fp8_and_two_device_stages_run_and_report(tmp_path):
     """The stages the next GPU leases run (FP8 weights + KV offline and served; the model over
     two devices), at CPU size with two simulated devices: all finish, and the report has their
-    rows."""
+    rows. (pax-offline-fp8bs16 is the fp8 stage with another block size: its row is checked in
+    test_report_table, that the block size it asks for is kept in tests/test_engine_setup.py.)"""
     env = dict(os.environ, PAXENGINE_CACHE=str(tmp_path / "cache"))
     env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2"
     r = subprocess.run(
@@ -303,7 +306,7 @@ def test_fp8_and_two_device_stages_run_and_report(tmp_path):
             "benchmarks.gpu.main",
             "--quick",
             "--stages",
-            "pax-offline-fp8,pax-offline-fp8bs16,pax-offline-tp2,pax-serve-fp8",
+            "pax-offline-fp8,pax-offline-tp2,pax-serve-fp8",
             "--out",
             str(tmp_path / "out"),
             "--work",
@@ -317,7 +320,7 @@ def test_fp8_and_two_device_stages_run_and_report(tmp_path):
     )
     assert r.returncode == 0, r.stderr[-3000:] + r.stdout[-3000:]
     merged = json.loads((tmp_path / "out" / "gpu_bench.json").read_text())
-    for stage in ("pax-offline-fp8", "pax-offline-fp8bs16", "pax-offline-tp2"):
+    for stage in ("pax-offline-fp8", "pax-offline-tp2"):
         assert merged["stages"][stage]["ok"], merged["stages"][stage]
         assert merged["stages"][stage]["jax_compiles_during_timed_runs"] == 0
     serve = merged["stages"]["pax-serve-fp8"]
@@ -328,8 +331,7 @@ def test_fp8_and_two_device_stages_run_and_report(tmp_path):
     assert serve["runs"][f"c{c}"]["completed"] > 0
     table = report.markdown_table(merged)
     assert "| FP8 batch-1 ITL (ms) |" in table and "| TP=2 offline 8x(32,8) output tok/s |" in table
-    assert "| FP8, 16-token pages batch-1 ITL (ms) |" in table
-    # fp8 caches take 64-token pages unless the config says 16
-    stages = ("pax-offline-fp8", "pax-offline-fp8bs16")
-    assert [merged["stages"][s]["kv_block_size"] for s in stages] == [64, 16]
+    assert merged["stages"]["pax-offline-fp8"]["kv_block_size"] == 64  # fp8 caches' default
+    # what XLA assigned the largest step as temporaries (the activation reserve's measure)
+    assert merged["stages"]["pax-offline-fp8"]["step_temp_bytes"] > 0
     assert f"| FP8 serve c={c} output tok/s |" in table
