@@ -13,31 +13,22 @@ import numpy as np
 
 from paxengine import engine_setup, parallel
 from paxengine.batch import build_step, seq_buckets, token_buckets
-from paxengine.client import ModelInfo, served_name
+from paxengine.client import served_name
 from paxengine.config import EngineConfig
 from paxengine.engine_setup import DTYPES
 from paxengine.errors import InvalidRequest, StepFailed
 from paxengine.executables import ExecutableStore
 from paxengine.kv_cache import KVCacheManager
-from paxengine.kv_memory import (
-    activation_reserve,
-    claim_device_memory,
-    largest_temporaries,
-    pool_fraction,
-    pool_peak,
-    prime_or_explain,
-)
-from paxengine.models.loader import load_model
-from paxengine.models.quant import weight_dtype
+from paxengine.kv_memory import claim_device_memory
 from paxengine.output import RequestGroup, SequenceOutput
 from paxengine.outputs import RequestOutput
 from paxengine.request import Request
 from paxengine.runner import Runner
 from paxengine.sampling import ALL_FLAGS, build_sampling_tensors, verify_drafts
 from paxengine.sampling_params import SamplingParams
-from paxengine.scheduler import Scheduler, SchedulerOutput
+from paxengine.scheduler import SchedulerOutput
 from paxengine.spec_decode import parse_speculative_config
-from paxengine.spec_decode.chain import ChainSpec, build_chained
+from paxengine.spec_decode.chain import build_chained
 from paxengine.step_build import compiles_after_warmup, enable_persistent_cache
 from paxengine.step_trace import StepTrace
 from paxengine.structured import GrammarCompiler
@@ -78,13 +69,8 @@ class EngineCore:
         parallel.init_distributed(cfg.coordinator_address, cfg.num_processes, cfg.process_id)
         checked = engine_setup.check_config(cfg, jax.default_backend() == "gpu")
         if checked.on_gpu and pool_not_claimed:
-            log.info(
-                "JAX's device memory pool was not sized by gpu_memory_utilization (%s): the KV "
-                "cache keeps within %.0f%% of the pool in effect",
-                pool_not_claimed,
-                100 * min(1.0, cfg.gpu_memory_utilization / pool_fraction()),
-            )
-        dtype, kv_dtype_name, kv_dtype = checked.dtype, checked.kv_dtype_name, checked.kv_dtype
+            engine_setup.log_pool_not_claimed(pool_not_claimed, cfg.gpu_memory_utilization)
+        dtype, kv_dtype = checked.dtype, checked.kv_dtype
         self.spec = parse_speculative_config(cfg.speculative_config)
         self.dtype = dtype
         cache_dir = enable_persistent_cache(cfg.compilation_cache_dir)
@@ -93,34 +79,11 @@ class EngineCore:
             if cfg.store_executables and cache_dir is not None
             else None
         )
-        t0 = time.perf_counter()
-        loaded = load_model(
-            cfg.model,
-            dtype,
-            cache_dir=cfg.weights_cache_dir,
-            progress=cfg.show_progress,
-            seed=cfg.seed,
-            quantization=checked.quantization,
-        )
-        self.load_seconds = time.perf_counter() - t0
-        self.model_config, self.tokenizer = loaded.config, loaded.tokenizer
-        self.eos_token_ids = loaded.eos_token_ids
-        if cfg.tokenizer:  # an explicit tokenizer (e.g. for dummy weights) wins over the model's
-            from paxengine.tokenizer import Tokenizer
-
-            self.tokenizer = Tokenizer.from_hf_dir(cfg.tokenizer, eos_token_ids=self.eos_token_ids)
-            self.eos_token_ids = self.eos_token_ids or list(self.tokenizer.eos_token_ids)
-        # speculative_config's draft model or EAGLE-3 speculator: loaded and checked before
-        # any compile
-        draft = eagle = None
-        if self.spec is not None and self.spec.method == "draft":
-            from paxengine.spec_decode.draft_model import load_draft_model
-
-            draft = load_draft_model(cfg, self.spec, loaded.config, self.tokenizer, dtype)
-        elif self.spec is not None and self.spec.method == "eagle3":
-            from paxengine.spec_decode.eagle3 import load_eagle3
-
-            eagle = load_eagle3(cfg, self.spec, loaded.config)
+        models = engine_setup.load_models(cfg, checked, self.spec)
+        loaded, draft, eagle = models.loaded, models.draft, models.eagle
+        self.load_seconds = models.load_seconds
+        self.model_config, self.tokenizer = loaded.config, models.tokenizer
+        self.eos_token_ids = models.eos_token_ids
         self.model_name = served_name(cfg)
         self.max_model_len = min(
             cfg.max_model_len or min(loaded.config.max_position_embeddings, 8192),
@@ -137,18 +100,8 @@ class EngineCore:
         max_tokens = cfg.max_num_batched_tokens
         tb = cfg.token_buckets or token_buckets(max_tokens)
         sb = cfg.seq_buckets or seq_buckets(cfg.max_num_seqs)
-        self.scheduler = Scheduler(
-            self.kv,
-            cfg.max_num_seqs,
-            max_tokens,
-            self.max_model_len,
-            tb,
-            self.eos_token_ids,
-            decode_step_token_budget=cfg.decode_step_token_budget,
-            backlog_step_token_budget=cfg.backlog_step_token_budget,
-            policy=cfg.scheduling_policy,
-            spec=self.spec,
-            max_sample_rows=max(sb),
+        self.scheduler = engine_setup.make_scheduler(
+            cfg, self.kv, self.max_model_len, self.eos_token_ids, self.spec, tb, max(sb)
         )
         self.runner = Runner(
             loaded.config,
@@ -168,41 +121,16 @@ class EngineCore:
             else [f for f in ALL_FLAGS if not f[3]],
             background_compile=cfg.background_compile,
             aux=eagle.aux_hidden(DTYPES[dtype]) if eagle is not None else None,
-            chain=self._chain_spec(tp, max(sb)),
+            chain=engine_setup.chain_spec(self.spec, cfg.max_num_seqs, tp, max(sb)),
         )
         # chained verify steps (n-gram speculation on one device): built while the previous
         # step runs; False runs every verify step read first (benchmarks compare the two)
         self.chain_verify = self.runner.chain is not None
-        self.drafter = None
-        # both proposers: their pages in the target's block ids, their own buckets
-        shared = dict(
-            dtype=DTYPES[dtype],
-            num_blocks=num_blocks,
-            block_size=checked.block_size,
-            max_model_len=self.max_model_len,
-            token_buckets=tb,
-            seq_buckets=sb,
-            attention_backend=cfg.attention_backend,
-            show_progress=cfg.show_progress,
-            store=store,
+        self.drafter = engine_setup.make_drafter(
+            cfg, checked, self.spec, (draft, eagle), self.runner, num_blocks, self.max_model_len
         )
-        if draft is not None:  # its own params and paged KV
-            from paxengine.spec_decode.draft_model import DraftProposer
-
-            self.drafter = DraftProposer(draft, self.spec, layer_loop=cfg.layer_loop, **shared)
-        elif eagle is not None:  # one layer of KV
-            from paxengine.spec_decode.eagle3 import Eagle3Proposer
-
-            self.drafter = Eagle3Proposer(eagle, self.runner, self.spec, **shared)
         if self.drafter is not None:
             self.scheduler.proposer = self.drafter.proposal
-            log.info(
-                "%s %s: %d step executables (%d compiled, the rest shared or stored)",
-                "draft model" if draft is not None else "EAGLE-3 speculator",
-                self.spec.model,
-                self.drafter.num_executables,
-                self.drafter.compiles,
-            )
         engine_setup.log_ready(
             self.load_seconds, self.runner, store, num_blocks, checked.block_size
         )
@@ -212,19 +140,8 @@ class EngineCore:
             cfg.prime_steps if cfg.prime_steps is not None else jax.default_backend() == "gpu"
         )
         if self.primes:
-            log.info(
-                "ran each step executable once in %.1f s", prime_or_explain(self.runner, num_blocks)
-            )
             dev = tp.mesh.devices.flat[0] if tp is not None else jax.devices()[0]
-            if (peak := pool_peak(dev)) is not None:  # the KV plan's margin, measured
-                log.info("device memory: %s", peak)
-            if (temp := largest_temporaries(self.runner.compiled)) is not None:
-                log.info(
-                    "largest step temporaries: %.2f GB (bucket %s; activation reserve %.2f GB)",
-                    temp[0] / 1e9,
-                    temp[1],
-                    activation_reserve(cfg.max_num_batched_tokens) / 1e9,
-                )
+            engine_setup.prime_and_report(self.runner, num_blocks, dev, cfg.max_num_batched_tokens)
         self.grammars = GrammarCompiler(
             self.tokenizer, loaded.config.vocab_size, self.eos_token_ids
         )
@@ -247,29 +164,9 @@ class EngineCore:
             if cfg.dispatch_thread
             else None
         )
-        self.info = ModelInfo(
-            name=self.model_name,
-            aliases=(str(cfg.model),) if cfg.model else (),
-            max_model_len=self.max_model_len,
-            vocab_size=loaded.config.vocab_size,
-            dtype=dtype,
-            weight_dtype=weight_dtype(self.runner.params),
-            kv_cache_dtype="fp8_e4m3" if kv_dtype_name == "fp8" else kv_dtype_name,
-            kv_cache_scales=scales_from,
-            kv_capacity_tokens=num_blocks * checked.block_size,
-            buckets=tuple(sorted(self.runner.builder.planned)),
+        self.info = engine_setup.model_info(
+            cfg, checked, self.model_name, self.max_model_len, self.runner, scales_from, num_blocks
         )
-
-    def _chain_spec(self, tp, max_rows: int) -> ChainSpec | None:
-        """Chained verify steps for n-gram speculation on one device (spec_decode/chain.py)."""
-        spec = self.spec
-        if spec is None or spec.method != "ngram" or tp is not None:
-            return None
-        k = spec.num_speculative_tokens
-        rows = min(spec.disable_by_batch_size, self.config.max_num_seqs, max_rows // (k + 1))
-        if rows < 1:
-            return None
-        return ChainSpec(k, rows, spec.prompt_lookup_min, spec.prompt_lookup_max)
 
     # -- figures --------------------------------------------------------------------------------
     def stats(self) -> dict:

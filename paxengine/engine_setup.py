@@ -5,6 +5,7 @@ layout), and the start-up log lines that say what runs."""
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import jax
@@ -12,8 +13,18 @@ import jax.numpy as jnp
 
 import kernels_pallas.layout
 from paxengine import kv_scales, parallel
+from paxengine.client import ModelInfo
 from paxengine.config import EngineConfig
-from paxengine.kv_memory import kv_bytes_per_block, plan_num_blocks
+from paxengine.kv_memory import (
+    activation_reserve,
+    kv_bytes_per_block,
+    largest_temporaries,
+    plan_num_blocks,
+    pool_fraction,
+    pool_peak,
+    prime_or_explain,
+)
+from paxengine.models.loader import load_model
 from paxengine.models.quant import (
     GEMV_MAX_ROWS,
     W8A8_MIN_ROWS,
@@ -23,7 +34,8 @@ from paxengine.models.quant import (
 )
 from paxengine.models.weights import unstack_layers
 from paxengine.runner import resolve_layer_loop
-from paxengine.scheduler import check_policy
+from paxengine.scheduler import Scheduler, check_policy
+from paxengine.spec_decode.chain import ChainSpec
 
 log = logging.getLogger("paxengine")
 
@@ -229,3 +241,153 @@ def plan_kv_blocks(
         d = eagle.bytes_per_block(checked.block_size, dtype)
         return max(1, num_blocks * t // (t + d))
     return num_blocks
+
+
+@dataclass
+class Models:
+    loaded: object  # models.loader's LoadedModel
+    tokenizer: object
+    eos_token_ids: list[int]
+    draft: object  # speculative_config's draft model, or None
+    eagle: object  # its EAGLE-3 speculator, or None
+    load_seconds: float
+
+
+def load_models(cfg: EngineConfig, checked: Checked, spec) -> Models:
+    """The target model, its tokenizer (an explicit `tokenizer` wins over the model's: dummy
+    weights have none) and speculative_config's draft model or EAGLE-3 speculator, loaded and
+    checked before any compile."""
+    t0 = time.perf_counter()
+    loaded = load_model(
+        cfg.model,
+        checked.dtype,
+        cache_dir=cfg.weights_cache_dir,
+        progress=cfg.show_progress,
+        seed=cfg.seed,
+        quantization=checked.quantization,
+    )
+    load_seconds = time.perf_counter() - t0
+    tokenizer, eos = loaded.tokenizer, loaded.eos_token_ids
+    if cfg.tokenizer:
+        from paxengine.tokenizer import Tokenizer
+
+        tokenizer = Tokenizer.from_hf_dir(cfg.tokenizer, eos_token_ids=eos)
+        eos = eos or list(tokenizer.eos_token_ids)
+    draft = eagle = None
+    if spec is not None and spec.method == "draft":
+        from paxengine.spec_decode.draft_model import load_draft_model
+
+        draft = load_draft_model(cfg, spec, loaded.config, tokenizer, checked.dtype)
+    elif spec is not None and spec.method == "eagle3":
+        from paxengine.spec_decode.eagle3 import load_eagle3
+
+        eagle = load_eagle3(cfg, spec, loaded.config)
+    return Models(loaded, tokenizer, eos, draft, eagle, load_seconds)
+
+
+def make_drafter(cfg: EngineConfig, checked: Checked, spec, models, runner, num_blocks, max_len):
+    """The draft model's or the EAGLE-3 speculator's proposer (models: (draft, eagle), one or
+    neither set), its pages in the target's block ids and its own executables; None without."""
+    draft, eagle = models
+    if draft is None and eagle is None:
+        return None
+    shared = dict(
+        dtype=DTYPES[checked.dtype],
+        num_blocks=num_blocks,
+        block_size=checked.block_size,
+        max_model_len=max_len,
+        token_buckets=runner.token_buckets,
+        seq_buckets=runner.seq_buckets,
+        attention_backend=cfg.attention_backend,
+        show_progress=cfg.show_progress,
+        store=runner.store,
+    )
+    if draft is not None:  # its own params and paged KV
+        from paxengine.spec_decode.draft_model import DraftProposer
+
+        drafter = DraftProposer(draft, spec, layer_loop=cfg.layer_loop, **shared)
+    else:  # one layer of KV
+        from paxengine.spec_decode.eagle3 import Eagle3Proposer
+
+        drafter = Eagle3Proposer(eagle, runner, spec, **shared)
+    log.info(
+        "%s %s: %d step executables (%d compiled, the rest shared or stored)",
+        "draft model" if draft is not None else "EAGLE-3 speculator",
+        spec.model,
+        drafter.num_executables,
+        drafter.compiles,
+    )
+    return drafter
+
+
+def prime_and_report(runner, num_blocks: int, dev, step_tokens: int) -> None:
+    """Run each step executable once before serving, then log the device memory's peak against
+    the pool and the largest step's temporaries against the activation reserve (the KV plan's
+    margin, measured)."""
+    log.info("ran each step executable once in %.1f s", prime_or_explain(runner, num_blocks))
+    if (peak := pool_peak(dev)) is not None:
+        log.info("device memory: %s", peak)
+    if (temp := largest_temporaries(runner.compiled)) is not None:
+        log.info(
+            "largest step temporaries: %.2f GB (bucket %s; activation reserve %.2f GB)",
+            temp[0] / 1e9,
+            temp[1],
+            activation_reserve(step_tokens) / 1e9,
+        )
+
+
+def log_pool_not_claimed(why: str, utilization: float) -> None:
+    log.info(
+        "JAX's device memory pool was not sized by gpu_memory_utilization (%s): the KV cache "
+        "keeps within %.0f%% of the pool in effect",
+        why,
+        100 * min(1.0, utilization / pool_fraction()),
+    )
+
+
+def make_scheduler(
+    cfg: EngineConfig, kv, max_model_len: int, eos_token_ids, spec, token_buckets, max_rows: int
+) -> Scheduler:
+    return Scheduler(
+        kv,
+        cfg.max_num_seqs,
+        cfg.max_num_batched_tokens,
+        max_model_len,
+        token_buckets,
+        eos_token_ids,
+        decode_step_token_budget=cfg.decode_step_token_budget,
+        backlog_step_token_budget=cfg.backlog_step_token_budget,
+        policy=cfg.scheduling_policy,
+        spec=spec,
+        max_sample_rows=max_rows,
+    )
+
+
+def chain_spec(spec, max_num_seqs: int, tp, max_rows: int) -> ChainSpec | None:
+    """Chained verify steps for n-gram speculation on one device (spec_decode/chain.py)."""
+    if spec is None or spec.method != "ngram" or tp is not None:
+        return None
+    k = spec.num_speculative_tokens
+    rows = min(spec.disable_by_batch_size, max_num_seqs, max_rows // (k + 1))
+    if rows < 1:
+        return None
+    return ChainSpec(k, rows, spec.prompt_lookup_min, spec.prompt_lookup_max)
+
+
+def model_info(
+    cfg: EngineConfig, checked: Checked, name: str, max_model_len: int, runner, scales_from, blocks
+) -> ModelInfo:
+    """What /v1/models and the clients are told: the effective weight and KV dtypes included."""
+    kv = checked.kv_dtype_name
+    return ModelInfo(
+        name=name,
+        aliases=(str(cfg.model),) if cfg.model else (),
+        max_model_len=max_model_len,
+        vocab_size=runner.cfg.vocab_size,
+        dtype=checked.dtype,
+        weight_dtype=weight_dtype(runner.params),
+        kv_cache_dtype="fp8_e4m3" if kv == "fp8" else kv,
+        kv_cache_scales=scales_from,
+        kv_capacity_tokens=blocks * checked.block_size,
+        buckets=tuple(sorted(runner.builder.planned)),
+    )

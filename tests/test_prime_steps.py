@@ -4,6 +4,7 @@ run while the server idles. It must run each of them, write nothing to the KV ca
 previous-step samples behind, and change no output."""
 
 import asyncio
+import logging
 import threading
 import time
 
@@ -74,10 +75,15 @@ def test_runs_every_executable_once_and_writes_no_kv(unprimed):
     assert not np.asarray(r.prev_tokens).any()
 
 
-def test_primed_engine_gives_the_same_tokens(unprimed):
-    primed = LLM(**ENGINE, prime_steps=True)
+def test_primed_engine_gives_the_same_tokens(unprimed, caplog):
+    with caplog.at_level(logging.INFO, logger="paxengine"):
+        primed = LLM(**ENGINE, prime_steps=True)
     assert primed.engine.runner.builder.num_primed > 0
     assert _run(primed) == _run(unprimed)
+    # after priming, the start-up log measures the KV plan's margin: the largest step's
+    # temporaries (XLA's buffer assignment, on the CPU too) against the activation reserve
+    said = [r.getMessage() for r in caplog.records if "largest step temporaries" in r.getMessage()]
+    assert len(said) == 1 and "activation reserve 4.29 GB" in said[0], said
 
 
 def test_default_is_on_only_on_a_gpu(unprimed):
