@@ -3,6 +3,7 @@ and tail latency, on the CPU, before a GPU lease measures it.
 
     python -m benchmarks.profile.sched_sim [--concurrency 16,64] [--budgets 512,none]
         [--backlog-budgets none,4096] [--rates 4,8,16 --range-ratio 0.9 --output-len 256]
+    python -m benchmarks.profile.sched_sim --offline 300x1000x1000 --num-blocks 23040,28123
 
 A closed-loop client (vLLM `bench serve --max-concurrency C`, random 1024/128 prompts, as the
 GPU run's serve stage) or Poisson arrivals (`--rates`, as its poisson stage) drive
@@ -12,6 +13,12 @@ steps ~26 us a prompt token, 8,192-token steps ~23.5 us). It ranks policies; it 
 replace measuring them: against the H200 runs of benchmarks/results/gpu_2026-12-02_serve_budget/
 it put budgets of 512 and 1,024 at c=64 where they measured (3,344 / 3,257 tok/s against 3,317 /
 3,164) and over-predicted 2,048 (3,387 against 3,062).
+
+`--offline NxINxOUT`: `LLM.generate` of N prompts at once (the GPU run's offline workloads) for
+each KV pool size of `--num-blocks`, with the steps, the preemptions and where the time goes
+(prefill, decode-only steps, steps beside recomputed prompts). On the H100 offline 300 x (1000,
+1000) of benchmarks/results/gpu_2026-12-05c_kv_share/ (23,040 blocks) it gave 1,820 steps and
+116 preemptions where the engine counted 1,821 and 116.
 """
 
 from __future__ import annotations
@@ -112,6 +119,9 @@ def simulate(
     token_times: dict[str, list[float]] = {}
     start: dict[str, float] = {}
     steps = 0
+    # modelled seconds of steps that recompute a preempted request's tokens, or prefill a new
+    # one, or only decode
+    phase_s = {"recompute": 0.0, "prefill": 0.0, "decode": 0.0}
     while arrivals or lagging or sched.has_work():
         for k, i in [x for x in lagging if x[0] <= steps]:
             heapq.heappush(arrivals, (clock, i))
@@ -129,8 +139,14 @@ def simulate(
                 lagging = [(steps, i) for _, i in lagging]
             continue
         out = sched.schedule()
-        clock += step_ms(out, engine["token_buckets"]) / 1e3
+        dt = step_ms(out, engine["token_buckets"]) / 1e3
+        clock += dt
         steps += 1
+        chunks = [r for r in out.requests if out.num_scheduled_tokens[r.request_id] > 1]
+        phase = "decode" if not chunks else "prefill"
+        if any(r.num_preemptions for r in chunks):
+            phase = "recompute"
+        phase_s[phase] += dt
         sampled = {rid: [1] for rid in out.sampling}
         for req in sched.update_from_output(out, sampled):
             token_times[req.request_id].append(clock)
@@ -154,6 +170,8 @@ def simulate(
         "budget": budget,
         "backlog_budget": backlog_budget,
         "steps": steps,
+        "preemptions": sched.num_preemptions,
+        "seconds_by_step_kind": {k: round(v, 2) for k, v in phase_s.items()},
         "rate": rate,
         "output_tok_s": round(sum(r.output_len for r in reqs) / (last - first), 1),
         "ttft_p50": pct(ttft, 50),
@@ -180,7 +198,18 @@ def main(argv=None) -> None:
     ap.add_argument("--range-ratio", type=float, default=0.0)
     ap.add_argument("--input-len", type=int, default=1024)
     ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument(
+        "--offline", default=None, help="NxINxOUT: N prompts at once, as LLM.generate (no client)"
+    )
+    ap.add_argument("--num-blocks", default=str(ENGINE["num_blocks"]), help="KV pool sizes")
     a = ap.parse_args(argv)
+    if a.offline:
+        n, inp, outp = (int(x) for x in a.offline.split("x"))
+        for nb in a.num_blocks.split(","):
+            engine = dict(ENGINE, num_blocks=int(nb))
+            r = simulate(n, n, inp, outp, None, engine=engine, lag_steps=0)
+            print(json.dumps({"num_blocks": int(nb), **r}))
+        return
     loads = (
         [(None, float(r)) for r in a.rates.split(",")]
         if a.rates

@@ -1,5 +1,7 @@
 """benchmarks.profile.sched_sim: the real Scheduler in a closed loop against the step-cost model."""
 
+import json
+
 from benchmarks.profile import sched_sim
 
 
@@ -49,3 +51,21 @@ def test_poisson_arrivals_with_random_lengths():
     assert 500 < fixed["output_tok_s"] < 1500
     assert small["tpot_p50"] != fixed["tpot_p50"]  # the lengths differ with a range ratio
     assert large["itl_p99"] > 2 * small["itl_p99"]
+
+
+def test_offline_batch_preempts_only_when_the_pool_cannot_hold_it(capsys):
+    """LLM.generate of a whole batch at once (--offline): a pool that holds every sequence to
+    its end never preempts; one that holds half of the final contexts preempts, recomputes
+    the preempted requests' tokens, and so takes more steps and more time for the same
+    output; the step kinds' seconds add up to the run."""
+    sched_sim.main(["--offline", "16x64x64", "--num-blocks", "256,64"])
+    big, small = (json.loads(line) for line in capsys.readouterr().out.splitlines())
+    assert big["num_blocks"] == 256 and small["num_blocks"] == 64
+    # 16 x (64 + 64) tokens = 128 blocks of 16 at the end: 256 hold them, 64 hold half
+    assert big["preemptions"] == 0 and big["seconds_by_step_kind"]["recompute"] == 0
+    assert small["preemptions"] > 0 and small["seconds_by_step_kind"]["recompute"] > 0
+    assert small["steps"] > big["steps"] >= 64
+    assert small["output_tok_s"] < big["output_tok_s"]
+    for r in (big, small):
+        seconds = sum(r["seconds_by_step_kind"].values())
+        assert abs(seconds - 16 * 64 / r["output_tok_s"]) < 0.05 * seconds
