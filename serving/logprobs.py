@@ -1,0 +1,72 @@
+"""The OpenAI responses' logprobs: the engine's per-token Logprob dicts as `completions`'
+(tokens, token_logprobs, top_logprobs, text_offset) and `chat.completions`' (content entries
+with their top_logprobs and UTF-8 bytes)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from paxengine.outputs import Logprob
+from serving.generation import ServerState
+from serving.protocol import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
+
+
+def _lp(v: Logprob) -> tuple[float, int, Optional[str]]:
+    return float(v.logprob), int(v.rank), v.decoded_token
+
+
+def _tok_str(state: ServerState, tid: int, decoded: Optional[str]) -> str:
+    return decoded if decoded is not None else state.tokenizer.decode([tid])
+
+
+def _token_entries(state, o, start: int, k: int):
+    """For generated tokens start..: (sampled token str, its logprob, [(str, logprob)] of the top k)."""
+    out = []
+    lps = o.logprobs or []
+    for j in range(start, min(len(o.token_ids), len(lps))):
+        tid, d = o.token_ids[j], lps[j] or {}
+        entries = [(t, *_lp(v)) for t, v in d.items()]
+        ranked = sorted((e for e in entries if e[2] >= 1), key=lambda e: e[2]) or sorted(
+            entries, key=lambda e: -e[1]
+        )
+        s = next((e for e in entries if e[0] == tid), None)
+        lp = s[1] if s else float("-inf")
+        tstr = _tok_str(state, tid, s[3] if s else None)
+        out.append((tstr, lp, [(_tok_str(state, t, dec), l) for t, l, _, dec in ranked[:k]]))
+    return out
+
+
+def completion_logprobs(
+    state, o, start: int, k: int, offset: int, prompt=None
+) -> CompletionLogprobs:
+    res = CompletionLogprobs()
+    if prompt is not None:  # echo: prompt tokens carry no logprobs
+        for tid in prompt:
+            t = state.tokenizer.decode([tid])
+            res.tokens.append(t), res.token_logprobs.append(None), res.top_logprobs.append(None)
+            res.text_offset.append(offset)
+            offset += len(t)
+    for tstr, lp, tops in _token_entries(state, o, start, k):
+        top = dict(tops)
+        top.setdefault(tstr, lp)
+        res.tokens.append(tstr), res.token_logprobs.append(lp), res.top_logprobs.append(top)
+        res.text_offset.append(offset)
+        offset += len(tstr)
+    return res
+
+
+def chat_logprobs(state, o, start: int, k: int) -> ChatLogprobs:
+    content = []
+    for tstr, lp, tops in _token_entries(state, o, start, k):
+        content.append(
+            ChatTokenLogprob(
+                token=tstr,
+                logprob=lp,
+                bytes=list(tstr.encode("utf-8", "replace")),
+                top_logprobs=[
+                    TopLogprob(token=t, logprob=l, bytes=list(t.encode("utf-8", "replace")))
+                    for t, l in tops[:k]
+                ],
+            )
+        )
+    return ChatLogprobs(content=content)
