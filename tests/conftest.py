@@ -90,7 +90,7 @@ def _hf_twin_dir(gguf):
     import torch
     import transformers
 
-    from paxengine.models.loader import cache_root
+    from paxengine.models.weights_cache import cache_root
 
     st = gguf.stat()
     key = f"{gguf.stem}-{st.st_size}-{st.st_mtime_ns}-tf{transformers.__version__}-pt{torch.__version__}"

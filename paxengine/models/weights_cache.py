@@ -1,0 +1,128 @@
+"""The converted-weights cache: a model once converted (GGUF dequantized, HF safetensors renamed
+and stacked, FP8 quantized) is stored under $PAXENGINE_CACHE/weights/<key>/ as one safetensors
+file, its config, its tokenizer and the load's meta, and read back in place of converting again."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+
+from paxengine.models.config import ModelConfig
+from paxengine.models.quant import Fp8Weight
+from paxengine.models.weights import check_shapes, flatten, unflatten
+from paxengine.tokenizer import Tokenizer
+
+CACHE_FORMAT = 2  # 2: FP8 weights stored as e4m3 bytes + float32 scales; quantization in the key
+# Cache tensor-name suffixes of an Fp8Weight's two parts.
+_FP8_VALUES, _FP8_SCALES = ":fp8_values", ":fp8_scales"
+
+
+def cache_root(cache_dir: str | None) -> Path:
+    return Path(cache_dir or os.environ.get("PAXENGINE_CACHE", Path.home() / ".cache/paxengine"))
+
+
+def entry(path: Path, dtype: str, cache_dir: str | None, quantization: str | None = None) -> Path:
+    """The folder of `path`'s converted weights: keyed by the format, the dtype, the
+    quantization and each source file's path, size and mtime."""
+    files = (
+        [path] if path.is_file() else sorted(path.glob("*.safetensors")) + [path / "config.json"]
+    )
+    h = hashlib.sha256(f"{CACHE_FORMAT}|{dtype}|{quantization or 'none'}".encode())
+    for f in files:
+        st = f.stat()
+        h.update(f"{f.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode())
+    return cache_root(cache_dir) / "weights" / h.hexdigest()[:24]
+
+
+def write(
+    dst: Path,
+    cfg: ModelConfig,
+    params: dict,
+    tokenizer: Tokenizer | None,
+    eos: list[int],
+    meta: dict | None = None,
+) -> None:
+    """Store a converted model (best effort: a read-only home only means converting again)."""
+    from safetensors.numpy import save_file
+
+    meta = meta or {}
+    try:
+        dst.mkdir(parents=True, exist_ok=True)
+        if tokenizer is not None:
+            # A GGUF's tokenizer takes seconds to rebuild from its metadata: keep it too.
+            tokenizer.tok.save(str(dst / "tokenizer.json"))
+            (dst / "tokenizer_meta.json").write_text(
+                json.dumps(
+                    {
+                        "bos_token": tokenizer.bos_token,
+                        "eos_token": tokenizer.eos_token,
+                        "chat_template": tokenizer.chat_template,
+                        "add_bos_token": tokenizer.add_bos_token,
+                        "eos_token_ids": eos,
+                    }
+                )
+            )
+        tmp = dst / f"params.safetensors.tmp{os.getpid()}"  # processes may race
+        # Dense weights float32 on disk (exact for every source format; the dtype cast happens
+        # on load); FP8 weights as they are: e4m3 values as bytes, float32 scales.
+        tensors = {}
+        for k, v in flatten(params).items():
+            if isinstance(v, Fp8Weight):
+                tensors[k + _FP8_VALUES] = np.ascontiguousarray(np.asarray(v.values)).view(np.uint8)
+                tensors[k + _FP8_SCALES] = np.ascontiguousarray(v.scales, dtype=np.float32)
+            else:
+                tensors[k] = np.ascontiguousarray(v, dtype=np.float32)
+        save_file(tensors, str(tmp))
+        del tensors
+        (dst / "model_config.json").write_text(json.dumps(dataclasses.asdict(cfg)))
+        kv = meta.get("kv_scales")
+        (dst / "load_meta.json").write_text(
+            json.dumps(
+                {
+                    "kv_scales": None if kv is None else np.asarray(kv, np.float32).tolist(),
+                    "prequantized": meta.get("prequantized"),
+                }
+            )
+        )
+        tmp.rename(dst / "params.safetensors")
+    except OSError:
+        pass  # a read-only home must not stop the engine; we simply convert again next time
+
+
+def read_tokenizer(dst: Path) -> tuple[Tokenizer, list[int]] | None:
+    """The tokenizer stored beside the weights, or None (the source's is loaded instead)."""
+    if not (dst / "tokenizer.json").is_file():
+        return None
+    from tokenizers import Tokenizer as HFTokenizer
+
+    meta = json.loads((dst / "tokenizer_meta.json").read_text())
+    eos = list(meta.pop("eos_token_ids"))
+    tok = Tokenizer(HFTokenizer.from_file(str(dst / "tokenizer.json")), eos_token_ids=eos, **meta)
+    return tok, list(tok.eos_token_ids)
+
+
+def read(dst: Path) -> tuple[ModelConfig, dict, dict]:
+    """(config, params as stored: dense float32, FP8 as e4m3 + scales, the load's meta)."""
+    import ml_dtypes
+    from safetensors.numpy import load_file
+
+    raw = json.loads((dst / "model_config.json").read_text())
+    if raw.get("rope_scaling"):
+        raw["rope_scaling"] = tuple(tuple(x) for x in raw["rope_scaling"])
+    cfg = ModelConfig(**raw)
+    meta = json.loads((dst / "load_meta.json").read_text())
+    if meta["kv_scales"] is not None:
+        meta["kv_scales"] = np.asarray(meta["kv_scales"], np.float32)
+    flat = load_file(str(dst / "params.safetensors"))
+    for k in [k for k in flat if k.endswith(_FP8_VALUES)]:
+        name = k.removesuffix(_FP8_VALUES)
+        values = flat.pop(k).view(ml_dtypes.float8_e4m3fn)  # the bytes as they are: no float32
+        flat[name] = Fp8Weight(values, flat.pop(name + _FP8_SCALES))
+    params = unflatten(flat)
+    check_shapes(params, cfg)
+    return cfg, params, {"kv_scales": meta["kv_scales"], "prequantized": meta["prequantized"]}
