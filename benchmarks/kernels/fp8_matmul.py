@@ -39,7 +39,7 @@ per-channel scales spread over 1e-3..1e-1.
   interleaved; each keeps its median.
 
 Writes DIR/fp8_matmul.json: device, jax version, every row, the best tuning per shape (what
-`kernels_pallas.fp8_gemv.default_tuning` should pick), wall time. `--quick`: interpret mode
+`kernels_pallas.fp8_gemv_tuning.default_tuning` should pick), wall time. `--quick`: interpret mode
 on tiny shapes (a CPU smoke test of this script).
 """
 
@@ -60,13 +60,12 @@ import numpy as np
 
 from benchmarks.device_trace import kernel_times, trace_device
 from benchmarks.measure import time_loop
-from kernels_pallas.fp8_gemv import (
+from kernels_pallas.fp8_gemv import fp8_matmul, split_plan
+from kernels_pallas.fp8_gemv_tuning import (
     REDUCE_MAX_M,
     Fp8MatmulTuning,
     default_tuning,
-    fp8_matmul,
     resolve_tuning,
-    split_plan,
 )
 from kernels_pallas.reference import ref_fp8_matmul
 from kernels_pallas.tuning import next_pow2

@@ -10,8 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-# the module (the package's attribute `fp8_matmul` is the function, which shadows it)
-import kernels_pallas.fp8_gemv as fm  # noqa: E402
+import kernels_pallas.fp8_gemv_tuning as ft
 from kernels_pallas import fp8_matmul, ref_fp8_matmul
 from kernels_pallas.lowering import lower_for_cuda
 
@@ -149,7 +148,7 @@ def test_fp8_activations_default_tuning_and_checks():
         lambda a, b, c, d: fp8_matmul(a, b, c, x_scales=d, out_dtype=jnp.float32, interpret=True)
     )(xq, v, s, xs)
     _check(y, xq.astype(jnp.float32) * xs[:, None], v, s, 2e-6)
-    assert fm.default_tuning(1, 4096, 28672, x_fp8=True).method in ("dot", "wdot")
+    assert ft.default_tuning(1, 4096, 28672, x_fp8=True).method in ("dot", "wdot")
     with pytest.raises(ValueError, match="need x_scales"):
         fp8_matmul(xq, v, s, out_dtype=jnp.float32, interpret=True)
     with pytest.raises(ValueError, match="need x_scales"):
@@ -180,19 +179,19 @@ def test_x8_tuning_from_a_sweep_file(tmp_path, monkeypatch):
 
     path = tmp_path / "fp8_matmul.json"
     path.write_text(json.dumps({"x8": True, "best": [best(1, 32, 2), best(16, 128, 4)]}))
-    rule, rule_o = (fm.default_tuning(8, 4096, n, x_fp8=True) for n in (6144, 4096))
+    rule, rule_o = (ft.default_tuning(8, 4096, n, x_fp8=True) for n in (6144, 4096))
     monkeypatch.setenv("PAXENGINE_KERNEL_FP8_X8_TUNING", str(path))
-    assert fm.default_tuning(1, 4096, 6144, x_fp8=True).block_n == 32
-    assert fm.default_tuning(8, 4096, 6144, x_fp8=True).block_n == 128
-    assert fm.default_tuning(64, 4096, 6144, x_fp8=True).k_splits == 4
-    assert fm.default_tuning(8, 4096, 4096, x_fp8=True) == rule_o
+    assert ft.default_tuning(1, 4096, 6144, x_fp8=True).block_n == 32
+    assert ft.default_tuning(8, 4096, 6144, x_fp8=True).block_n == 128
+    assert ft.default_tuning(64, 4096, 6144, x_fp8=True).k_splits == 4
+    assert ft.default_tuning(8, 4096, 4096, x_fp8=True) == rule_o
     monkeypatch.delenv("PAXENGINE_KERNEL_FP8_X8_TUNING")
-    assert fm.default_tuning(8, 4096, 6144, x_fp8=True) == rule
+    assert ft.default_tuning(8, 4096, 6144, x_fp8=True) == rule
     bf16_sweep = tmp_path / "bf16.json"
     bf16_sweep.write_text(json.dumps({"x8": False, "best": []}))
     monkeypatch.setenv("PAXENGINE_KERNEL_FP8_X8_TUNING", str(bf16_sweep))
     with pytest.raises(ValueError, match="not an --x8 sweep"):
-        fm.default_tuning(1, 4096, 6144, x_fp8=True)
+        ft.default_tuning(1, 4096, 6144, x_fp8=True)
 
 
 def test_f16_activations_and_jit():
@@ -217,9 +216,9 @@ def test_default_tuning_small_model_shapes(M):
 
 def test_default_tuning_rules():
     for M, (K, N) in itertools.product([1, 3, 8, 17, 64, 200], LLAMA8B_KN + SMOL_KN):
-        t = fm.default_tuning(M, K, N)
-        fm.resolve_tuning(M, K, N, **vars(t))  # valid: powers of two, method fits M
-        if M <= fm.REDUCE_MAX_M:
+        t = ft.default_tuning(M, K, N)
+        ft.resolve_tuning(M, K, N, **vars(t))  # valid: powers of two, method fits M
+        if M <= ft.REDUCE_MAX_M:
             continue
         assert t.method in ("dot", "wdot")
 
@@ -320,7 +319,7 @@ def test_default_tunings_lower_for_cuda(M):
 
 
 def test_every_method_lowers_for_cuda():
-    for method, pf in itertools.product(fm.METHODS, [False, True]):
+    for method, pf in itertools.product(ft.METHODS, [False, True]):
         bn, bk = (16, 512) if method.startswith("reduce") else (64, 256)
         for M, K, N, ks in [(3, 4096, 6144, 1), (8, 14336, 4096, 4), (5, 576, 192, 2)]:
             txt = _lower(M, K, N, method=method, prefetch=pf, block_n=bn, block_k=bk, k_splits=ks)
@@ -361,6 +360,6 @@ def test_glu_lowers_for_cuda():
 def test_broken_rule_is_caught(monkeypatch):
     """A block shape that is no power of two gets past our check only if the check is gone;
     the lowering must then refuse it (proof that lowering enforces Triton's rules)."""
-    monkeypatch.setattr(fm, "_is_pow2", lambda v: True)
+    monkeypatch.setattr(ft, "_is_pow2", lambda v: True)
     with pytest.raises(ValueError, match="power of 2"):
         _lower(8, 4096, 4096, method="dot", block_n=48)
