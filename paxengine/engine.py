@@ -127,7 +127,7 @@ class EngineCore:
         # step runs; False runs every verify step read first (benchmarks compare the two)
         self.chain_verify = self.runner.chain is not None
         self.drafter = engine_setup.make_drafter(
-            cfg, checked, self.spec, (draft, eagle), self.runner, num_blocks, self.max_model_len
+            cfg, checked, self.spec, models, self.runner, num_blocks, self.max_model_len
         )
         if self.drafter is not None:
             self.scheduler.proposer = self.drafter.proposal

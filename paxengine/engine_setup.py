@@ -285,10 +285,12 @@ def load_models(cfg: EngineConfig, checked: Checked, spec) -> Models:
     return Models(loaded, tokenizer, eos, draft, eagle, load_seconds)
 
 
-def make_drafter(cfg: EngineConfig, checked: Checked, spec, models, runner, num_blocks, max_len):
-    """The draft model's or the EAGLE-3 speculator's proposer (models: (draft, eagle), one or
-    neither set), its pages in the target's block ids and its own executables; None without."""
-    draft, eagle = models
+def make_drafter(
+    cfg: EngineConfig, checked: Checked, spec, models: Models, runner, num_blocks, max_len
+):
+    """The proposer of models.draft or models.eagle (one or neither set): its pages in the
+    target's block ids, its own executables; None without."""
+    draft, eagle = models.draft, models.eagle
     if draft is None and eagle is None:
         return None
     shared = dict(
