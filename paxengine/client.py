@@ -51,7 +51,8 @@ class EngineClient(Protocol):
     @property
     def tokenizer(self):
         """.encode(text, add_special_tokens=True), .decode(ids), .apply_chat_template(messages,
-        add_generation_prompt=True) -> str, .eos_token_ids."""
+        add_generation_prompt=True, continue_final_message=False, **template_variables) -> str,
+        .eos_token_ids."""
 
     def model_info(self) -> ModelInfo: ...
 

@@ -57,11 +57,27 @@ class LLM:
         return [done[rid] for rid in ids]
 
     def chat(
-        self, messages, params: SamplingParams | None = None, use_tqdm: bool = True
+        self,
+        messages,
+        params: SamplingParams | None = None,
+        use_tqdm: bool = True,
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict | None = None,
     ) -> list[RequestOutput]:
-        """messages: one conversation (a list of {role, content}) or a list of them."""
+        """messages: one conversation (a list of {role, content}) or a list of them.
+        continue_final_message (with add_generation_prompt=False): each answer goes on inside
+        its conversation's last message; chat_template_kwargs: more template variables."""
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        options = dict(
+            continue_final_message=continue_final_message, **(chat_template_kwargs or {})
+        )
         prompts = [
-            {"prompt": None, "prompt_token_ids": self.tokenizer.encode_chat(c)} for c in convs
+            {
+                "prompt": None,
+                "prompt_token_ids": self.tokenizer.encode_chat(c, add_generation_prompt, **options),
+            }
+            for c in convs
         ]
         return self.generate(prompts, params, use_tqdm)

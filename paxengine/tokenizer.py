@@ -30,6 +30,42 @@ def _compile_template(source: str) -> jinja2.Template:
     return env.from_string(source)
 
 
+# Variables the renderer sets itself (plus transformers' own arguments): a request's template
+# variables may not name them. `tools` and `documents` are the renderer's too, set from the
+# request's own fields.
+RESERVED_TEMPLATE_VARIABLES = frozenset(
+    {
+        "messages",
+        "add_generation_prompt",
+        "continue_final_message",
+        "bos_token",
+        "eos_token",
+        "tools",
+        "documents",
+        "chat_template",
+        "tokenize",
+    }
+)
+
+
+def _cut_after_final_message(text: str, messages: list[dict]) -> str:
+    """The rendered chat up to the end of the last message's content: the template's closing
+    of that turn (an end-of-turn token, a newline) is dropped. Where the template stripped the
+    content's outer whitespace, the cut is after the stripped content."""
+    content = messages[-1].get("content") if messages else None
+    if not isinstance(content, str) or not content.strip():
+        raise ValueError("continue_final_message: the final message has no text to continue")
+    core = content.strip()
+    at = text.rfind(core)
+    if at < 0:
+        raise ValueError(
+            "continue_final_message: the chat template does not render the final message's "
+            "text as written, so there is no place to continue it from"
+        )
+    tail = content.lstrip()  # with its trailing whitespace, where the template kept it
+    return text[: at + (len(tail) if text.startswith(tail, at) else len(core))]
+
+
 class Tokenizer:
     def __init__(
         self,
@@ -88,20 +124,35 @@ class Tokenizer:
         return self.tok.id_to_token(i)
 
     def apply_chat_template(
-        self, messages: list[dict], add_generation_prompt: bool = True, **kwargs
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        **kwargs,
     ) -> str:
+        """kwargs: more template variables (a model's switches, e.g. Qwen3's enable_thinking).
+        continue_final_message: the text ends inside the last message, so the model goes on
+        writing it (a prefilled answer) instead of starting a new turn."""
         if self._template is None:
             raise ValueError("this model has no chat template; use a completion prompt instead")
-        return self._template.render(
+        taken = RESERVED_TEMPLATE_VARIABLES & kwargs.keys() - {"tools", "documents"}
+        if taken:
+            raise ValueError(f"template variables set by the engine: {sorted(taken)}")
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt exclude each other")
+        text = self._template.render(
             messages=messages,
             add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token or "",
             eos_token=self.eos_token or "",
             **kwargs,
         )
+        return _cut_after_final_message(text, messages) if continue_final_message else text
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        text = self.apply_chat_template(messages, add_generation_prompt)
+    def encode_chat(
+        self, messages: list[dict], add_generation_prompt: bool = True, **kwargs
+    ) -> list[int]:
+        text = self.apply_chat_template(messages, add_generation_prompt, **kwargs)
         # The template already holds BOS where the model wants one (as transformers does).
         return self.encode(text, add_special_tokens=False)
 

@@ -148,9 +148,7 @@ def build_app(
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("give exactly one of `prompt` or `messages`", "prompt")
         if req.messages is not None:
-            _, ids = await asyncio.to_thread(
-                chat_prompt, state, req.messages, req.add_generation_prompt
-            )
+            _, ids = await asyncio.to_thread(chat_prompt, state, req)
         else:
             ids = list(
                 await asyncio.to_thread(

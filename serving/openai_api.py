@@ -17,6 +17,7 @@ from starlette.responses import StreamingResponse
 from paxengine.errors import InvalidRequest
 from paxengine.sampling_params import MAX_LOGPROBS, SamplingParams
 from paxengine.structured import StructuredOutputs
+from paxengine.tokenizer import RESERVED_TEMPLATE_VARIABLES
 from serving import constraints, tool_responses, tools
 from serving.errors import ApiError, bad_request, internal_error
 from serving.generation import (
@@ -147,10 +148,9 @@ def _prompts(state: ServerState, req: CompletionRequest) -> list[tuple[str, list
     return out
 
 
-def chat_prompt(
-    state: ServerState, messages, add_generation_prompt: bool, tool_defs=None
-) -> tuple[str, list[int]]:
-    """tool_defs: the tools to show the model (OpenAI dicts), or None."""
+def chat_prompt(state: ServerState, req, tool_defs=None) -> tuple[str, list[int]]:
+    """req: a chat completion or a tokenize request (its messages and template options);
+    tool_defs: the tools to show the model (OpenAI dicts), or None."""
     # `name` goes to the template as vLLM passes it (templates that know it use it)
     msgs = [
         {
@@ -160,14 +160,28 @@ def chat_prompt(
             **({"tool_calls": [c.model_dump() for c in m.tool_calls]} if m.tool_calls else {}),
             **({"tool_call_id": m.tool_call_id} if m.tool_call_id is not None else {}),
         }
-        for m in messages
+        for m in req.messages
     ]
+    if req.continue_final_message and req.add_generation_prompt:
+        raise bad_request(
+            "continue_final_message: set add_generation_prompt to false with it (the answer "
+            "goes on inside the last message, not in a new turn)",
+            "continue_final_message",
+        )
+    variables = req.chat_template_kwargs or {}
+    taken = sorted(RESERVED_TEMPLATE_VARIABLES & variables.keys())
+    if taken:
+        raise bad_request(
+            f"chat_template_kwargs: {', '.join(taken)} are set by the server, not the request",
+            "chat_template_kwargs",
+        )
+    options = {"continue_final_message": True} if req.continue_final_message else {}
     try:
         msgs, extra = tools.template_inputs(
             msgs, tool_defs, getattr(state.tokenizer, "chat_template", None)
         )
         text = state.tokenizer.apply_chat_template(
-            msgs, add_generation_prompt=add_generation_prompt, **extra
+            msgs, add_generation_prompt=req.add_generation_prompt, **options, **variables, **extra
         )
     except Exception as e:  # template errors (role order, ...) are the client's
         raise bad_request(f"messages: the chat template rejected them: {e}", "messages") from None
@@ -239,11 +253,7 @@ async def prepare(state: ServerState, kind: str, req) -> _Call:
             )
         tool_defs = [t.model_dump(exclude_none=True) for t in req.tools] if mode else None
         size = sum(len(m.text()) for m in req.messages)
-        prompts = [
-            await _off_loop(
-                size, chat_prompt, state, req.messages, req.add_generation_prompt, tool_defs
-            )
-        ]
+        prompts = [await _off_loop(size, chat_prompt, state, req, tool_defs)]
         k = (req.top_logprobs or 0) if req.logprobs else None
         max_tokens = (
             req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens

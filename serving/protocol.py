@@ -117,9 +117,7 @@ _CHAT_UNIMPLEMENTED = {
     # vLLM's chat extras
     "echo": _NoOp(False),  # echo the last message
     "add_special_tokens": _NoOp(False),  # the template already has them
-    "continue_final_message": _NoOp(False),
     "chat_template": _NoOp(),
-    "chat_template_kwargs": _NoOp({}),
     "documents": _NoOp(),
     "mm_processor_kwargs": _NoOp(),
 }
@@ -332,6 +330,8 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: Optional[int] = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: Optional[dict[str, Any]] = None
 
 
 class TopLogprob(BaseModel):
@@ -453,6 +453,8 @@ class TokenizeRequest(_Request):
     messages: Optional[list[ChatMessage]] = Field(default=None, min_length=1)
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: Optional[dict[str, Any]] = None
 
 
 class TokenizeResponse(BaseModel):

@@ -298,6 +298,19 @@ def test_chat_uses_the_template(llm_chunked):
     tok = llm_chunked.tokenizer
     assert o.prompt_token_ids == tok.encode_chat([{"role": "user", "content": "What is 2+2?"}])
     assert o.outputs[0].text.strip()
+    # a prefilled answer: the prompt is the rendered chat cut inside the last message
+    convo = [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "2+2"}]
+    go_on = llm_chunked.chat(
+        convo,
+        SamplingParams(temperature=0, max_tokens=4),
+        use_tqdm=False,
+        add_generation_prompt=False,
+        continue_final_message=True,
+    )[0]
+    text = tok.apply_chat_template(convo, add_generation_prompt=False, continue_final_message=True)
+    assert text.endswith("2+2") and go_on.prompt_token_ids == tok.encode(
+        text, add_special_tokens=False
+    )
 
 
 def test_penalties_take_the_exact_history_path(llm_chunked):

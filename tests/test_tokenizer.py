@@ -47,3 +47,47 @@ def test_incremental_detokenization_multibyte(smollm, text):
     deltas.append(d.flush())
     assert "".join(deltas) == tok.decode(ids)
     assert all("\ufffd" not in x for x in deltas)  # never a half character on the wire
+
+
+@pytest.mark.parametrize("answer", ["The answer is", "Sure!  ", " 4, because"])
+def test_continue_final_message_matches_transformers(smollm, hf_tokenizer, answer):
+    """A prefilled answer: the text stops inside the last message (no end of turn after it),
+    as transformers cuts it, trailing whitespace included where the template keeps it."""
+    m = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": answer}]
+    ours = smollm.tokenizer.apply_chat_template(
+        m, add_generation_prompt=False, continue_final_message=True
+    )
+    theirs = hf_tokenizer.apply_chat_template(
+        m, tokenize=False, add_generation_prompt=False, continue_final_message=True
+    )
+    assert ours == theirs and ours.rstrip().endswith(answer.strip())
+    whole = smollm.tokenizer.apply_chat_template(m, add_generation_prompt=False)
+    assert whole.startswith(ours) and len(whole) > len(ours)  # the turn's end is cut
+
+
+def test_continue_final_message_refuses_what_it_cannot_continue(smollm):
+    tok = smollm.tokenizer
+    m = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "   "}]
+    with pytest.raises(ValueError, match="no text to continue"):
+        tok.apply_chat_template(m, add_generation_prompt=False, continue_final_message=True)
+    with pytest.raises(ValueError, match="exclude each other"):
+        tok.apply_chat_template(m[:1], add_generation_prompt=True, continue_final_message=True)
+
+
+def test_template_variables_reach_the_template(smollm):
+    """A model's switch (Qwen3's enable_thinking) as a template variable; the renderer's own
+    variables cannot be overridden."""
+    from paxengine.tokenizer import Tokenizer
+
+    template = (
+        "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>"
+        "{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}"
+        "{% endif %}"
+    )
+    tok = Tokenizer(smollm.tokenizer.tok, bos_token=None, eos_token=None, chat_template=template)
+    m = [{"role": "user", "content": "hi"}]
+    assert tok.apply_chat_template(m) == "<user>hi\n<assistant>"
+    assert tok.apply_chat_template(m, enable_thinking=False).endswith("<think></think>")
+    with pytest.raises(ValueError, match="bos_token"):
+        tok.apply_chat_template(m, bos_token="<s>")

@@ -26,8 +26,11 @@ class CharTokenizer:
     def decode(self, ids, skip_special_tokens=True):
         return bytes(i for i in ids if i).decode("latin-1")
 
-    def apply_chat_template(self, messages, add_generation_prompt=True):
+    def apply_chat_template(
+        self, messages, add_generation_prompt=True, continue_final_message=False, **variables
+    ):
         s = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
+        s = s[:-1] if continue_final_message else s  # the last turn stays open
         return s + ("<assistant>" if add_generation_prompt else "")
 
 

@@ -148,3 +148,36 @@ def test_seeded_sampling_reproducible(client, server):
     a = client.completions.create(**kw).choices[0].text
     b = client.completions.create(**kw).choices[0].text
     assert a == b
+
+
+def test_continue_final_message_and_template_variables(client, server, http):
+    """A prefilled answer goes on where it stops: the chat call generates what a completion of
+    the rendered text (cut inside the last message) generates. Template variables reach the
+    template; the renderer's own names and both turn options at once are refused."""
+    convo = [*MSG, {"role": "assistant", "content": "Red, green and"}]
+    body = {"messages": convo, "add_generation_prompt": False, "continue_final_message": True}
+    ids = http.post("/tokenize", json=body).json()["tokens"]
+    closed = http.post("/tokenize", json={**body, "continue_final_message": False}).json()
+    assert len(ids) < closed["count"] and closed["tokens"][: len(ids)] == ids  # the turn is open
+    chat = client.chat.completions.create(
+        model=server.model,
+        messages=convo,
+        max_tokens=6,
+        temperature=0,
+        extra_body={"add_generation_prompt": False, "continue_final_message": True},
+    )
+    plain = client.completions.create(model=server.model, prompt=ids, max_tokens=6, temperature=0)
+    assert chat.choices[0].message.content == plain.choices[0].text
+    assert chat.usage.prompt_tokens == len(ids)
+    # a variable the template does not read changes nothing (the template's business, as in HF)
+    same = http.post("/tokenize", json={**body, "chat_template_kwargs": {"enable_thinking": False}})
+    assert same.status_code == 200 and same.json()["tokens"] == ids
+    for extra, param in (
+        ({"add_generation_prompt": True}, "continue_final_message"),
+        ({"chat_template_kwargs": {"add_generation_prompt": True}}, "chat_template_kwargs"),
+        ({"messages": [*MSG, {"role": "assistant", "content": ""}]}, "messages"),
+    ):
+        for route, more in (("/tokenize", {}), ("/v1/chat/completions", {"max_tokens": 2})):
+            r = http.post(route, json={**body, **extra, **more})
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, (route, r.text)
+    assert http.get("/health").status_code == 200

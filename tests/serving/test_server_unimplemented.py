@@ -50,9 +50,7 @@ CHAT_ONLY = {
     "web_search_options": {},
     "echo": True,
     "add_special_tokens": True,
-    "continue_final_message": True,
     "chat_template": "{{ messages }}",
-    "chat_template_kwargs": {"enable_thinking": False},
     "documents": [{"title": "a", "text": "b"}],
     "mm_processor_kwargs": {"num_crops": 4},
 }
@@ -186,8 +184,6 @@ NOOPS_CHAT = [
     ("modalities", ["text"]),
     ("echo", False),
     ("add_special_tokens", False),
-    ("continue_final_message", False),
-    ("chat_template_kwargs", {}),
 ]
 NOOPS_COMPLETION = [("suffix", "")]
 
