@@ -23,6 +23,7 @@ from paxengine.engine import EngineCore
 from paxengine.errors import EngineDead, EngineOverloaded, InvalidRequest
 from paxengine.outputs import RequestOutput
 from paxengine.sampling_params import SamplingParams
+from paxengine.validation import truncate_prompt
 
 log = logging.getLogger("paxengine")
 
@@ -94,6 +95,7 @@ class Frontend:
         loop that will consume the outputs."""
         self._check_alive()
         text, ids = self.tokenize_prompt(prompt)
+        text, ids = truncate_prompt(text, ids, params, self.model_info().max_model_len)
         self.validate(ids, params)  # bad input fails here, alone
         if request_id in self._streams:
             raise InvalidRequest(f"request id {request_id!r} is already in use")

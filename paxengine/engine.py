@@ -32,7 +32,7 @@ from paxengine.spec_decode.chain import build_chained
 from paxengine.step_build import compiles_after_warmup, enable_persistent_cache
 from paxengine.step_trace import StepTrace
 from paxengine.structured import GrammarCompiler
-from paxengine.validation import check_request, prompt_and_ids
+from paxengine.validation import check_request, prompt_and_ids, truncate_prompt
 
 log = logging.getLogger("paxengine")
 
@@ -209,6 +209,7 @@ class EngineCore:
         if request_id in self.groups:
             raise InvalidRequest(f"request id {request_id!r} is already in use")
         text, ids = self.tokenize_prompt(prompt)
+        text, ids = truncate_prompt(text, ids, params, self.info.limits.max_model_len)
         self.validate(ids, params)
         ids = [int(t) for t in ids]
         now = time.monotonic()

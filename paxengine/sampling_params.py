@@ -39,6 +39,9 @@ class SamplingParams:
     priority: int = 0
     # a JSON schema, regex, choice or Lark grammar the output must follow (structured.py)
     structured_outputs: StructuredOutputs | None = None
+    # keep only the prompt's last k tokens (-1: the last max_model_len), vLLM's; the engine
+    # applies it when the request enters (`validation.truncate_prompt`)
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -110,6 +113,9 @@ class SamplingParams:
             bad("priority", f"must be an integer, got {self.priority!r}")
         if not -(2**31) <= self.priority < 2**31:
             bad("priority", f"must fit in 32 bits, got {self.priority}")
+        k = self.truncate_prompt_tokens
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < -1 or k == 0):
+            bad("truncate_prompt_tokens", f"must be -1 or an integer >= 1, got {k!r}")
         if self.seed is not None and not isinstance(self.seed, int):
             bad("seed", f"must be an integer, got {self.seed!r}")
         if not all(isinstance(s, str) and s for s in self.stop):

@@ -69,6 +69,28 @@ def validate_request(
         )
 
 
+def truncate_prompt(
+    text: str | None, ids: list[int], params: SamplingParams, max_model_len: int
+) -> tuple[str | None, list[int]]:
+    """The prompt as `params.truncate_prompt_tokens` keeps it: its last k token ids (-1: the
+    last max_model_len), its text dropped when tokens were cut (it no longer says what runs)."""
+    k = getattr(params, "truncate_prompt_tokens", None)  # not a SamplingParams: validate says
+    if k is None:
+        return text, ids
+    if isinstance(k, bool) or not isinstance(k, int) or k < -1 or k == 0:
+        raise InvalidRequest(
+            f"truncate_prompt_tokens: must be -1 or an integer >= 1, got {k!r}",
+            param="truncate_prompt_tokens",
+        )
+    if k > max_model_len:
+        raise InvalidRequest(
+            f"truncate_prompt_tokens: {k} exceeds max_model_len ({max_model_len})",
+            param="truncate_prompt_tokens",
+        )
+    k = max_model_len if k == -1 else k
+    return (text, ids) if len(ids) <= k else (None, list(ids[-k:]))
+
+
 def prompt_and_ids(tokenizer, prompt) -> tuple[str | None, list[int]]:
     """A prompt (text, token ids, or {'prompt_token_ids': [...]}) -> (its text or None, ids)."""
     if isinstance(prompt, dict):

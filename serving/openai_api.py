@@ -18,6 +18,7 @@ from paxengine.errors import InvalidRequest
 from paxengine.sampling_params import MAX_LOGPROBS, SamplingParams
 from paxengine.structured import StructuredOutputs
 from paxengine.tokenizer import RESERVED_TEMPLATE_VARIABLES
+from paxengine.validation import truncate_prompt
 from serving import constraints, tool_responses, tools
 from serving.errors import ApiError, bad_request, internal_error
 from serving.generation import (
@@ -148,6 +149,24 @@ def _prompts(state: ServerState, req: CompletionRequest) -> list[tuple[str, list
     return out
 
 
+def _truncated(state: ServerState, req, prompts: list[tuple[str, list[int]]]):
+    """The prompts as `truncate_prompt_tokens` keeps them (the engine's rule); a cut prompt's
+    text is what its kept tokens say (echo shows it)."""
+    if req.truncate_prompt_tokens is None:
+        return prompts
+    keep = SamplingParams(truncate_prompt_tokens=req.truncate_prompt_tokens)
+    out = []
+    for text, ids in prompts:
+        try:
+            cut_text, cut = truncate_prompt(text, ids, keep, state.max_model_len)
+        except InvalidRequest as e:
+            raise state.api_error(e) from None
+        if cut_text is None:
+            cut_text = state.tokenizer.decode(cut) if getattr(req, "echo", False) else ""
+        out.append((cut_text, cut))
+    return out
+
+
 def chat_prompt(state: ServerState, req, tool_defs=None) -> tuple[str, list[int]]:
     """req: a chat completion or a tokenize request (its messages and template options);
     tool_defs: the tools to show the model (OpenAI dicts), or None."""
@@ -253,7 +272,9 @@ async def prepare(state: ServerState, kind: str, req) -> _Call:
             )
         tool_defs = [t.model_dump(exclude_none=True) for t in req.tools] if mode else None
         size = sum(len(m.text()) for m in req.messages)
-        prompts = [await _off_loop(size, chat_prompt, state, req, tool_defs)]
+        prompts = _truncated(
+            state, req, [await _off_loop(size, chat_prompt, state, req, tool_defs)]
+        )
         k = (req.top_logprobs or 0) if req.logprobs else None
         max_tokens = (
             req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -263,7 +284,7 @@ async def prepare(state: ServerState, kind: str, req) -> _Call:
     else:
         p = req.prompt
         size = len(p) if isinstance(p, str) else sum(len(x) for x in p if isinstance(x, str))
-        prompts = await _off_loop(size, _prompts, state, req)
+        prompts = _truncated(state, req, await _off_loop(size, _prompts, state, req))
         k, max_tokens = req.logprobs, req.max_tokens
         if max_tokens is None:
             max_tokens = max(1, state.max_model_len - max(len(ids) for _, ids in prompts))

@@ -89,7 +89,6 @@ _SHARED_UNIMPLEMENTED = {
     "allowed_token_ids": _NoOp(),
     "bad_words": _NoOp([]),
     "logits_processors": _NoOp(),
-    "truncate_prompt_tokens": _NoOp(),
     "spaces_between_special_tokens": _NoOp(True),
     "return_tokens_as_token_ids": _NoOp(False),
     "return_token_ids": _NoOp(False),
@@ -214,6 +213,7 @@ class _SamplingFields(_Request):
     min_tokens: int = 0
     skip_special_tokens: bool = True
     priority: int = 0  # vLLM's: lower first, under --scheduling-policy priority
+    truncate_prompt_tokens: Optional[int] = None  # vLLM's: the prompt's last k tokens (-1: max)
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     # structured output (one of them; serving/constraints.constraint)

@@ -8,6 +8,7 @@ import pytest
 from prompts import PROMPTS
 
 from paxengine import LLM, SamplingParams
+from paxengine.errors import InvalidRequest
 from paxengine.reference import reference_generate
 from paxengine.step_build import compile_count
 
@@ -311,6 +312,24 @@ def test_chat_uses_the_template(llm_chunked):
     assert text.endswith("2+2") and go_on.prompt_token_ids == tok.encode(
         text, add_special_tokens=False
     )
+
+
+def test_truncate_prompt_tokens_runs_the_prompts_last_tokens(llm_chunked):
+    tok = llm_chunked.tokenizer
+    text = "One, two, three, four, five, six, seven, eight, nine, ten, eleven, twelve"
+    ids = tok.encode(text)
+    greedy = dict(temperature=0, max_tokens=5, ignore_eos=True)
+    cut = llm_chunked.generate(
+        text, SamplingParams(**greedy, truncate_prompt_tokens=7), use_tqdm=False
+    )[0]
+    plain = llm_chunked.generate(
+        {"prompt_token_ids": ids[-7:]}, SamplingParams(**greedy), use_tqdm=False
+    )[0]
+    assert len(ids) > 7 and cut.prompt_token_ids == ids[-7:] and cut.prompt is None
+    assert cut.outputs[0].token_ids == plain.outputs[0].token_ids
+    with pytest.raises(InvalidRequest, match="exceeds max_model_len") as e:
+        llm_chunked.generate(text, SamplingParams(truncate_prompt_tokens=10**6), use_tqdm=False)
+    assert e.value.param == "truncate_prompt_tokens"
 
 
 def test_penalties_take_the_exact_history_path(llm_chunked):

@@ -181,3 +181,25 @@ def test_continue_final_message_and_template_variables(client, server, http):
             r = http.post(route, json={**body, **extra, **more})
             assert r.status_code == 400 and r.json()["error"]["param"] == param, (route, r.text)
     assert http.get("/health").status_code == 200
+
+
+def test_truncate_prompt_tokens(client, server, http):
+    """The prompt's last k tokens run (vLLM's field): usage counts them, echo shows them, and the
+    answer is the one of those tokens sent alone. A bad k is a 400 naming the field."""
+    text = "One, two, three, four, five, six, seven, eight, nine, ten"
+    ids = http.post("/tokenize", json={"prompt": text}).json()["tokens"]
+    kw = dict(model=server.model, max_tokens=4, temperature=0)
+    cut = client.completions.create(
+        prompt=text, echo=True, extra_body={"truncate_prompt_tokens": 5}, **kw
+    )
+    alone = client.completions.create(prompt=ids[-5:], **kw)
+    assert cut.usage.prompt_tokens == 5 < len(ids)
+    head = http.post("/detokenize", json={"tokens": ids[-5:]}).json()["prompt"]
+    assert cut.choices[0].text == head + alone.choices[0].text and not text.startswith(head)
+    chat = client.chat.completions.create(
+        messages=MSG, extra_body={"truncate_prompt_tokens": 3}, **kw
+    )
+    assert chat.usage.prompt_tokens == 3
+    for k in (0, -2, 10**6):
+        r = http.post("/v1/completions", json={"prompt": text, "truncate_prompt_tokens": k})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens"

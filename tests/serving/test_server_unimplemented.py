@@ -28,7 +28,6 @@ SHARED = {
     "allowed_token_ids": [97, 98],
     "bad_words": ["foo"],
     "logits_processors": ["pkg.module:Processor"],
-    "truncate_prompt_tokens": 8,
     "spaces_between_special_tokens": False,
     "return_tokens_as_token_ids": True,
     "return_token_ids": True,
