@@ -11,6 +11,7 @@ those of the masked distribution, the one its token is drawn from.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -110,6 +111,18 @@ def abstract_sampling_tensors(
 
 def mask_words(vocab_size: int) -> int:
     return -(-vocab_size // 32)
+
+
+@functools.lru_cache(maxsize=256)
+def token_mask(token_ids: tuple[int, ...], vocab_size: int) -> np.ndarray:
+    """The bitmask row (`apply_token_mask`'s layout) allowing exactly token_ids; read-only, and
+    cached: a request's allowed_token_ids are masked every step it samples."""
+    bits = np.zeros(mask_words(vocab_size) * 32, np.uint8)
+    bits[list(token_ids)] = 1
+    words = np.packbits(bits.reshape(-1, 32)[:, ::-1], axis=1).view(">u4").astype(np.uint32)
+    row = words.reshape(-1).view(np.int32)
+    row.flags.writeable = False
+    return row
 
 
 def apply_token_mask(logits: jax.Array, mask: jax.Array) -> jax.Array:
@@ -361,14 +374,18 @@ def build_sampling_tensors(
     constrained = [
         (g, i) for i, (r, _, _) in enumerate(entries) if (g := getattr(r, "grammar", None))
     ]
+    allowed = [(i, r.params.allowed_token_ids) for i, (r, _, _) in enumerate(entries)]
+    allowed = [(i, ids) for i, ids in allowed if ids is not None]
     penalties, top, logprobs, grammar = choose_flags(
-        (penalties, top, logprobs, bool(constrained)), available
+        (penalties, top, logprobs, bool(constrained or allowed)), available
     )
     mask = None
     if grammar:  # all ones (every token allowed) but in the constrained rows
         mask = np.full((s, mask_words(vocab_size)), -1, np.int32)
         if constrained:  # none in a priming step (StepBuilder.prime), which has no grammars
             grammars.fill_masks(constrained, mask)
+        for i, ids in allowed:  # and, for a grammar's row, only what both allow
+            mask[i] &= token_mask(tuple(ids), vocab_size)
     # [S, H] only when a row uses a penalty (no S x max_model_len upload every step otherwise).
     history = None
     if penalties:

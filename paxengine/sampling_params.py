@@ -42,6 +42,8 @@ class SamplingParams:
     # keep only the prompt's last k tokens (-1: the last max_model_len), vLLM's; the engine
     # applies it when the request enters (`validation.truncate_prompt`)
     truncate_prompt_tokens: int | None = None
+    # sample only among these token ids (vLLM's): the token mask structured output uses
+    allowed_token_ids: list[int] | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -49,6 +51,8 @@ class SamplingParams:
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.logit_bias = {int(k): float(v) for k, v in (self.logit_bias or {}).items()}
+        if self.allowed_token_ids is not None and not isinstance(self.allowed_token_ids, list):
+            self.allowed_token_ids = list(self.allowed_token_ids)
 
     @property
     def greedy(self) -> bool:
@@ -125,6 +129,15 @@ class SamplingParams:
                 bad("stop_token_ids", f"token id {t!r} is outside the vocabulary [0, {vocab_size})")
         if len(self.logit_bias) > MAX_LOGIT_BIAS:
             bad("logit_bias", f"at most {MAX_LOGIT_BIAS} entries, got {len(self.logit_bias)}")
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids:
+                bad("allowed_token_ids", "must name at least one token id")
+            for t in self.allowed_token_ids:
+                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
+                    bad(
+                        "allowed_token_ids",
+                        f"token id {t!r} is outside the vocabulary [0, {vocab_size})",
+                    )
         if self.structured_outputs is not None:
             if not isinstance(self.structured_outputs, StructuredOutputs):
                 bad("structured_outputs", "must be a paxengine.StructuredOutputs")

@@ -239,8 +239,8 @@ class Scheduler:
         sample pending in `prev`, and each far enough from its max_tokens and the context that
         the unchained engine would draft K for it too (so both draft the same). Requests whose
         sampling depends on the host's tokens (penalties, a grammar, min_tokens) are read
-        first, and blocks for the worst case (K + 1 more tokens each) must be free: a chained
-        step never preempts."""
+        first, masked rows (allowed_token_ids) take the unchained path, and blocks for the
+        worst case (K + 1 more tokens each) must be free: a chained step never preempts."""
         if self.proposer is not None or self.waiting or not self.speculating():
             return False
         K = self.spec.num_speculative_tokens
@@ -253,6 +253,7 @@ class Scheduler:
                 req.request_id not in prev.sampling
                 or req.num_pending_tokens != 1
                 or req.grammar is not None
+                or p.allowed_token_ids is not None  # masked rows: the unchained path
                 or p.has_penalties
                 or len(req.output_token_ids) < p.min_tokens
                 or req.num_known_tokens + 3 * (K + 1) > self.max_model_len

@@ -124,6 +124,12 @@ def check_request(prompt_token_ids, params: SamplingParams, limits: Limits, conf
             "--scheduling-policy priority)",
             param="priority",
         )
+    if params.allowed_token_ids is not None and not config.structured_outputs:
+        raise InvalidRequest(
+            "allowed_token_ids: needs the token mask, which is off on this server "
+            "(structured_outputs: false)",
+            param="allowed_token_ids",
+        )
     if params.structured_outputs is not None:
         if not config.structured_outputs:
             raise InvalidRequest(

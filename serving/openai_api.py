@@ -125,6 +125,7 @@ def sampling_params(
         skip_special_tokens=req.skip_special_tokens,
         priority=req.priority,
         structured_outputs=structured_outputs,
+        allowed_token_ids=req.allowed_token_ids,
     )
 
 

@@ -86,7 +86,6 @@ _SHARED_UNIMPLEMENTED = {
     "use_beam_search": _NoOp(False),
     "length_penalty": _NoOp(1.0),  # beam search only
     "prompt_logprobs": _NoOp(),  # even 0 asks for the prompt tokens' logprobs
-    "allowed_token_ids": _NoOp(),
     "bad_words": _NoOp([]),
     "logits_processors": _NoOp(),
     "spaces_between_special_tokens": _NoOp(True),
@@ -214,6 +213,7 @@ class _SamplingFields(_Request):
     skip_special_tokens: bool = True
     priority: int = 0  # vLLM's: lower first, under --scheduling-policy priority
     truncate_prompt_tokens: Optional[int] = None  # vLLM's: the prompt's last k tokens (-1: max)
+    allowed_token_ids: Optional[list[int]] = None  # vLLM's: sample only among these
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     # structured output (one of them; serving/constraints.constraint)

@@ -332,6 +332,29 @@ def test_truncate_prompt_tokens_runs_the_prompts_last_tokens(llm_chunked):
     assert e.value.param == "truncate_prompt_tokens"
 
 
+def test_allowed_token_ids_sample_only_them(llm_chunked):
+    """Seeded sampling stays inside the set; greedy picks the set's best, as a +100 logit bias
+    on the same ids does (logits are far below 100 apart)."""
+    ids = llm_chunked.tokenizer.encode(" red green blue yellow")
+    prompt = "My favourite colours are"
+    sampled = llm_chunked.generate(
+        [prompt] * 2,
+        SamplingParams(temperature=1.0, seed=3, max_tokens=8, allowed_token_ids=ids),
+        use_tqdm=False,
+    )
+    for o in sampled:
+        assert set(o.outputs[0].token_ids) <= set(ids) and len(o.outputs[0].token_ids) == 8
+    greedy = dict(temperature=0, max_tokens=8, ignore_eos=True)
+    masked, biased = (
+        llm_chunked.generate(prompt, SamplingParams(**greedy, **kw), use_tqdm=False)[0]
+        for kw in ({"allowed_token_ids": ids}, {"logit_bias": {t: 100 for t in ids}})
+    )
+    assert masked.outputs[0].token_ids == biased.outputs[0].token_ids
+    with pytest.raises(InvalidRequest, match="outside the vocabulary") as e:
+        llm_chunked.generate(prompt, SamplingParams(allowed_token_ids=[10**7]), use_tqdm=False)
+    assert e.value.param == "allowed_token_ids"
+
+
 def test_penalties_take_the_exact_history_path(llm_chunked):
     prompt = "word word word word word word word word"
     plain = (

@@ -132,6 +132,41 @@ def test_device_mask_and_sampler_never_pick_a_masked_token():
         assert np.isfinite(np.asarray(top_lp)).all()
 
 
+def test_allowed_token_ids_mask_their_rows_and_narrow_a_grammars():
+    """allowed_token_ids: the row's mask allows exactly them; on a grammar's row, only what
+    both allow; other rows stay all ones, and the mask's sampler variant is chosen."""
+    from paxengine.sampling import token_mask
+
+    V = 70
+    for ids in ([0], [31, 32, 69], list(range(0, 70, 3))):
+        assert np.flatnonzero(allowed_tokens(token_mask(tuple(ids), V), V)).tolist() == ids
+
+    grammar_allows = np.zeros(V, bool)
+    grammar_allows[:40] = True
+
+    class Row:
+        def __init__(self, p, grammar=None):
+            self.params, self.grammar, self.seed = p, grammar, 3
+            self.num_output_tokens, self.num_prompt_tokens, self.all_token_ids = 1, 1, [0]
+
+    class Fixed:
+        def fill_masks(self, rows, out):
+            for _, i in rows:
+                out[i] = token_mask(tuple(np.flatnonzero(grammar_allows)), V)
+
+    rows = [
+        Row(SamplingParams(allowed_token_ids=[5, 50])),
+        Row(SamplingParams(allowed_token_ids=[5, 50]), grammar=object()),
+        Row(SamplingParams()),
+    ]
+    st = build_sampling_tensors(rows, 4, 8, [0], Fixed(), V)
+    assert st.grammar
+    allowed = [np.flatnonzero(allowed_tokens(st.mask[i], V)).tolist() for i in range(4)]
+    assert allowed[:2] == [[5, 50], [5]] and allowed[2] == allowed[3] == list(range(V))
+    plain = build_sampling_tensors(rows[2:], 4, 8, [0], Fixed(), V)
+    assert not plain.grammar and plain.mask is None
+
+
 def test_sampler_variants():
     plain = [f for f in ALL_FLAGS if not f[3]]
     assert len(plain) == 8 and len(ALL_FLAGS) == 11

@@ -203,3 +203,24 @@ def test_truncate_prompt_tokens(client, server, http):
     for k in (0, -2, 10**6):
         r = http.post("/v1/completions", json={"prompt": text, "truncate_prompt_tokens": k})
         assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens"
+
+
+def test_allowed_token_ids(client, server, http):
+    ids = http.post("/tokenize", json={"prompt": " yes no maybe"}).json()["tokens"]
+    r = client.completions.create(
+        model=server.model,
+        prompt="Is the sky blue? Answer:",
+        max_tokens=5,
+        temperature=1.0,
+        seed=1,
+        logprobs=0,
+        extra_body={"allowed_token_ids": ids},
+    )
+    tokens = r.choices[0].logprobs.tokens
+    assert len(tokens) == 5 and set(tokens) <= {http_detok(http, [t]) for t in ids}
+    bad = http.post("/v1/completions", json={"prompt": "x", "allowed_token_ids": [-1]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "allowed_token_ids"
+
+
+def http_detok(http, ids):
+    return http.post("/detokenize", json={"tokens": ids}).json()["prompt"]

@@ -25,7 +25,6 @@ SHARED = {
     "use_beam_search": True,
     "length_penalty": 0.5,
     "prompt_logprobs": 0,
-    "allowed_token_ids": [97, 98],
     "bad_words": ["foo"],
     "logits_processors": ["pkg.module:Processor"],
     "spaces_between_special_tokens": False,
