@@ -15,12 +15,15 @@ def _lp(v: Logprob) -> tuple[float, int, Optional[str]]:
     return float(v.logprob), int(v.rank), v.decoded_token
 
 
-def _tok_str(state: ServerState, tid: int, decoded: Optional[str]) -> str:
+def _tok_str(state: ServerState, tid: int, decoded: Optional[str], as_ids: bool = False) -> str:
+    if as_ids:  # vLLM's return_tokens_as_token_ids: a token whatever its text (no lossy decode)
+        return f"token_id:{tid}"
     return decoded if decoded is not None else state.tokenizer.decode([tid])
 
 
-def _token_entries(state, o, start: int, k: int):
-    """For generated tokens start..: (sampled token str, its logprob, [(str, logprob)] of the top k)."""
+def _token_entries(state, o, start: int, k: int, as_ids: bool):
+    """For generated tokens start..: (sampled token str, its logprob, [(str, logprob)] of the top k).
+    as_ids: each token as "token_id:<id>" instead of its text."""
     out = []
     lps = o.logprobs or []
     for j in range(start, min(len(o.token_ids), len(lps))):
@@ -31,22 +34,23 @@ def _token_entries(state, o, start: int, k: int):
         )
         s = next((e for e in entries if e[0] == tid), None)
         lp = s[1] if s else float("-inf")
-        tstr = _tok_str(state, tid, s[3] if s else None)
-        out.append((tstr, lp, [(_tok_str(state, t, dec), l) for t, l, _, dec in ranked[:k]]))
+        tstr = _tok_str(state, tid, s[3] if s else None, as_ids)
+        tops = [(_tok_str(state, t, dec, as_ids), l) for t, l, _, dec in ranked[:k]]
+        out.append((tstr, lp, tops))
     return out
 
 
 def completion_logprobs(
-    state, o, start: int, k: int, offset: int, prompt=None
+    state, o, start: int, k: int, offset: int, prompt=None, as_ids: bool = False
 ) -> CompletionLogprobs:
     res = CompletionLogprobs()
     if prompt is not None:  # echo: prompt tokens carry no logprobs
         for tid in prompt:
-            t = state.tokenizer.decode([tid])
+            t = _tok_str(state, tid, None, as_ids)
             res.tokens.append(t), res.token_logprobs.append(None), res.top_logprobs.append(None)
             res.text_offset.append(offset)
             offset += len(t)
-    for tstr, lp, tops in _token_entries(state, o, start, k):
+    for tstr, lp, tops in _token_entries(state, o, start, k, as_ids):
         top = dict(tops)
         top.setdefault(tstr, lp)
         res.tokens.append(tstr), res.token_logprobs.append(lp), res.top_logprobs.append(top)
@@ -55,9 +59,9 @@ def completion_logprobs(
     return res
 
 
-def chat_logprobs(state, o, start: int, k: int) -> ChatLogprobs:
+def chat_logprobs(state, o, start: int, k: int, as_ids: bool = False) -> ChatLogprobs:
     content = []
-    for tstr, lp, tops in _token_entries(state, o, start, k):
+    for tstr, lp, tops in _token_entries(state, o, start, k, as_ids):
         content.append(
             ChatTokenLogprob(
                 token=tstr,

@@ -234,6 +234,7 @@ class _Call:
         self.jobs = [Job(f"{self.id}-{i}", ids, params) for i, (_, ids) in enumerate(prompts)]
         self.n = params.n
         self.tools = tools  # the tool-call mode (constraints.tool_mode), None without tools
+        self.as_ids = bool(req.return_tokens_as_token_ids)  # logprobs' tokens as "token_id:<id>"
 
     def index(self, prompt_i: int, out_i: int) -> int:
         return prompt_i * self.n + out_i
@@ -343,7 +344,7 @@ def _final_response(call: _Call, finals: dict):
         for o in finals[pi].outputs:
             idx = call.index(pi, o.index)
             if call.kind == "chat":
-                lp = chat_logprobs(state, o, 0, call.k) if call.k is not None else None
+                lp = chat_logprobs(state, o, 0, call.k, call.as_ids) if call.k is not None else None
                 content, calls, finish = tool_responses.finished_calls(
                     call.tools,
                     o.text,
@@ -374,7 +375,9 @@ def _final_response(call: _Call, finals: dict):
             else:
                 echo = ptext if call.req.echo else ""
                 lp = (
-                    completion_logprobs(state, o, 0, call.k, 0, pids if call.req.echo else None)
+                    completion_logprobs(
+                        state, o, 0, call.k, 0, pids if call.req.echo else None, call.as_ids
+                    )
                     if call.k is not None
                     else None
                 )
@@ -440,7 +443,11 @@ async def _stream(call: _Call) -> AsyncIterator[str]:
                     if finish is not None:
                         done.add(idx)
                     if chat:
-                        lp = chat_logprobs(state, o, n0, call.k) if call.k is not None else None
+                        lp = (
+                            chat_logprobs(state, o, n0, call.k, call.as_ids)
+                            if call.k is not None
+                            else None
+                        )
                         message = DeltaMessage(content=delta)
                         if call.tools is not None:
                             td = tool_deltas.setdefault(
@@ -472,6 +479,7 @@ async def _stream(call: _Call) -> AsyncIterator[str]:
                                 call.k,
                                 t0 + (len(ptext) if req.echo and not first else 0),
                                 pids if echo else None,
+                                call.as_ids,
                             )
                             if call.k is not None
                             else None

@@ -89,7 +89,6 @@ _SHARED_UNIMPLEMENTED = {
     "bad_words": _NoOp([]),
     "logits_processors": _NoOp(),
     "spaces_between_special_tokens": _NoOp(True),
-    "return_tokens_as_token_ids": _NoOp(False),
     "return_token_ids": _NoOp(False),
     # serving
     "cache_salt": _NoOp(),  # per-tenant prefix-cache isolation: ignoring it would share KV
@@ -214,6 +213,7 @@ class _SamplingFields(_Request):
     priority: int = 0  # vLLM's: lower first, under --scheduling-policy priority
     truncate_prompt_tokens: Optional[int] = None  # vLLM's: the prompt's last k tokens (-1: max)
     allowed_token_ids: Optional[list[int]] = None  # vLLM's: sample only among these
+    return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name tokens "token_id:<id>"
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     # structured output (one of them; serving/constraints.constraint)

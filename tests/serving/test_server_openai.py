@@ -224,3 +224,37 @@ def test_allowed_token_ids(client, server, http):
 
 def http_detok(http, ids):
     return http.post("/detokenize", json={"tokens": ids}).json()["prompt"]
+
+
+def test_return_tokens_as_token_ids(client, server, http):
+    """Logprobs name each token "token_id:<id>" (sampled, top and echoed prompt tokens, chat and
+    completions, streamed or not), the same tokens the plain form names by text."""
+    kw = dict(model=server.model, max_tokens=4, temperature=0)
+    plain = client.completions.create(prompt="Hi", logprobs=2, echo=True, **kw)
+    as_ids = client.completions.create(
+        prompt="Hi", logprobs=2, echo=True, extra_body={"return_tokens_as_token_ids": True}, **kw
+    )
+    a, b = plain.choices[0].logprobs, as_ids.choices[0].logprobs
+    assert len(a.tokens) == len(b.tokens) and all(t.startswith("token_id:") for t in b.tokens)
+    assert a.token_logprobs == b.token_logprobs
+    ids = [int(t.split(":")[1]) for t in b.tokens]
+    assert "".join(a.tokens) == plain.choices[0].text  # the text form, token by token
+    assert [len(t or {}) for t in a.top_logprobs] == [len(t or {}) for t in b.top_logprobs]
+    assert all(k.startswith("token_id:") for t in b.top_logprobs if t for k in t)
+    chat = client.chat.completions.create(
+        messages=MSG,
+        logprobs=True,
+        top_logprobs=1,
+        stream=True,
+        extra_body={"return_tokens_as_token_ids": True},
+        **kw,
+    )
+    entries = [
+        e
+        for c in chat
+        if c.choices and c.choices[0].logprobs
+        for e in c.choices[0].logprobs.content
+    ]
+    assert len(entries) == 4 and all(e.token.startswith("token_id:") for e in entries)
+    assert all(e.top_logprobs[0].token.startswith("token_id:") for e in entries)
+    assert [http_detok(http, [i]) for i in ids] == a.tokens  # the same tokens, named by id
