@@ -93,7 +93,7 @@ class DataParallelEngine:
         self, request_id: str, prompt: str | Sequence[int], params: SamplingParams
     ) -> AsyncIterator[RequestOutput]:
         _, ids = self.replicas[0].core.tokenize_prompt(prompt)  # InvalidRequest if malformed
-        r = self.route(ids)
+        r = self.route(ids, getattr(params, "cache_salt", None))
         outputs = self.replicas[r].generate(request_id, prompt, params)  # raises before output
         self._owner[request_id] = r
         self.routed[r] += 1
@@ -109,13 +109,13 @@ class DataParallelEngine:
         return all(done)
 
     # -- routing --------------------------------------------------------------------------------
-    def route(self, token_ids: Sequence[int]) -> int:
+    def route(self, token_ids: Sequence[int], cache_salt: str | None = None) -> int:
         loads = []
         for rep in self.replicas:
             s = rep.stats()
             loads.append(s["num_requests_running"] + s["num_requests_waiting"])
         least = min(loads)
-        hits = [rep.core.kv.cached_prefix_blocks(token_ids) for rep in self.replicas]
+        hits = [rep.core.kv.cached_prefix_blocks(token_ids, cache_salt) for rep in self.replicas]
         best = max(range(len(hits)), key=lambda r: (hits[r], -loads[r]))
         if hits[best] > 0 and loads[best] <= least + self.slack:
             self.routed_by_prefix += 1

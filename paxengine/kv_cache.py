@@ -31,6 +31,11 @@ def token_bytes(tokens) -> bytes:
     return np.asarray(tokens, "<i4").tobytes()  # fixed width and byte order: stable everywhere
 
 
+def salt_keys(cache_salt: str | None, i: int) -> tuple:
+    """Block i's extra keys for a request with this cache salt: the salt in the first block."""
+    return ("cache_salt", cache_salt) if i == 0 and cache_salt is not None else ()
+
+
 def hash_block(parent: bytes, tokens: bytes, extra_keys: tuple = ()) -> bytes:
     """SHA-256 of the parent block's hash, this block's token ids (`token_bytes`) and its extra
     keys. Full blocks only: the token bytes have a fixed length, so the parts cannot run into
@@ -93,9 +98,10 @@ class KVCacheManager:
 
     # -- prefix cache ---------------------------------------------------------------------------
     def _extra_keys(self, req: Request, i: int) -> tuple:
-        """What besides the tokens decides block i's KV (a LoRA adapter, the images it covers, a
-        tenant's cache salt): nothing yet. Goes into the hash and is checked on a hit."""
-        return ()
+        """What besides the tokens decides who may share block i's KV (a LoRA adapter, the images
+        it covers): a tenant's cache salt, in the first block (the chain carries it to the rest).
+        Goes into the hash and is checked on a hit."""
+        return salt_keys(req.params.cache_salt, i)
 
     def _token_bytes(self, req: Request, start: int, stop: int) -> bytes:
         """Token ids of full blocks [start, stop), as `token_bytes`."""
@@ -129,16 +135,16 @@ class KVCacheManager:
             return None
         return e
 
-    def cached_prefix_blocks(self, token_ids) -> int:
-        """How many leading full blocks of `token_ids` this cache holds, by key only: a routing
-        hint for another thread (reads the index, changes nothing; `find_cached_prefix` is the
-        checked lookup the scheduler uses)."""
+    def cached_prefix_blocks(self, token_ids, cache_salt: str | None = None) -> int:
+        """How many leading full blocks of `token_ids` (a request with `cache_salt`) this cache
+        holds, by key only: a routing hint for another thread (reads the index, changes
+        nothing; `find_cached_prefix` is the checked lookup the scheduler uses)."""
         if not self.enable_prefix_caching:
             return 0
         w = self.block_size
         buf, parent, n = token_bytes(list(token_ids)[: len(token_ids) // w * w]), ROOT_HASH, 0
         for i in range(len(token_ids) // w):
-            parent = hash_block(parent, buf[4 * w * i : 4 * w * (i + 1)])
+            parent = hash_block(parent, buf[4 * w * i : 4 * w * (i + 1)], salt_keys(cache_salt, i))
             if self.cached.get(parent) is None:
                 break
             n += 1

@@ -44,6 +44,9 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None
     # sample only among these token ids (vLLM's): the token mask structured output uses
     allowed_token_ids: list[int] | None = None
+    # the prefix cache, not sampling: KV is shared only between requests with the same salt (a
+    # tenant's), so one tenant cannot time another's prompts (vLLM's cache_salt)
+    cache_salt: str | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -138,6 +141,10 @@ class SamplingParams:
                         "allowed_token_ids",
                         f"token id {t!r} is outside the vocabulary [0, {vocab_size})",
                     )
+        if self.cache_salt is not None and (
+            not isinstance(self.cache_salt, str) or not self.cache_salt
+        ):
+            bad("cache_salt", f"must be a non-empty string, got {self.cache_salt!r}")
         if self.structured_outputs is not None:
             if not isinstance(self.structured_outputs, StructuredOutputs):
                 bad("structured_outputs", "must be a paxengine.StructuredOutputs")

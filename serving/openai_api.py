@@ -41,6 +41,7 @@ from serving.protocol import (
     CompletionRequest,
     CompletionResponse,
     DeltaMessage,
+    PromptTokensDetails,
     ResponseFunctionCall,
     ResponseToolCall,
     Usage,
@@ -126,6 +127,7 @@ def sampling_params(
         priority=req.priority,
         structured_outputs=structured_outputs,
         allowed_token_ids=req.allowed_token_ids,
+        cache_salt=req.cache_salt,
     )
 
 
@@ -242,7 +244,13 @@ class _Call:
     def usage(self, finals: dict) -> Usage:
         p = sum(len(ids) for _, ids in self.prompts)
         c = sum(len(o.token_ids) for out in finals.values() for o in out.outputs)
-        return Usage(prompt_tokens=p, completion_tokens=c, total_tokens=p + c)
+        cached = sum(out.num_cached_tokens or 0 for out in finals.values())
+        return Usage(
+            prompt_tokens=p,
+            completion_tokens=c,
+            total_tokens=p + c,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+        )
 
 
 async def _off_loop(size: int, fn, *args):

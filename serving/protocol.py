@@ -91,7 +91,6 @@ _SHARED_UNIMPLEMENTED = {
     "spaces_between_special_tokens": _NoOp(True),
     "return_token_ids": _NoOp(False),
     # serving
-    "cache_salt": _NoOp(),  # per-tenant prefix-cache isolation: ignoring it would share KV
     "request_id": _NoOp(),
     "kv_transfer_params": _NoOp(),
     "vllm_xargs": _NoOp(),
@@ -158,10 +157,15 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+
+
 class Usage(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: Optional[PromptTokensDetails] = None
 
 
 # ----------------------------------------------------------------------------- structured output
@@ -214,6 +218,7 @@ class _SamplingFields(_Request):
     truncate_prompt_tokens: Optional[int] = None  # vLLM's: the prompt's last k tokens (-1: max)
     allowed_token_ids: Optional[list[int]] = None  # vLLM's: sample only among these
     return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name tokens "token_id:<id>"
+    cache_salt: Optional[str] = None  # vLLM's: prefix-cache hits only within one salt (tenant)
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     # structured output (one of them; serving/constraints.constraint)

@@ -76,6 +76,31 @@ def test_identical_prefix_hits_and_counts():
     assert kv.prefix_hits == 5 * BS
 
 
+def test_cache_salt_shares_blocks_only_within_one_salt():
+    """vLLM's cache_salt: a tenant's prompts hit only its own blocks, whatever the tokens; the
+    routing hint (cached_prefix_blocks) counts as the checked lookup does."""
+
+    def salted(tokens, name, salt):
+        return Request(name, list(tokens), SamplingParams(max_tokens=4, cache_salt=salt), seed=0)
+
+    def go(kv, r):
+        cached = prefill(kv, r)
+        kv.free_request(r)
+        return len(cached)
+
+    kv = KVCacheManager(32, BS)
+    assert go(kv, salted(blocks(1, 2, 3), "a", "tenant-a")) == 0
+    assert go(kv, salted(blocks(1, 2, 3), "b", "tenant-b")) == 0  # another tenant: no hit
+    assert go(kv, salted(blocks(1, 2, 3), "c", None)) == 0  # nor a request without a salt
+    assert go(kv, salted(blocks(1, 2, 4), "d", "tenant-a")) == 2  # its own prefix: a hit
+    assert go(kv, req(blocks(1, 2, 3), "e")) == 3  # c's blocks, unsalted
+    assert kv.cached_prefix_blocks(blocks(1, 2, 3), "tenant-a") == 3
+    assert kv.cached_prefix_blocks(blocks(1, 2, 3), "tenant-z") == 0
+    assert kv.cached_prefix_blocks(blocks(1, 2, 3)) == 3
+    with pytest.raises(ValueError, match="cache_salt: must be a non-empty string"):
+        SamplingParams(cache_salt="").validate(100)
+
+
 @pytest.mark.parametrize("bad_hash", [constant_hash, tokens_only_hash])
 def test_colliding_keys_never_serve_another_prompts_block(monkeypatch, bad_hash):
     monkeypatch.setattr(kv_cache, "hash_block", bad_hash)

@@ -201,7 +201,7 @@ class PrefillCore(EngineCore):
         """Send the request's pages up to `stop` not sent yet (nor held by the decode side)."""
         out = self._outgoing.get(req.request_id)
         if out is None:
-            held = self.peer.kv.cached_prefix_blocks(req.prompt_token_ids)
+            held = self.peer.kv.cached_prefix_blocks(req.prompt_token_ids, req.params.cache_salt)
             held = min(held, req.num_prompt_tokens // self.kv.block_size)
             out = self._outgoing[req.request_id] = _Outgoing(held, held, [])
         if out.failed or stop <= out.next_block:

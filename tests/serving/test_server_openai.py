@@ -258,3 +258,21 @@ def test_return_tokens_as_token_ids(client, server, http):
     assert len(entries) == 4 and all(e.token.startswith("token_id:") for e in entries)
     assert all(e.top_logprobs[0].token.startswith("token_id:") for e in entries)
     assert [http_detok(http, [i]) for i in ids] == a.tokens  # the same tokens, named by id
+
+
+def test_cache_salt_keeps_tenants_prefixes_apart(client, server, http):
+    """usage.prompt_tokens_details.cached_tokens says what the prefix cache served: a repeat
+    within one salt hits, the same prompt under another salt (or none) does not."""
+    prompt = "Salted prompt. " + " ".join(f"w{i}" for i in range(60))
+    kw = dict(model=server.model, prompt=prompt, max_tokens=1, temperature=0)
+
+    def cached(salt):
+        r = client.completions.create(**kw, extra_body={"cache_salt": salt} if salt else None)
+        return r.usage.prompt_tokens_details.cached_tokens
+
+    assert cached("tenant-a") == 0
+    assert cached("tenant-a") > 16  # its own repeat: whole blocks from the cache
+    assert cached("tenant-b") == 0 and cached(None) == 0  # no one else's
+    assert cached(None) > 16
+    bad = http.post("/v1/completions", json={"prompt": "x", "cache_salt": ""})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "cache_salt"

@@ -29,7 +29,6 @@ SHARED = {
     "logits_processors": ["pkg.module:Processor"],
     "spaces_between_special_tokens": False,
     "return_token_ids": True,
-    "cache_salt": "tenant-a",
     "request_id": "my-id",
     "kv_transfer_params": {"do_remote_prefill": True},
     "vllm_xargs": {"k": 1},

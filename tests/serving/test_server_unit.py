@@ -50,7 +50,12 @@ def test_completion_shapes(fake):
     assert all(ch["text"].startswith("ab") and len(ch["text"]) == 5 for ch in body["choices"])
     lp = body["choices"][0]["logprobs"]
     assert lp["token_logprobs"][:2] == [None, None] and len(lp["tokens"]) == 5
-    assert body["usage"] == {"prompt_tokens": 4, "completion_tokens": 12, "total_tokens": 16}
+    assert body["usage"] == {
+        "prompt_tokens": 4,
+        "completion_tokens": 12,
+        "total_tokens": 16,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
 
 
 def test_stream_equals_nonstream(fake):
