@@ -237,6 +237,7 @@ class _Call:
         self.n = params.n
         self.tools = tools  # the tool-call mode (constraints.tool_mode), None without tools
         self.as_ids = bool(req.return_tokens_as_token_ids)  # logprobs' tokens as "token_id:<id>"
+        self.ids_on = bool(req.return_token_ids)  # the responses carry the token ids too
 
     def index(self, prompt_i: int, out_i: int) -> int:
         return prompt_i * self.n + out_i
@@ -378,6 +379,7 @@ def _final_response(call: _Call, finals: dict):
                         logprobs=lp,
                         finish_reason=finish,
                         stop_reason=o.stop_reason,
+                        token_ids=list(o.token_ids) if call.ids_on else None,
                     )
                 )
             else:
@@ -396,11 +398,22 @@ def _final_response(call: _Call, finals: dict):
                         logprobs=lp,
                         finish_reason=o.finish_reason,
                         stop_reason=o.stop_reason,
+                        prompt_token_ids=list(pids) if call.ids_on else None,
+                        token_ids=list(o.token_ids) if call.ids_on else None,
                     )
                 )
     choices.sort(key=lambda c: c.index)
-    cls = ChatCompletionResponse if call.kind == "chat" else CompletionResponse
-    return cls(id=call.id, model=state.model_name, choices=choices, usage=call.usage(finals))
+    usage = call.usage(finals)
+    if call.kind == "chat":
+        prompt_ids = list(call.prompts[0][1]) if call.ids_on else None
+        return ChatCompletionResponse(
+            id=call.id,
+            model=state.model_name,
+            choices=choices,
+            usage=usage,
+            prompt_token_ids=prompt_ids,
+        )
+    return CompletionResponse(id=call.id, model=state.model_name, choices=choices, usage=usage)
 
 
 async def _stream(call: _Call) -> AsyncIterator[str]:
@@ -408,15 +421,20 @@ async def _stream(call: _Call) -> AsyncIterator[str]:
     usage_on = bool(req.stream_options and req.stream_options.include_usage)
     sent_text: dict[int, int] = {}
     sent_tok: dict[int, int] = {}
+    sent_ids: dict[int, int] = {}  # return_token_ids: the output's token ids sent so far
     tool_deltas: dict[int, tool_responses.ToolDeltas] = {}
     done: set[int] = set()
     finals: dict = {}
 
-    def chunk(choices, usage=None):
+    def chunk(choices, usage=None, prompt_ids=None):
         if chat:
             return sse(
                 ChatCompletionChunk(
-                    id=call.id, model=state.model_name, choices=choices, usage=usage
+                    id=call.id,
+                    model=state.model_name,
+                    choices=choices,
+                    usage=usage,
+                    prompt_token_ids=prompt_ids,
                 )
             )
         return sse(
@@ -427,7 +445,8 @@ async def _stream(call: _Call) -> AsyncIterator[str]:
         if chat:  # the role comes first, once per choice
             for idx in range(len(call.prompts) * call.n):
                 yield chunk(
-                    [ChatStreamChoice(index=idx, delta=DeltaMessage(role="assistant", content=""))]
+                    [ChatStreamChoice(index=idx, delta=DeltaMessage(role="assistant", content=""))],
+                    prompt_ids=list(call.prompts[0][1]) if call.ids_on and idx == 0 else None,
                 )
         async with aclosing(run_requests(state, call.jobs)) as it:
             async for pi, out in it:
@@ -499,6 +518,11 @@ async def _stream(call: _Call) -> AsyncIterator[str]:
                             finish_reason=finish,
                             stop_reason=o.stop_reason,
                         )
+                    if call.ids_on:
+                        c.token_ids = list(o.token_ids[sent_ids.get(idx, 0) :])
+                        sent_ids[idx] = len(o.token_ids)
+                        if not chat and first:
+                            c.prompt_token_ids = list(call.prompts[pi][1])
                     yield chunk([c])
         if usage_on:
             yield chunk([], usage=call.usage(finals))

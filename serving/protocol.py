@@ -89,7 +89,6 @@ _SHARED_UNIMPLEMENTED = {
     "bad_words": _NoOp([]),
     "logits_processors": _NoOp(),
     "spaces_between_special_tokens": _NoOp(True),
-    "return_token_ids": _NoOp(False),
     # serving
     "request_id": _NoOp(),
     "kv_transfer_params": _NoOp(),
@@ -219,6 +218,7 @@ class _SamplingFields(_Request):
     allowed_token_ids: Optional[list[int]] = None  # vLLM's: sample only among these
     return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name tokens "token_id:<id>"
     cache_salt: Optional[str] = None  # vLLM's: prefix-cache hits only within one salt (tenant)
+    return_token_ids: bool = False  # vLLM's: the prompt's and the output's token ids
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     # structured output (one of them; serving/constraints.constraint)
@@ -252,12 +252,27 @@ class CompletionLogprobs(BaseModel):
     top_logprobs: list[Optional[dict[str, float]]] = Field(default_factory=list)
 
 
-class CompletionChoice(BaseModel):
+class _WithTokenIds(BaseModel):
+    """A response part that carries token ids when the request asked (`return_token_ids`): the
+    fields appear only then."""
+
+    @model_serializer(mode="wrap")
+    def _drop_unasked_ids(self, handler):
+        return {
+            k: v
+            for k, v in handler(self).items()
+            if not (v is None and k in ("token_ids", "prompt_token_ids"))
+        }
+
+
+class CompletionChoice(_WithTokenIds):
     index: int
     text: str
     logprobs: Optional[CompletionLogprobs] = None
     finish_reason: Optional[str] = None
     stop_reason: Optional[Union[int, str]] = None
+    prompt_token_ids: Optional[list[int]] = None  # return_token_ids (streamed: the first chunk)
+    token_ids: Optional[list[int]] = None  # return_token_ids (streamed: this chunk's)
 
 
 class CompletionResponse(BaseModel):
@@ -390,21 +405,23 @@ class DeltaToolCall(_DropNone):
     function: Optional[DeltaFunctionCall] = None
 
 
-class ChatChoice(BaseModel):
+class ChatChoice(_WithTokenIds):
     index: int
     message: ChatResponseMessage
     logprobs: Optional[ChatLogprobs] = None
     finish_reason: Optional[str] = None
     stop_reason: Optional[Union[int, str]] = None
+    token_ids: Optional[list[int]] = None  # return_token_ids
 
 
-class ChatCompletionResponse(BaseModel):
+class ChatCompletionResponse(_WithTokenIds):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
     choices: list[ChatChoice]
     usage: Optional[Usage] = None
+    prompt_token_ids: Optional[list[int]] = None  # return_token_ids
 
 
 class DeltaMessage(_DropNone):
@@ -413,21 +430,23 @@ class DeltaMessage(_DropNone):
     tool_calls: Optional[list[DeltaToolCall]] = None
 
 
-class ChatStreamChoice(BaseModel):
+class ChatStreamChoice(_WithTokenIds):
     index: int
     delta: DeltaMessage
     logprobs: Optional[ChatLogprobs] = None
     finish_reason: Optional[str] = None
     stop_reason: Optional[Union[int, str]] = None
+    token_ids: Optional[list[int]] = None  # return_token_ids: this chunk's
 
 
-class ChatCompletionChunk(BaseModel):
+class ChatCompletionChunk(_WithTokenIds):
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
     choices: list[ChatStreamChoice]
     usage: Optional[Usage] = None
+    prompt_token_ids: Optional[list[int]] = None  # return_token_ids: in the role chunks
 
 
 # ----------------------------------------------------------------------------- models, tokenize

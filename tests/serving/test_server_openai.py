@@ -276,3 +276,41 @@ def test_cache_salt_keeps_tenants_prefixes_apart(client, server, http):
     assert cached(None) > 16
     bad = http.post("/v1/completions", json={"prompt": "x", "cache_salt": ""})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "cache_salt"
+
+
+def test_return_token_ids(server, http):
+    """The prompt's and the output's token ids beside the text (vLLM's return_token_ids, what RL
+    trainers read): the same ids streamed (the chunks' ids joined) or not; absent unless asked."""
+    prompt = "The capital of France is"
+    base = {"model": server.model, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    ids = http.post("/tokenize", json={"prompt": prompt}).json()["tokens"]
+    done = http.post("/v1/completions", json={**base, "prompt": prompt, "return_token_ids": True})
+    ch = done.json()["choices"][0]
+    assert ch["prompt_token_ids"] == ids and len(ch["token_ids"]) == 6
+    assert http_detok(http, ch["token_ids"]) == ch["text"]
+    plain = http.post("/v1/completions", json={**base, "prompt": prompt}).json()["choices"][0]
+    assert "token_ids" not in plain and "prompt_token_ids" not in plain
+    body = {**base, "prompt": prompt, "return_token_ids": True, "stream": True}
+    chunks = _sse(http, "/v1/completions", body)
+    assert chunks[0]["choices"][0]["prompt_token_ids"] == ids
+    assert all("prompt_token_ids" not in c["choices"][0] for c in chunks[1:])
+    assert [t for c in chunks for t in c["choices"][0]["token_ids"]] == ch["token_ids"]
+
+    msgs = {"messages": MSG, "return_token_ids": True}
+    chat = http.post("/v1/chat/completions", json={**base, **msgs}).json()
+    chat_ids = http.post("/tokenize", json={"messages": MSG}).json()["tokens"]
+    assert chat["prompt_token_ids"] == chat_ids and len(chat["choices"][0]["token_ids"]) == 6
+    chunks = _sse(http, "/v1/chat/completions", {**base, **msgs, "stream": True})
+    assert chunks[0]["prompt_token_ids"] == chat_ids
+    streamed = [t for c in chunks if c["choices"] for t in c["choices"][0].get("token_ids", [])]
+    assert streamed == chat["choices"][0]["token_ids"]
+
+
+def _sse(http, route, body):
+    import json
+
+    with http.stream("POST", route, json=body) as r:
+        assert r.status_code == 200
+        lines = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(x) for x in lines[:-1]]
