@@ -152,7 +152,9 @@ def build_app(
         else:
             ids = list(
                 await asyncio.to_thread(
-                    state.tokenizer.encode, req.prompt, add_special_tokens=req.add_special_tokens
+                    state.tokenizer.encode,
+                    req.prompt,
+                    add_special_tokens=req.add_special_tokens is not False,
                 )
             )
         return TokenizeResponse(count=len(ids), max_model_len=state.max_model_len, tokens=ids)

@@ -46,6 +46,7 @@ from serving.protocol import (
     ResponseToolCall,
     Usage,
 )
+from serving.request_ids import usable_request_id
 
 log = logging.getLogger("serving")
 
@@ -207,7 +208,10 @@ def chat_prompt(state: ServerState, req, tool_defs=None) -> tuple[str, list[int]
         )
     except Exception as e:  # template errors (role order, ...) are the client's
         raise bad_request(f"messages: the chat template rejected them: {e}", "messages") from None
-    return text, list(state.tokenizer.encode(text, add_special_tokens=False))
+    # the template holds the special tokens the model wants; a request may ask for the
+    # tokenizer's on top (vLLM's add_special_tokens, off by default for chat)
+    special = bool(req.add_special_tokens)
+    return text, list(state.tokenizer.encode(text, add_special_tokens=special))
 
 
 # ----------------------------------------------------------------------------- shared driver
@@ -232,7 +236,8 @@ class _Call:
             params,
             k,
         )
-        self.id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+        # vLLM's request_id: the client's (checked in prepare) names the call and its jobs
+        self.id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{req.request_id or uuid.uuid4().hex}"
         self.jobs = [Job(f"{self.id}-{i}", ids, params) for i, (_, ids) in enumerate(prompts)]
         self.n = params.n
         self.tools = tools  # the tool-call mode (constraints.tool_mode), None without tools
@@ -309,6 +314,11 @@ async def prepare(state: ServerState, kind: str, req) -> _Call:
             await asyncio.to_thread(state.engine.validate, prompts[0][1], params)
         except InvalidRequest as e:
             raise state.api_error(e) from None
+    if req.request_id is not None and not usable_request_id(req.request_id):
+        raise bad_request(
+            "request_id: at most 128 characters of letters, digits and ._:/+=@-",
+            "request_id",
+        )
     call = _Call(state, kind, req, prompts, params, k, mode)
     start_jobs(state, call.jobs)  # the engine validates and admits: refusals are 4xx/503 here
     return call

@@ -90,7 +90,6 @@ _SHARED_UNIMPLEMENTED = {
     "logits_processors": _NoOp(),
     "spaces_between_special_tokens": _NoOp(True),
     # serving
-    "request_id": _NoOp(),
     "kv_transfer_params": _NoOp(),
     "vllm_xargs": _NoOp(),
     "store": _NoOp(False),  # keeping the completion for later retrieval
@@ -111,7 +110,6 @@ _CHAT_UNIMPLEMENTED = {
     "web_search_options": _NoOp(),
     # vLLM's chat extras
     "echo": _NoOp(False),  # echo the last message
-    "add_special_tokens": _NoOp(False),  # the template already has them
     "chat_template": _NoOp(),
     "documents": _NoOp(),
     "mm_processor_kwargs": _NoOp(),
@@ -219,6 +217,7 @@ class _SamplingFields(_Request):
     return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name tokens "token_id:<id>"
     cache_salt: Optional[str] = None  # vLLM's: prefix-cache hits only within one salt (tenant)
     return_token_ids: bool = False  # vLLM's: the prompt's and the output's token ids
+    request_id: Optional[str] = None  # vLLM's: names the response (cmpl-<id>, chatcmpl-<id>)
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     # structured output (one of them; serving/constraints.constraint)
@@ -352,6 +351,7 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: Optional[dict[str, Any]] = None
+    add_special_tokens: bool = False  # the tokenizer's on top of the template's (vLLM's)
 
 
 class TopLogprob(BaseModel):
@@ -475,7 +475,7 @@ class TokenizeRequest(_Request):
     model: Optional[str] = None
     prompt: Optional[str] = None
     messages: Optional[list[ChatMessage]] = Field(default=None, min_length=1)
-    add_special_tokens: bool = True
+    add_special_tokens: Optional[bool] = None  # None: yes for a prompt, no for messages (vLLM's)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: Optional[dict[str, Any]] = None

@@ -12,6 +12,11 @@ HEADER = b"x-request-id"
 _USABLE = re.compile(r"[A-Za-z0-9._:/+=@-]{1,128}")
 
 
+def usable_request_id(rid: str) -> bool:
+    """Whether a client's id can name a request in logs and headers as it is."""
+    return isinstance(rid, str) and _USABLE.fullmatch(rid) is not None
+
+
 class RequestIdMiddleware:
     """A plain ASGI middleware (not Starlette's BaseHTTPMiddleware, which wraps `receive` and
     so would hide a client's disconnect from the streaming handlers)."""
@@ -23,7 +28,7 @@ class RequestIdMiddleware:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         given = dict(scope.get("headers") or []).get(HEADER, b"").decode("latin-1")
-        rid = given if _USABLE.fullmatch(given) else uuid.uuid4().hex
+        rid = given if usable_request_id(given) else uuid.uuid4().hex
         scope.setdefault("state", {})["request_id"] = rid
 
         async def send_with_id(message):

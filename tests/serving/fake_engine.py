@@ -19,9 +19,11 @@ from paxengine.validation import validate_request
 class CharTokenizer:
     vocab_size = 256
     eos_token_ids = [0]
+    bos_id = None  # a test's knob: a BOS id that add_special_tokens puts first
 
     def encode(self, text, add_special_tokens=True):
-        return [b or 1 for b in text.encode("latin-1", "replace")]
+        ids = [b or 1 for b in text.encode("latin-1", "replace")]
+        return [self.bos_id] + ids if add_special_tokens and self.bos_id is not None else ids
 
     def decode(self, ids, skip_special_tokens=True):
         return bytes(i for i in ids if i).decode("latin-1")

@@ -28,7 +28,6 @@ SHARED = {
     "bad_words": ["foo"],
     "logits_processors": ["pkg.module:Processor"],
     "spaces_between_special_tokens": False,
-    "request_id": "my-id",
     "kv_transfer_params": {"do_remote_prefill": True},
     "vllm_xargs": {"k": 1},
     "store": True,
@@ -44,7 +43,6 @@ CHAT_ONLY = {
     "verbosity": "low",
     "web_search_options": {},
     "echo": True,
-    "add_special_tokens": True,
     "chat_template": "{{ messages }}",
     "documents": [{"title": "a", "text": "b"}],
     "mm_processor_kwargs": {"num_crops": 4},
@@ -82,7 +80,7 @@ def test_every_listed_field_has_a_case():
 
 
 # Every field on both endpoints (one that does not apply is refused all the same), except where
-# the endpoint implements it (echo and add_special_tokens are completion fields).
+# the endpoint implements it (echo is a completion field).
 REFUSED = [
     (*endpoint, field, value)
     for endpoint, model in ((COMPLETION, CompletionRequest), (CHAT, ChatCompletionRequest))
@@ -176,7 +174,6 @@ NOOPS_CHAT = [
     ("function_call", "auto"),
     ("modalities", ["text"]),
     ("echo", False),
-    ("add_special_tokens", False),
 ]
 NOOPS_COMPLETION = [("suffix", "")]
 

@@ -403,3 +403,38 @@ def test_token_prompt_is_decoded_only_for_echo(fake, monkeypatch):
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["text"].startswith("ab") is echo
         assert ([97, 98] in decoded) is echo
+
+
+def test_request_id_names_the_response(fake):
+    _, client = fake
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    r = client.post("/v1/completions", json={"prompt": "ab", "max_tokens": 2, "request_id": "a-1"})
+    assert r.status_code == 200 and r.json()["id"] == "cmpl-a-1"
+    r = client.post("/v1/chat/completions", json={**chat, "request_id": "a-2", "stream": True})
+    first = json.loads(r.text.split("\n\n")[0][len("data: ") :])
+    assert first["id"] == "chatcmpl-a-2"
+    for bad in ("has space", "x" * 129, ""):
+        _err(
+            client.post("/v1/chat/completions", json={**chat, "request_id": bad}), 400, "request_id"
+        )
+
+
+def test_chat_add_special_tokens_adds_the_tokenizers(fake):
+    """Off by default for chat (the template has what the model wants), as vLLM; asked, the
+    tokenizer's own (a BOS) come on top, in the prompt that runs and in /tokenize."""
+    engine, client = fake
+    engine.tokenizer.bos_id = 2
+    try:
+        msgs = {"messages": [{"role": "user", "content": "hi"}]}
+        plain = client.post("/tokenize", json=msgs).json()["tokens"]
+        asked = client.post("/tokenize", json={**msgs, "add_special_tokens": True}).json()
+        assert plain[0] != 2 and asked["tokens"] == [2] + plain
+        assert client.post("/tokenize", json={"prompt": "hi"}).json()["tokens"][0] == 2
+        body = {**msgs, "max_tokens": 1}
+        usage = [
+            client.post("/v1/chat/completions", json={**body, **extra}).json()["usage"]
+            for extra in ({}, {"add_special_tokens": True})
+        ]
+        assert usage[1]["prompt_tokens"] == usage[0]["prompt_tokens"] + 1 == len(plain) + 1
+    finally:
+        engine.tokenizer.bos_id = None
