@@ -95,7 +95,10 @@ class Frontend:
         loop that will consume the outputs."""
         self._check_alive()
         text, ids = self.tokenize_prompt(prompt)
-        text, ids = truncate_prompt(text, ids, params, self.model_info().max_model_len)
+        keep = getattr(
+            params, "truncate_prompt_tokens", None
+        )  # not a SamplingParams: validate says
+        text, ids = truncate_prompt(text, ids, keep, self.model_info().max_model_len)
         self.validate(ids, params)  # bad input fails here, alone
         if request_id in self._streams:
             raise InvalidRequest(f"request id {request_id!r} is already in use")

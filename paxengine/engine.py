@@ -209,7 +209,10 @@ class EngineCore:
         if request_id in self.groups:
             raise InvalidRequest(f"request id {request_id!r} is already in use")
         text, ids = self.tokenize_prompt(prompt)
-        text, ids = truncate_prompt(text, ids, params, self.info.limits.max_model_len)
+        keep = getattr(
+            params, "truncate_prompt_tokens", None
+        )  # not a SamplingParams: validate says
+        text, ids = truncate_prompt(text, ids, keep, self.info.limits.max_model_len)
         self.validate(ids, params)
         ids = [int(t) for t in ids]
         now = time.monotonic()

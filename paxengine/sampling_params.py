@@ -12,6 +12,16 @@ MAX_N = 64
 MAX_LOGIT_BIAS = 300
 
 
+def check_truncate_prompt_tokens(k) -> None:
+    """None, -1 or an integer >= 1 (the one check: SamplingParams.validate and
+    validation.truncate_prompt, which runs before it, both call it)."""
+    if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < -1 or k == 0):
+        raise InvalidRequest(
+            f"truncate_prompt_tokens: must be -1 or an integer >= 1, got {k!r}",
+            param="truncate_prompt_tokens",
+        )
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -120,9 +130,7 @@ class SamplingParams:
             bad("priority", f"must be an integer, got {self.priority!r}")
         if not -(2**31) <= self.priority < 2**31:
             bad("priority", f"must fit in 32 bits, got {self.priority}")
-        k = self.truncate_prompt_tokens
-        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < -1 or k == 0):
-            bad("truncate_prompt_tokens", f"must be -1 or an integer >= 1, got {k!r}")
+        check_truncate_prompt_tokens(self.truncate_prompt_tokens)
         if self.seed is not None and not isinstance(self.seed, int):
             bad("seed", f"must be an integer, got {self.seed!r}")
         if not all(isinstance(s, str) and s for s in self.stop):

@@ -10,7 +10,7 @@ from typing import Sequence
 import numpy as np
 
 from paxengine.errors import InvalidRequest
-from paxengine.sampling_params import SamplingParams
+from paxengine.sampling_params import SamplingParams, check_truncate_prompt_tokens
 
 
 @dataclass(frozen=True)
@@ -70,18 +70,13 @@ def validate_request(
 
 
 def truncate_prompt(
-    text: str | None, ids: list[int], params: SamplingParams, max_model_len: int
+    text: str | None, ids: list[int], k: int | None, max_model_len: int
 ) -> tuple[str | None, list[int]]:
-    """The prompt as `params.truncate_prompt_tokens` keeps it: its last k token ids (-1: the
-    last max_model_len), its text dropped when tokens were cut (it no longer says what runs)."""
-    k = getattr(params, "truncate_prompt_tokens", None)  # not a SamplingParams: validate says
+    """The prompt as truncate_prompt_tokens k keeps it: its last k token ids (-1: the last
+    max_model_len), its text dropped when tokens were cut (it no longer says what runs)."""
+    check_truncate_prompt_tokens(k)
     if k is None:
         return text, ids
-    if isinstance(k, bool) or not isinstance(k, int) or k < -1 or k == 0:
-        raise InvalidRequest(
-            f"truncate_prompt_tokens: must be -1 or an integer >= 1, got {k!r}",
-            param="truncate_prompt_tokens",
-        )
     if k > max_model_len:
         raise InvalidRequest(
             f"truncate_prompt_tokens: {k} exceeds max_model_len ({max_model_len})",

@@ -158,11 +158,12 @@ def _truncated(state: ServerState, req, prompts: list[tuple[str, list[int]]]):
     text is what its kept tokens say (echo shows it)."""
     if req.truncate_prompt_tokens is None:
         return prompts
-    keep = SamplingParams(truncate_prompt_tokens=req.truncate_prompt_tokens)
     out = []
     for text, ids in prompts:
         try:
-            cut_text, cut = truncate_prompt(text, ids, keep, state.max_model_len)
+            cut_text, cut = truncate_prompt(
+                text, ids, req.truncate_prompt_tokens, state.max_model_len
+            )
         except InvalidRequest as e:
             raise state.api_error(e) from None
         if cut_text is None:

@@ -40,14 +40,13 @@ def test_truncate_prompt_keeps_the_last_tokens():
     from paxengine.validation import truncate_prompt
 
     ids = list(range(10))
-    keep = lambda k: SamplingParams(truncate_prompt_tokens=k)  # noqa: E731
-    assert truncate_prompt("t", ids, SamplingParams(), 8) == ("t", ids)  # unset: untouched
-    assert truncate_prompt("t", ids, keep(4), 16) == (None, [6, 7, 8, 9])  # cut: no text
-    assert truncate_prompt("t", ids, keep(10), 16) == ("t", ids)  # nothing cut: text kept
-    assert truncate_prompt("t", ids, keep(-1), 7) == (None, ids[-7:])  # -1: max_model_len
+    assert truncate_prompt("t", ids, None, 8) == ("t", ids)  # unset: untouched
+    assert truncate_prompt("t", ids, 4, 16) == (None, [6, 7, 8, 9])  # cut: no text
+    assert truncate_prompt("t", ids, 10, 16) == ("t", ids)  # nothing cut: text kept
+    assert truncate_prompt("t", ids, -1, 7) == (None, ids[-7:])  # -1: max_model_len
     for k, why in ((0, "must be -1 or an integer >= 1"), (-2, "must be"), (9, "exceeds")):
         with pytest.raises(InvalidRequest, match=why) as e:
-            truncate_prompt("t", ids, keep(k), 8)
+            truncate_prompt("t", ids, k, 8)
         assert e.value.param == "truncate_prompt_tokens"
     with pytest.raises(InvalidRequest, match="truncate_prompt_tokens"):
         SamplingParams(truncate_prompt_tokens=True).validate(100)
