@@ -20,7 +20,8 @@ from serving.config import ServerConfig
 from serving.errors import ApiError, bad_request, install_error_handlers, parse_body
 from serving.generation import ServerState
 from serving.metrics import CONTENT_TYPE
-from serving.openai_api import chat_prompt, respond
+from serving.openai_api import respond
+from serving.prompts import chat_prompt
 from serving.protocol import (
     ChatCompletionRequest,
     CompletionRequest,

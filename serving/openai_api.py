@@ -17,8 +17,6 @@ from starlette.responses import StreamingResponse
 from paxengine.errors import InvalidRequest
 from paxengine.sampling_params import MAX_LOGPROBS, SamplingParams
 from paxengine.structured import StructuredOutputs
-from paxengine.tokenizer import RESERVED_TEMPLATE_VARIABLES
-from paxengine.validation import truncate_prompt
 from serving import constraints, tool_responses, tools
 from serving.errors import ApiError, bad_request, internal_error
 from serving.generation import (
@@ -31,6 +29,7 @@ from serving.generation import (
     until_disconnect,
 )
 from serving.logprobs import chat_logprobs, completion_logprobs
+from serving.prompts import chat_prompt, completion_prompts, truncated
 from serving.protocol import (
     ChatChoice,
     ChatCompletionChunk,
@@ -38,7 +37,6 @@ from serving.protocol import (
     ChatResponseMessage,
     ChatStreamChoice,
     CompletionChoice,
-    CompletionRequest,
     CompletionResponse,
     DeltaMessage,
     PromptTokensDetails,
@@ -132,89 +130,6 @@ def sampling_params(
     )
 
 
-def _prompts(state: ServerState, req: CompletionRequest) -> list[tuple[str, list[int]]]:
-    """(prompt text, prompt token ids) for each prompt of a completion request."""
-    p, tok = req.prompt, state.tokenizer
-    if isinstance(p, str):
-        items: list = [p]
-    elif not p:
-        raise bad_request("prompt is empty", "prompt")
-    else:
-        items = [p] if isinstance(p[0], int) else list(p)
-    out = []
-    for item in items:
-        if isinstance(item, str):
-            ids = list(tok.encode(item, add_special_tokens=req.add_special_tokens))
-            out.append((item, ids))
-        else:
-            state.check_tokens(item)
-            # the text only echo shows: decoding a long prompt is host time a burst queues behind
-            out.append((tok.decode(list(item)) if req.echo else "", list(item)))
-    return out
-
-
-def _truncated(state: ServerState, req, prompts: list[tuple[str, list[int]]]):
-    """The prompts as `truncate_prompt_tokens` keeps them (the engine's rule); a cut prompt's
-    text is what its kept tokens say (echo shows it)."""
-    if req.truncate_prompt_tokens is None:
-        return prompts
-    out = []
-    for text, ids in prompts:
-        try:
-            cut_text, cut = truncate_prompt(
-                text, ids, req.truncate_prompt_tokens, state.max_model_len
-            )
-        except InvalidRequest as e:
-            raise state.api_error(e) from None
-        if cut_text is None:
-            cut_text = state.tokenizer.decode(cut) if getattr(req, "echo", False) else ""
-        out.append((cut_text, cut))
-    return out
-
-
-def chat_prompt(state: ServerState, req, tool_defs=None) -> tuple[str, list[int]]:
-    """req: a chat completion or a tokenize request (its messages and template options);
-    tool_defs: the tools to show the model (OpenAI dicts), or None."""
-    # `name` goes to the template as vLLM passes it (templates that know it use it)
-    msgs = [
-        {
-            "role": "system" if m.role == "developer" else m.role,
-            "content": m.text(),
-            **({"name": m.name} if m.name is not None else {}),
-            **({"tool_calls": [c.model_dump() for c in m.tool_calls]} if m.tool_calls else {}),
-            **({"tool_call_id": m.tool_call_id} if m.tool_call_id is not None else {}),
-        }
-        for m in req.messages
-    ]
-    if req.continue_final_message and req.add_generation_prompt:
-        raise bad_request(
-            "continue_final_message: set add_generation_prompt to false with it (the answer "
-            "goes on inside the last message, not in a new turn)",
-            "continue_final_message",
-        )
-    variables = req.chat_template_kwargs or {}
-    taken = sorted(RESERVED_TEMPLATE_VARIABLES & variables.keys())
-    if taken:
-        raise bad_request(
-            f"chat_template_kwargs: {', '.join(taken)} are set by the server, not the request",
-            "chat_template_kwargs",
-        )
-    options = {"continue_final_message": True} if req.continue_final_message else {}
-    try:
-        msgs, extra = tools.template_inputs(
-            msgs, tool_defs, getattr(state.tokenizer, "chat_template", None)
-        )
-        text = state.tokenizer.apply_chat_template(
-            msgs, add_generation_prompt=req.add_generation_prompt, **options, **variables, **extra
-        )
-    except Exception as e:  # template errors (role order, ...) are the client's
-        raise bad_request(f"messages: the chat template rejected them: {e}", "messages") from None
-    # the template holds the special tokens the model wants; a request may ask for the
-    # tokenizer's on top (vLLM's add_special_tokens, off by default for chat)
-    special = bool(req.add_special_tokens)
-    return text, list(state.tokenizer.encode(text, add_special_tokens=special))
-
-
 # ----------------------------------------------------------------------------- shared driver
 class _Call:
     """One API call: its prompts, engine jobs, and what has been sent so far (for deltas)."""
@@ -289,9 +204,7 @@ async def prepare(state: ServerState, kind: str, req) -> _Call:
             )
         tool_defs = [t.model_dump(exclude_none=True) for t in req.tools] if mode else None
         size = sum(len(m.text()) for m in req.messages)
-        prompts = _truncated(
-            state, req, [await _off_loop(size, chat_prompt, state, req, tool_defs)]
-        )
+        prompts = truncated(state, req, [await _off_loop(size, chat_prompt, state, req, tool_defs)])
         k = (req.top_logprobs or 0) if req.logprobs else None
         max_tokens = (
             req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -301,7 +214,7 @@ async def prepare(state: ServerState, kind: str, req) -> _Call:
     else:
         p = req.prompt
         size = len(p) if isinstance(p, str) else sum(len(x) for x in p if isinstance(x, str))
-        prompts = _truncated(state, req, await _off_loop(size, _prompts, state, req))
+        prompts = truncated(state, req, await _off_loop(size, completion_prompts, state, req))
         k, max_tokens = req.logprobs, req.max_tokens
         if max_tokens is None:
             max_tokens = max(1, state.max_model_len - max(len(ids) for _, ids in prompts))

@@ -194,7 +194,7 @@ def test_truncate_prompt_tokens(client, server, http):
     )
     alone = client.completions.create(prompt=ids[-5:], **kw)
     assert cut.usage.prompt_tokens == 5 < len(ids)
-    head = http.post("/detokenize", json={"tokens": ids[-5:]}).json()["prompt"]
+    head = http_detok(http, ids[-5:])
     assert cut.choices[0].text == head + alone.choices[0].text and not text.startswith(head)
     chat = client.chat.completions.create(
         messages=MSG, extra_body={"truncate_prompt_tokens": 3}, **kw

@@ -1,0 +1,96 @@
+"""A request's prompts as (text, token ids): a completion's prompt forms, a chat's messages
+through the chat template (its options and variables), and truncate_prompt_tokens' cut. The
+endpoints (openai_api.py, /tokenize in app.py) build their prompts here."""
+
+from __future__ import annotations
+
+from paxengine.errors import InvalidRequest
+from paxengine.tokenizer import RESERVED_TEMPLATE_VARIABLES
+from paxengine.validation import truncate_prompt
+from serving import tools
+from serving.errors import bad_request
+from serving.generation import ServerState
+from serving.protocol import CompletionRequest
+
+
+def completion_prompts(state: ServerState, req: CompletionRequest) -> list[tuple[str, list[int]]]:
+    """(prompt text, prompt token ids) for each prompt of a completion request."""
+    p, tok = req.prompt, state.tokenizer
+    if isinstance(p, str):
+        items: list = [p]
+    elif not p:
+        raise bad_request("prompt is empty", "prompt")
+    else:
+        items = [p] if isinstance(p[0], int) else list(p)
+    out = []
+    for item in items:
+        if isinstance(item, str):
+            ids = list(tok.encode(item, add_special_tokens=req.add_special_tokens))
+            out.append((item, ids))
+        else:
+            state.check_tokens(item)
+            # the text only echo shows: decoding a long prompt is host time a burst queues behind
+            out.append((tok.decode(list(item)) if req.echo else "", list(item)))
+    return out
+
+
+def truncated(state: ServerState, req, prompts: list[tuple[str, list[int]]]):
+    """The prompts as `truncate_prompt_tokens` keeps them (the engine's rule); a cut prompt's
+    text is what its kept tokens say (echo shows it)."""
+    if req.truncate_prompt_tokens is None:
+        return prompts
+    out = []
+    for text, ids in prompts:
+        try:
+            cut_text, cut = truncate_prompt(
+                text, ids, req.truncate_prompt_tokens, state.max_model_len
+            )
+        except InvalidRequest as e:
+            raise state.api_error(e) from None
+        if cut_text is None:
+            cut_text = state.tokenizer.decode(cut) if getattr(req, "echo", False) else ""
+        out.append((cut_text, cut))
+    return out
+
+
+def chat_prompt(state: ServerState, req, tool_defs=None) -> tuple[str, list[int]]:
+    """req: a chat completion or a tokenize request (its messages and template options);
+    tool_defs: the tools to show the model (OpenAI dicts), or None."""
+    # `name` goes to the template as vLLM passes it (templates that know it use it)
+    msgs = [
+        {
+            "role": "system" if m.role == "developer" else m.role,
+            "content": m.text(),
+            **({"name": m.name} if m.name is not None else {}),
+            **({"tool_calls": [c.model_dump() for c in m.tool_calls]} if m.tool_calls else {}),
+            **({"tool_call_id": m.tool_call_id} if m.tool_call_id is not None else {}),
+        }
+        for m in req.messages
+    ]
+    if req.continue_final_message and req.add_generation_prompt:
+        raise bad_request(
+            "continue_final_message: set add_generation_prompt to false with it (the answer "
+            "goes on inside the last message, not in a new turn)",
+            "continue_final_message",
+        )
+    variables = req.chat_template_kwargs or {}
+    taken = sorted(RESERVED_TEMPLATE_VARIABLES & variables.keys())
+    if taken:
+        raise bad_request(
+            f"chat_template_kwargs: {', '.join(taken)} are set by the server, not the request",
+            "chat_template_kwargs",
+        )
+    options = {"continue_final_message": True} if req.continue_final_message else {}
+    try:
+        msgs, extra = tools.template_inputs(
+            msgs, tool_defs, getattr(state.tokenizer, "chat_template", None)
+        )
+        text = state.tokenizer.apply_chat_template(
+            msgs, add_generation_prompt=req.add_generation_prompt, **options, **variables, **extra
+        )
+    except Exception as e:  # template errors (role order, ...) are the client's
+        raise bad_request(f"messages: the chat template rejected them: {e}", "messages") from None
+    # the template holds the special tokens the model wants; a request may ask for the
+    # tokenizer's on top (vLLM's add_special_tokens, off by default for chat)
+    special = bool(req.add_special_tokens)
+    return text, list(state.tokenizer.encode(text, add_special_tokens=special))
