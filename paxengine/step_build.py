@@ -128,6 +128,14 @@ def first_buckets(pairs, token_buckets, seq_buckets) -> list[tuple[int, int]]:
     return [p for p in dict.fromkeys(first) if p in pairs]
 
 
+def background_order(job) -> tuple:
+    """The background's build order: samplers and chained steps before forwards (a step that
+    runs in a larger forward bucket meanwhile is only slower), each kind by its shape. The kind
+    comes before the shape: a chained (T, S) and a sampler's (S, flags) do not compare."""
+    kind = job[0][0]
+    return (kind == "fwd", kind, job[0][1:])
+
+
 class StepBuilder:
     """Fills one Runner's `compiled`, `chained`, `samplers` and `_layouts`, and primes them. The
     runner says what each bucket's program is (its `_forward_job` and `_chain_job`: a store key,
@@ -206,9 +214,7 @@ class StepBuilder:
                 if (j[0][0] == "fwd" and j[0][1:] in first)
                 or (j[0][0] == "smp" and j[0][2] in (cheap, full))
             ]
-            later = sorted(
-                (j for j in jobs if j not in now), key=lambda j: (j[0][0] == "fwd", j[0][1:])
-            )
+            later = sorted((j for j in jobs if j not in now), key=background_order)
             jobs = now
         bar = tqdm(total=len(jobs), desc="compiling step buckets", disable=not show_progress)
         self._build(jobs, bar.update)

@@ -138,3 +138,31 @@ def test_overlapping_cache_bypasses_end_with_the_last():
         assert jax.config.jax_enable_compilation_cache
     finally:
         jax.config.update("jax_enable_compilation_cache", saved)
+
+
+def test_background_order_takes_chained_steps_and_samplers_of_equal_shape():
+    # a chained (16, 16) and a sampler of S=16 once compared (16,) < (flags,): the server's
+    # start-up with --speculative-config died there (issue #53)
+    from paxengine.step_build import background_order
+
+    jobs = [
+        (("fwd", 16, 16), None),
+        (("smp", 16, (0, 1, 0, 0)), None),
+        (("chn", 16, 16), None),
+        (("smp", 16, (0, 0, 0, 0)), None),
+    ]
+    keys = [j[0] for j in sorted(jobs, key=background_order)]
+    assert keys[-1] == ("fwd", 16, 16)
+    assert keys[:3] == [("chn", 16, 16), ("smp", 16, (0, 0, 0, 0)), ("smp", 16, (0, 1, 0, 0))]
+
+
+def test_ngram_speculation_starts_with_background_compile():
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}
+    # a chained step of one request (5 rows) runs in (16, 16), beside the samplers of S = 16
+    engine = dict(ENGINE, max_num_seqs=16, seq_buckets=[4, 16])
+    llm = LLM(**engine, background_compile=True, speculative_config=spec)
+    assert llm.engine.runner.builder.wait_background(300)
+    ref = LLM(**engine, speculative_config=spec)
+    params = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0)
+    got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    assert got == [o.outputs[0].token_ids for o in ref.generate(PROMPTS, params, use_tqdm=False)]
