@@ -140,7 +140,7 @@ class EngineCore:
             cfg.prime_steps if cfg.prime_steps is not None else jax.default_backend() == "gpu"
         )
         if self.primes:
-            dev = tp.mesh.devices.flat[0] if tp is not None else jax.devices()[0]
+            dev = tp.local_device if tp is not None else jax.devices()[0]
             engine_setup.prime_and_report(self.runner, num_blocks, dev, cfg.max_num_batched_tokens)
         self.grammars = GrammarCompiler(
             self.tokenizer, loaded.config.vocab_size, self.eos_token_ids

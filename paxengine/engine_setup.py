@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import kernels_pallas.layout
 from paxengine import kv_scales, parallel
@@ -224,9 +225,10 @@ def plan_kv_blocks(
         num_kv_blocks=cfg.num_kv_blocks,
         kv_cache_memory_bytes=cfg.kv_cache_memory_bytes,
         gpu_memory_utilization=cfg.gpu_memory_utilization,
-        device=tp.mesh.devices.flat[0] if tp is not None else None,
+        device=tp.local_device if tp is not None else None,
         step_tokens=cfg.max_num_batched_tokens,
     )
+    num_blocks = agree_across_processes(num_blocks)
     if cfg.num_kv_blocks:
         return num_blocks
     dtype = DTYPES[checked.dtype]
@@ -241,6 +243,17 @@ def plan_kv_blocks(
         d = eagle.bytes_per_block(checked.block_size, dtype)
         return max(1, num_blocks * t // (t + d))
     return num_blocks
+
+
+def agree_across_processes(num_blocks: int) -> int:
+    """Several hosts run one program over one mesh: the KV arrays' shapes, planned from each
+    host's own free memory, must be the same everywhere, so each takes the smallest plan."""
+    if jax.process_count() == 1:
+        return num_blocks
+    from jax.experimental import multihost_utils
+
+    plans = multihost_utils.process_allgather(np.int64(num_blocks))
+    return int(np.min(plans))
 
 
 @dataclass

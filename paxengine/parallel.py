@@ -55,6 +55,13 @@ class TensorParallel:
     def sharding(self, spec: P) -> NamedSharding:
         return NamedSharding(self.mesh, spec)
 
+    @property
+    def local_device(self):
+        """The first of the mesh's devices this process owns: the one whose memory it can read
+        (several hosts: the mesh's first device belongs to process 0 alone)."""
+        mine = jax.process_index()
+        return next(d for d in self.mesh.devices.flat if d.process_index == mine)
+
     def psum(self, x: jax.Array) -> jax.Array:
         return jax.lax.psum(x, AXIS)
 

@@ -14,8 +14,11 @@ from devices import SMALL, truncated_smollm2
 from paxengine import LLM, SamplingParams
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-# one token bucket: the 32-token forward runs every step, one compile less in each process
-ENGINE = dict(SMALL, layer_loop="unroll", token_buckets=[32])
+# one token bucket: the 32-token forward runs every step, one compile less in each process.
+# No num_kv_blocks: each process plans its KV pool as a single process does (kv_memory), on the
+# mesh's devices it owns; a plan that read another host's device broke multi-host once.
+ENGINE = {k: v for k, v in SMALL.items() if k != "num_kv_blocks"}
+ENGINE.update(layer_loop="unroll", token_buckets=[32])
 
 
 def _free_port() -> int:
