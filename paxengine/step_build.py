@@ -17,7 +17,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import jax
 import jax.numpy as jnp
@@ -26,8 +26,11 @@ from tqdm import tqdm
 
 import kernels_pallas
 from paxengine.batch import StepArrays, bucket_pairs, pick
-from paxengine.executables import bypassing_jax_cache
+from paxengine.executables import ExecutableStore, bypassing_jax_cache
 from paxengine.models import quant
+from paxengine.models.config import ModelConfig
+from paxengine.packing import PackedLayout
+from paxengine.parallel import TensorParallel
 from paxengine.sampling import (
     SamplingTensors,
     abstract_sampling_tensors,
@@ -35,9 +38,7 @@ from paxengine.sampling import (
     pack_samples,
     sample,
 )
-
-if TYPE_CHECKING:
-    from paxengine.runner import Runner
+from paxengine.spec_decode.chain import ChainSpec
 
 log = logging.getLogger("paxengine")
 _compile_count = 0
@@ -136,13 +137,43 @@ def background_order(job) -> tuple:
     return (kind == "fwd", kind, job[0][1:])
 
 
+class StepRunner(Protocol):
+    """What a StepBuilder reads and fills of its runner: `runner.Runner` (and its subclasses),
+    named here by what it has, not imported (runner.py imports this module)."""
+
+    cfg: ModelConfig
+    tp: TensorParallel | None
+    store: ExecutableStore | None
+    chain: ChainSpec | None
+    fp8: bool
+    placement: tuple
+    history_len: int
+    max_rows: int
+    max_blocks_per_seq: int
+    token_buckets: list[int]
+    seq_buckets: list[int]
+    sampler_flags: list[tuple]
+    compiled: dict  # filled here: (T, S) -> forward
+    chained: dict  # (T, S) -> chained verify step
+    samplers: dict  # (S, flags) -> sampler
+    _layouts: dict
+    prev_tokens: jax.Array
+
+    def step_layout(self, T: int, S: int) -> PackedLayout: ...
+    def sampling_layout(self, S: int, flags) -> PackedLayout: ...
+    def _chain_layout(self, T: int, S: int) -> PackedLayout: ...
+    def _forward_job(self, T: int, S: int) -> tuple: ...  # (store key, lower, XLA options)
+    def _chain_job(self, T: int, S: int) -> tuple: ...
+    def execute(self, arrays: StepArrays, st: SamplingTensors) -> tuple: ...
+
+
 class StepBuilder:
     """Fills one Runner's `compiled`, `chained`, `samplers` and `_layouts`, and primes them. The
     runner says what each bucket's program is (its `_forward_job` and `_chain_job`: a store key,
     a lowering and XLA options; a subclass may lower another forward); the samplers are lowered
     here, shared by every runner of the process with the same shapes."""
 
-    def __init__(self, runner: Runner):
+    def __init__(self, runner: StepRunner):
         self.runner = runner
         self.compile_seconds = self.trace_seconds = 0.0
         self.background: threading.Thread | None = None  # see build_all

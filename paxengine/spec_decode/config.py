@@ -12,6 +12,9 @@ MAX_SPECULATIVE_TOKENS = 16
 # vocabulary) is another architecture than EAGLE-3's, not a setting of it.
 _NOT_YET = ("eagle", "medusa", "mlp_speculator", "deepseek_mtp")
 _WITH_MODEL = ("draft", "eagle3")  # methods whose `model` the engine loads
+# config.json "architectures" of an EAGLE-3 Llama head (eagle3.py loads one; draft_model.py
+# refuses one as a draft model)
+EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 # Above this many running sequences the engine stops speculating: a verify step costs more than
 # it saves once the batch is compute-bound. On the H200 (8B, benchmarks/results/
 # gpu_2026-12-02_spec_launch/) a free-form acceptance already loses at batch 8 and a copy-heavy

@@ -42,6 +42,7 @@ from paxengine.batch import StepArrays
 from paxengine.request import Request
 from paxengine.runner import Runner, resolve_layer_loop
 from paxengine.sampling import build_sampling_tensors
+from paxengine.spec_decode.config import EAGLE3_ARCHITECTURES
 from paxengine.step_build import compile_count
 
 log = logging.getLogger("paxengine")
@@ -89,12 +90,10 @@ def _not_a_speculator(source: str) -> None:
     import json
     from pathlib import Path
 
-    from paxengine.spec_decode.eagle3 import ARCHITECTURES
-
     config = Path(str(source)).expanduser() / "config.json"
     if config.is_file():
         archs = json.loads(config.read_text()).get("architectures") or []
-        if any(a in ARCHITECTURES for a in archs):
+        if any(a in EAGLE3_ARCHITECTURES for a in archs):
             raise ValueError(
                 f"speculative_config: {source} is an EAGLE-3 speculator ({archs[0]}), not a "
                 "draft model: use method 'eagle3'"

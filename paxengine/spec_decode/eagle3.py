@@ -56,12 +56,12 @@ from paxengine.models.llama import _attention, rms_norm, rope_inv_freq, rope_tab
 from paxengine.models.quant import linear
 from paxengine.request import Request
 from paxengine.runner import AuxHidden, Runner
+from paxengine.spec_decode.config import EAGLE3_ARCHITECTURES
 from paxengine.spec_decode.draft_model import DraftProposer, _State, _Work
 from paxengine.step_build import abstract_of, compile_count
 
 log = logging.getLogger("paxengine")
 
-ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 # checkpoint name (after "midlayer.") -> our layer leaf, and whether it is a Linear [out, in]
 _LAYER = {
     "input_layernorm.weight": ("attn_norm", False),
@@ -124,8 +124,10 @@ def load_eagle3(cfg, spec, target_config: ModelConfig) -> Eagle3Speculator:
         raise FileNotFoundError(f"speculative_config: EAGLE-3 speculator {path}: no config.json")
     raw = json.loads((path / "config.json").read_text())
     archs = raw.get("architectures") or []
-    if not any(a in ARCHITECTURES for a in archs):
-        raise _err(path, f"architectures {archs} is not an EAGLE-3 Llama head {ARCHITECTURES}")
+    if not any(a in EAGLE3_ARCHITECTURES for a in archs):
+        raise _err(
+            path, f"architectures {archs} is not an EAGLE-3 Llama head {EAGLE3_ARCHITECTURES}"
+        )
     if raw.get("num_hidden_layers", 1) != 1:
         raise _err(path, f"{raw['num_hidden_layers']} decoder layers: only 1 is implemented")
     eagle_config = raw.get("eagle_config") or {}
