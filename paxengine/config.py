@@ -9,6 +9,8 @@ from pathlib import Path
 
 import yaml
 
+AUTO = "auto"  # a setting the engine fills in for its device class (paxengine/device_defaults.py)
+
 
 @dataclass
 class EngineConfig:
@@ -16,15 +18,19 @@ class EngineConfig:
     tokenizer: str | None = None  # defaults to the model's own
     dtype: str = "auto"  # auto | float32 | bfloat16 (auto: bf16 on GPU, fp32 on CPU)
     max_model_len: int | None = None  # None: min(model's max positions, 8192)
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
+    # None: the device class's default (paxengine/device_defaults.py: 512 / 8,192 on a GPU,
+    # 64 / 2,048 elsewhere)
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
     # while requests decode, a step's tokens (decodes first, then prompt chunks) stay under this:
-    # it bounds how long a prefill stalls their next token; None: max_num_batched_tokens
-    decode_step_token_budget: int | None = None
+    # it bounds how long a prefill stalls their next token; None: max_num_batched_tokens;
+    # "auto" (the server's default): the device class's (512 on a GPU, 32 on a CPU)
+    decode_step_token_budget: int | str | None = None
     # the largest cap while prompts wait to prefill: decode_step_token_budget doubles up to it
     # as the waiting prompt tokens reach 2x each doubled cap (scheduler._decoding_step_budget):
-    # a burst of arrivals is prefilled in large steps (its TTFT tail), a trickle in small ones
-    backlog_step_token_budget: int | None = None
+    # a burst of arrivals is prefilled in large steps (its TTFT tail), a trickle in small ones;
+    # "auto" (the server's default): 4,096 on a GPU, none on a CPU
+    backlog_step_token_budget: int | str | None = None
     # tokens per KV page; None: 64 for an fp8 cache (its V pages then stored [head_dim, 64], a
     # page per attention block: kernels_pallas.layout.v_transposed), 16 otherwise
     block_size: int | None = None

@@ -41,7 +41,7 @@ class DataParallelEngine:
         ]
         # a replica may be this many requests busier than the least loaded one and still get
         # a request whose prefix it holds
-        self.slack = max(2, cfg.max_num_seqs // 4)
+        self.slack = max(2, self.replicas[0].config.max_num_seqs // 4)  # its resolved one
         self._owner: dict[str, int] = {}
         self._turn = itertools.count()
         self.routed = [0] * n  # requests sent to each replica

@@ -11,8 +11,8 @@ from functools import partial
 import jax
 import numpy as np
 
-from paxengine import engine_setup, parallel
-from paxengine.batch import build_step, seq_buckets, token_buckets
+from paxengine import device_defaults, engine_setup, parallel
+from paxengine.batch import build_step
 from paxengine.client import served_name
 from paxengine.config import EngineConfig
 from paxengine.engine_setup import DTYPES
@@ -67,6 +67,7 @@ class EngineCore:
         engine_setup.check_role(cfg)
         pool_not_claimed = claim_device_memory(cfg.gpu_memory_utilization)  # before JAX's backend
         parallel.init_distributed(cfg.coordinator_address, cfg.num_processes, cfg.process_id)
+        cfg = self.config = device_defaults.resolve(cfg, jax.default_backend() == "gpu")
         checked = engine_setup.check_config(cfg, jax.default_backend() == "gpu")
         if checked.on_gpu and pool_not_claimed:
             engine_setup.log_pool_not_claimed(pool_not_claimed, cfg.gpu_memory_utilization)
@@ -97,9 +98,7 @@ class EngineCore:
             cfg, checked, loaded.config, tp, draft.config if draft is not None else None, eagle
         )
         self.kv = KVCacheManager(num_blocks, checked.block_size, cfg.enable_prefix_caching)
-        max_tokens = cfg.max_num_batched_tokens
-        tb = cfg.token_buckets or token_buckets(max_tokens)
-        sb = cfg.seq_buckets or seq_buckets(cfg.max_num_seqs)
+        tb, sb = cfg.token_buckets, cfg.seq_buckets
         self.scheduler = engine_setup.make_scheduler(
             cfg, self.kv, self.max_model_len, self.eos_token_ids, self.spec, tb, max(sb)
         )

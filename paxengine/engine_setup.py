@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import kernels_pallas.layout
-from paxengine import kv_scales, parallel
+from paxengine import device_defaults, kv_scales, parallel
 from paxengine.client import ModelInfo
 from paxengine.config import EngineConfig
 from paxengine.kv_memory import (
@@ -82,6 +82,7 @@ def check_role(cfg: EngineConfig) -> None:
 
 def check_config(cfg: EngineConfig, on_gpu: bool) -> Checked:
     """Every other setting one engine cannot run, refused by name before the model loads."""
+    cfg = device_defaults.resolve(cfg, on_gpu)  # as EngineCore runs it
     dtype = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if on_gpu else "float32")
     if dtype not in DTYPES or dtype == "fp8":
         raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {cfg.dtype!r}")
@@ -104,13 +105,15 @@ def check_config(cfg: EngineConfig, on_gpu: bool) -> Checked:
         raise ValueError(
             f"max_num_batched_tokens ({max_tokens}) must be >= max_num_seqs ({cfg.max_num_seqs})"
         )
-    budget = cfg.decode_step_token_budget
+    budget, backlog = cfg.decode_step_token_budget, cfg.backlog_step_token_budget
+    for name, v in (("decode_step_token_budget", budget), ("backlog_step_token_budget", backlog)):
+        if v is not None and not isinstance(v, int):  # "auto" is resolved by now
+            raise ValueError(f"{name} must be a number of tokens or 'auto', got {v!r}")
     if budget is not None and not 1 <= budget <= max_tokens:
         raise ValueError(
             f"decode_step_token_budget ({budget}) must be in [1, max_num_batched_tokens "
             f"({max_tokens})]"
         )
-    backlog = cfg.backlog_step_token_budget
     if backlog is not None and (budget is None or not budget <= backlog <= max_tokens):
         raise ValueError(
             f"backlog_step_token_budget ({backlog}) needs decode_step_token_budget and must be "

@@ -38,20 +38,23 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--tokenizer")
     e.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
     e.add_argument("--max-model-len", type=int)
-    e.add_argument("--max-num-seqs", type=int)
-    e.add_argument("--max-num-batched-tokens", type=int)
+    e.add_argument("--max-num-seqs", type=int, help="default: 512 on a GPU, 64 on a CPU")
+    e.add_argument(
+        "--max-num-batched-tokens", type=int, help="default: 8,192 on a GPU, 2,048 on a CPU"
+    )
     e.add_argument(
         "--decode-step-token-budget",
         type=int,
         help="while requests decode, a step takes at most this many tokens (bounds inter-token "
-        "latency under long prefills; default: --max-num-batched-tokens)",
+        "latency under long prefills; default: the device class's, 512 on a GPU, 32 on a CPU; "
+        "--max-num-batched-tokens turns it off)",
     )
     e.add_argument(
         "--backlog-step-token-budget",
         type=int,
         help="the largest cap while prompts wait to prefill: --decode-step-token-budget doubles "
         "up to it as the prompt tokens waiting reach twice each doubled cap (TTFT under load; "
-        "default: none)",
+        "default: 4,096 on a GPU, none on a CPU)",
     )
     e.add_argument("--block-size", type=int)
     e.add_argument("--num-kv-blocks", type=int)

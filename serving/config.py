@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from paxengine.config import EngineConfig
+from paxengine.config import AUTO, EngineConfig
 
 PERFORMANCE_MODES: dict[str, dict[str, Any]] = {
     # EngineConfig's own defaults
@@ -31,7 +31,13 @@ PERFORMANCE_MODES: dict[str, dict[str, Any]] = {
 #   builds the rest while it serves (H200, Llama-3.1-8B, a fresh machine: ready in 39-43 s
 #   instead of 87-110; a restart loads everything from the executable store either way). An offline run
 #   wants every bucket before its first step instead.
-SERVER_ENGINE_DEFAULTS: dict[str, Any] = {"background_compile": True}
+# - the step budgets while requests decode: the device class's (paxengine/device_defaults.py),
+#   so a long prefill does not stall the running streams; an offline run wants full steps.
+SERVER_ENGINE_DEFAULTS: dict[str, Any] = {
+    "background_compile": True,
+    "decode_step_token_budget": AUTO,
+    "backlog_step_token_budget": AUTO,
+}
 
 
 @dataclass
