@@ -1,0 +1,588 @@
+"""Gated DeltaNet kernels for Qwen3.5's linear-attention layers (issue #54, item 4): Pallas
+(Triton lowering) versions of the oracles in `gated_delta_ref.py`, whose docstring has the math,
+the ragged batch and the state pools (slots) they share.
+
+    gated_delta_rule(q, k, v, g, beta, state, query_start_loc, initial_slots,
+                     final_slots=None, position_slots=None, *, impl="chunk") -> (o, state)
+        prefill / mixed steps: impl="chunk" (WY form, chunks of 64 tokens, no position_slots)
+        or impl="recurrent" (token by token; position_slots allowed).
+    gated_delta_decode(x, conv_weight, conv_bias, g, beta, conv_state, state, initial_slots,
+                       final_slots=None, position_slots=None) -> (o, conv_state, state)
+        decode / verify steps: m = T / S tokens a sequence, the conv update (SiLU) fused with
+        the recurrence.
+    causal_conv1d(...)  the prefill conv with its state: the jnp oracle, one XLA fusion-friendly
+        pass (gathers and a K-tap sum); a kernel buys nothing measurable unmeasured.
+
+The pools are updated in place (`input_output_aliases`): under `jax.jit(...,
+donate_argnums=...)` nothing is copied. Only the slots written change.
+
+Work decomposition (all static shapes; the data decides which programs do work):
+
+* grid = (S, Hv, dv / block_v): a program owns one sequence, one value head and block_v of its
+  dv columns; its state block [dk, block_v] (f32) stays in registers for the whole sequence.
+  The key head is h // (Hv / Hk). A sequence with no tokens returns at once and writes nothing.
+* chunk (prefill): the sequence in chunks of C = 64 tokens (the last one masked). Per chunk:
+  q, k l2-normalised in f32, the in-chunk cumulative log-decay gc (a masked row sum),
+  A = strictly-lower (beta k k^T * exp(gc_i - gc_j)), T = (I + A)^-1 by forward substitution
+  (C row steps on the register tile), u = T (beta v), w = T (beta exp(gc) k); then
+  v' = u - w S, o = (exp(gc) q) S + tril(q k^T * exp(gc_i - gc_j)) v',
+  S = exp(gc_last) S + (exp(gc_last - gc) k)^T v'. Every dot in f32 (IEEE).
+  k-side work (A, T, w) is repeated by the Hv / Hk value heads and the dv / block_v blocks
+  sharing a key head: 4x at Qwen3.5-9B shapes with block_v 64.
+* recurrent / decode: token by token, S = exp(g) S; S += k (beta (v - S^T k))^T; o = S^T q, as
+  vector ops on the [dk, block_v] tile. With the conv (decode): the program's q, k and v
+  channels, their K - 1 previous inputs carried in registers (from the conv pool at the start),
+  the conv output rounded to x's dtype like the unfused path; the q / k channels' conv state is
+  written by the program of the key head's first value head and first dv block only.
+* Speculative verification (position_slots [S, P]): the state (and conv state) after each of
+  the first P tokens of a sequence goes to its own slot, so a verify step of k + 1 tokens per
+  sequence leaves every prefix's state behind; after accepting a tokens the state to continue
+  from is at position_slots[s, a - 1]: the engine then reads from that slot (initial_slots of
+  the next step) or copies it home. The engine reserves those P slots per sequence in the pool.
+  (The chunked form keeps no per-position states: verify steps go through the decode or the
+  recurrent kernel.)
+* Rows a program does not own are never stored; padding tokens of a ragged call are zeros (the
+  output buffer starts zeroed and is aliased in).
+
+Triton lowering like the attention kernels (`attention.py`: runs on jax 0.10 and 0.11, interpret
+mode on a CPU, CUDA lowering checked on a CPU: `lowering.lower_for_cuda`). Block shapes: dk,
+block_v and the chunk are powers of two (>= 16 for the chunk kernel's dots).
+
+Not tuned on a GPU (none here): block_v, num_warps and the f32 dots are first guesses; see
+kernels_pallas/README.md.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+from kernels_pallas.gated_delta_ref import (
+    L2NORM_EPS,
+    decode_dims,
+    flat_pool,
+    ref_causal_conv1d,
+    scatter_slots,
+)
+
+_HI = lax.Precision.HIGHEST
+CHUNK = 64
+
+
+def _pow2(x: int) -> bool:
+    return x >= 1 and not x & (x - 1)
+
+
+def _l2norm(x):
+    return x * lax.rsqrt(jnp.sum(x * x, axis=-1)[..., None] + L2NORM_EPS)
+
+
+PRECISIONS = ("ieee", "tf32", "bf16")
+
+
+def _dot(a, b, precision="ieee"):
+    """a @ b in f32: IEEE f32 dots, TF32 tensor-core dots, or bf16 operands (as FLA's kernels)."""
+    if precision == "bf16":
+        a, b = a.astype(jnp.bfloat16), b.astype(jnp.bfloat16)
+        return jnp.dot(a, b, preferred_element_type=jnp.float32)
+    p = _HI if precision == "ieee" else lax.Precision.DEFAULT
+    return jnp.dot(a, b, preferred_element_type=jnp.float32, precision=p)
+
+
+def _load_state(st_ref, slot, h, vb, *, Hv, dk, block_v):
+    """The [dk, block_v] f32 block of (slot, value head h) from the flat pool [N Hv dk, dv];
+    zeros where slot < 0."""
+    row = (jnp.maximum(slot, 0) * Hv + h) * dk
+    mask = jnp.broadcast_to(slot >= 0, (dk, block_v))
+    blk = st_ref.at[pl.ds(row, dk), pl.ds(vb * block_v, block_v)]
+    return plt.load(blk, mask=mask, other=0.0).astype(jnp.float32)
+
+
+def _store_state(st_ref, slot, h, vb, value, ok, *, Hv, dk, block_v):
+    row = (jnp.maximum(slot, 0) * Hv + h) * dk
+    mask = jnp.broadcast_to(ok & (slot >= 0), (dk, block_v))
+    blk = st_ref.at[pl.ds(row, dk), pl.ds(vb * block_v, block_v)]
+    plt.store(blk, value.astype(st_ref.dtype), mask=mask)
+
+
+# --- the chunked prefill kernel -----------------------------------------------------------------
+
+
+def _chunk_kernel(
+    qsl_ref,
+    slot_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    g_ref,
+    b_ref,
+    o_in,
+    st_in,
+    o_ref,
+    st_ref,
+    *,
+    G,
+    Hv,
+    dk,
+    dv,
+    block_v,
+    C,
+    scale,
+    use_qk_l2norm,
+    precision,
+):
+    del o_in, st_in  # aliased to o_ref / st_ref
+    f32 = jnp.float32
+    s, h, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    hk = h // G
+    start = qsl_ref[s]
+    end = qsl_ref[s + 1]
+    slot_in = slot_ref[s, 0]
+    slot_out = slot_ref[s, 1]
+    st = _load_state(st_ref, slot_in, h, vb, Hv=Hv, dk=dk, block_v=block_v)
+
+    r = jnp.arange(C, dtype=jnp.int32)
+    strict = r[None, :] < r[:, None]  # [i, j]: j < i
+    incl = r[None, :] <= r[:, None]
+    eye = (r[None, :] == r[:, None]).astype(f32)
+    v_col = h * dv + vb * block_v
+
+    def chunk(c, st):
+        r0 = start + c * C
+        ok = r0 + r < end
+        mk = jnp.broadcast_to(ok[:, None], (C, dk))
+        mv = jnp.broadcast_to(ok[:, None], (C, block_v))
+        q = plt.load(q_ref.at[pl.ds(r0, C), pl.ds(hk * dk, dk)], mask=mk, other=0.0).astype(f32)
+        k = plt.load(k_ref.at[pl.ds(r0, C), pl.ds(hk * dk, dk)], mask=mk, other=0.0).astype(f32)
+        v = plt.load(v_ref.at[pl.ds(r0, C), pl.ds(v_col, block_v)], mask=mv, other=0.0)
+        v = v.astype(f32)
+        g = plt.load(g_ref.at[pl.ds(r0, C), h], mask=ok, other=0.0).astype(f32)
+        beta = plt.load(b_ref.at[pl.ds(r0, C), h], mask=ok, other=0.0).astype(f32)
+        if use_qk_l2norm:
+            q, k = _l2norm(q), _l2norm(k)
+        q = q * scale
+        gc = jnp.sum(jnp.where(incl, g[None, :], 0.0), axis=1)  # in-chunk cumulative decay
+        diff = gc[:, None] - gc[None, :]
+        kb = k * beta[:, None]
+        A = _dot(kb, k.T, precision) * jnp.where(strict, jnp.exp(jnp.where(strict, diff, 0.0)), 0.0)
+
+        def subst(i, X):  # row i of (I + A)^-1: e_i - sum_{j < i} A[i, j] X[j, :]
+            a_i = jnp.sum(jnp.where(r[:, None] == i, A, 0.0), axis=0)
+            x_i = jnp.sum(a_i[:, None] * X, axis=0)
+            return jnp.where(r[:, None] == i, X - x_i[None, :], X)
+
+        Tm = lax.fori_loop(1, C, subst, eye)
+        u = _dot(Tm, v * beta[:, None], precision)  # [C, block_v]
+        w = _dot(Tm, kb * jnp.exp(gc)[:, None], precision)  # [C, dk]
+        v_new = u - _dot(w, st, precision)
+        attn = _dot(q, k.T, precision) * jnp.where(incl, jnp.exp(jnp.where(incl, diff, 0.0)), 0.0)
+        o = _dot(q * jnp.exp(gc)[:, None], st, precision) + _dot(attn, v_new, precision)
+        plt.store(o_ref.at[pl.ds(r0, C), pl.ds(v_col, block_v)], o.astype(o_ref.dtype), mask=mv)
+        g_last = jnp.sum(g)
+        kd = k * jnp.exp(g_last - gc)[:, None]
+        return st * jnp.exp(g_last) + _dot(kd.T, v_new, precision)
+
+    n = end - start
+    st = lax.fori_loop(0, (n + C - 1) // C, chunk, st)
+    _store_state(st_ref, slot_out, h, vb, st, n > 0, Hv=Hv, dk=dk, block_v=block_v)
+
+
+# --- the recurrent kernel (ragged, or decode with the conv fused) ------------------------------
+
+
+def _recurrent_kernel(
+    *refs,
+    conv,
+    m,
+    G,
+    Hk,
+    Hv,
+    dk,
+    dv,
+    block_v,
+    K,
+    C_ch,
+    N,
+    P,
+    scale,
+    use_qk_l2norm,
+    x_dtype,
+    aliased_out,
+):
+    f32 = jnp.float32
+    refs = list(refs)
+    qsl_ref = None if m else refs.pop(0)
+    slot_ref = refs.pop(0)
+    pos_ref = refs.pop(0) if P else None
+    if conv:
+        x_ref, w_ref, cb_ref = refs[:3]
+        refs = refs[3:]
+    else:
+        q_ref, k_ref, v_ref = refs[:3]
+        refs = refs[3:]
+    if conv:
+        cs_ref = refs.pop(0)
+    g_ref, b_ref = refs[:2]
+    refs = refs[2 + aliased_out + 1 :]  # past the aliased inputs
+    o_ref, st_ref = refs[:2]
+    cw_ref = refs[2] if conv else None
+
+    s, h, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    hk = h // G
+    if m:
+        start, n = s * m, m
+    else:
+        start = qsl_ref[s]
+        n = qsl_ref[s + 1] - start
+    slot_in = slot_ref[s, 0]
+    slot_out = slot_ref[s, 1]
+    st = _load_state(st_ref, slot_in, h, vb, Hv=Hv, dk=dk, block_v=block_v)
+    v_col = h * dv + vb * block_v
+
+    if conv:
+        K1 = K - 1
+        cq = hk * dk + jnp.arange(dk, dtype=jnp.int32)
+        ck = Hk * dk + cq
+        cv = 2 * Hk * dk + v_col + jnp.arange(block_v, dtype=jnp.int32)
+        chans = (cq, ck, cv)
+        # taps [K][channels] of the weight [C K] (flat), the bias
+        wts = [[w_ref[c * K + j].astype(f32) for j in range(K)] for c in chans]
+        bias = [cb_ref[c].astype(f32) for c in chans]
+        # The conv pool is only read: its q / k channels are read by all the G value heads and
+        # dv blocks of a key head, so no program may overwrite them in place. The new windows
+        # go to cw [S, 1 + P, C, K-1] (after the last token, after each of the first P), for the
+        # wrapper's scatter; q / k channels from one program of the key head.
+        qk_writer = (h % G == 0) & (vb == 0)
+        writers = (qk_writer, qk_writer, True)
+        end_idx = cw_ref.shape[0]  # past the end: a masked lane that is never touched
+
+        win0 = tuple(
+            tuple(
+                plt.load(
+                    cs_ref.at[(jnp.maximum(slot_in, 0) * C_ch + c) * K1 + j],
+                    mask=jnp.broadcast_to(slot_in >= 0, c.shape),
+                    other=0.0,
+                ).astype(f32)
+                for j in range(K1)
+            )
+            for c in chans
+        )
+
+        def store_windows(win, p, ok):
+            for c, wn, wr in zip(chans, win, writers):
+                good = ok & wr
+                for j in range(K1):
+                    idx = ((s * (1 + P) + p) * C_ch + c) * K1 + j
+                    plt.store(
+                        cw_ref.at[jnp.where(good, idx, end_idx)],
+                        wn[j].astype(cw_ref.dtype),
+                        mask=jnp.broadcast_to(good, c.shape),
+                    )
+
+    else:
+        win0 = ()
+
+    def token(i, carry):
+        st, win = carry
+        t = start + i
+        if conv:
+            cols = (hk * dk, Hk * dk + hk * dk, 2 * Hk * dk + v_col)
+            widths = (dk, dk, block_v)
+            outs, new_win = [], []
+            for col, wd, wt, bs, wn in zip(cols, widths, wts, bias, win):
+                xt = x_ref[t, pl.ds(col, wd)].astype(f32)
+                y = bs + wt[K1] * xt
+                for j in range(K1):
+                    y = y + wt[j] * wn[j]
+                y = y / (1.0 + jnp.exp(-y))  # SiLU
+                outs.append(y.astype(x_dtype).astype(f32))  # the unfused conv's rounding
+                new_win.append(wn[1:] + (xt,))
+            q, k, v = outs
+            win = tuple(new_win)
+        else:
+            q = q_ref[t, pl.ds(hk * dk, dk)].astype(f32)
+            k = k_ref[t, pl.ds(hk * dk, dk)].astype(f32)
+            v = v_ref[t, pl.ds(v_col, block_v)].astype(f32)
+        g_t = g_ref[t, h].astype(f32)
+        b_t = b_ref[t, h].astype(f32)
+        if use_qk_l2norm:
+            q, k = _l2norm(q), _l2norm(k)
+        q = q * scale
+        st = st * jnp.exp(g_t)
+        kv_mem = jnp.sum(st * k[:, None], axis=0)
+        st = st + k[:, None] * ((v - kv_mem) * b_t)[None, :]
+        o = jnp.sum(st * q[:, None], axis=0)
+        o_ref[t, pl.ds(v_col, block_v)] = o.astype(o_ref.dtype)
+        if P:
+            ps = pos_ref[s * P + jnp.minimum(i, P - 1)]
+            _store_state(st_ref, ps, h, vb, st, i < P, Hv=Hv, dk=dk, block_v=block_v)
+            if conv:
+                store_windows(win, 1 + jnp.minimum(i, P - 1), i < P)
+        return st, win
+
+    if m:
+        st, win = lax.fori_loop(0, m, token, (st, win0))
+    else:
+        st, win = lax.fori_loop(0, n, token, (st, win0))
+    _store_state(st_ref, slot_out, h, vb, st, n > 0, Hv=Hv, dk=dk, block_v=block_v)
+    if conv:
+        store_windows(win, 0, n > 0)
+
+
+# --- wrappers ----------------------------------------------------------------------------------
+
+
+def _slots(initial_slots, final_slots):
+    init = jnp.asarray(initial_slots, jnp.int32)
+    fin = init if final_slots is None else jnp.asarray(final_slots, jnp.int32)
+    return jnp.stack([init, fin], axis=1)  # [S, 2]
+
+
+def _block_v(block_v, dv, default):
+    block_v = block_v or min(dv, default)
+    if not _pow2(block_v) or dv % block_v:
+        raise ValueError(f"block_v must be a power of 2 dividing dv = {dv}, got {block_v}")
+    return block_v
+
+
+def gated_delta_rule(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    state,
+    query_start_loc,
+    initial_slots,
+    final_slots=None,
+    position_slots=None,
+    *,
+    scale=None,
+    use_qk_l2norm=True,
+    layer=None,
+    impl="chunk",
+    chunk_size=CHUNK,
+    block_v=None,
+    num_warps=None,
+    num_stages=1,
+    precision="ieee",
+    interpret=False,
+):
+    """The gated delta rule over a ragged batch (prefill, chunked prefill, mixed steps).
+
+    q, k [T, Hk, dk]; v [T, Hv, dv] (Hv a multiple of Hk); g, beta [T, Hv] (f32 best);
+    state [N, Hv, dk, dv] pool (or [L, N, ...] with `layer`); query_start_loc [S+1];
+    initial_slots, final_slots [S]; position_slots [S, P] (impl="recurrent" only): see
+    `gated_delta_ref`. impl "chunk" (WY, `chunk_size` tokens a step) or "recurrent".
+    precision (chunk): the dots' "ieee" f32, "tf32" or "bf16" operands (f32 accumulation).
+    -> (o [T, Hv, dv] in v.dtype (0 past query_start_loc[S]), state pool updated in place).
+    Oracles: `ref_chunk_gated_delta_rule`, `ref_gated_delta_rule`."""
+    T, Hk, dk = q.shape
+    Hv, dv = v.shape[1:]
+    if k.shape != q.shape or v.shape[0] != T or Hv % Hk:
+        raise ValueError(f"q, k [T, Hk, dk] and v [T, Hv, dv], got {q.shape} {k.shape} {v.shape}")
+    if g.shape != (T, Hv) or beta.shape != (T, Hv):
+        raise ValueError(f"g and beta must be [{T}, {Hv}], got {g.shape}, {beta.shape}")
+    if state.shape[-3:] != (Hv, dk, dv):
+        raise ValueError(f"state must be [(L,) N, {Hv}, {dk}, {dv}], got {state.shape}")
+    if impl not in ("chunk", "recurrent"):
+        raise ValueError(f"impl must be 'chunk' or 'recurrent', got {impl!r}")
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    if impl == "chunk" and position_slots is not None:
+        raise ValueError("position_slots need impl='recurrent' (the chunked form keeps none)")
+    if not _pow2(dk) or (impl == "chunk" and (dk < 16 or not _pow2(chunk_size) or chunk_size < 16)):
+        raise ValueError(f"dk ({dk}) and chunk_size ({chunk_size}) must be powers of 2 (>= 16)")
+    block_v = _block_v(block_v, dv, 64 if impl == "chunk" else 32)
+    if impl == "chunk" and block_v < 16:
+        raise ValueError(f"block_v must be >= 16 for the chunk kernel's dots, got {block_v}")
+    pool, unflat, init_s, fin_s, pos_s = flat_pool(
+        state, layer, initial_slots, final_slots, position_slots, per_slot_ndim=3
+    )
+    N = pool.shape[0]
+    S = init_s.shape[0]
+    slots = _slots(init_s, fin_s)
+    scale = float(dk**-0.5 if scale is None else scale)
+    qsl = jnp.asarray(query_start_loc, jnp.int32)
+    common = dict(G=Hv // Hk, Hv=Hv, dk=dk, dv=dv, block_v=block_v, scale=scale)
+    common["use_qk_l2norm"] = bool(use_qk_l2norm)
+    o0 = jnp.zeros((T, Hv * dv), v.dtype)
+    st2 = pool.reshape(N * Hv * dk, dv)
+    grid = (S, Hv, dv // block_v)
+    params = plt.CompilerParams(num_warps=num_warps or 4, num_stages=num_stages)
+    if impl == "chunk":
+        kernel = functools.partial(_chunk_kernel, C=chunk_size, precision=precision, **common)
+        args = (qsl, slots)
+        name = f"gated_delta_chunk_c{chunk_size}_v{block_v}_{precision}"
+        params = plt.CompilerParams(num_warps=num_warps or 8, num_stages=num_stages)
+    else:
+        P = 0 if pos_s is None else pos_s.shape[1]
+        kernel = functools.partial(
+            _recurrent_kernel,
+            conv=False,
+            m=0,
+            Hk=Hk,
+            K=0,
+            C_ch=0,
+            N=N,
+            P=P,
+            x_dtype=v.dtype,
+            aliased_out=True,
+            **common,
+        )
+        args = (qsl, slots) + ((pos_s.reshape(-1),) if P else ())
+        name = f"gated_delta_recurrent_v{block_v}"
+    args += (
+        q.reshape(T, Hk * dk),
+        k.reshape(T, Hk * dk),
+        v.reshape(T, Hv * dv),
+        g,
+        beta,
+        o0,
+        st2,
+    )
+    n = len(args)
+    o, st2 = pl.pallas_call(
+        kernel,
+        grid=grid,
+        out_shape=[
+            jax.ShapeDtypeStruct(o0.shape, o0.dtype),
+            jax.ShapeDtypeStruct(st2.shape, st2.dtype),
+        ],
+        input_output_aliases={n - 2: 0, n - 1: 1},
+        compiler_params=params,
+        interpret=interpret,
+        name=name,
+    )(*args)
+    return o.reshape(T, Hv, dv), unflat(st2.reshape(pool.shape))
+
+
+def gated_delta_decode(
+    x,
+    conv_weight,
+    conv_bias,
+    g,
+    beta,
+    conv_state,
+    state,
+    initial_slots,
+    final_slots=None,
+    position_slots=None,
+    *,
+    scale=None,
+    use_qk_l2norm=True,
+    layer=None,
+    block_v=None,
+    num_warps=4,
+    num_stages=1,
+    interpret=False,
+):
+    """A decode (m = 1) or verify (m = k + 1) step of a Gated DeltaNet layer in one kernel: the
+    depthwise conv update with SiLU, then the gated delta rule, m = T / S tokens per sequence.
+
+    x [S * m, C] (the in-projection's q | k | v before the conv, C = 2 Hk dk + Hv dv);
+    conv_weight [C, K]; conv_bias [C] or None; g, beta [S * m, Hv]; conv_state [N, C, K-1] and
+    state [N, Hv, dk, dv] pools (or [L, N, ...] with `layer`) sharing initial_slots /
+    final_slots [S] and position_slots [S, P] (P <= m: the states after each token).
+    -> (o [S * m, Hv, dv] in x.dtype, conv_state, state), pools updated in place.
+    Oracle: `ref_gated_delta_decode`."""
+    Hk, dk, Hv, dv = decode_dims(x, g, state, layer)
+    T, C_ch = x.shape
+    K = conv_weight.shape[1]
+    if conv_weight.shape != (C_ch, K) or K < 2:
+        raise ValueError(f"conv_weight must be [{C_ch}, K >= 2], got {conv_weight.shape}")
+    if not _pow2(dk):
+        raise ValueError(f"dk must be a power of 2, got {dk}")
+    block_v = _block_v(block_v, dv, 32)
+    S = initial_slots.shape[0]
+    if T % S:
+        raise ValueError(f"x has {T} tokens, not a multiple of the {S} sequences")
+    m = T // S
+    pool, unflat, init_s, fin_s, pos_s = flat_pool(
+        state, layer, initial_slots, final_slots, position_slots, per_slot_ndim=3
+    )
+    cpool, cunflat, *_ = flat_pool(conv_state, layer, per_slot_ndim=2)
+    N = pool.shape[0]
+    if cpool.shape != (N, C_ch, K - 1):
+        raise ValueError(f"conv_state must be [(L,) {N}, {C_ch}, {K - 1}], got {conv_state.shape}")
+    P = 0 if pos_s is None else pos_s.shape[1]
+    if conv_bias is None:
+        conv_bias = jnp.zeros((C_ch,), conv_weight.dtype)
+    kernel = functools.partial(
+        _recurrent_kernel,
+        conv=True,
+        m=m,
+        G=Hv // Hk,
+        Hk=Hk,
+        Hv=Hv,
+        dk=dk,
+        dv=dv,
+        block_v=block_v,
+        K=K,
+        C_ch=C_ch,
+        N=N,
+        P=P,
+        scale=float(dk**-0.5 if scale is None else scale),
+        use_qk_l2norm=bool(use_qk_l2norm),
+        x_dtype=x.dtype,
+        aliased_out=False,
+    )
+    st2 = pool.reshape(N * Hv * dk, dv)
+    slots = _slots(init_s, fin_s)
+    args = (slots,) + ((pos_s.reshape(-1),) if P else ())
+    args += (x, conv_weight.reshape(-1), conv_bias, cpool.reshape(-1), g, beta, st2)
+    o, st2, cw = pl.pallas_call(
+        kernel,
+        grid=(S, Hv, dv // block_v),
+        out_shape=[
+            jax.ShapeDtypeStruct((T, Hv * dv), x.dtype),
+            jax.ShapeDtypeStruct(st2.shape, st2.dtype),
+            jax.ShapeDtypeStruct((S * (1 + P) * C_ch * (K - 1),), cpool.dtype),
+        ],
+        input_output_aliases={len(args) - 1: 1},
+        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name=f"gated_delta_decode_m{m}_v{block_v}",
+    )(*args)
+    # the new conv windows into the pool: one scatter (after the kernel has read the pool)
+    dst = slots[:, 1:]
+    write = jnp.ones((S, 1), bool)
+    if P:
+        dst = jnp.concatenate([dst, pos_s], axis=1)
+        write = jnp.concatenate([write, jnp.arange(P)[None, :] < jnp.full((S, 1), m)], axis=1)
+    cpool = scatter_slots(cpool, dst.reshape(-1), cw.reshape(-1, C_ch, K - 1), write.reshape(-1))
+    return o.reshape(T, Hv, dv), cunflat(cpool), unflat(st2.reshape(pool.shape))
+
+
+def causal_conv1d(
+    x,
+    weight,
+    bias,
+    conv_state,
+    query_start_loc,
+    initial_slots,
+    final_slots=None,
+    position_slots=None,
+    *,
+    activation="silu",
+    layer=None,
+):
+    """The prefill conv with its state over a ragged batch: `gated_delta_ref.ref_causal_conv1d`
+    (XLA; same arguments). -> (y [T, C], conv_state)."""
+    return ref_causal_conv1d(
+        x,
+        weight,
+        bias,
+        conv_state,
+        query_start_loc,
+        initial_slots,
+        final_slots,
+        position_slots,
+        activation=activation,
+        layer=layer,
+    )
