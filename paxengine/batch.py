@@ -61,6 +61,10 @@ class StepArrays:
     # speculating row's last k + 1 (its last known token and its k drafts), rows packed in order
     logits_indices: np.ndarray
     prev_index: np.ndarray  # [T]: row of the previous step whose sampled token goes here, or -1
+    # [S]: each row's recurrent-state slot (a hybrid model's; -1: padding or none), and whether
+    # the slot holds the state of the tokens before this step (0: the row starts from zeros)
+    state_slots: np.ndarray | None = None
+    has_state: np.ndarray | None = None
 
     @classmethod
     def padding(cls, T: int, S: int, P: int, num_seqs: int) -> "StepArrays":
@@ -76,6 +80,8 @@ class StepArrays:
             np.asarray([num_seqs], np.int32),
             np.zeros(S, np.int32),
             np.full(T, -1, np.int32),
+            np.full(S, -1, np.int32),
+            np.zeros(S, np.int32),
         )
 
     def fields(self) -> tuple:
@@ -127,6 +133,8 @@ def build_step(
             positions[t : t + n] = pos
             slots[t : t + n] = blocks[pos // block_size] * block_size + pos % block_size
         tables[row, : len(blocks)] = blocks
+        arrays.state_slots[row] = req.state_slot
+        arrays.has_state[row] = start > 0
         if known < end and not drafts:
             assert known == end - 1, (req.request_id, known, end)
             prev_index[t + n - 1] = prev_rows[req.request_id]

@@ -25,6 +25,7 @@ from paxengine.kv_memory import (
     pool_peak,
     prime_or_explain,
 )
+from paxengine.models import registry
 from paxengine.models.loader import load_model
 from paxengine.models.quant import (
     GEMV_MAX_ROWS,
@@ -235,6 +236,22 @@ def plan_kv_blocks(
     if cfg.num_kv_blocks:
         return num_blocks
     dtype = DTYPES[checked.dtype]
+    slots = state_slots(cfg, model_config)
+    if slots:  # the recurrent layers' state slots come out of the same budget
+        per_block = kv_bytes_per_block(model_config, checked.block_size, checked.kv_dtype)
+        state = slots * registry.family(model_config).state_bytes_per_slot(model_config, dtype)
+        num_blocks -= -(-state // per_block)
+        if num_blocks < 1:
+            raise ValueError(
+                f"no memory left for KV pages beside {slots} recurrent state slots "
+                f"({state / 2**20:.0f} MiB): lower max_num_seqs"
+            )
+        log.info(
+            "%d recurrent state slots (%.1f MiB each): up to %d sequences at once",
+            slots,
+            state / slots / 2**20,
+            slots,
+        )
     if draft_config is not None:  # the KV budget holds both models' pages
         from paxengine.spec_decode.draft_model import share_kv_budget
 
@@ -257,6 +274,30 @@ def agree_across_processes(num_blocks: int) -> int:
 
     plans = multihost_utils.process_allgather(np.int64(num_blocks))
     return int(np.min(plans))
+
+
+def state_slots(cfg: EngineConfig, model_config) -> int:
+    """Per-request state slots of a model with recurrent layers: one per running sequence."""
+    return cfg.max_num_seqs if model_config.recurrent_layers else 0
+
+
+def check_hybrid(cfg: EngineConfig, checked: Checked, model_config, spec) -> None:
+    """What a model with recurrent layers (Qwen3.5) cannot run yet, refused by name."""
+    if not model_config.recurrent_layers:
+        return
+    name = model_config.family
+    for what, unsupported in (
+        ("speculative_config", spec is not None),
+        ("tensor_parallel_size > 1", cfg.tensor_parallel_size > 1),
+        ("quantization fp8", checked.quantization is not None),
+        ("kv_cache_dtype fp8", checked.kv_dtype_name == "fp8"),
+        ("kv_transfer_config", cfg.kv_transfer_config is not None),
+        ("several processes", cfg.num_processes > 1),
+    ):
+        if unsupported:
+            raise ValueError(f"{what} is not implemented for {name} models yet")
+    if cfg.enable_prefix_caching:
+        log.info("%s: prefix caching is off (recurrent state snapshots are not kept yet)", name)
 
 
 @dataclass
@@ -283,6 +324,7 @@ def load_models(cfg: EngineConfig, checked: Checked, spec) -> Models:
         quantization=checked.quantization,
     )
     load_seconds = time.perf_counter() - t0
+    check_hybrid(cfg, checked, loaded.config, spec)
     tokenizer, eos = loaded.tokenizer, loaded.eos_token_ids
     if cfg.tokenizer:
         from paxengine.tokenizer import Tokenizer

@@ -67,9 +67,21 @@ _BROKEN = object()  # a request's chain can no longer be published (see cache_co
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        num_state_slots: int = 0,
+    ):
+        """num_state_slots: a hybrid model's recurrent layers keep one fixed-size state per
+        request (vLLM's mamba state beside the attention pages): a request holds a slot from
+        admission to its end (finish, abort, preemption) as it holds blocks, and is admitted
+        only when both are free. 0: the model has no such layers."""
         if num_blocks < 1:
             raise ValueError(f"the KV pool needs at least 1 block, got {num_blocks}")
+        self.num_state_slots = num_state_slots
+        self.free_slots: list[int] = list(range(num_state_slots - 1, -1, -1))  # pop() -> 0 first
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -244,7 +256,10 @@ class KVCacheManager:
         All or nothing: returns False, changing nothing, when the pool is too small."""
         total = req.num_computed_tokens + len(cached_blocks) * self.block_size + num_new_tokens
         need = self.blocks_needed(total) - len(req.block_ids) - len(cached_blocks)
-        if need <= 0 and not cached_blocks:
+        new_slot = self.num_state_slots > 0 and req.state_slot < 0
+        if new_slot and not self.free_slots:
+            return False
+        if need <= 0 and not cached_blocks and not new_slot:
             return True  # most decode steps: the last block has room
         # Cached blocks taken from the free list do not count as free for the new ones.
         revived = sum(1 for b in cached_blocks if self.ref_counts[b] == 0)
@@ -255,6 +270,8 @@ class KVCacheManager:
             self.prefix_hits += min(len(cached_blocks) * self.block_size, req.num_prompt_tokens)
         for b in cached_blocks:
             self._take(b)
+        if new_slot:
+            req.state_slot = self.free_slots.pop()
         req.block_ids.extend(cached_blocks)
         req.block_ids.extend(self._pop_free() for _ in range(max(need, 0)))
         return True
@@ -281,4 +298,7 @@ class KVCacheManager:
             if self.ref_counts[b] == 0:
                 self.free[b] = None
         req.clear_blocks()
+        if req.state_slot >= 0:  # a preempted request starts its state again from zeros
+            self.free_slots.append(req.state_slot)
+            req.state_slot = -1
         self._tail.pop(req.request_id, None)

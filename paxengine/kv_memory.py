@@ -88,18 +88,19 @@ def allocate_kv_cache(
     page = (block_size, cfg.head_dim)
     v_page = kernels_pallas.value_page_shape(kv_dtype, block_size, cfg.head_dim)
     if layer_loop == "scan":
-        lead = (cfg.num_layers, heads, num_blocks)
+        lead = (cfg.num_kv_layers, heads, num_blocks)
         return (zeros(lead + page, kv_dtype), zeros(lead + v_page, v_dtype))
     lead = (1, heads, num_blocks)
     return [
-        (zeros(lead + page, kv_dtype), zeros(lead + v_page, v_dtype)) for _ in range(cfg.num_layers)
+        (zeros(lead + page, kv_dtype), zeros(lead + v_page, v_dtype))
+        for _ in range(cfg.num_kv_layers)
     ]
 
 
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, kv_dtype) -> int:
     """K and V pages of one block over all layers (V in kernels_pallas.value_cache_dtype)."""
     itemsize = jnp.dtype(kv_dtype).itemsize + kernels_pallas.value_cache_dtype(kv_dtype).itemsize
-    return cfg.num_layers * cfg.num_kv_heads * block_size * cfg.head_dim * itemsize
+    return cfg.num_kv_layers * cfg.num_kv_heads * block_size * cfg.head_dim * itemsize
 
 
 def plan_num_blocks(

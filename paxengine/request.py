@@ -38,6 +38,8 @@ class Request:
         default_factory=list
     )  # full blocks' keys (kv_cache.hash_block)
     num_published_blocks: int = 0  # full blocks already offered to the prefix cache
+    # its recurrent layers' state slot (a hybrid model's, kv_cache.KVCacheManager); -1: none
+    state_slot: int = -1
     _block_array: object = field(default=None, repr=False)  # block_ids as int32 (block_array)
     _token_buf: object = field(default=None, repr=False)  # known tokens as int32 (token_array)
     _token_len: int = field(default=0, repr=False)

@@ -22,9 +22,9 @@ from paxengine.attention import PagedAttend
 from paxengine.batch import StepArrays, pick
 from paxengine.executables import ExecutableStore
 from paxengine.kv_memory import allocate_kv_cache
-from paxengine.models import quant
+from paxengine.models import quant, registry
 from paxengine.models.config import ModelConfig
-from paxengine.models.llama import compute_logits, forward_hidden
+from paxengine.models.llama import forward_hidden
 from paxengine.models.weights import is_per_layer
 from paxengine.packing import PackedLayout
 from paxengine.sampling import (
@@ -89,13 +89,16 @@ class Runner:
         background_compile: bool = False,
         aux: AuxHidden | None = None,
         chain: ChainSpec | None = None,
+        num_state_slots: int = 0,
     ):
         """params: stacked layers (scanned) or a list of per-layer dicts (unrolled), see
         `weights.unstack_layers`; the KV cache takes the same layout. tp: tensor parallelism
         (params prepared by `parallel.copy_kv_heads` and fused per shard); they and the cache
         are placed on its mesh here. aux: keep the auxiliary hidden states an EAGLE-3
         speculator reads (`AuxHidden`); None: the forward computes nothing for them. chain: also
-        compile chained n-gram verify steps (spec_decode/chain.py) for up to chain.rows requests."""
+        compile chained n-gram verify steps (spec_decode/chain.py) for up to chain.rows requests.
+        num_state_slots: the per-request state slots of the model's recurrent layers (its
+        family's pools, donated with the KV cache; kv_cache.KVCacheManager hands them out)."""
         self.tp = tp
         self.chain = chain
         if chain is not None and (tp is not None or aux is not None):
@@ -107,6 +110,7 @@ class Runner:
         # data-parallel replica) or under other shardings need executables of their own
         self.placement = tuple(d.id for d in tp.mesh.devices.flat) if tp is not None else ()
         self.cfg = cfg
+        self.family = registry.family(cfg)
         self.params = parallel.shard_params(params, tp) if tp is not None else params
         if aux is not None:
             self.params = {**self.params, "aux_proj": aux.proj}
@@ -126,6 +130,8 @@ class Runner:
         self._kv_args = (cfg, num_blocks, block_size, kv_dtype, self.layer_loop, tp)
         self.kv_cache = allocate_kv_cache(*self._kv_args)
         self.aux_cache = aux.allocate(num_blocks * block_size) if aux is not None else None
+        self._state_args = (cfg, num_state_slots, params["embed"].dtype)
+        self.state = self.family.allocate_state(*self._state_args) if num_state_slots else {}
         self._forward = jax.jit(self._forward_fn, donate_argnums=(1,), static_argnames=("layout",))
         self.compiled: dict[tuple[int, int], object] = {}  # (T, S) -> forward
         self.chained: dict[tuple[int, int], object] = {}  # (T, S) -> chained verify forward
@@ -164,6 +170,11 @@ class Runner:
                 ("logits_indices", (S,), np.int32),
                 ("prev_index", (T,), np.int32),
             ]
+            + (
+                [("state_slots", (S,), np.int32), ("has_state", (S,), np.int32)]
+                if self.state
+                else []
+            )
         )
 
     def sampling_layout(self, S: int, flags) -> PackedLayout:
@@ -182,7 +193,7 @@ class Runner:
         tokens, positions, prev_index = x["tokens"], x["positions"], x["prev_index"]
         # Tokens sampled by the previous step never visit the host before they are used here.
         tokens = jnp.where(prev_index >= 0, prev_tokens[jnp.maximum(prev_index, 0)], tokens)
-        return self._model(params, kv_cache, tokens, positions, md, x["logits_indices"])
+        return self._model(params, kv_cache, tokens, positions, md, x["logits_indices"], x)
 
     def _chain_fn(self, params, kv_cache, packed, prev_tokens, prev_drafts, *, layout, T, S):
         """A chained verify step: its rows laid out on the device from the previous step's
@@ -197,7 +208,7 @@ class Runner:
         kv_cache, logits = self._model(params, kv_cache, tokens, positions, md, logits_indices)
         return kv_cache, logits, shift, drafts
 
-    def _model(self, params, kv_cache, tokens, positions, md, logits_indices):
+    def _model(self, params, kv_cache, tokens, positions, md, logits_indices, step=None):
         attend = PagedAttend(md, self.backend, self.cfg, fused_rope=self.tp is None)
         if self.aux is not None:  # (KV, aux cache): every token's projected aux states, by slot
             kv_cache, aux_cache = kv_cache
@@ -209,10 +220,10 @@ class Runner:
             slots = jnp.where(slots < 0, aux_cache.shape[0], slots)  # padding: dropped
             kv_cache = (kv_cache, aux_cache.at[slots].set(feats, mode="drop"))
         else:
-            hidden, kv_cache = forward_hidden(
-                params, self.cfg, tokens, positions, kv_cache, attend, tp=self.tp
+            hidden, kv_cache = self.family.forward_step(
+                params, self.cfg, tokens, positions, kv_cache, attend, step, tp=self.tp
             )
-        logits = compute_logits(params, self.cfg, hidden[logits_indices])
+        logits = self.family.compute_logits(params, self.cfg, hidden[logits_indices])
         if self.tp is not None:  # every device samples from all of them (StepBuilder's sampler)
             logits = jax.lax.with_sharding_constraint(logits, self.tp.sharding(P()))
         return kv_cache, logits
@@ -262,13 +273,27 @@ class Runner:
             except Exception:  # already deleted (donated)
                 pass
             self.aux_cache = self.aux.allocate(slots)
+        if self.state:  # the requests in flight are recomputed from zeros
+            jax.tree.map(lambda a: a.delete() if not a.is_deleted() else None, self.state)
+            self.state = self.family.allocate_state(*self._state_args)
         self.prev_tokens = jnp.zeros_like(self.prev_tokens)
         if self.prev_drafts is not None:
             self.prev_drafts = jnp.full_like(self.prev_drafts, -1)
 
     def _caches(self):
-        """What the forward donates and returns: the KV cache, with the aux cache if kept."""
-        return self.kv_cache if self.aux is None else (self.kv_cache, self.aux_cache)
+        """What the forward donates and returns: the KV cache, with the aux cache if kept, or
+        with the recurrent layers' state pools."""
+        if self.aux is not None:
+            return (self.kv_cache, self.aux_cache)
+        return (self.kv_cache, self.state) if self.state else self.kv_cache
+
+    def _set_caches(self, caches) -> None:
+        if self.aux is not None:
+            self.kv_cache, self.aux_cache = caches
+        elif self.state:
+            self.kv_cache, self.state = caches
+        else:
+            self.kv_cache = caches
 
     # -- running a step -------------------------------------------------------------------------
     def available_flags(self, S: int) -> list[tuple]:
@@ -306,10 +331,7 @@ class Runner:
         if _STABLE_INPUTS:
             packed, prev = self._stable(("fwd", T, S), packed), self._stable("prev", prev)
         caches, logits = self.compiled[(T, S)](self.params, self._caches(), packed, prev)
-        if self.aux is None:
-            self.kv_cache = caches
-        else:
-            self.kv_cache, self.aux_cache = caches
+        self._set_caches(caches)
         return self._sample(logits, st, S, self._no_shift(S))
 
     def _no_shift(self, S: int) -> jax.Array:

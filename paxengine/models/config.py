@@ -31,6 +31,42 @@ class ModelConfig:
     max_position_embeddings: int = 4096
     sliding_window: int | None = None
     name: str = ""
+    # the family that runs it (models/registry.py); the fields below are the hybrid ones
+    family: str = "llama"
+    # per layer "full_attention" (KV pages) or "linear_attention" (a Gated DeltaNet with one
+    # state slot per request); None: every layer is attention
+    layer_types: tuple | None = None
+    partial_rotary_factor: float = 1.0  # RoPE over the first share of each head
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 0
+
+    def __post_init__(self):
+        # a config read back from JSON (the weights cache) has lists where jit keys need tuples
+        for f in ("rope_scaling", "layer_types"):
+            v = getattr(self, f)
+            if isinstance(v, list):
+                object.__setattr__(self, f, _tuples(v))
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        """The layers with KV pages, in order (a KV cache holds these only)."""
+        if self.layer_types is None:
+            return tuple(range(self.num_layers))
+        return tuple(i for i, t in enumerate(self.layer_types) if t == "full_attention")
+
+    @property
+    def recurrent_layers(self) -> tuple[int, ...]:
+        """The layers with a per-request state slot instead of KV pages."""
+        if self.layer_types is None:
+            return ()
+        return tuple(i for i, t in enumerate(self.layer_types) if t == "linear_attention")
+
+    @property
+    def num_kv_layers(self) -> int:
+        return len(self.attention_layers)
 
     @property
     def rope_scaling_dict(self) -> dict | None:
@@ -42,6 +78,10 @@ class ModelConfig:
         per_layer = attn + 3 * h * i + 2 * h
         head = 0 if self.tie_word_embeddings else h * self.vocab_size
         return self.num_layers * per_layer + self.vocab_size * h + h + head
+
+
+def _tuples(v):
+    return tuple(_tuples(x) for x in v) if isinstance(v, (list, tuple)) else v
 
 
 def _freeze(d: dict | None) -> tuple | None:

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from paxengine.models.config import ModelConfig
+from paxengine.models.config import from_hf_config as config_from_hf
 from paxengine.models.norm import norm_into
 from paxengine.models.quant import gated_mlp, linear, linear_parts
 from paxengine.models.weights import is_per_layer
@@ -232,3 +233,22 @@ def _run_layers(cfg: ModelConfig, attend: Attend, rope, reduce, h, layers, kv_ca
 def compute_logits(params: dict, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
     head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
     return jnp.dot(hidden, head, preferred_element_type=jnp.float32)
+
+
+# -- the family's entry points (models/registry.py) -----------------------------------------------
+from_hf_config = config_from_hf  # the Llama layout's config.json mapping (models/config.py)
+load_hf = None  # the loader's own path reads the Llama layout
+
+
+def forward_step(params, cfg: ModelConfig, tokens, positions, caches, attend, step, tp=None):
+    """forward_hidden as the runner calls every family: `step` (the step's unpacked inputs)
+    carries nothing this family needs beyond the attention metadata `attend` holds."""
+    return forward_hidden(params, cfg, tokens, positions, caches, attend, tp=tp)
+
+
+def allocate_state(cfg: ModelConfig, num_slots: int, dtype) -> dict:
+    return {}  # no recurrent layers
+
+
+def state_bytes_per_slot(cfg: ModelConfig, dtype) -> int:
+    return 0

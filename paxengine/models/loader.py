@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from paxengine.models import weights_cache
+from paxengine.models import registry, weights_cache
 from paxengine.models.config import PRESETS, ModelConfig, from_hf_config
 from paxengine.models.quant import LINEAR_WEIGHTS, Fp8Weight, quantize_params
 from paxengine.models.weights import check_shapes, flatten, stack_layers, unflatten
@@ -154,6 +154,12 @@ def load_model(
         meta = {"kv_scales": None, "prequantized": None}
     else:
         cfg, params, meta = _load_hf(path, progress)
+    if cfg.family != "llama":  # its own layout: loaded, checked and cached as it is
+        if quantization is not None:
+            raise ValueError(f"quantization {quantization} is not implemented for {cfg.family} yet")
+        if cached is not None:
+            weights_cache.write(cached, cfg, params, tokenizer, eos, meta)
+        return LoadedModel(cfg, _to_device(params, dtype), tokenizer, str(path), eos, False, **meta)
     dense = _dense_linear(params)
     if (quantization == "fp8" or meta["prequantized"]) and dense:
         log.info("fp8: quantizing %s online (per output channel)", ", ".join(dense))
@@ -230,6 +236,9 @@ def _load_hf(path: Path, progress: bool):
     if not cfg_file.is_file():
         raise FileNotFoundError(f"{path}: no config.json (not a Hugging Face model directory)")
     raw_cfg = json.loads(cfg_file.read_text())
+    family = registry.family(registry.family_name(raw_cfg))
+    if family.load_hf is not None:  # a layout of its own (e.g. the hybrid Qwen3.5)
+        return family.load_hf(path, raw_cfg, progress)
     cfg = from_hf_config(raw_cfg)
     scheme = fp8.parse_quantization_config(
         raw_cfg.get("quantization_config") or raw_cfg.get("compression_config")
@@ -376,7 +385,12 @@ def _load_dummy(spec: str, dtype: str, seed: int, quantization: str | None = Non
     if spec in PRESETS:
         cfg = PRESETS[spec]
     elif spec.endswith(".json") and Path(spec).is_file():
-        cfg = from_hf_config(json.loads(Path(spec).read_text()))
+        cfg = registry.config_from_hf(json.loads(Path(spec).read_text()))
+        if cfg.family != "llama":
+            if quantization is not None:
+                raise ValueError(f"quantization {quantization} is not implemented for {cfg.family}")
+            params = registry.family(cfg).dummy_params(cfg, _jnp_dtype(dtype), seed)
+            return LoadedModel(cfg, params, None, f"dummy:{spec}", [], False)
     else:
         raise ValueError(
             f"unknown dummy model {spec!r}: use dummy:<preset> with a preset in "

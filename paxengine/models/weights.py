@@ -189,9 +189,11 @@ def unstack_layers(params: dict, shards: int = 1) -> dict:
 
 
 def flatten(params: dict, prefix: str = "") -> dict:
+    """Nested dicts (and per-layer lists: "layers.3.wq") -> {dotted name: leaf}."""
     flat = {}
-    for k, v in params.items():
-        if isinstance(v, dict):
+    items = enumerate(params) if isinstance(params, list) else params.items()
+    for k, v in items:
+        if isinstance(v, (dict, list)):
             flat.update(flatten(v, f"{prefix}{k}."))
         else:
             flat[f"{prefix}{k}"] = v
@@ -199,6 +201,7 @@ def flatten(params: dict, prefix: str = "") -> dict:
 
 
 def unflatten(flat: dict) -> dict:
+    """flatten's inverse: a level whose names are all numbers is a list again."""
     out: dict = {}
     for k, v in flat.items():
         node = out
@@ -206,4 +209,13 @@ def unflatten(flat: dict) -> dict:
         for p in parents:
             node = node.setdefault(p, {})
         node[leaf] = v
-    return out
+    return _lists(out)
+
+
+def _lists(node):
+    if not isinstance(node, dict):
+        return node
+    node = {k: _lists(v) for k, v in node.items()}
+    if node and all(k.isdigit() for k in node):
+        return [node[str(i)] for i in range(len(node))]
+    return node

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
+from paxengine.models import registry
 from paxengine.models.config import ModelConfig
 from paxengine.models.quant import Fp8Weight
 from paxengine.models.weights import check_shapes, flatten, unflatten
@@ -124,5 +125,8 @@ def read(dst: Path) -> tuple[ModelConfig, dict, dict]:
         values = flat.pop(k).view(ml_dtypes.float8_e4m3fn)  # the bytes as they are: no float32
         flat[name] = Fp8Weight(values, flat.pop(name + _FP8_SCALES))
     params = unflatten(flat)
-    check_shapes(params, cfg)
+    if cfg.family == "llama":
+        check_shapes(params, cfg)
+    else:
+        registry.family(cfg).check_shapes(params, cfg)
     return cfg, params, {"kv_scales": meta["kv_scales"], "prequantized": meta["prequantized"]}

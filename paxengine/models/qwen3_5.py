@@ -1,0 +1,376 @@
+"""Qwen3.5 (dense, text only): the hybrid of Gated DeltaNet layers and gated full attention
+(HF transformers `models/qwen3_5`: `Qwen3_5ForCausalLM`, `Qwen3_5ForConditionalGeneration`).
+
+- `layer_types`: "linear_attention" layers (three of every four in the released models) keep
+  one state slot per request, a conv state [C, K-1] and a recurrent state [Hv, dk, dv], instead
+  of KV pages; "full_attention" layers use the paged KV cache like the Llama family.
+- Gated DeltaNet: in-projections q|k|v (one matmul), z, b, a; a causal depthwise conv1d with
+  SiLU over q|k|v; L2-normalised q and k; beta = sigmoid(b), g = -exp(A_log) softplus(a + dt);
+  the gated delta rule (kernels_pallas.gated_delta); a gated RMSNorm (norm(o) * silu(z)); out.
+- Full attention: q_proj yields each head's query and an output gate (sigmoid); QK RMSNorm;
+  RoPE over the first `partial_rotary_factor` of each head (text positions: MRoPE's three
+  sections share one position, so it is plain RoPE).
+- RMSNorms are zero-centred (scale 1 + w): the loader adds the 1, so the Llama family's norm
+  runs them; the gated RMSNorm of the DeltaNet is not (its weight is the scale).
+The layers always run unrolled (they differ in kind); the state pools are one array per kind
+with a leading layer axis ([L_linear, slots, ...]), written in place by the kernels.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kernels_pallas import gated_delta_ref as gdr
+from paxengine.models.config import ModelConfig
+from paxengine.models.llama import compute_logits, rms_norm  # noqa: F401 (the family's logits)
+from paxengine.models.quant import linear
+
+log = logging.getLogger(__name__)
+
+
+# -- config ---------------------------------------------------------------------------------------
+def from_hf_config(raw: dict) -> ModelConfig:
+    text = raw.get("text_config") or raw  # the multimodal checkpoint nests the text model
+    rope = text.get("rope_parameters") or {}
+    heads = text["num_attention_heads"]
+    n = text["num_hidden_layers"]
+    types = text.get("layer_types") or [
+        "full_attention"
+        if (i + 1) % text.get("full_attention_interval", 4) == 0
+        else "linear_attention"
+        for i in range(n)
+    ]
+    if rope.get("rope_type", "default") != "default":
+        raise ValueError(f"unsupported rope_parameters {rope!r} for Qwen3.5: only 'default'")
+    return ModelConfig(
+        arch="qwen3_5",
+        family="qwen3_5",
+        vocab_size=text["vocab_size"],
+        hidden_size=text["hidden_size"],
+        intermediate_size=text["intermediate_size"],
+        num_layers=n,
+        num_heads=heads,
+        num_kv_heads=text.get("num_key_value_heads") or heads,
+        head_dim=text.get("head_dim") or text["hidden_size"] // heads,
+        rope_theta=float(rope.get("rope_theta", text.get("rope_theta", 10000.0))),
+        rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", text.get("tie_word_embeddings"))),
+        qk_norm=True,
+        max_position_embeddings=int(text.get("max_position_embeddings", 32768)),
+        name=raw.get("_name_or_path", ""),
+        layer_types=tuple(types[:n]),
+        partial_rotary_factor=float(
+            rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25))
+        ),
+        linear_num_key_heads=text["linear_num_key_heads"],
+        linear_num_value_heads=text["linear_num_value_heads"],
+        linear_key_head_dim=text["linear_key_head_dim"],
+        linear_value_head_dim=text["linear_value_head_dim"],
+        linear_conv_kernel_dim=text["linear_conv_kernel_dim"],
+    )
+
+
+def _conv_dim(cfg: ModelConfig) -> int:
+    return 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim + _value_dim(cfg)
+
+
+def _value_dim(cfg: ModelConfig) -> int:
+    return cfg.linear_num_value_heads * cfg.linear_value_head_dim
+
+
+# -- weights --------------------------------------------------------------------------------------
+# HF name (after the layer prefix) -> (our name, a Linear [out, in] stored transposed)
+_COMMON = {
+    "input_layernorm.weight": ("attn_norm", False),
+    "post_attention_layernorm.weight": ("mlp_norm", False),
+    "mlp.gate_proj.weight": ("w_gate", True),
+    "mlp.up_proj.weight": ("w_up", True),
+    "mlp.down_proj.weight": ("w_down", True),
+}
+_ATTENTION = {
+    "self_attn.q_proj.weight": ("wq", True),  # [Hq * 2D, H]: each head's query, then its gate
+    "self_attn.k_proj.weight": ("wk", True),
+    "self_attn.v_proj.weight": ("wv", True),
+    "self_attn.o_proj.weight": ("wo", True),
+    "self_attn.q_norm.weight": ("q_norm", False),
+    "self_attn.k_norm.weight": ("k_norm", False),
+}
+_LINEAR = {
+    "linear_attn.in_proj_qkv.weight": ("la_qkv", True),
+    "linear_attn.in_proj_z.weight": ("la_z", True),
+    "linear_attn.in_proj_b.weight": ("la_b", True),
+    "linear_attn.in_proj_a.weight": ("la_a", True),
+    "linear_attn.conv1d.weight": ("la_conv", False),  # [C, 1, K] -> [C, K]
+    "linear_attn.dt_bias": ("la_dt_bias", False),
+    "linear_attn.A_log": ("la_A_log", False),
+    "linear_attn.norm.weight": ("la_norm", False),  # the gated RMSNorm: not zero-centred
+    "linear_attn.out_proj.weight": ("la_out", True),
+}
+_ZERO_CENTRED = ("attn_norm", "mlp_norm", "q_norm", "k_norm", "final_norm")
+
+
+def layer_names(cfg: ModelConfig, i: int) -> dict:
+    kind = _ATTENTION if cfg.layer_types[i] == "full_attention" else _LINEAR
+    return {**_COMMON, **kind}
+
+
+def param_shapes(cfg: ModelConfig) -> dict:
+    h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    qd, kd = cfg.num_heads * d, cfg.num_kv_heads * d
+    common = {
+        "attn_norm": (h,),
+        "mlp_norm": (h,),
+        "w_gate": (h, i),
+        "w_up": (h, i),
+        "w_down": (i, h),
+    }
+    attn = {
+        "wq": (h, 2 * qd),
+        "wk": (h, kd),
+        "wv": (h, kd),
+        "wo": (qd, h),
+        "q_norm": (d,),
+        "k_norm": (d,),
+    }
+    hv, vd = cfg.linear_num_value_heads, _value_dim(cfg)
+    lin = {
+        "la_qkv": (h, _conv_dim(cfg)),
+        "la_z": (h, vd),
+        "la_b": (h, hv),
+        "la_a": (h, hv),
+        "la_conv": (_conv_dim(cfg), cfg.linear_conv_kernel_dim),
+        "la_dt_bias": (hv,),
+        "la_A_log": (hv,),
+        "la_norm": (cfg.linear_value_head_dim,),
+        "la_out": (vd, h),
+    }
+    layers = [{**common, **(attn if t == "full_attention" else lin)} for t in cfg.layer_types]
+    shapes = {"embed": (cfg.vocab_size, h), "final_norm": (h,), "layers": layers}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head"] = (h, cfg.vocab_size)
+    return shapes
+
+
+def load_hf(path: Path, raw: dict, progress: bool):
+    """-> (config, params as float32 numpy, per layer, meta). Vision and MTP weights are
+    skipped (said once in the log); FP8 checkpoints are not read yet."""
+    from tqdm import tqdm
+
+    from paxengine.models import fp8_checkpoint as fp8
+
+    cfg = from_hf_config(raw)
+    if raw.get("quantization_config") or raw.get("compression_config"):
+        raise ValueError(f"{path}: quantized Qwen3.5 checkpoints are not supported yet")
+    where: dict = {}
+    for f in sorted(path.glob("*.safetensors")):
+        st = fp8.SafetensorsFile(f)
+        where.update((k, st) for k in st.keys())
+    if not where:
+        raise FileNotFoundError(f"{path}: no *.safetensors weight files")
+    layers: list[dict] = [{} for _ in range(cfg.num_layers)]
+    params: dict = {}
+    skipped = {"vision": 0, "mtp": 0}
+    for key in tqdm(list(where), desc=f"loading {path.name}", unit="tensor", disable=not progress):
+        name = key
+        for prefix in ("model.language_model.", "model."):
+            if name.startswith(prefix):
+                name = name[len(prefix) :]
+                break
+        if key.startswith(("model.visual.", "visual.")):
+            skipped["vision"] += 1
+            continue
+        if key.startswith(("mtp.", "model.mtp.")):
+            skipped["mtp"] += 1
+            continue
+        arr = lambda key=key: np.asarray(where[key].get(key), np.float32)  # noqa: E731
+        if name.startswith("layers."):
+            _, idx, rest = name.split(".", 2)
+            i = int(idx)
+            if i >= cfg.num_layers or rest not in layer_names(cfg, i):
+                continue
+            ours, transpose = layer_names(cfg, i)[rest]
+            a = arr()
+            a = a.T if transpose else a
+            layers[i][ours] = a.reshape(a.shape[0], -1) if ours == "la_conv" else a
+        elif name == "embed_tokens.weight":
+            params["embed"] = arr()
+        elif name == "norm.weight":
+            params["final_norm"] = arr()
+        elif key == "lm_head.weight" and not cfg.tie_word_embeddings:
+            params["lm_head"] = arr().T
+    if skipped["vision"] or skipped["mtp"]:
+        log.info(
+            "%s: text only: %d vision and %d MTP tensors not loaded",
+            path.name,
+            skipped["vision"],
+            skipped["mtp"],
+        )
+    params["layers"] = layers
+    for layer in [params, *layers]:  # zero-centred RMSNorms: scale 1 + w
+        for n in _ZERO_CENTRED:
+            if n in layer:
+                layer[n] = layer[n] + 1.0
+    check_shapes(params, cfg)
+    return cfg, params, {"kv_scales": None, "prequantized": None}
+
+
+def check_shapes(params: dict, cfg: ModelConfig) -> None:
+    want = param_shapes(cfg)
+    for k, shape in want.items():
+        if k == "layers":
+            for i, (got, need) in enumerate(zip(params["layers"], shape)):
+                for n, s in need.items():
+                    g = got.get(n)
+                    if g is None or tuple(g.shape) != tuple(s):
+                        raise ValueError(
+                            f"weight layers.{i}.{n}: expected shape {s}, got "
+                            f"{None if g is None else tuple(g.shape)}"
+                        )
+        elif params.get(k) is None or tuple(params[k].shape) != tuple(shape):
+            raise ValueError(f"weight {k}: expected shape {shape}")
+
+
+def dummy_params(cfg: ModelConfig, dtype, seed: int) -> dict:
+    """Random weights of the config's shapes (benchmarks: `dummy:/path/config.json`)."""
+    key = jax.random.PRNGKey(seed)
+    shapes = param_shapes(cfg)
+    count = iter(range(1 << 30))
+
+    def make(name, shape):
+        if name.endswith("norm"):
+            return jnp.ones(shape, dtype)
+        if name == "la_A_log":
+            return jnp.zeros(shape, jnp.float32)
+        if name == "la_dt_bias":
+            return jnp.ones(shape, jnp.float32)
+        r = jax.random.normal(jax.random.fold_in(key, next(count)), shape, dtype)
+        return (r * 0.02).astype(dtype)
+
+    params = {k: make(k, s) for k, s in shapes.items() if k != "layers"}
+    params["layers"] = [{n: make(n, s) for n, s in d.items()} for d in shapes["layers"]]
+    return params
+
+
+# -- per-request state ----------------------------------------------------------------------------
+def state_shapes(cfg: ModelConfig, num_slots: int) -> dict:
+    n = len(cfg.recurrent_layers)
+    hv, dk, dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    return {
+        "conv": (n, num_slots, _conv_dim(cfg), cfg.linear_conv_kernel_dim - 1),
+        "ssm": (n, num_slots, hv, dk, dv),
+    }
+
+
+def allocate_state(cfg: ModelConfig, num_slots: int, dtype) -> dict:
+    """The recurrent layers' state pools, zeros (a new request starts from zeros anyway)."""
+    return {k: jnp.zeros(s, dtype) for k, s in state_shapes(cfg, num_slots).items()}
+
+
+def state_bytes_per_slot(cfg: ModelConfig, dtype) -> int:
+    per = state_shapes(cfg, 1)
+    return sum(int(np.prod(s)) for s in per.values()) * jnp.dtype(dtype).itemsize
+
+
+# -- forward --------------------------------------------------------------------------------------
+def _rope(cfg: ModelConfig, positions):
+    rd = int(cfg.head_dim * cfg.partial_rotary_factor)
+    inv = 1.0 / (cfg.rope_theta ** (jnp.arange(0, rd, 2, dtype=jnp.float32) / rd))
+    freqs = positions.astype(jnp.float32)[:, None] * inv[None, :]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+def _apply_rope(x, rope):
+    """x [T, heads, D]: the rotate-half RoPE on the first rd dims, the rest passed through."""
+    cos, sin = (t[:, None, :] for t in rope)
+    rd = cos.shape[-1]
+    xr, xp = x[..., :rd].astype(jnp.float32), x[..., rd:]
+    half = rd // 2
+    rotated = jnp.concatenate([-xr[..., half:], xr[..., :half]], axis=-1)
+    return jnp.concatenate([(xr * cos + rotated * sin).astype(x.dtype), xp], axis=-1)
+
+
+def _full_attention(cfg: ModelConfig, w, x, rope, kv, attend):
+    t, hq, d = x.shape[0], cfg.num_heads, cfg.head_dim
+    qg = linear(x, w["wq"]).reshape(t, hq, 2 * d)
+    q, gate = qg[..., :d], qg[..., d:].reshape(t, hq * d)
+    k = linear(x, w["wk"]).reshape(t, cfg.num_kv_heads, d)
+    v = linear(x, w["wv"]).reshape(t, cfg.num_kv_heads, d)
+    q = rms_norm(q, w["q_norm"], cfg.rms_norm_eps)
+    k = rms_norm(k, w["k_norm"], cfg.rms_norm_eps)
+    q, k = _apply_rope(q, rope), _apply_rope(k, rope)
+    o, kv = attend(q, k, v, kv, jnp.int32(0))
+    o = o.reshape(t, hq * d).astype(x.dtype) * jax.nn.sigmoid(gate)
+    return linear(o, w["wo"]), kv
+
+
+def _gated_norm(o, z, weight, eps):
+    """HF's Qwen3_5RMSNormGated: norm(o) scaled by the weight, times silu(z), per value head."""
+    of = o.astype(jnp.float32)
+    of = of * jax.lax.rsqrt(jnp.mean(of * of, axis=-1, keepdims=True) + eps)
+    y = weight * of.astype(o.dtype)
+    return (y * jax.nn.silu(z.astype(jnp.float32))).astype(o.dtype)
+
+
+def _delta_net(cfg: ModelConfig, w, x, states, li: int, step):
+    """One Gated DeltaNet layer over the step's ragged batch; its state pools are read at each
+    row's initial slot and written at its final one."""
+    t = x.shape[0]
+    hk, dk = cfg.linear_num_key_heads, cfg.linear_key_head_dim
+    hv, dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
+    qsl, init, final = step["query_start_loc"], step["initial_slots"], step["state_slots"]
+    layer = jnp.int32(li)
+    mixed = linear(x, w["la_qkv"])
+    z = linear(x, w["la_z"]).reshape(t, hv, dv)
+    b, a = linear(x, w["la_b"]), linear(x, w["la_a"])
+    y, conv = gdr.ref_causal_conv1d(
+        mixed, w["la_conv"], None, states["conv"], qsl, init, final, layer=layer
+    )
+    q, k, v = gdr.split_qkv(y.astype(x.dtype), hk, dk, hv, dv)
+    g, beta = gdr.gdn_gating(a, b, w["la_A_log"], w["la_dt_bias"])
+    o, ssm = _delta_rule(q, k, v, g, beta, states["ssm"], qsl, init, final, layer)
+    o = _gated_norm(o.astype(x.dtype), z, w["la_norm"], cfg.rms_norm_eps)
+    return linear(o.reshape(t, hv * dv), w["la_out"]), {"conv": conv, "ssm": ssm}
+
+
+def _delta_rule(q, k, v, g, beta, pool, qsl, init, final, layer):
+    """The chunked gated delta rule: the Pallas kernel on a GPU, its jnp oracle elsewhere."""
+    if jax.default_backend() == "gpu":
+        from kernels_pallas.gated_delta import gated_delta_rule
+
+        return gated_delta_rule(q, k, v, g, beta, pool, qsl, init, final, layer=layer)
+    return gdr.ref_chunk_gated_delta_rule(q, k, v, g, beta, pool, qsl, init, final, layer=layer)
+
+
+def forward_step(params, cfg: ModelConfig, tokens, positions, caches, attend, step, tp=None):
+    """-> (final hidden states [T, H] (normed), (KV caches, state pools)). caches: the KV pair
+    of each attention layer and the state pools; step: the step's unpacked inputs
+    (query_start_loc, state_slots, has_state)."""
+    if tp is not None:
+        raise NotImplementedError("tensor parallelism for Qwen3.5")
+    kv, states = caches
+    kv = list(kv)
+    step = dict(step)
+    slots = step["state_slots"]
+    step["initial_slots"] = jnp.where(step["has_state"] > 0, slots, -1)
+    h = params["embed"][tokens]
+    rope = _rope(cfg, positions)
+    eps = cfg.rms_norm_eps
+    attn_index = {i: j for j, i in enumerate(cfg.attention_layers)}
+    lin_index = {i: j for j, i in enumerate(cfg.recurrent_layers)}
+    for i, w in enumerate(params["layers"]):
+        x = rms_norm(h, w["attn_norm"], eps)
+        if i in attn_index:
+            j = attn_index[i]
+            o, kv[j] = _full_attention(cfg, w, x, rope, kv[j], attend)
+        else:
+            o, states = _delta_net(cfg, w, x, states, lin_index[i], step)
+        h = h + o.astype(h.dtype)
+        x = rms_norm(h, w["mlp_norm"], eps)
+        h = h + linear(jax.nn.silu(linear(x, w["w_gate"])) * linear(x, w["w_up"]), w["w_down"])
+    return rms_norm(h, params["final_norm"], eps), (kv, states)

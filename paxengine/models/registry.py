@@ -1,0 +1,61 @@
+"""Model families by Hugging Face architecture name (vLLM's model registry): one line each.
+
+A family is a module of `paxengine/models/` that provides
+- `from_hf_config(raw: dict) -> ModelConfig` (its `family` field names the module),
+- `load_hf(path, raw, progress) -> (ModelConfig, params, meta)` where its weights need a map of
+  their own (else the loader's Llama-layout path reads them),
+- `forward_step(params, cfg, tokens, positions, caches, attend, step, tp) -> (hidden, caches)`
+  and `compute_logits(params, cfg, hidden)`,
+- `allocate_state(cfg, num_slots, dtype)` and `state_bytes_per_slot(cfg, dtype)`: what its
+  recurrent layers keep per request (an empty dict and 0 for a family without any).
+The runner, the scheduler and the KV manager never branch on a family's name: they ask the
+config (`attention_layers`, `recurrent_layers`) and call the module this table names.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from paxengine.models.config import ModelConfig
+
+ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "llama",
+    "Qwen2ForCausalLM": "llama",
+    "Qwen3ForCausalLM": "llama",
+    "Qwen3_5ForCausalLM": "qwen3_5",
+    "Qwen3_5ForConditionalGeneration": "qwen3_5",
+}
+# config.json's model_type where `architectures` is missing
+MODEL_TYPES = {
+    "llama": "llama",
+    "mistral": "llama",
+    "qwen2": "llama",
+    "qwen3": "llama",
+    "qwen3_5": "qwen3_5",
+    "qwen3_5_text": "qwen3_5",
+}
+
+
+def family_name(raw: dict) -> str:
+    """The family of a config.json dict; unknown architectures fail clearly."""
+    archs = raw.get("architectures") or []
+    name = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
+    if name is None:
+        name = MODEL_TYPES.get(raw.get("model_type"))
+    if name is None:
+        raise ValueError(
+            f"unsupported architecture {archs or raw.get('model_type')!r}: paxengine supports "
+            f"{sorted(ARCHITECTURES)}"
+        )
+    return name
+
+
+def family(cfg_or_name: ModelConfig | str):
+    """The family module of a config (or a family name)."""
+    name = cfg_or_name if isinstance(cfg_or_name, str) else cfg_or_name.family
+    return importlib.import_module(f"paxengine.models.{name}")
+
+
+def config_from_hf(raw: dict) -> ModelConfig:
+    return family(family_name(raw)).from_hf_config(raw)

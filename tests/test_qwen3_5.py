@@ -1,0 +1,136 @@
+"""Qwen3.5 (the hybrid of Gated DeltaNet and gated attention, issue #54) against HF transformers
+fp32, token for token: tiny random checkpoints of both architectures written by transformers,
+prompts that cross the delta rule's 64-token chunk and several KV blocks; whole prefills,
+32-token chunked prefill (the state carried between chunks), forced preemption (the state
+recomputed from zeros), n > 1, the converted-weights cache, and the server."""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from paxengine import LLM, SamplingParams  # noqa: E402
+
+PROMPTS = [
+    [5, 9, 13, 200, 3, 77, 1, 4, 8],
+    [(7 * i + 3) % 300 + 1 for i in range(70)],  # one chunk and a bit
+    [(11 * i + 5) % 300 + 1 for i in range(150)],  # three chunks, ten blocks
+]
+MAX_TOKENS = 10
+TEXT = dict(
+    vocab_size=320,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,  # three linear-attention layers, then one full-attention layer
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    linear_conv_kernel_dim=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,  # two value heads per key head
+    max_position_embeddings=512,
+    tie_word_embeddings=False,
+)
+ENGINE = dict(
+    max_model_len=256,
+    max_num_seqs=4,
+    max_num_batched_tokens=256,
+    structured_outputs=False,
+    store_executables=False,
+    show_progress=False,
+)
+
+
+def _perturb(model):
+    """Random norms, decays and time steps: zero-centred norms read as all-ones would pass."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or "A_log" in name or "dt_bias" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+
+
+def _hf_greedy(model, prompts):
+    out = []
+    for p in prompts:
+        ids = torch.tensor([p])
+        gen = model.generate(
+            ids, max_new_tokens=MAX_TOKENS, do_sample=False, min_new_tokens=MAX_TOKENS
+        )
+        out.append(gen[0, len(p) :].tolist())
+    return out
+
+
+@pytest.fixture(scope="module")
+def causal_lm(tmp_path_factory):
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3_5TextConfig(**TEXT)
+    model = transformers.Qwen3_5ForCausalLM(cfg).float().eval()
+    _perturb(model)
+    path = tmp_path_factory.mktemp("qwen3_5_causal")
+    model.save_pretrained(path)
+    return path, _hf_greedy(model, PROMPTS)
+
+
+@pytest.fixture(scope="module")
+def conditional(tmp_path_factory):
+    """The multimodal checkpoint (text under model.language_model., a vision tower beside)."""
+    torch.manual_seed(1)
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64)
+    cfg = transformers.Qwen3_5Config(text_config=TEXT, vision_config=vision)
+    model = transformers.Qwen3_5ForConditionalGeneration(cfg).float().eval()
+    _perturb(model)
+    path = tmp_path_factory.mktemp("qwen3_5_conditional")
+    model.save_pretrained(path)
+    return path, _hf_greedy(model, PROMPTS)
+
+
+def _greedy(llm, prompts=PROMPTS, n=1):
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, n=n)
+    return [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def test_whole_prefills_equal_hf(causal_lm, tmp_path):
+    path, want = causal_lm
+    llm = LLM(model=str(path), weights_cache_dir=str(tmp_path), **ENGINE)
+    assert llm.engine.model_config.recurrent_layers == (0, 1, 2)
+    assert [o[0] for o in _greedy(llm)] == want
+    # read back from the converted-weights cache: the same tokens
+    again = LLM(model=str(path), weights_cache_dir=str(tmp_path), **ENGINE)
+    assert [o[0] for o in _greedy(again)] == want
+    assert llm.engine.kv.free_slots and len(llm.engine.kv.free_slots) == ENGINE["max_num_seqs"]
+
+
+def test_chunked_prefill_and_n_equal_hf(causal_lm):
+    path, want = causal_lm
+    llm = LLM(model=str(path), **dict(ENGINE, max_num_batched_tokens=32))
+    got = _greedy(llm, n=2)
+    assert [o[0] for o in got] == want and [o[1] for o in got] == want
+    assert sorted(llm.engine.kv.free_slots) == list(range(ENGINE["max_num_seqs"]))
+
+
+def test_preemption_recomputes_the_state(causal_lm):
+    path, want = causal_lm
+    # 14 blocks of 16 tokens cannot hold the three prompts' 229 + 30 tokens at once
+    llm = LLM(model=str(path), **dict(ENGINE, num_kv_blocks=14, max_num_batched_tokens=64))
+    assert [o[0] for o in _greedy(llm)] == want
+    assert llm.engine.scheduler.num_preemptions > 0
+
+
+def test_the_multimodal_checkpoint_serves_its_text_model(conditional):
+    path, want = conditional
+    llm = LLM(model=str(path), **ENGINE)
+    assert [o[0] for o in _greedy(llm)] == want
+
+
+def test_what_is_not_implemented_yet_is_refused_by_name(causal_lm):
+    path, _ = causal_lm
+    with pytest.raises(ValueError, match="speculative_config is not implemented for qwen3_5"):
+        LLM(
+            model=str(path),
+            speculative_config={"method": "ngram", "num_speculative_tokens": 2},
+            **ENGINE,
+        )
+    with pytest.raises(ValueError, match="quantization fp8 is not implemented for qwen3_5"):
+        LLM(model=str(path), quantization="fp8", **ENGINE)
