@@ -2,11 +2,11 @@
 
   bench/     the shipped `paxengine bench serve|throughput` commands
   gpu/       the GPU run (`gpu/gpu_run.sh`): roofline, engine stages, the report
-  kernels/   attention kernel micro-benchmarks
-  profile/   one-off profiles of the engine step
+  kernels/   the attention kernels' benchmark
   results/   what they measured (results/README.md is the index)
+  soak.py    a running server under mixed, dropped and bad requests; step_trace.py reads a
+             PAXENGINE_STEP_TRACE file
 
-What they share: measure.py (time per call, copy and matmul rates, compile counting),
-device_trace.py (the device's kernels from a jax.profiler trace), record.py (a result's
-environment, strict JSON, $OUT).
+What they share: measure.py (time per call, copy and matmul rates, compile counting), record.py
+(a result's environment, strict JSON).
 """

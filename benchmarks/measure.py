@@ -2,8 +2,8 @@
 compilations. Every benchmark that times calls or quotes a rate takes it from here, so that two
 numbers called the same are measured the same way.
 
-jax (and paxengine) are imported inside the functions: `kernels/fa3.py` times torch calls with
-`time_per_call` in a process that must not load JAX next to vLLM.
+jax (and paxengine) are imported inside the functions: a process that times torch calls with
+`time_per_call` must not load JAX next to vLLM.
 """
 
 from __future__ import annotations
@@ -40,18 +40,6 @@ def time_loop(f, args, reps: int, iters: int, per_sync: int = 1) -> float:
         return out
 
     return time_per_call(run, iters * per_sync, reps)
-
-
-def time_calls(fn, n: int = 20, reps: int = 1) -> float:
-    """Seconds per call of fn() (no arguments): one untimed call, then n calls between syncs."""
-    _block(fn())
-
-    def run():
-        for _ in range(n):
-            out = fn()
-        return out
-
-    return time_per_call(run, n, reps)
 
 
 def chained_calls(one, iters: int, keep_last: bool = True):

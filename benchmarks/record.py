@@ -1,9 +1,8 @@
-"""What a result file carries: the environment it was measured in, values strict JSON can hold,
-and where profiles go on the device machine ($OUT)."""
+"""What a result file carries: the environment it was measured in, and values strict JSON can
+hold."""
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import platform
@@ -92,13 +91,3 @@ def finite(o):
     if isinstance(o, float) and not math.isfinite(o):
         return None if math.isnan(o) else ("inf" if o > 0 else "-inf")
     return o
-
-
-def write_to_out(res: dict, name: str, quiet: bool = False) -> None:
-    """Print a profile and write it to $OUT/<name>.json when $OUT is set (the device machine
-    brings back what is under $OUT)."""
-    if not quiet:
-        print(json.dumps(res, indent=1))
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], f"{name}.json"), "w") as f:
-            json.dump(res, f, indent=1)

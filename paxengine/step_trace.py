@@ -6,7 +6,7 @@ launch it, wait for the step before it, process that step's outputs) and what th
 (token and sequence bucket, decode rows, prompt tokens, running and waiting requests). The
 wait is the device's share: an iteration whose wait is near zero had the device idle behind the
 host. Unset (the default), the engine keeps no records and pays one `is None` test a phase.
-`python -m benchmarks.profile.step_trace FILE` summarises a file.
+`python -m benchmarks.step_trace FILE` summarises a file.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """PAXENGINE_STEP_TRACE: one record per engine iteration, with the host phases and what the step
-held, and the summary benchmarks.profile.step_trace makes of a file."""
+held, and the summary benchmarks.step_trace makes of a file."""
 
 import json
 
-from benchmarks.profile import step_trace as report
+from benchmarks import step_trace as report
 from paxengine import LLM, SamplingParams
 from paxengine.step_trace import ENV
 

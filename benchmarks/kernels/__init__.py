@@ -1,2 +1,2 @@
-"""Micro-benchmarks of the attention kernels (kernels_pallas) on Llama-3.1-8B attention shapes,
-and against vLLM's FlashAttention-3."""
+"""The attention kernels' benchmark (kernels_pallas) on Llama-3.1-8B attention shapes: against
+the oracle, upstream Pallas and XLA."""

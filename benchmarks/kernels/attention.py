@@ -1,7 +1,6 @@
 """Benchmark of the paxengine Pallas attention kernels (Llama-3.1-8B attention shapes).
 
   python -m benchmarks.kernels.attention [--quick] [--sweep full|small|none] [--out DIR]
-  (the tuning sweep: python -m benchmarks.kernels.tune)
 
 Per shape: median time (20 calls per sync, median of reps), effective KV bandwidth (bytes of KV
 pages the step must read / time), % of the copy bandwidth measured in the same run; the same
@@ -57,8 +56,7 @@ TIMING = "calls"
 def timeit(fn, *args, iters=20, reps=5):
     """Median seconds per call: `iters` async calls per sync, or (TIMING == "loop") one jitted
     lax.fori_loop of `iters` chained calls (XLA does not hoist the tile metadata out of the loop
-    either, so every call rebuilds it, which an engine step does once for all layers:
-    decode_trace.py measures both)."""
+    either, so every call rebuilds it, which an engine step does once for all layers)."""
     if TIMING == "loop" and args and getattr(args[0], "ndim", 0) == 3:
         many = chained_calls(fn, iters, keep_last=False)
         jax.block_until_ready(many(*args))

@@ -1,6 +1,6 @@
 """What the attention micro-benchmarks share: Llama-3.1-8B attention shapes, a random paged batch
 on the device, the oracle every variant is checked against, the bytes and FLOPs a call must move,
-our kernel as a jitted call or a timed loop, and the run record they write.
+our kernel as a jitted call, and the run record they write.
 
 The batch's caches are built on the device (fast for GBs); the metadata on the host, each
 sequence's pages permuted over the pool as in a served cache.
@@ -18,7 +18,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.measure import chained_calls, time_loop
 from kernels_pallas import (
     AttentionMetadata,
     ragged_paged_attention,
@@ -26,14 +25,13 @@ from kernels_pallas import (
     value_cache_dtype,
     value_page_shape,
 )
-from kernels_pallas.testing import rel_err
 
 HQ, HKV, D, BS = 32, 8, 128, 16  # q heads, kv heads, head dim, page size (tokens)
 DT = jnp.bfloat16
 ON_GPU = jax.default_backend() == "gpu"
 INTERP = not ON_GPU  # on a CPU the kernels run in Pallas' interpret mode
 
-SHAPES = {  # name: (seqs [(q_len, kv_len)], T, S), in `tune`'s priority order
+SHAPES = {  # name: (seqs [(q_len, kv_len)], T, S)
     "decode_b64_ctx2048": ([(1, 2048)] * 64, 64, 64),
     # the batch-1 ITL step: one live row in the engine's (16, 8) bucket, short context; the
     # default launches 8 kv heads x 10 tiles x 8 splits for it (~23 us a layer, launch-bound)
@@ -134,39 +132,6 @@ def ours_fn(**tun):
     return jax.jit(lambda q, kc, vc, md: f(q, kc, vc, jnp.int32(0), md))
 
 
-def ours_loop(tun, iters):
-    """Our kernel with the tuning overrides `tun`, as `iters` chained calls in one jit."""
-    f = functools.partial(ragged_paged_attention, sm_scale=D**-0.5, interpret=INTERP, **tun)
-    return chained_calls(lambda q, kc, vc, md: f(q, kc, vc, jnp.int32(0), md), iters)
-
-
-def timed_variant(row, tun, data, ref, n):
-    """Our kernel with the tuning overrides `tun` as 20 chained calls on data (q, kc, vc, md),
-    checked against `ref` over the first n tokens: sets row["rel_err"] and the first of
-    row["us_rounds"] (median of 5 runs), or row["error"]. Returns the compiled loop for more
-    interleaved rounds, None if the variant failed."""
-    try:
-        f = ours_loop(tun, 20)
-        row["rel_err"] = rel_err(jax.block_until_ready(f(*data)), ref, n)
-        row["us_rounds"] = [time_loop(f, data, 5, 20) * 1e6]
-        return f
-    except Exception as e:  # noqa: BLE001 -- a variant that fails is recorded
-        row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-        return None
-
-
-def more_rounds(rows, loops, rounds):
-    """`rounds` more timings of each compiled loop of timed_variant(), interleaved (round r
-    times every loop before round r + 1: the card drifts over a call, so rows side by side in a
-    table saw the same conditions); then each of those rows' "us" is the median of its rounds.
-    loops: row index -> (loop, data)."""
-    for _ in range(rounds):
-        for i, (f, data) in loops.items():
-            rows[i]["us_rounds"].append(time_loop(f, data, 5, 20) * 1e6)
-    for i in loops:
-        rows[i]["us"] = float(np.median(rows[i]["us_rounds"]))
-
-
 def run_record(timing: str) -> dict:
     """The head of a results file: device, versions, command, timing method, shapes."""
     dev = jax.devices()[0]
@@ -180,16 +145,6 @@ def run_record(timing: str) -> dict:
         timing=timing,
         shapes=dict(num_heads=HQ, num_kv_heads=HKV, head_dim=D, block_size=BS, dtype="bfloat16"),
     )
-
-
-def write_rows(out, name, rows, **extra):
-    """Write <out>/<name>.json for the benchmark module `benchmarks.kernels.<name>`: the device,
-    jax version, the command that ran, `extra` fields and the rows."""
-    os.makedirs(out, exist_ok=True)
-    command = " ".join([f"python -m benchmarks.kernels.{name}"] + sys.argv[1:])
-    result = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, command=command)
-    with open(os.path.join(out, f"{name}.json"), "w") as fh:
-        json.dump(dict(result, **extra, rows=rows), fh, indent=1, default=str)
 
 
 def save(result, rows, out, fname="kernels"):

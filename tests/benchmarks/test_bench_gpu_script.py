@@ -1,5 +1,5 @@
 """The GPU run's pieces that need no GPU: roofline arithmetic, the dummy model dir, the report,
-the shell scripts, the HF stage on CPU; and the kernel benchmarks' CPU-runnable parts."""
+the shell scripts, the HF stage on CPU, and the stages themselves at CPU size."""
 
 from __future__ import annotations
 
@@ -109,13 +109,7 @@ def test_report_table():
 
 @pytest.mark.parametrize(
     "script",
-    [
-        "gpu_run.sh",
-        "gpu_kernels.sh",
-        "gpu_kernels_fa3.sh",
-        "gpu_decode_fa3.sh",
-        "gpu_vllm_install.sh",
-    ],
+    ["gpu_run.sh", "gpu_kernels.sh", "gpu_vllm_install.sh"],
 )
 def test_gpu_scripts_parse(script):
     subprocess.run(["bash", "-n", str(ROOT / "benchmarks" / "gpu" / script)], check=True)
@@ -144,152 +138,6 @@ def test_hf_stage_runs_on_cpu_and_reports(tmp_path):
     assert b["output_tok_s"] == pytest.approx(w["num_prompts"] * w["output_len"] / b["elapsed_s"])
     merged = {"spec": QUICK, "environment": {}, "stages": {"hf": {"ok": True, **res}}}
     assert f"batched generate {w['name']}" in report.markdown_table(merged)
-
-
-def test_fa3_rows_match_our_kernel_rows():
-    """kernels/fa3.py must time the shapes kernels/attention.py times and count the same KV
-    bytes, or the rate comparison in kernels_pallas/README.md means nothing."""
-    from benchmarks.kernels import fa3 as kernels_fa3
-    from benchmarks.kernels import harness as kernels
-
-    assert (kernels_fa3.HQ, kernels_fa3.HKV, kernels_fa3.D, kernels_fa3.BS) == (
-        kernels.HQ,
-        kernels.HKV,
-        kernels.D,
-        kernels.BS,
-    )
-    for b, ctx in kernels_fa3.DECODE_SHAPES:
-        assert kernels_fa3.kv_bytes(b, ctx) == kernels.kv_bytes([(1, ctx)] * b)
-    assert (64, 2048) in kernels_fa3.DECODE_SHAPES and (1, 8192) in kernels_fa3.DECODE_SHAPES
-    for b, q_len, ctx in kernels_fa3.PREFILL_SHAPES.values():
-        assert b * kernels_fa3.attn_flops(q_len, ctx) == kernels.attn_flops([(q_len, ctx)] * b)
-    assert kernels_fa3.attn_flops(3, 5) == 4 * kernels.HQ * kernels.D * (3 + 4 + 5)
-
-
-def test_profile_trace_sums_device_kernels(tmp_path):
-    """The trace reader keeps the device's kernels (not host events), sums them per name, and
-    sorts our kernels, matmuls and fusions into their kinds."""
-    import gzip
-
-    from benchmarks import device_trace as dt
-    from benchmarks.profile import trace as pt
-
-    events = [
-        {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/host:CPU"}},
-        {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/device:GPU:0"}},
-        {"ph": "X", "pid": 1, "name": "PjitFunction(step)", "dur": 900.0},
-        {"ph": "X", "pid": 2, "name": "ragged_paged_attention_q16_k128_s1", "dur": 40.0},
-        {"ph": "X", "pid": 2, "name": "ragged_paged_attention_q16_k128_s1", "dur": 60.0},
-        {"ph": "X", "pid": 2, "name": "nvjet_hsh_256x128_gemm", "dur": 300.0},
-        {"ph": "X", "pid": 2, "name": "loop_multiply_fusion", "dur": 5.0},
-        {"ph": "X", "pid": 2, "name": "write_kv", "dur": 2.0},
-    ]
-    d = tmp_path / "plugins" / "profile" / "run1"
-    d.mkdir(parents=True)
-    with gzip.open(d / "perfetto_trace.json.gz", "wt") as f:
-        json.dump({"traceEvents": events}, f)
-    times, counts = dt.device_kernel_times(str(tmp_path))
-    assert times == {
-        "ragged_paged_attention_q16_k128_s1": 100.0,
-        "nvjet_hsh_256x128_gemm": 300.0,
-        "loop_multiply_fusion": 5.0,
-        "write_kv": 2.0,
-    }
-    assert counts == {
-        "ragged_paged_attention_q16_k128_s1": 2,
-        "nvjet_hsh_256x128_gemm": 1,
-        "loop_multiply_fusion": 1,
-        "write_kv": 1,
-    }
-    assert [pt.kind_of(n) for n in times] == ["attention", "matmul", "fusion", "kv_write"]
-    # the Mosaic GPU kernels and the split-K merge count as attention too
-    assert pt.kind_of("entry_mosaic_gpu_kernel") == pt.kind_of("merge_splits") == "attention"
-    span, idle = dt.span_of(dt.device_events(str(tmp_path)))
-    assert span > 0 and 0 <= idle <= span
-
-
-def test_kernel_tune_rounds(tmp_path):
-    """`kernels/tune.py` (CPU smoke shape): every candidate is checked against the oracle and
-    timed in each round; the time it keeps is the median of its rounds; the best is the fastest
-    correct one."""
-    import statistics
-
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "benchmarks.kernels.tune",
-            "--quick",
-            "--only",
-            "decode_b4_ctx64",
-            "--rounds",
-            "2",
-            "--budget",
-            "120",
-            "--out",
-            str(tmp_path),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert r.returncode == 0, r.stderr[-2000:]
-    (row,) = json.loads((tmp_path / "kernels_tune_cpu.json").read_text())["tune"]
-    timed = [c for c in row["candidates"] if "us" in c]
-    assert timed and timed[0]["overrides"] == {} and all(c["ok"] for c in timed)
-    for c in timed:
-        assert len(c["us_rounds"]) == 2
-        assert c["us"] == pytest.approx(statistics.median(c["us_rounds"]))
-    assert row["best"]["us"] == min(c["us"] for c in timed)
-
-
-def test_kernels_compare_brackets_fa3(tmp_path):
-    """kernels_compare: our median over the runs against FA3, the range from our fastest and
-    slowest run; shapes FA3 did not time are left out; the CLI prints the table."""
-    from benchmarks.kernels import compare as kc
-
-    shapes = {"num_heads": 32, "num_kv_heads": 8}  # attention.py writes the model's shapes
-    ours = [
-        {
-            "shapes": shapes,
-            "rows": [
-                {"name": "a", "ours_us": 100.0},
-                {"name": "b", "ours_us": 40.0},
-                {"name": "write_kv_T64", "pallas_us": 3.0},
-            ],
-        },
-        {
-            "shapes": shapes,
-            "rows": [{"name": "a", "ours_us": 120.0}, {"name": "b", "ours_us": 60.0}],
-        },
-    ]
-    fa3 = {"rows": [{"name": "a", "fa3_us": 110.0}, {"name": "c", "fa3_us": 1.0}]}
-    (row,) = kc.compare(ours, fa3)
-    assert row["name"] == "a" and row["ours_median_us"] == 110.0
-    assert row["ours_over_fa3_rate"] == pytest.approx(1.0)
-    assert row["rate_range"] == pytest.approx([110 / 120, 110 / 100])
-    paths = []
-    for i, d in enumerate(ours + [fa3]):
-        paths.append(tmp_path / f"{i}.json")
-        paths[-1].write_text(json.dumps(d))
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "benchmarks.kernels.compare",
-            *map(str, paths),
-            "--out",
-            str(tmp_path / "cmp.json"),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert r.returncode == 0, r.stderr
-    assert "| a | 100.0 / 120.0 | 110.0 | 1.00x (0.92-1.10) |" in r.stdout
-    assert json.loads((tmp_path / "cmp.json").read_text())["rows"][0]["name"] == "a"
 
 
 def test_fp8_and_two_device_stages_run_and_report(tmp_path):

@@ -34,11 +34,10 @@ def test_chained_calls_last_output_and_sum():
     assert total.shape == () and float(total) == 15.0  # any output shape, summed
 
 
-def test_time_loop_and_time_calls_are_positive():
+def test_time_loop_is_positive():
     f = jax.jit(lambda x: x + 1)
     x = jnp.ones(8)
     assert measure.time_loop(f, (x,), reps=2, iters=1, per_sync=3) > 0
-    assert measure.time_calls(lambda: f(x), n=3) > 0
 
 
 def test_rates_on_cpu():

@@ -1,7 +1,7 @@
 """Summarise a PAXENGINE_STEP_TRACE file (paxengine/step_trace.py): where a served or offline
 run's engine iterations spent their time, and how often the device waited on the host.
 
-  python -m benchmarks.profile.step_trace FILE [FILE ...] [--json OUT]
+  python -m benchmarks.step_trace FILE [FILE ...] [--json OUT]
 
 Per file, per busy stretch (a server's benchmark runs are cut apart where it sat idle): iterations, the median and mean of each host phase, the device's share (time the host
 waited for a step), the iterations whose wait was under 0.2 ms (the device was idle behind the
