@@ -134,3 +134,84 @@ def test_what_is_not_implemented_yet_is_refused_by_name(causal_lm):
         )
     with pytest.raises(ValueError, match="quantization fp8 is not implemented for qwen3_5"):
         LLM(model=str(path), quantization="fp8", **ENGINE)
+
+
+def _write_tokenizer(path):
+    """A byte-level BPE of the model's 320 ids with a ChatML template: enough for the server."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(["the cat sat on the mat and the dog ran to the park"] * 20, trainer)
+    tok.save(str(path / "tokenizer.json"))
+    template = (
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    (path / "tokenizer_config.json").write_text(
+        __import__("json").dumps({"chat_template": template, "eos_token": "<|im_end|>"})
+    )
+
+
+def test_the_server_serves_it_as_a_user_starts_it(causal_lm):
+    """`paxengine serve DIR` with its defaults (engine process, background compile): the
+    tokens equal HF's; a streamed chat answers; an image part is a 400 naming it."""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+
+    path, want = causal_lm
+    _write_tokenizer(path)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    args = ["--port", str(port), "--max-model-len", "256", "--max-num-seqs", "4"]
+    args += ["--max-num-batched-tokens", "64", "--served-model-name", "q35"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "paxengine.cli", "serve", str(path), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert proc.poll() is None, proc.stdout.read()[-4000:]
+            try:
+                if httpx.get(base + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "not ready in 300 s"
+            time.sleep(0.25)
+        body = {"model": "q35", "prompt": PROMPTS[2], "max_tokens": MAX_TOKENS}
+        body.update(temperature=0, ignore_eos=True, return_token_ids=True)
+        r = httpx.post(base + "/v1/completions", json=body, timeout=300)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["token_ids"] == want[2]
+        chat = {"model": "q35", "messages": [{"role": "user", "content": "the cat"}]}
+        chat.update(max_tokens=6, stream=True, temperature=0)
+        with httpx.stream("POST", base + "/v1/chat/completions", json=chat, timeout=300) as s:
+            lines = [ln for ln in s.iter_lines() if ln.startswith("data: ")]
+        assert lines[-1] == "data: [DONE]" and len(lines) >= 3
+        image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+        bad = {"model": "q35", "messages": [{"role": "user", "content": [image]}]}
+        r = httpx.post(base + "/v1/chat/completions", json=bad, timeout=60)
+        assert r.status_code == 400 and "image_url" in r.text
+        assert httpx.get(base + "/health").status_code == 200
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
