@@ -17,22 +17,22 @@ Stages (each in its own process, so each frees the GPU's memory for the next):
   vllm-offline  the same offline workloads on vLLM (when `import vllm` works; VLLM-PEER.md)
   vllm-serve    `vllm serve` + the same bench client and workload
   pax-offline-fp8, vllm-offline-fp8
-                the offline workloads with FP8 weights and an FP8 KV cache (workloads "fp8")
+                the offline workloads with FP8 weights and an FP8 KV cache (variant "fp8")
   pax-serve-fp8, vllm-serve-fp8
                 the serve workload with the same FP8 settings
-  pax-offline-fp8bs16
-                the same with 16-token KV pages (fp8 caches default to 64)
   pax-offline-tp2, vllm-offline-tp2
-                the offline workloads with the model split over two GPUs (workloads "tp2";
+                the offline workloads with the model split over two GPUs (variant "tp2";
                 run on the nvidia-h200-x2 kind)
   pax-poisson   `paxengine serve` under Poisson arrivals at 4, 8, 16 req/s, lengths drawn
                 around 1024/256 (range ratio 0.9)                                (serving.py)
   vllm-poisson  the same on `vllm serve`
   hf            HF transformers on the same shapes                               (hf.py)
 
-Every stage writes DIR/stage_<name>.json; the driver merges them into DIR/gpu_bench.json and
-prints the report's table last (report.py). A failed stage is recorded and the next one still
-runs. The workloads are workloads.FULL, or QUICK with --quick.
+Both engines run at their defaults: a stage gives either one the model, its dtype, max_model_len
+and its variant's settings, nothing else (workloads.engine_args). Every stage writes
+DIR/stage_<name>.json; the driver merges them into DIR/gpu_bench.json and prints the report's
+table last (report.py). A failed stage is recorded and the next one still runs. The workloads
+are workloads.FULL, or QUICK with --quick.
 """
 
 from __future__ import annotations
@@ -60,7 +60,6 @@ STAGES = {
     "vllm-offline": offline.stage_vllm_offline,
     "pax-offline-fp8": partial(offline.stage_pax_offline, variant="fp8"),
     "vllm-offline-fp8": partial(offline.stage_vllm_offline, variant="fp8"),
-    "pax-offline-fp8bs16": partial(offline.stage_pax_offline, variant="fp8bs16"),
     "pax-offline-tp2": partial(offline.stage_pax_offline, variant="tp2"),
     "vllm-offline-tp2": partial(offline.stage_vllm_offline, variant="tp2"),
     "vllm-serve": serving.stage_vllm_serve,

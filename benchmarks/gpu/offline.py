@@ -20,6 +20,7 @@ from pathlib import Path
 from benchmarks.bench.datasets import random_dataset
 from benchmarks.gpu.dummy_model import write_dummy_model_dir
 from benchmarks.gpu.stage import log, save_partial, seconds_left
+from benchmarks.gpu.workloads import engine_args
 
 
 def itl(gen, spec, vocab: int) -> dict:
@@ -103,7 +104,7 @@ def offline(gen, spec, vocab: int, stats=None) -> dict:
 
 
 def stage_pax_offline(spec: dict, out: Path, variant: str | None = None) -> dict:
-    """variant: a key of the spec ("fp8") whose "pax_engine" settings are added."""
+    """paxengine's `LLM` at its defaults; variant: one of the spec's "variants" ("fp8")."""
     from benchmarks.bench.throughput import greedy_params, token_prompts
     from benchmarks.measure import CompileCounter
     from paxengine import LLM
@@ -111,10 +112,8 @@ def stage_pax_offline(spec: dict, out: Path, variant: str | None = None) -> dict
     from paxengine.kv_memory import largest_temporaries
     from paxengine.models.config import PRESETS
 
-    extra = spec[variant]["pax_engine"] if variant else {}
-    cfg = EngineConfig(
-        model=f"dummy:{spec['preset']}", dtype=spec["dtype"], **spec["engine"], **extra
-    )
+    args = engine_args(spec, variant)
+    cfg = EngineConfig(model=f"dummy:{spec['preset']}", dtype=spec["dtype"], **args)
     t = time.perf_counter()
     llm = LLM(config=cfg)
     startup = time.perf_counter() - t
@@ -126,7 +125,7 @@ def stage_pax_offline(spec: dict, out: Path, variant: str | None = None) -> dict
     save_partial(
         startup_s=startup,
         engine_stats=llm.engine.stats(),
-        engine_overrides=extra,
+        engine_args=args,
         kv_block_size=kv.block_size,
         kv_blocks=kv.num_blocks,
     )
@@ -181,24 +180,19 @@ def stage_vllm_offline(spec: dict, out: Path, variant: str | None = None) -> dic
     from paxengine.models.config import PRESETS
 
     d = write_dummy_model_dir(spec["preset"], out.parent / "dummy_model")
-    e = spec["engine"]
-    extra = spec[variant]["vllm_engine"] if variant else {}
+    args = engine_args(spec, variant)
     t = time.perf_counter()
     llm = LLM(
         model=str(d),
         load_format="dummy",
         skip_tokenizer_init=True,
         dtype=spec["dtype"],
-        max_num_seqs=e["max_num_seqs"],
-        max_num_batched_tokens=e["max_num_batched_tokens"],
-        max_model_len=e["max_model_len"],
-        gpu_memory_utilization=e.get("gpu_memory_utilization", 0.9),
         seed=0,
-        **extra,
+        **args,
     )
     startup = time.perf_counter() - t
     log(f"vLLM {vllm.__version__} started in {startup:.1f} s")
-    save_partial(startup_s=startup, vllm_version=vllm.__version__, engine_overrides=extra)
+    save_partial(startup_s=startup, vllm_version=vllm.__version__, engine_args=args)
     vocab = PRESETS[spec["preset"]].vocab_size
 
     def gen(reqs):

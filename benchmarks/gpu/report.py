@@ -11,7 +11,8 @@ import sys
 from pathlib import Path
 
 # vLLM 0.26.0 bf16 on one H200, Llama-3.1-8B shapes, dummy weights, measured 2026-11-29
-# (../shared/gpu/VLLM-PEER.md; its engine settings and ITL method were vLLM's defaults, not ours).
+# (../shared/gpu/VLLM-PEER.md; vLLM's default engine settings, as every stage now runs, and
+# vLLM's own ITL method).
 VLLM_PEER = {
     "itl_batch1_ms": "4.74",
     "itl_batch8_ms": "4.84",
@@ -114,7 +115,6 @@ def summary_rows(merged: dict) -> list[tuple[str, ...]]:
                 cell = (lambda r: f(r.get(a), fmt)) if b is None else (lambda r: pair(r, a, b, fmt))
                 rows.append((f"Poisson {rate:g} req/s {label}", cell(p), cell(v), "-", ""))
     rows += variant_rows(merged, f, "fp8", "FP8", VLLM_PEER_FP8)
-    rows += variant_rows(merged, f, "fp8bs16", "FP8, 16-token pages", {})
     rows += variant_rows(merged, f, "tp2", "TP=2", {})
     sc = pax_s.get("server_compile_metrics_delta")
     pax_c = f(pax_o.get("jax_compiles_during_timed_runs"), "d") + " offline"

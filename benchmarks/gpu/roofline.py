@@ -97,9 +97,9 @@ def stage_roofline(spec: dict, out: Path) -> dict:
     floors = {
         f"itl_batch{b}_ms": 1e3 * decode_step_floor(c, b, ctx, bw, rate) for b in itl["batches"]
     }
-    S = spec["engine"]["max_num_seqs"]
-    for w in spec["offline"]:
-        t = workload_floor(c, w["num_prompts"], w["input_len"], w["output_len"], S, bw, rate)
+    for w in spec["offline"]:  # the lowest floor: every request in one wave
+        n = w["num_prompts"]
+        t = workload_floor(c, n, w["input_len"], w["output_len"], n, bw, rate)
         floors[f"offline_{w['name']}_output_tok_s"] = w["num_prompts"] * w["output_len"] / t
     sv = spec["serve"]
     for conc in sv["concurrency"]:
@@ -114,7 +114,7 @@ def stage_roofline(spec: dict, out: Path) -> dict:
         "model_costs": c,
         "floors": floors,
         "note": "floors: max(bytes / measured copy bandwidth, FLOPs / measured matmul rate) "
-        "per step; offline: waves of max_num_seqs, prefill then decode; serving: "
+        "per step; offline: all requests in one wave, prefill then decode; serving: "
         "decode step at the mean context plus each request's prefill spread over its "
         "tokens",
     }

@@ -18,6 +18,7 @@ from benchmarks.bench import plots, serve
 from benchmarks.gpu import REPO_ROOT
 from benchmarks.gpu.dummy_model import write_dummy_model_dir
 from benchmarks.gpu.stage import log, save_partial, seconds_left
+from benchmarks.gpu.workloads import engine_args
 
 
 def _free_port() -> int:
@@ -245,94 +246,41 @@ def _scrape(base: str, part: str) -> dict:
 def stage_pax_serve(
     spec: dict, out: Path, workload: str = "serve", variant: str | None = None
 ) -> dict:
-    """`paxengine serve` (serving.cli) with the spec's engine settings; variant: a key of the
-    spec ("fp8") whose "pax_engine" settings are added."""
+    """`paxengine serve` (serving.cli) at its defaults; variant: one of the spec's "variants"."""
     d = write_dummy_model_dir(spec["preset"], out.parent / "dummy_model")
-    extra = {**spec[workload].get("pax_engine", {}), **_variant(spec, variant, "pax_engine")}
-    cmd = pax_serve_cmd(spec, d, _free_port(), extra)
+    cmd = pax_serve_cmd(spec, d, _free_port(), engine_args(spec, variant))
     return serve_stage(spec, out, cmd, _label("pax", variant), dict(os.environ), workload)
-
-
-def _variant(spec: dict, variant: str | None, engine: str) -> dict:
-    return spec[variant][engine] if variant else {}
 
 
 def _label(engine: str, variant: str | None) -> str:
     return f"{engine}_{variant}" if variant else engine
 
 
-def pax_serve_cmd(spec: dict, model_dir: Path, port: int, extra: dict) -> list[str]:
-    """The `paxengine serve` command on the dummy model (its tokenizer from `model_dir`) with the
-    spec's engine settings and `extra` serving-only flags."""
-    d = model_dir
-    e = spec["engine"]
-    cmd = [
-        sys.executable,
-        "-m",
-        "serving.cli",
-        "--model",
-        f"dummy:{spec['preset']}",
-        "--tokenizer",
-        str(d),
-        "--dtype",
-        spec["dtype"],
-        "--served-model-name",
-        "dummy",
-        "--max-num-seqs",
-        str(e["max_num_seqs"]),
-        "--max-num-batched-tokens",
-        str(e["max_num_batched_tokens"]),
-        "--max-model-len",
-        str(e["max_model_len"]),
-        "--port",
-        str(port),
-        "--host",
-        "127.0.0.1",
-        "--log-level",
-        "warning",
+def _flags(args: dict) -> list[str]:
+    return [x for key, value in args.items() for x in (f"--{key.replace('_', '-')}", str(value))]
+
+
+def pax_serve_cmd(spec: dict, model_dir: Path, port: int, args: dict) -> list[str]:
+    """The `paxengine serve` command on the dummy model (its tokenizer from `model_dir`) with
+    `args` (engine_args) as flags."""
+    exe = [sys.executable, "-m", "serving.cli"]
+    return [
+        *(*exe, "--model", f"dummy:{spec['preset']}", "--tokenizer", str(model_dir)),
+        *("--dtype", spec["dtype"], "--served-model-name", "dummy", "--log-level", "warning"),
+        *("--port", str(port), "--host", "127.0.0.1", *_flags(args)),
     ]
-    if "num_kv_blocks" in e:
-        cmd += ["--num-kv-blocks", str(e["num_kv_blocks"])]
-    for key in ("token_buckets", "seq_buckets"):
-        if key in e:
-            cmd += [f"--{key.replace('_', '-')}", ",".join(map(str, e[key]))]
-    if "gpu_memory_utilization" in e:
-        cmd += ["--gpu-memory-utilization", str(e["gpu_memory_utilization"])]
-    for key, value in extra.items():
-        cmd += [f"--{key.replace('_', '-')}", str(value)]
-    return cmd
 
 
 def stage_vllm_serve(
     spec: dict, out: Path, workload: str = "serve", variant: str | None = None
 ) -> dict:
-    """`vllm serve` on the dummy model directory with the same engine settings (and a
-    variant's "vllm_engine" ones as flags)."""
+    """`vllm serve` on the dummy model directory at its defaults, given what paxengine is."""
     d = write_dummy_model_dir(spec["preset"], out.parent / "dummy_model")
-    e = spec["engine"]
     exe = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(d)]
-    cmd = exe + [
-        "--load-format",
-        "dummy",
-        "--dtype",
-        spec["dtype"],
-        "--served-model-name",
-        "dummy",
-        "--max-num-seqs",
-        str(e["max_num_seqs"]),
-        "--max-num-batched-tokens",
-        str(e["max_num_batched_tokens"]),
-        "--max-model-len",
-        str(e["max_model_len"]),
-        "--port",
-        str(_free_port()),
-        "--host",
-        "127.0.0.1",
-        "--gpu-memory-utilization",
-        str(e.get("gpu_memory_utilization", 0.9)),
+    cmd = [
+        *(*exe, "--load-format", "dummy", "--dtype", spec["dtype"], "--served-model-name", "dummy"),
+        *("--port", str(_free_port()), "--host", "127.0.0.1", *_flags(engine_args(spec, variant))),
     ]
-    for key, value in _variant(spec, variant, "vllm_engine").items():
-        cmd += [f"--{key.replace('_', '-')}", str(value)]
     return serve_stage(spec, out, cmd, _label("vllm", variant), dict(os.environ), workload)
 
 

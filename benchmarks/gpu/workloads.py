@@ -1,10 +1,28 @@
 """The GPU run's workloads: Llama-3.1-8B shapes on the H200 (FULL) and the same code at CPU size
 (QUICK, `--quick`: a smoke run). Each stage reads its part of the dict; the driver writes the
-whole dict into gpu_bench.json ("spec"), and the report reads it back from there."""
+whole dict into gpu_bench.json ("spec"), and the report reads it back from there.
+
+Both engines run at their defaults, as a user starts them: each is given the model, its dtype,
+max_model_len and what a variant is about (`engine_args`), nothing else; no step budgets,
+buckets, batch limits or memory shares (tests/benchmarks/test_bench_gpu_script.py checks it).
+Only the CPU smoke run sizes its engine down (QUICK's "cpu_size"), to stay a smoke test on two
+cores: at the CPU defaults its stages compile 54 executables each, and an FP8 KV cache of the
+default 512 MiB (4M tokens of the tiny model) took 2.6 s a decode step on the CPU.
+"""
+
+
+def engine_args(spec: dict, variant: str | None = None) -> dict:
+    """The settings a stage gives its engine besides the model and dtype, the same dict for
+    paxengine and vLLM: max_model_len, the variant's own ("fp8", "tp2") and, in QUICK only,
+    the CPU size."""
+    extra = spec["variants"][variant] if variant else {}
+    return {"max_model_len": spec["max_model_len"], **spec.get("cpu_size", {}), **extra}
+
 
 FULL = {
     "preset": "llama-3.1-8b",
     "dtype": "bfloat16",
+    "max_model_len": 4096,
     "itl": {"input_len": 128, "n1": 32, "n2": 288, "batches": [1, 8], "reps": 3},
     # the long workload first: the short one's time is then projected from a decode-heavy rate
     # (the other way round, 256x(1024,128)'s prefill-bound rate over-projected 300x(1000,1000))
@@ -18,11 +36,6 @@ FULL = {
         "concurrency": [1, 16, 64],
         "num_prompts": 32,
         "per_concurrency": 4,
-        # paxengine's server only: while requests decode, a step takes 512 tokens (a prompt
-        # chunk beside ~60 decode rows, one weight read for both: +8% output at c=64 over 2,048,
-        # benchmarks/results/gpu_2026-12-02_serve_budget/), and 4,096 (~95 ms of an 8B step on
-        # the H200) while 8,192+ prompt tokens wait: a burst's prefill in large steps
-        "pax_engine": {"decode_step_token_budget": 512, "backlog_step_token_budget": 4096},
     },
     # realistic arrivals (issue #18): Poisson rates, random lengths around the means; each run
     # sends about `seconds` worth of requests, at least `min_prompts`
@@ -33,39 +46,13 @@ FULL = {
         "rates": [4, 8, 16],
         "seconds": 30,
         "min_prompts": 32,
-        "pax_engine": {"decode_step_token_budget": 512, "backlog_step_token_budget": 4096},
     },
-    "engine": {
-        "max_num_seqs": 512,
-        "max_num_batched_tokens": 8192,
-        "max_model_len": 4096,
-        "gpu_memory_utilization": 0.9,
-        # 33 compiled shapes: start-up fits the device call. 512 rows so 300 requests
-        # decode together; T=512 so their decode step is not padded to 1024 tokens (at
-        # M=1024 the matmuls are compute-bound: ~21 ms a step); T=2048 so a prompt or two
-        # next to the decodes is not padded to 4096 (the scheduler fills buckets).
-        # 320 and 384: 300 decoding rows padded to 512 spent ~40% of each step's GEMM time
-        # on padding (compute-bound at that M), vLLM runs them unpadded
-        # 1: a batch-1 decode step's matmuls at M=1, where the FP8 GEMV kernel streams the
-        # weights (at M=16 FP8 falls back to XLA's upcast, 1.4x slower per matmul)
-        "token_buckets": [1, 16, 64, 256, 320, 384, 512, 1024, 2048, 4096, 8192],
-        "seq_buckets": [8, 64, 256, 512],
-    },
-    # the FP8 stages (issue #17): FP8 weights (online quantization) and an FP8 KV cache in both
-    "fp8": {
-        "pax_engine": {"quantization": "fp8", "kv_cache_dtype": "fp8"},
-        "vllm_engine": {"quantization": "fp8", "kv_cache_dtype": "fp8"},
-    },
-    # the same with 16-token KV pages (fp8 caches default to 64, V pages [D, 64]: the pages
-    # the layout was measured against, side by side in one lease)
-    "fp8bs16": {
-        "pax_engine": {"quantization": "fp8", "kv_cache_dtype": "fp8", "block_size": 16},
-        "vllm_engine": {"quantization": "fp8", "kv_cache_dtype": "fp8", "block_size": 16},
-    },
-    # the two-GPU stages (issue #19; device kind nvidia-h200-x2): the same model split in two
-    "tp2": {
-        "pax_engine": {"tensor_parallel_size": 2},
-        "vllm_engine": {"tensor_parallel_size": 2},
+    # the variants' stages (<engine>-offline-<variant>, <engine>-serve-<variant>), the same
+    # settings for both engines: FP8 weights (online quantization) and an FP8 KV cache (issue
+    # #17); the model split over two GPUs (issue #19, device kind nvidia-h200-x2)
+    "variants": {
+        "fp8": {"quantization": "fp8", "kv_cache_dtype": "fp8"},
+        "tp2": {"tensor_parallel_size": 2},
     },
     "copy_mib": 2048,
     "matmul_n": 8192,
@@ -90,6 +77,8 @@ FULL = {
 QUICK = {
     "preset": "tiny",
     "dtype": "float32",
+    "max_model_len": 256,
+    "cpu_size": {"max_num_seqs": 8, "max_num_batched_tokens": 128, "num_kv_blocks": 128},
     "itl": {"input_len": 16, "n1": 4, "n2": 36, "batches": [1, 4], "reps": 1},
     "offline": [{"name": "8x(32,8)", "num_prompts": 8, "input_len": 32, "output_len": 8}],
     "serve": {
@@ -98,7 +87,6 @@ QUICK = {
         "concurrency": [1, 4],
         "num_prompts": 8,
         "per_concurrency": 0,
-        "pax_engine": {"decode_step_token_budget": 64, "backlog_step_token_budget": 128},
     },
     "poisson": {
         "input_len": 16,
@@ -107,27 +95,10 @@ QUICK = {
         "rates": [20, 80],
         "seconds": 0.2,
         "min_prompts": 8,
-        "pax_engine": {"decode_step_token_budget": 64, "backlog_step_token_budget": 128},
     },
-    "engine": {
-        "max_num_seqs": 8,
-        "max_num_batched_tokens": 128,
-        "max_model_len": 256,
-        "num_kv_blocks": 128,
-    },
-    "fp8": {
-        "pax_engine": {"quantization": "fp8", "kv_cache_dtype": "fp8"},
-        "vllm_engine": {"quantization": "fp8", "kv_cache_dtype": "fp8"},
-    },
-    # the same with 16-token KV pages (fp8 caches default to 64, V pages [D, 64]: the pages
-    # the layout was measured against, side by side in one lease)
-    "fp8bs16": {
-        "pax_engine": {"quantization": "fp8", "kv_cache_dtype": "fp8", "block_size": 16},
-        "vllm_engine": {"quantization": "fp8", "kv_cache_dtype": "fp8", "block_size": 16},
-    },
-    "tp2": {  # the tiny preset's 4 heads, 2 KV heads and 128 channels split in two
-        "pax_engine": {"tensor_parallel_size": 2},
-        "vllm_engine": {"tensor_parallel_size": 2},
+    "variants": {  # tp2: the tiny preset's 4 heads, 2 KV heads and 128 channels split in two
+        "fp8": {"quantization": "fp8", "kv_cache_dtype": "fp8"},
+        "tp2": {"tensor_parallel_size": 2},
     },
     "copy_mib": 16,
     "matmul_n": 256,

@@ -1,19 +1,23 @@
 """The GPU run's pieces that need no GPU: roofline arithmetic, the dummy model dir, the report,
-the shell scripts, the HF stage on CPU, and the stages themselves at CPU size."""
+the shell scripts, the HF stage on CPU, the engines' settings (their defaults), and the stages
+themselves at CPU size."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
 
-from benchmarks.gpu import hf, report, roofline
+from benchmarks.gpu import hf, offline, report, roofline, serving
 from benchmarks.gpu.dummy_model import write_dummy_model_dir
-from benchmarks.gpu.workloads import FULL, QUICK
+from benchmarks.gpu.workloads import FULL, QUICK, engine_args
+from paxengine.config import EngineConfig
 from paxengine.models.config import PRESETS, from_hf_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -94,13 +98,13 @@ def test_report_table():
                 "jax_compiles_during_timed_runs": 0,
                 "offline": {"256x(1024,128)": {"output_tok_s": 3000.0}},
             },
-            "pax-offline-fp8bs16": {"ok": True, "itl_batch1_ms": 3.25},
+            "pax-offline-fp8": {"ok": True, "itl_batch1_ms": 3.25},
             "pax-serve": {"ok": False, "error": "boom", "runs": {}},
             "vllm-offline": {"ok": True, "itl_batch1_ms": 4.74},
         },
     }
     md = report.markdown_table(merged)
-    assert "| FP8, 16-token pages batch-1 ITL (ms) | 3.25 |" in md
+    assert "| FP8 batch-1 ITL (ms) | 3.25 | - | 3.33 |" in md
     assert "| batch-1 ITL (ms) | 5.00 | 4.74 | 4.74 | 3.80 |" in md
     assert "| offline 256x(1024,128) output tok/s | 3,000 | - | 3,962 | - |" in md
     assert "JAX compiles during timed runs (must be 0) | 0 offline |" in md
@@ -142,9 +146,8 @@ def test_hf_stage_runs_on_cpu_and_reports(tmp_path):
 
 def test_fp8_and_two_device_stages_run_and_report(tmp_path):
     """The stages the next GPU leases run (FP8 weights + KV offline and served; the model over
-    two devices), at CPU size with two simulated devices: all finish, and the report has their
-    rows. (pax-offline-fp8bs16 is the fp8 stage with another block size: its row is checked in
-    test_report_table, that the block size it asks for is kept in tests/test_engine_setup.py.)"""
+    two devices), at CPU size with two simulated devices, paxengine at its defaults: all finish,
+    and the report has their rows."""
     env = dict(os.environ, PAXENGINE_CACHE=str(tmp_path / "cache"))
     env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2"
     r = subprocess.run(
@@ -180,6 +183,86 @@ def test_fp8_and_two_device_stages_run_and_report(tmp_path):
     table = report.markdown_table(merged)
     assert "| FP8 batch-1 ITL (ms) |" in table and "| TP=2 offline 8x(32,8) output tok/s |" in table
     assert merged["stages"]["pax-offline-fp8"]["kv_block_size"] == 64  # fp8 caches' default
+    assert merged["stages"]["pax-offline-fp8"]["engine_args"] == engine_args(QUICK, "fp8")
     # what XLA assigned the largest step as temporaries (the activation reserve's measure)
     assert merged["stages"]["pax-offline-fp8"]["step_temp_bytes"] > 0
     assert f"| FP8 serve c={c} output tok/s |" in table
+
+
+# What a stage may give an engine besides the model and its dtype: the context, and what the
+# variants are about (FP8 weights and KV, two GPUs). Everything else stays at each engine's
+# default, as a user starts it; vLLM runs the same way.
+ALLOWED = {"max_model_len", "quantization", "kv_cache_dtype", "tensor_parallel_size"}
+# the CPU smoke run's engine size (QUICK only: two cores), never a GPU stage's
+CPU_SIZE = {"max_num_seqs", "max_num_batched_tokens", "num_kv_blocks"}
+# a server's own flags: the model's source and name, where it listens, what it logs
+SERVER = {"--model", "--tokenizer", "--dtype", "--served-model-name", "--port", "--host"}
+
+
+class Started(Exception):
+    """Raised by a fake engine with what it was given."""
+
+
+def _keys(o) -> set:
+    if isinstance(o, dict):
+        return set(o) | {k for v in o.values() for k in _keys(v)}
+    return {k for v in o for k in _keys(v)} if isinstance(o, list) else set()
+
+
+@pytest.mark.parametrize("spec", [FULL, QUICK], ids=["full", "quick"])
+def test_stages_run_both_engines_at_their_defaults(spec, tmp_path, monkeypatch):
+    """No tuning flags: every stage, offline or served, paxengine's or vLLM's, gives its engine
+    the model, its dtype, max_model_len and its variant's settings, the same for both engines,
+    and nothing else (the CPU smoke run adds its size); the spec names no other engine setting
+    anywhere."""
+    import paxengine
+
+    cpu = spec.get("cpu_size", {})
+    assert set(cpu) <= CPU_SIZE and (spec is QUICK or not cpu)
+    knobs = EngineConfig.fields() - {"model", "dtype", "tokenizer", *ALLOWED}
+    bad = _keys({k: v for k, v in spec.items() if k != "cpu_size"}) & knobs
+    assert not bad, f"engine settings in the spec: {sorted(bad)}"
+    defaults = EngineConfig()
+
+    def fake_llm(*args, **kwargs):
+        raise Started(args, kwargs)
+
+    monkeypatch.setattr(paxengine, "LLM", fake_llm)
+    fake_vllm = types.SimpleNamespace(LLM=fake_llm, SamplingParams=None, __version__="0")
+    monkeypatch.setitem(sys.modules, "vllm", fake_vllm)
+    monkeypatch.setattr(offline, "write_dummy_model_dir", lambda *a: tmp_path)
+    monkeypatch.setattr(serving, "write_dummy_model_dir", lambda *a: tmp_path)
+    monkeypatch.setattr(serving, "serve_stage", lambda spec, out, cmd, *a: cmd)
+    out = tmp_path / "stage.json"
+    for variant in (None, *spec["variants"]):
+        args = engine_args(spec, variant)
+        assert set(args) <= ALLOWED | set(cpu) and args["max_model_len"] == spec["max_model_len"]
+        with pytest.raises(Started) as pax:
+            offline.stage_pax_offline(spec, out, variant)
+        cfg = pax.value.args[1]["config"]
+        given = {
+            f.name
+            for f in dataclasses.fields(cfg)
+            if getattr(cfg, f.name) != getattr(defaults, f.name)
+        }
+        assert given <= {"model", "dtype", *args}, given
+        assert {k: getattr(cfg, k) for k in args} == args
+        with pytest.raises(Started) as vl:
+            offline.stage_vllm_offline(spec, out, variant)
+        assert vl.value.args[1] == dict(
+            model=str(tmp_path),
+            load_format="dummy",
+            skip_tokenizer_init=True,
+            dtype=spec["dtype"],
+            seed=0,
+            **args,
+        )
+        flags = {"--" + k.replace("_", "-") for k in args}
+        for stage, own in (
+            (serving.stage_pax_serve, SERVER | {"--log-level"}),
+            (serving.stage_vllm_serve, SERVER - {"--model", "--tokenizer"} | {"--load-format"}),
+        ):
+            cmd = stage(spec, out, "serve", variant)
+            assert {x for x in cmd if x.startswith("--")} == own | flags, cmd
+            for k, v in args.items():
+                assert cmd[cmd.index("--" + k.replace("_", "-")) + 1] == str(v)

@@ -142,16 +142,18 @@ CACHES = {  # the engine's default page per KV dtype
 
 def _engine_kernel_configs():
     """One (T, S, cache) per distinct set of kernel launches the engine compiles at
-    Llama-3.1-8B shapes: for the GPU benchmark's buckets and for the buckets derived by default,
-    with bf16 16-token pages and fp8 64-token pages (the defaults of each KV dtype)."""
-    from benchmarks.gpu.workloads import FULL
+    Llama-3.1-8B shapes: for the GPU defaults' buckets (the ladder the GPU benchmark measured)
+    and for the buckets derived plainly from the same limits, with bf16 16-token pages and fp8
+    64-token pages (the defaults of each KV dtype)."""
     from kernels_pallas.tuning import plan_launches
     from paxengine.batch import bucket_pairs, seq_buckets, token_buckets
+    from paxengine.config import EngineConfig
+    from paxengine.device_defaults import resolve
 
-    e = FULL["engine"]
+    gpu = resolve(EngineConfig(), on_gpu=True)
     bucket_sets = [
-        (e["token_buckets"], e["seq_buckets"]),
-        (token_buckets(e["max_num_batched_tokens"]), seq_buckets(e["max_num_seqs"])),
+        (gpu.token_buckets, gpu.seq_buckets),
+        (token_buckets(gpu.max_num_batched_tokens), seq_buckets(gpu.max_num_seqs)),
     ]
     configs = {}
     for name, cache in CACHES.items():
