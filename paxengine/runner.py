@@ -38,10 +38,10 @@ from paxengine.sampling import (
 from paxengine.spec_decode.chain import ChainSpec, chain_layout, chained_inputs
 from paxengine.step_build import StepBuilder, abstract_of, mark_warm, smallest_holding
 
-# A probe's knob (benchmarks/profile/cmdbuf_updates.py), off: the step's fresh input buffers
-# make XLA re-record the forward's CUDA graph every step (~1 ms of host time); copied into
-# buffers kept across steps, a step read before the next is built skips that (H200 batch 1: 6.9
-# -> 5.9 ms), but verify steps and overlapped steps gained nothing
+# A probe's knob (benchmarks/profile/cmdbuf_updates.py at 5f74b6d), off: the step's fresh input
+# buffers make XLA re-record the forward's CUDA graph every step (~1 ms of host time); copied
+# into buffers kept across steps, a step read before the next is built skips that (H200 batch
+# 1: 6.9 -> 5.9 ms), but verify steps and overlapped steps gained nothing
 # (benchmarks/results/gpu_2026-12-02_spec_launch/). Its copies compile at first use.
 _STABLE_INPUTS = os.environ.get("PAXENGINE_STABLE_INPUTS", "0") == "1"
 # a real copy into the donated buffer (jit would forward a bare `new` without running anything)

@@ -95,8 +95,8 @@ def enable_persistent_cache(path: str | None) -> Path | None:
 def xla_compile_options() -> dict | None:
     """XLA options for every step's forward, from PAXENGINE_XLA_OPTIONS (a JSON object, e.g.
     '{"xla_gpu_autotune_level": 0}'): for measuring what an option costs at compile and run
-    time on the GPU (benchmarks.profile.fp8_compile) without a rebuild. Part of the executable
-    store's key."""
+    time on the GPU (benchmarks.profile.fp8_compile at 5f74b6d) without a rebuild. Part of the
+    executable store's key."""
     raw = os.environ.get("PAXENGINE_XLA_OPTIONS", "").strip()
     if not raw:
         return None

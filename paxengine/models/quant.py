@@ -124,8 +124,8 @@ def fp8_path(rows: int, on_gpu: bool, has_fp8_units: bool = True) -> str:
 def xla_options(rows: int) -> dict:
     """XLA options for compiling a step of `rows` token rows with FP8 weights on the GPU. XLA
     autotunes every fp8 x fp8 dot against its Triton GEMMs, and that grows with M: on the H200
-    (jax 0.11.2, `benchmarks.profile.fp8_compile`, 2 layers of Llama-3.1-8B) a 2048-row bucket
-    compiled in 52 s, and a whole 8B engine's 65 executables did not finish in 7 minutes. With
+    (jax 0.11.2, `benchmarks.profile.fp8_compile` at 5f74b6d, 2 layers of Llama-3.1-8B) a
+    2048-row bucket compiled in 52 s, and a whole 8B engine's 65 executables did not finish in 7 minutes. With
     XLA's Triton GEMMs off the W8A8 buckets take cuBLASLt's FP8 GEMM as before, at the same step
     time (64 / 320 / 2048 rows: 0.42 / 1.21 / 2.45 ms either way), compiled in 2-4 s. The W8A16
     buckets keep them on: there the upcast fuses into a Triton GEMM (16 rows 0.25 ms; without it
@@ -291,8 +291,8 @@ def gated_mlp(x: jax.Array, w_gate_up, w_down) -> jax.Array:
     W8A8 buckets with both weights in FP8 take the gate | up GEMM's unscaled product (in x's
     dtype) straight to `glu_quant`, which applies the scales, forms silu(gate) * up and
     quantizes it per row for the down GEMM in one pass; XLA made that two fusions each reading
-    the whole product (benchmarks/kernels/fp8_mlp.py). Buckets on the W8A8 GEMV path take the
-    same kernel between the two GEMVs (their product comes scaled: its scales are ones). On a CPU
+    the whole product (benchmarks/kernels/fp8_mlp.py at 5f74b6d). Buckets on the W8A8 GEMV path
+    take the same kernel between the two GEMVs (their product comes scaled: its scales are ones). On a CPU
     the kernel's jnp oracle runs instead (the same f32 math; interpret mode would take seconds a
     prefill bucket)."""
     fp8 = isinstance(w_gate_up, Fp8Weight) and isinstance(w_down, Fp8Weight)
