@@ -65,6 +65,10 @@ class StepArrays:
     # the slot holds the state of the tokens before this step (0: the row starts from zeros)
     state_slots: np.ndarray | None = None
     has_state: np.ndarray | None = None
+    # [S]: a prefix-cache hit's snapshot slot to start from, and the slot to keep the state
+    # reached at the end of the row's chunk (-1: none); SchedulerOutput.restore / .snapshots
+    restore_slots: np.ndarray | None = None
+    snapshot_slots: np.ndarray | None = None
 
     @classmethod
     def padding(cls, T: int, S: int, P: int, num_seqs: int) -> "StepArrays":
@@ -82,6 +86,8 @@ class StepArrays:
             np.full(T, -1, np.int32),
             np.full(S, -1, np.int32),
             np.zeros(S, np.int32),
+            np.full(S, -1, np.int32),
+            np.full(S, -1, np.int32),
         )
 
     def fields(self) -> tuple:
@@ -135,6 +141,8 @@ def build_step(
         tables[row, : len(blocks)] = blocks
         arrays.state_slots[row] = req.state_slot
         arrays.has_state[row] = start > 0
+        arrays.restore_slots[row] = out.restore.get(req.request_id, -1)
+        arrays.snapshot_slots[row] = out.snapshots.get(req.request_id, (0, -1))[1]
         if known < end and not drafts:
             assert known == end - 1, (req.request_id, known, end)
             prev_index[t + n - 1] = prev_rows[req.request_id]

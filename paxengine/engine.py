@@ -97,12 +97,13 @@ class EngineCore:
         num_blocks = engine_setup.plan_kv_blocks(
             cfg, checked, loaded.config, tp, draft.config if draft is not None else None, eagle
         )
-        slots = engine_setup.state_slots(cfg, loaded.config)
+        slots, snapshots = engine_setup.state_slots(cfg, loaded.config)
         self.kv = KVCacheManager(
             num_blocks,
             checked.block_size,
-            cfg.enable_prefix_caching and not slots,  # hybrid: no state snapshots yet
+            cfg.enable_prefix_caching,
             num_state_slots=slots,
+            num_snapshot_slots=snapshots,
         )
         tb, sb = cfg.token_buckets, cfg.seq_buckets
         self.scheduler = engine_setup.make_scheduler(
@@ -127,7 +128,7 @@ class EngineCore:
             background_compile=cfg.background_compile,
             aux=eagle.aux_hidden(DTYPES[dtype]) if eagle is not None else None,
             chain=engine_setup.chain_spec(self.spec, cfg.max_num_seqs, tp, max(sb)),
-            num_state_slots=slots,
+            num_state_slots=slots + snapshots,
         )
         # chained verify steps (n-gram speculation on one device): built while the previous
         # step runs; False runs every verify step read first (benchmarks compare the two)

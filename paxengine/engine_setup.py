@@ -236,8 +236,8 @@ def plan_kv_blocks(
     if cfg.num_kv_blocks:
         return num_blocks
     dtype = DTYPES[checked.dtype]
-    slots = state_slots(cfg, model_config)
-    if slots:  # the recurrent layers' state slots come out of the same budget
+    slots = sum(state_slots(cfg, model_config))
+    if slots:  # the recurrent layers' state slots and snapshots come out of the same budget
         per_block = kv_bytes_per_block(model_config, checked.block_size, checked.kv_dtype)
         state = slots * registry.family(model_config).state_bytes_per_slot(model_config, dtype)
         num_blocks -= -(-state // per_block)
@@ -246,11 +246,14 @@ def plan_kv_blocks(
                 f"no memory left for KV pages beside {slots} recurrent state slots "
                 f"({state / 2**20:.0f} MiB): lower max_num_seqs"
             )
+        running, snapshots = state_slots(cfg, model_config)
         log.info(
-            "%d recurrent state slots (%.1f MiB each): up to %d sequences at once",
+            "%d recurrent state slots (%.1f MiB each): up to %d sequences at once, %d cached "
+            "prefix states",
             slots,
             state / slots / 2**20,
-            slots,
+            running,
+            snapshots,
         )
     if draft_config is not None:  # the KV budget holds both models' pages
         from paxengine.spec_decode.draft_model import share_kv_budget
@@ -276,9 +279,12 @@ def agree_across_processes(num_blocks: int) -> int:
     return int(np.min(plans))
 
 
-def state_slots(cfg: EngineConfig, model_config) -> int:
-    """Per-request state slots of a model with recurrent layers: one per running sequence."""
-    return cfg.max_num_seqs if model_config.recurrent_layers else 0
+def state_slots(cfg: EngineConfig, model_config) -> tuple[int, int]:
+    """A model with recurrent layers: a state slot per running sequence, and with prefix
+    caching as many snapshot slots for cached prefixes' states (state_snapshots.py)."""
+    if not model_config.recurrent_layers:
+        return 0, 0
+    return cfg.max_num_seqs, cfg.max_num_seqs if cfg.enable_prefix_caching else 0
 
 
 def check_hybrid(cfg: EngineConfig, checked: Checked, model_config, spec) -> None:
@@ -296,8 +302,6 @@ def check_hybrid(cfg: EngineConfig, checked: Checked, model_config, spec) -> Non
     ):
         if unsupported:
             raise ValueError(f"{what} is not implemented for {name} models yet")
-    if cfg.enable_prefix_caching:
-        log.info("%s: prefix caching is off (recurrent state snapshots are not kept yet)", name)
 
 
 @dataclass

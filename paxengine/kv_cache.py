@@ -19,6 +19,7 @@ from collections import OrderedDict
 import numpy as np
 
 from paxengine.request import Request
+from paxengine.state_snapshots import StateSnapshots
 
 # Parent of a prompt's first block. A fixed, versioned constant rather than a per-engine random
 # salt: SHA-256 needs no salt to resist crafted collisions (the hits are checked anyway), and
@@ -73,15 +74,23 @@ class KVCacheManager:
         block_size: int,
         enable_prefix_caching: bool = True,
         num_state_slots: int = 0,
+        num_snapshot_slots: int = 0,
     ):
         """num_state_slots: a hybrid model's recurrent layers keep one fixed-size state per
         request (vLLM's mamba state beside the attention pages): a request holds a slot from
         admission to its end (finish, abort, preemption) as it holds blocks, and is admitted
-        only when both are free. 0: the model has no such layers."""
+        only when both are free. 0: the model has no such layers. num_snapshot_slots: with
+        prefix caching, slots after those that keep the state at cached prefixes' ends
+        (state_snapshots.py); a hybrid model's cache hits need one."""
         if num_blocks < 1:
             raise ValueError(f"the KV pool needs at least 1 block, got {num_blocks}")
         self.num_state_slots = num_state_slots
         self.free_slots: list[int] = list(range(num_state_slots - 1, -1, -1))  # pop() -> 0 first
+        self.snapshots = (
+            StateSnapshots(num_state_slots, num_snapshot_slots)
+            if num_state_slots and num_snapshot_slots and enable_prefix_caching
+            else None
+        )
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -138,6 +147,8 @@ class KVCacheManager:
     def _unindex(self, e: _Entry) -> None:
         del self.cached[e.hash]
         self.entry_of[e.block] = None
+        if self.snapshots is not None:
+            self.snapshots.drop_block(e.block)
         e.parent = None  # a dead entry keeps no chain alive
 
     def _lookup(self, h: bytes) -> _Entry | None:
@@ -183,7 +194,26 @@ class KVCacheManager:
                     break
                 found.append(e.block)
                 parent = e
+        if self.snapshots is not None:  # a hybrid model resumes only where a state was kept
+            while found and self.snapshots.of(found[-1]) is None:
+                found.pop()
         return found
+
+    def restore_slot(self, cached_blocks: list[int]) -> int:
+        """The snapshot slot a hit on these blocks starts its recurrent state from, or -1."""
+        if self.snapshots is None or not cached_blocks:
+            return -1
+        return self.snapshots.of(cached_blocks[-1])
+
+    def bind_snapshot(self, req: Request, boundary: int, slot: int) -> None:
+        """The step that wrote `slot` (req's state after `boundary` tokens) is done: bind it
+        to the block ending there, if that block is cached; else the slot goes back."""
+        i = boundary // self.block_size - 1
+        e = self.entry_of[req.block_ids[i]] if i < len(req.block_ids) else None
+        if e is not None and self._live(e):
+            self.snapshots.bind(e.block, slot)
+        else:
+            self.snapshots.release(slot)
 
     def cache_computed_blocks(self, req: Request) -> None:
         """Publish the request's newly completed full blocks under their chain hash.
@@ -233,6 +263,8 @@ class KVCacheManager:
         if len(self.free) != self.num_blocks:
             return False
         self.cached.clear()
+        if self.snapshots is not None:
+            self.snapshots.clear()
         self.entry_of = [None] * self.num_blocks
         self._tail.clear()
         return True

@@ -170,11 +170,7 @@ class Runner:
                 ("logits_indices", (S,), np.int32),
                 ("prev_index", (T,), np.int32),
             ]
-            + (
-                [("state_slots", (S,), np.int32), ("has_state", (S,), np.int32)]
-                if self.state
-                else []
-            )
+            + [(name, (S,), np.int32) for name in STATE_FIELDS if self.state]
         )
 
     def sampling_layout(self, S: int, flags) -> PackedLayout:
@@ -396,3 +392,5 @@ class AuxHidden:
 
 
 _APART = ("history", "mask")  # SamplingTensors' arrays the sampler takes unpacked
+# StepArrays' fields a model with recurrent layers reads (its state slots)
+STATE_FIELDS = ("state_slots", "has_state", "restore_slots", "snapshot_slots")

@@ -63,6 +63,11 @@ class SchedulerOutput:
     # a chained verify step (spec_decode/chain.py): every row takes K drafts the device makes;
     # `drafts` holds -1s until the engine reads the step and writes in what the device drafted
     chained: bool = False
+    # a hybrid model's prefix cache (state_snapshots.py): request id -> the snapshot slot its
+    # recurrent state starts from (a cache hit), and -> (boundary, slot) to keep the state
+    # reached at the end of this step's chunk
+    restore: dict[str, int] = field(default_factory=dict)
+    snapshots: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     @property
     def total_tokens(self) -> int:
@@ -180,9 +185,11 @@ class Scheduler:
                 break
             cached = self.kv.find_cached_prefix(req) if req.num_computed_tokens == 0 else []
             already = req.num_computed_tokens + len(cached) * self.kv.block_size
-            n = min(req.num_tokens - already, budget)
+            n = self._cut_at_snapshot(req, already, min(req.num_tokens - already, budget))
             if not self.kv.allocate(req, n, cached):
                 break
+            if cached and self.kv.snapshots is not None:
+                out.restore[req.request_id] = self.kv.restore_slot(cached)
             self.waiting.popleft()
             if req.num_computed_tokens == 0:
                 req.num_cached_tokens = len(cached) * self.kv.block_size
@@ -195,8 +202,33 @@ class Scheduler:
             out.requests.append(req)
             budget -= n
         self._fit_bucket(out)
+        self._mark_snapshots(out)
         self._count_scheduled(out)
         return out
+
+    # -- a hybrid model's state snapshots (state_snapshots.py) ---------------------------------
+    def _snapshot_boundary(self, req: Request) -> int:
+        """Where the request's recurrent state is kept for the prefix cache: after the last full
+        block before its prompt's last token (0: none)."""
+        if self.kv.snapshots is None:
+            return 0
+        bs = self.kv.block_size
+        return (req.num_prompt_tokens - 1) // bs * bs
+
+    def _cut_at_snapshot(self, req: Request, start: int, n: int) -> int:
+        """A prefill chunk of n tokens from `start` that would pass the boundary ends on it."""
+        b = self._snapshot_boundary(req)
+        return b - start if start < b < start + n else n
+
+    def _mark_snapshots(self, out: SchedulerOutput) -> None:
+        """The rows whose chunk ends on their boundary keep the state there (a slot each)."""
+        if self.kv.snapshots is None:
+            return
+        for req in out.requests:
+            b = self._snapshot_boundary(req)
+            start = req.num_computed_tokens
+            if b and start < b == start + out.num_scheduled_tokens[req.request_id]:
+                out.snapshots[req.request_id] = (b, self.kv.snapshots.take())
 
     def _decoding_step_budget(self, prefilling: list[Request]) -> int:
         """A step's token cap while requests decode: decode_step_token_budget, doubled (up to
@@ -321,6 +353,7 @@ class Scheduler:
             if budget <= 0:
                 break
             n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = self._cut_at_snapshot(req, req.num_computed_tokens, n)
             if req.status != Status.RUNNING or n <= 0 or self._ends_with_pending(req):
                 continue  # preempted above as a victim, or nothing to compute now
             drafts = self._propose(req, out, budget) if speculate else []
@@ -426,6 +459,12 @@ class Scheduler:
                 updated.append(req)
             if not req.is_finished:
                 self.kv.cache_computed_blocks(req)
+            snap = out.snapshots.get(req.request_id)
+            if snap is not None:  # written by the step just done: bound, or the slot freed
+                if req.status == Status.RUNNING:
+                    self.kv.bind_snapshot(req, *snap)
+                else:
+                    self.kv.snapshots.release(snap[1])
         return updated
 
     def _settle_drafts(self, req: Request, num_drafts: int, num_accepted: int) -> None:

@@ -118,6 +118,24 @@ def test_preemption_recomputes_the_state(causal_lm):
     assert llm.engine.scheduler.num_preemptions > 0
 
 
+def test_prefix_caching_restores_the_recurrent_state(causal_lm):
+    """A prompt's state is kept at its last full block before its last token: the same prompts
+    again, and a next turn that starts with an earlier prompt and its answer, restore it."""
+    path, want = causal_lm
+    llm = LLM(model=str(path), **ENGINE)
+    kv = llm.engine.kv
+    assert [o[0] for o in _greedy(llm)] == want
+    hits = kv.prefix_hits
+    assert [o[0] for o in _greedy(llm)] == want
+    assert kv.prefix_hits - hits == 64 + 144  # the 70- and 150-token prompts' boundaries
+    turn = PROMPTS[2] + want[2] + [5, 6, 7]
+    hf = transformers.Qwen3_5ForCausalLM.from_pretrained(path).float().eval()
+    hits = kv.prefix_hits
+    assert [o[0] for o in _greedy(llm, [turn])] == _hf_greedy(hf, [turn])
+    assert kv.prefix_hits - hits == 144
+    assert sorted(kv.free_slots) == list(range(ENGINE["max_num_seqs"]))
+
+
 def test_the_multimodal_checkpoint_serves_its_text_model(conditional):
     path, want = conditional
     llm = LLM(model=str(path), **ENGINE)

@@ -357,7 +357,8 @@ def forward_step(params, cfg: ModelConfig, tokens, positions, caches, attend, st
     kv = list(kv)
     step = dict(step)
     slots = step["state_slots"]
-    step["initial_slots"] = jnp.where(step["has_state"] > 0, slots, -1)
+    own = jnp.where(step["has_state"] > 0, slots, -1)
+    step["initial_slots"] = jnp.where(step["restore_slots"] >= 0, step["restore_slots"], own)
     h = params["embed"][tokens]
     rope = _rope(cfg, positions)
     eps = cfg.rms_norm_eps
@@ -373,4 +374,15 @@ def forward_step(params, cfg: ModelConfig, tokens, positions, caches, attend, st
         h = h + o.astype(h.dtype)
         x = rms_norm(h, w["mlp_norm"], eps)
         h = h + linear(jax.nn.silu(linear(x, w["w_gate"])) * linear(x, w["w_up"]), w["w_down"])
-    return rms_norm(h, params["final_norm"], eps), (kv, states)
+    return rms_norm(h, params["final_norm"], eps), (kv, _keep_snapshots(states, step))
+
+
+def _keep_snapshots(states: dict, step) -> dict:
+    """Each row with a snapshot slot copies its state, as the step left it, there (every
+    recurrent layer's): the prefix cache restores it later (paxengine/state_snapshots.py)."""
+    snap, slots = step["snapshot_slots"], step["state_slots"]
+    out = {}
+    for name, pool in states.items():
+        dst = jnp.where(snap >= 0, snap, pool.shape[1])  # out of range: dropped
+        out[name] = pool.at[:, dst].set(pool[:, jnp.maximum(slots, 0)], mode="drop")
+    return out
