@@ -404,6 +404,11 @@ ROWS: dict[str, Row] = {
             NAME,
             "--kv-transfer-config",
             '{"kv_role": "kv_both", "prefill_device": 0, "decode_device": 1}',
+            # the data-parallel row's buckets: its executables, from the store
+            "--token-buckets",
+            "16,64",
+            "--seq-buckets",
+            "4",
         ],
         check_disaggregated,
         devices=2,
@@ -592,10 +597,10 @@ def server(request, places):
 
 
 def _stop(name: str, proc: subprocess.Popen, log: Path) -> None:
-    """SIGTERM: the server drains (its log says so), then the process group goes. Not waited
-    out: the process's exit waits for the background compiles still queued (step_build's
-    ThreadPoolExecutor is joined at interpreter exit; see the report on issue #53), which in
-    CI would cost seconds per row for executables nothing will run."""
+    """SIGTERM: the server drains (its log says so), then the process group goes. Its exit is
+    not waited out: a process exits only once every background compile already queued has run
+    (step_build's ThreadPoolExecutor is joined at interpreter exit; issue #53's report), up to
+    30 s a row here for executables nothing will run."""
     if proc.poll() is not None:  # it failed: its engine process may be left
         _kill_group(proc)
         return
