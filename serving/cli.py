@@ -204,6 +204,30 @@ def build_parser() -> argparse.ArgumentParser:
         "run the engine's step loop in a process of its own (default: yes for one engine; "
         "--no-engine-process runs it on a thread of the server's process)",
     )
+    s.add_argument(
+        "--reasoning-parser",
+        choices=["qwen3", "deepseek_r1"],
+        help="the text between the model's think tags goes to message.reasoning "
+        "(delta.reasoning), the rest to content",
+    )
+    s.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        default=None,
+        help='tool_choice "auto" (the default with tools) parses the model\'s own calls in '
+        "--tool-call-parser's format (without it, a 400 as in vLLM)",
+    )
+    s.add_argument(
+        "--tool-call-parser",
+        choices=["auto", "hermes", "llama3_json", "qwen3_coder", "qwen3_xml"],
+        help="the model's tool-call format (auto: the chat template's, Hermes or Llama 3.1 JSON)",
+    )
+    s.add_argument(
+        "--generation-config",
+        metavar="auto|vllm|DIR",
+        help="default sampling parameters from generation_config.json: the model "
+        "directory's (auto, the default), none (vllm), or DIR's; a request's own values win",
+    )
     s.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"])
     return p
 

@@ -67,6 +67,16 @@ class ServerConfig:
     # loop and the step loop never wait for one GIL; None: yes, where one engine serves (data-
     # parallel replicas and disaggregated engines run on threads of the server's process)
     engine_process: Optional[bool] = None
+    # vLLM's: the think block's text as `reasoning` (serving/reasoning.py): qwen3, deepseek_r1
+    reasoning_parser: Optional[str] = None
+    # vLLM's: tool_choice "auto" parses the model's calls in --tool-call-parser's format
+    # (serving/tools.py: auto, hermes, llama3_json, qwen3_coder, qwen3_xml); without it, "auto"
+    # is a 400 as in vLLM
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: Optional[str] = None
+    # vLLM's: default sampling parameters from generation_config.json: auto (the model's), vllm
+    # (none), or a directory holding one (serving/generation_config.py)
+    generation_config: str = "auto"
 
     def __post_init__(self):
         for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
@@ -126,6 +136,35 @@ class ServerConfig:
             )
         if self.api_key is not None and not isinstance(self.api_key, str):
             raise ValueError("api_key: must be a string")
+        self._check_parsers()
+
+    def _check_parsers(self) -> None:
+        from serving import reasoning, tools
+
+        if self.reasoning_parser is not None and self.reasoning_parser not in reasoning.PARSERS:
+            raise ValueError(
+                f"reasoning_parser: must be one of {list(reasoning.PARSERS)}, got "
+                f"{self.reasoning_parser!r}"
+            )
+        if self.tool_call_parser is not None and self.tool_call_parser not in tools.PARSERS:
+            raise ValueError(
+                f"tool_call_parser: must be one of {list(tools.PARSERS)}, got "
+                f"{self.tool_call_parser!r}"
+            )
+        if not isinstance(self.enable_auto_tool_choice, bool):
+            raise ValueError("enable_auto_tool_choice: must be true or false")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError(
+                "enable_auto_tool_choice: needs tool_call_parser (--tool-call-parser "
+                f"{{{','.join(tools.PARSERS)}}}; auto: the chat template's format)"
+            )
+        g = self.generation_config
+        if not isinstance(g, str) or not g:
+            raise ValueError(f"generation_config: auto, vllm or a directory, got {g!r}")
+        if g not in ("auto", "vllm") and not os.path.isfile(
+            os.path.join(g, "generation_config.json")
+        ):
+            raise ValueError(f"generation_config: {g} has no generation_config.json")
 
     @classmethod
     def fields(cls) -> set[str]:

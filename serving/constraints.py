@@ -11,6 +11,8 @@ from paxengine.errors import InvalidRequest
 from paxengine.structured import StructuredOutputs
 from serving.errors import bad_request
 
+GUIDED = ("json", "regex", "choice", "grammar")
+
 
 def constraint(req) -> Optional[StructuredOutputs]:
     """The request's structured-output constraint: OpenAI's response_format, vLLM's
@@ -39,7 +41,7 @@ def constraint(req) -> Optional[StructuredOutputs]:
                 ),
             )
         )
-    for name in ("json", "regex", "choice", "grammar"):  # vLLM's legacy guided_* fields
+    for name in GUIDED:  # vLLM's legacy guided_* fields
         value = getattr(req, f"guided_{name}")
         if value is not None:
             found.append((f"guided_{name}", StructuredOutputs(**{name: value})))
@@ -56,8 +58,19 @@ def constraint(req) -> Optional[StructuredOutputs]:
     return spec
 
 
-def tool_mode(req) -> Optional[str]:
-    """None (plain text), "auto", "required", or the name of the function to call."""
+def constraint_field(req) -> Optional[str]:
+    """The name of the request's output-constraint field (constraint), for its errors."""
+    for name in ("response_format", "structured_outputs", *(f"guided_{n}" for n in GUIDED)):
+        value = getattr(req, name)
+        if value is not None and not (name == "response_format" and value.type == "text"):
+            return name
+    return None
+
+
+def tool_mode(req, auto_enabled: bool = True) -> Optional[str]:
+    """None (plain text), "auto", "required", or the name of the function to call. With tools,
+    no tool_choice means "auto" (vLLM's), which needs the server's --enable-auto-tool-choice
+    (auto_enabled) as in vLLM."""
     choice = req.tool_choice
     if not req.tools:
         if choice in (None, "none", "auto"):
@@ -69,6 +82,12 @@ def tool_mode(req) -> Optional[str]:
     if choice == "none":
         return None
     if choice is None or choice == "auto":
+        if not auto_enabled:
+            raise bad_request(
+                '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser '
+                'to be set (or send tool_choice "none", "required" or a function)',
+                "tool_choice",
+            )
         return "auto"
     if choice == "required":
         return "required"

@@ -22,6 +22,7 @@ from paxengine.client import EngineClient, ModelInfo
 from paxengine.errors import EngineDead, EngineError, EngineOverloaded, InvalidRequest
 from paxengine.sampling_params import SamplingParams
 from paxengine.validation import check_token_ids
+from serving import generation_config
 from serving.config import ServerConfig
 from serving.drain import Drain
 from serving.errors import ApiError
@@ -37,13 +38,21 @@ class ServerState:
     info: ModelInfo
     metrics: ServerMetrics
     drain: Drain
+    # --generation-config's default SamplingParams fields (a request's own values win)
+    defaults: dict = field(default_factory=dict)
     _bg: set = field(default_factory=set)
 
     @classmethod
     def create(cls, engine: EngineClient, config: ServerConfig) -> "ServerState":
         info = engine.model_info()
         metrics = ServerMetrics(config.metrics_prefix, info.name, engine.stats, info.max_model_len)
-        return cls(engine, config, info, metrics, Drain(config.shutdown_timeout))
+        mode, model = (
+            config.generation_config,
+            getattr(getattr(engine, "config", None), "model", None),
+        )
+        values, path = generation_config.defaults(mode, model)
+        log.info("%s", generation_config.describe(values, path, mode))
+        return cls(engine, config, info, metrics, Drain(config.shutdown_timeout), values)
 
     def draining_error(self) -> ApiError:
         return ApiError(

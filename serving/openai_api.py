@@ -1,4 +1,7 @@
-"""/v1/completions and /v1/chat/completions: request -> engine jobs -> response or SSE stream."""
+"""/v1/completions and /v1/chat/completions: one request -> its prompts (prompts.py) -> engine
+jobs (generation.py) -> a stream of engine outputs -> each choice's chain of stages (choices.py:
+text delta -> reasoning -> tool calls -> logprobs) -> SSE chunks or the final response. The
+chains are chosen once per request (`prepare`); this module only assembles what they give."""
 
 from __future__ import annotations
 
@@ -17,7 +20,8 @@ from starlette.responses import StreamingResponse
 from paxengine.errors import InvalidRequest
 from paxengine.sampling_params import MAX_LOGPROBS, SamplingParams
 from paxengine.structured import StructuredOutputs
-from serving import constraints, tool_responses, tools
+from serving import constraints, reasoning, tool_responses, tools
+from serving.choices import ChatSetup, Piece, chat_chain, completion_chain
 from serving.errors import ApiError, bad_request, internal_error
 from serving.generation import (
     ClientDisconnected,
@@ -28,7 +32,6 @@ from serving.generation import (
     start_jobs,
     until_disconnect,
 )
-from serving.logprobs import chat_logprobs, completion_logprobs
 from serving.prompts import chat_prompt, completion_prompts, truncated
 from serving.protocol import (
     ChatChoice,
@@ -39,6 +42,7 @@ from serving.protocol import (
     CompletionChoice,
     CompletionResponse,
     DeltaMessage,
+    DeltaToolCall,
     PromptTokensDetails,
     ResponseFunctionCall,
     ResponseToolCall,
@@ -94,7 +98,8 @@ def sampling_params(
     logprobs: Optional[int],
     structured_outputs: Optional[StructuredOutputs] = None,
 ) -> SamplingParams:
-    """The request's fields as SamplingParams; their values are checked by the engine.
+    """The request's fields as SamplingParams; their values are checked by the engine. Where the
+    request leaves one out, --generation-config's default (state.defaults), else vLLM's.
     structured_outputs: the request's constraint (constraints.constraint)."""
     bias = {}
     for k, v in (req.logit_bias or {}).items():
@@ -102,17 +107,22 @@ def sampling_params(
             bias[int(k)] = v
         except ValueError:
             raise bad_request(f"logit_bias: key {k!r} is not a token id", "logit_bias") from None
-    opt = lambda v, d: d if v is None else v  # noqa: E731
+    d = state.defaults
+
+    def opt(name: str, default):
+        v = getattr(req, name)
+        return d.get(name, default) if v is None else v
+
     return SamplingParams(
         n=req.n,
-        temperature=opt(req.temperature, 1.0),
-        top_p=opt(req.top_p, 1.0),
+        temperature=opt("temperature", 1.0),
+        top_p=opt("top_p", 1.0),
         # top_k beyond the vocabulary means "all tokens": clamp (the engine packs it into int32)
-        top_k=min(opt(req.top_k, -1), state.vocab_size),
-        min_p=opt(req.min_p, 0.0),
-        presence_penalty=opt(req.presence_penalty, 0.0),
-        frequency_penalty=opt(req.frequency_penalty, 0.0),
-        repetition_penalty=opt(req.repetition_penalty, 1.0),
+        top_k=min(opt("top_k", -1), state.vocab_size),
+        min_p=opt("min_p", 0.0),
+        presence_penalty=opt("presence_penalty", 0.0),
+        frequency_penalty=opt("frequency_penalty", 0.0),
+        repetition_penalty=opt("repetition_penalty", 1.0),
         seed=req.seed,
         stop=[req.stop] if isinstance(req.stop, str) else list(req.stop or []),
         stop_token_ids=list(req.stop_token_ids or []),
@@ -130,9 +140,17 @@ def sampling_params(
     )
 
 
+def _default_max_tokens(state: ServerState, room: int, given: Optional[int] = None) -> int:
+    """max_tokens when the request gives none: the room left in the context, at most the
+    generation config's max_new_tokens (and a completion's 16, `given`)."""
+    caps = [x for x in (given, state.defaults.get("max_tokens")) if x is not None]
+    return max(1, min([room, *caps]))
+
+
 # ----------------------------------------------------------------------------- shared driver
 class _Call:
-    """One API call: its prompts, engine jobs, and what has been sent so far (for deltas)."""
+    """One API call: its prompts, engine jobs, and how each choice's outputs become the
+    response (`chain`)."""
 
     def __init__(
         self,
@@ -142,7 +160,7 @@ class _Call:
         prompts,
         params: SamplingParams,
         k: Optional[int],
-        tools: Optional[str] = None,
+        setup: Optional[ChatSetup] = None,
     ):
         self.state, self.kind, self.req, self.prompts, self.params, self.k = (
             state,
@@ -156,12 +174,20 @@ class _Call:
         self.id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{req.request_id or uuid.uuid4().hex}"
         self.jobs = [Job(f"{self.id}-{i}", ids, params) for i, (_, ids) in enumerate(prompts)]
         self.n = params.n
-        self.tools = tools  # the tool-call mode (constraints.tool_mode), None without tools
+        self.setup = setup  # a chat's stages (None for completions)
         self.as_ids = bool(req.return_tokens_as_token_ids)  # logprobs' tokens as "token_id:<id>"
         self.ids_on = bool(req.return_token_ids)  # the responses carry the token ids too
 
     def index(self, prompt_i: int, out_i: int) -> int:
         return prompt_i * self.n + out_i
+
+    def chain(self, prompt_i: int):
+        """A new chain of stages for one choice of prompt prompt_i."""
+        if self.kind == "chat":
+            return chat_chain(self.state, self.setup)
+        return completion_chain(
+            self.state, self.prompts[prompt_i], bool(self.req.echo), self.k, self.as_ids
+        )
 
     def usage(self, finals: dict) -> Usage:
         p = sum(len(ids) for _, ids in self.prompts)
@@ -182,20 +208,44 @@ async def _off_loop(size: int, fn, *args):
     return fn(*args)
 
 
+def _check_top_logprobs(req) -> None:
+    if req.top_logprobs is None:
+        return
+    if not req.logprobs:
+        raise bad_request("top_logprobs: requires logprobs to be true", "top_logprobs")
+    if not 0 <= req.top_logprobs <= MAX_LOGPROBS:
+        raise bad_request(
+            f"top_logprobs: must be an integer in [0, {MAX_LOGPROBS}], got {req.top_logprobs}",
+            "top_logprobs",
+        )
+
+
+def _check_grammar_after_reasoning(state: ServerState, req, mode, prompt_state) -> None:
+    """Under --reasoning-parser a grammar would have to start where the reasoning ends (vLLM's
+    structured outputs do); the engine applies it from the first token, so it is refused unless
+    the prompt has closed the think block (thinking off)."""
+    parser = state.config.reasoning_parser
+    if parser is None or prompt_state == "closed":
+        return
+    field = constraints.constraint_field(req) or (
+        "tool_choice" if mode not in (None, "auto") else None
+    )
+    if field is not None:
+        raise bad_request(
+            f"{field}: with --reasoning-parser {parser}, an output constraint that applies "
+            "after the reasoning ends is not supported yet; turn thinking off "
+            '(chat_template_kwargs {"enable_thinking": false}) or leave the constraint out',
+            field,
+        )
+
+
 async def prepare(state: ServerState, kind: str, req) -> _Call:
     state.check_model(req.model)
-    mode, spec = None, constraints.constraint(req)
+    mode, spec, setup = None, constraints.constraint(req), None
+    cfg = state.config
     if kind == "chat":
-        if req.top_logprobs is not None:
-            if not req.logprobs:
-                raise bad_request("top_logprobs: requires logprobs to be true", "top_logprobs")
-            if not 0 <= req.top_logprobs <= MAX_LOGPROBS:
-                raise bad_request(
-                    f"top_logprobs: must be an integer in [0, {MAX_LOGPROBS}], "
-                    f"got {req.top_logprobs}",
-                    "top_logprobs",
-                )
-        mode = constraints.tool_mode(req)
+        _check_top_logprobs(req)
+        mode = constraints.tool_mode(req, cfg.enable_auto_tool_choice)
         if mode is not None and spec is not None:
             raise bad_request(
                 "response_format: an output constraint cannot be combined with tools "
@@ -205,19 +255,35 @@ async def prepare(state: ServerState, kind: str, req) -> _Call:
         tool_defs = [t.model_dump(exclude_none=True) for t in req.tools] if mode else None
         size = sum(len(m.text()) for m in req.messages)
         prompts = truncated(state, req, [await _off_loop(size, chat_prompt, state, req, tool_defs)])
+        prompt_state = reasoning.prompt_block(prompts[0][0]) if cfg.reasoning_parser else None
+        _check_grammar_after_reasoning(state, req, mode, prompt_state)
         k = (req.top_logprobs or 0) if req.logprobs else None
         max_tokens = (
             req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         )
         if max_tokens is None:
-            max_tokens = max(1, state.max_model_len - len(prompts[0][1]))
+            max_tokens = _default_max_tokens(state, state.max_model_len - len(prompts[0][1]))
+        setup = ChatSetup(
+            k=k,
+            as_ids=bool(req.return_tokens_as_token_ids),
+            tool_mode=mode,
+            tool_format=tool_responses.call_format_of(state.tokenizer, cfg.tool_call_parser),
+            tool_defs=tool_defs,
+            parallel=req.parallel_tool_calls is not False,
+            reasoning_parser=cfg.reasoning_parser,
+            prompt_state=prompt_state,
+            include_reasoning=req.include_reasoning,
+        )
     else:
         p = req.prompt
         size = len(p) if isinstance(p, str) else sum(len(x) for x in p if isinstance(x, str))
         prompts = truncated(state, req, await _off_loop(size, completion_prompts, state, req))
         k, max_tokens = req.logprobs, req.max_tokens
-        if max_tokens is None:
-            max_tokens = max(1, state.max_model_len - max(len(ids) for _, ids in prompts))
+        room = state.max_model_len - max(len(ids) for _, ids in prompts)
+        if "max_tokens" not in req.model_fields_set:  # the default 16, or the model's fewer
+            max_tokens = _default_max_tokens(state, 1 << 62, max_tokens)
+        elif max_tokens is None:
+            max_tokens = _default_max_tokens(state, room)
     params = sampling_params(state, req, max_tokens, k, spec)
     if kind == "chat" and mode not in (None, "auto"):  # a forced call: its grammar
         parallel = req.parallel_tool_calls is not False
@@ -233,7 +299,7 @@ async def prepare(state: ServerState, kind: str, req) -> _Call:
             "request_id: at most 128 characters of letters, digits and ._:/+=@-",
             "request_id",
         )
-    call = _Call(state, kind, req, prompts, params, k, mode)
+    call = _Call(state, kind, req, prompts, params, k, setup)
     start_jobs(state, call.jobs)  # the engine validates and admits: refusals are 4xx/503 here
     return call
 
@@ -271,56 +337,68 @@ async def respond(state: ServerState, kind: str, request: Request, req) -> Respo
     return Response(_final_response(call, finals).model_dump_json(), media_type="application/json")
 
 
+# ----------------------------------------------------------------------------- pieces -> response
+def _merged_calls(deltas: list[DeltaToolCall]) -> list[ResponseToolCall]:
+    """A finished choice's tool-call deltas (a call whole, or its name then argument pieces)
+    as the message's calls."""
+    calls: dict[int, ResponseToolCall] = {}
+    for d in deltas:
+        f = d.function
+        if d.index not in calls:
+            calls[d.index] = ResponseToolCall(
+                id=d.id or tools.Call("", "").id,
+                function=ResponseFunctionCall(name=f.name or "", arguments=f.arguments or ""),
+            )
+        elif f is not None and f.arguments:
+            calls[d.index].function.arguments += f.arguments
+    return [calls[i] for i in sorted(calls)]
+
+
+def _chat_message(setup: ChatSetup, p: Piece) -> ChatResponseMessage:
+    content: Optional[str] = p.text
+    if setup.tool_mode == "auto":
+        content = content.strip() or None  # the text around calls, as parse_tool_calls gives it
+    elif not setup.plain:
+        content = content or None
+    return ChatResponseMessage(
+        content=content,
+        reasoning=(p.reasoning or None) if setup.reasoning_parser else None,
+        tool_calls=_merged_calls(p.tool_calls),
+    )
+
+
+def _delta_message(setup: ChatSetup, p: Piece) -> DeltaMessage:
+    return DeltaMessage(
+        content=p.text if setup.plain else (p.text or None),
+        reasoning=p.reasoning or None,
+        tool_calls=p.tool_calls or None,
+    )
+
+
 def _final_response(call: _Call, finals: dict):
     state, choices = call.state, []
-    for pi, (ptext, pids) in enumerate(call.prompts):
+    for pi, (_, pids) in enumerate(call.prompts):
         for o in finals[pi].outputs:
             idx = call.index(pi, o.index)
+            p = call.chain(pi).run(o)  # the finished output: one piece
             if call.kind == "chat":
-                lp = chat_logprobs(state, o, 0, call.k, call.as_ids) if call.k is not None else None
-                content, calls, finish = tool_responses.finished_calls(
-                    call.tools,
-                    o.text,
-                    o.finish_reason,
-                    call.req.parallel_tool_calls is not False,
-                    tool_responses.call_format_of(state.tokenizer),
-                )
                 choices.append(
                     ChatChoice(
                         index=idx,
-                        message=ChatResponseMessage(
-                            content=content,
-                            tool_calls=[
-                                ResponseToolCall(
-                                    id=c.id,
-                                    function=ResponseFunctionCall(
-                                        name=c.name, arguments=c.arguments
-                                    ),
-                                )
-                                for c in calls
-                            ],
-                        ),
-                        logprobs=lp,
-                        finish_reason=finish,
+                        message=_chat_message(call.setup, p),
+                        logprobs=p.logprobs,
+                        finish_reason=p.finish,
                         stop_reason=o.stop_reason,
                         token_ids=list(o.token_ids) if call.ids_on else None,
                     )
                 )
             else:
-                echo = ptext if call.req.echo else ""
-                lp = (
-                    completion_logprobs(
-                        state, o, 0, call.k, 0, pids if call.req.echo else None, call.as_ids
-                    )
-                    if call.k is not None
-                    else None
-                )
                 choices.append(
                     CompletionChoice(
                         index=idx,
-                        text=echo + o.text,
-                        logprobs=lp,
-                        finish_reason=o.finish_reason,
+                        text=p.text,
+                        logprobs=p.logprobs,
+                        finish_reason=p.finish,
                         stop_reason=o.stop_reason,
                         prompt_token_ids=list(pids) if call.ids_on else None,
                         token_ids=list(o.token_ids) if call.ids_on else None,
@@ -343,11 +421,8 @@ def _final_response(call: _Call, finals: dict):
 async def _stream(call: _Call) -> AsyncIterator[str]:
     state, req, chat = call.state, call.req, call.kind == "chat"
     usage_on = bool(req.stream_options and req.stream_options.include_usage)
-    sent_text: dict[int, int] = {}
-    sent_tok: dict[int, int] = {}
+    chains: dict[int, object] = {}
     sent_ids: dict[int, int] = {}  # return_token_ids: the output's token ids sent so far
-    tool_deltas: dict[int, tool_responses.ToolDeltas] = {}
-    done: set[int] = set()
     finals: dict = {}
 
     def chunk(choices, usage=None, prompt_ids=None):
@@ -377,75 +452,34 @@ async def _stream(call: _Call) -> AsyncIterator[str]:
                 finals[pi] = out
                 for o in out.outputs:
                     idx = call.index(pi, o.index)
-                    if idx in done:
+                    if idx not in chains:
+                        chains[idx] = call.chain(pi)
+                    p = chains[idx].run(o)
+                    if p is None:
                         continue
-                    t0, n0 = sent_text.get(idx, 0), sent_tok.get(idx, 0)
-                    delta, finish = o.text[t0:], o.finish_reason
-                    new_tokens = len(o.token_ids) > n0
-                    first = idx not in sent_text
-                    if not (
-                        delta
-                        or finish
-                        or (call.k is not None and new_tokens)
-                        or (first and not chat and req.echo)
-                    ):
-                        continue
-                    sent_text[idx], sent_tok[idx] = len(o.text), len(o.token_ids)
-                    if finish is not None:
-                        done.add(idx)
                     if chat:
-                        lp = (
-                            chat_logprobs(state, o, n0, call.k, call.as_ids)
-                            if call.k is not None
-                            else None
-                        )
-                        message = DeltaMessage(content=delta)
-                        if call.tools is not None:
-                            td = tool_deltas.setdefault(
-                                idx,
-                                tool_responses.ToolDeltas(
-                                    call.tools,
-                                    call.req.parallel_tool_calls is not False,
-                                    tool_responses.call_format_of(state.tokenizer),
-                                ),
-                            )
-                            message, finish = td.step(delta, finish)
-                            if finish is None and call.k is None and not message.model_dump():
-                                continue  # held back (a call not yet complete): nothing to send
+                        message = _delta_message(call.setup, p)
+                        if p.finish is None and call.k is None and not message.model_dump():
+                            continue  # held back (a tag or a call not yet whole): nothing to send
                         c = ChatStreamChoice(
                             index=idx,
                             delta=message,
-                            logprobs=lp,
-                            finish_reason=finish,
+                            logprobs=p.logprobs,
+                            finish_reason=p.finish,
                             stop_reason=o.stop_reason,
                         )
                     else:
-                        ptext, pids = call.prompts[pi]
-                        echo = first and req.echo
-                        lp = (
-                            completion_logprobs(
-                                state,
-                                o,
-                                n0,
-                                call.k,
-                                t0 + (len(ptext) if req.echo and not first else 0),
-                                pids if echo else None,
-                                call.as_ids,
-                            )
-                            if call.k is not None
-                            else None
-                        )
                         c = CompletionChoice(
                             index=idx,
-                            text=(ptext if echo else "") + delta,
-                            logprobs=lp,
-                            finish_reason=finish,
+                            text=p.text,
+                            logprobs=p.logprobs,
+                            finish_reason=p.finish,
                             stop_reason=o.stop_reason,
                         )
                     if call.ids_on:
                         c.token_ids = list(o.token_ids[sent_ids.get(idx, 0) :])
                         sent_ids[idx] = len(o.token_ids)
-                        if not chat and first:
+                        if not chat and p.first:
                             c.prompt_token_ids = list(call.prompts[pi][1])
                     yield chunk([c])
         if usage_on:

@@ -53,6 +53,13 @@ def truncated(state: ServerState, req, prompts: list[tuple[str, list[int]]]):
     return out
 
 
+def _reasoning(m) -> dict:
+    """An assistant's earlier reasoning (`reasoning`, or the deprecated `reasoning_content`)
+    under both names: templates read `reasoning_content` (Qwen3's), vLLM 0.26 `reasoning`."""
+    text = m.reasoning if m.reasoning is not None else m.reasoning_content
+    return {} if text is None else {"reasoning": text, "reasoning_content": text}
+
+
 def chat_prompt(state: ServerState, req, tool_defs=None) -> tuple[str, list[int]]:
     """req: a chat completion or a tokenize request (its messages and template options);
     tool_defs: the tools to show the model (OpenAI dicts), or None."""
@@ -64,6 +71,7 @@ def chat_prompt(state: ServerState, req, tool_defs=None) -> tuple[str, list[int]
             **({"name": m.name} if m.name is not None else {}),
             **({"tool_calls": [c.model_dump() for c in m.tool_calls]} if m.tool_calls else {}),
             **({"tool_call_id": m.tool_call_id} if m.tool_call_id is not None else {}),
+            **_reasoning(m),
         }
         for m in req.messages
     ]
@@ -74,6 +82,9 @@ def chat_prompt(state: ServerState, req, tool_defs=None) -> tuple[str, list[int]
             "continue_final_message",
         )
     variables = req.chat_template_kwargs or {}
+    effort = getattr(req, "reasoning_effort", None)
+    if effort is not None:  # vLLM passes it to the template; the request's kwargs win
+        variables = {"reasoning_effort": effort, **variables}
     taken = sorted(RESERVED_TEMPLATE_VARIABLES & variables.keys())
     if taken:
         raise bad_request(

@@ -105,8 +105,9 @@ _CHAT_UNIMPLEMENTED = {
     "modalities": _NoOp(["text"]),
     "audio": _NoOp(),
     "prediction": _NoOp(),
-    "reasoning_effort": _NoOp(),
     "verbosity": _NoOp(),
+    # vLLM's: closing the think block after N tokens needs the engine to force `</think>`
+    "thinking_token_budget": _NoOp(),
     "web_search_options": _NoOp(),
     # vLLM's chat extras
     "echo": _NoOp(False),  # echo the last message
@@ -127,7 +128,6 @@ _MESSAGE_UNIMPLEMENTED = {
     "refusal": _NoOp(),
     "annotations": _NoOp([]),
     "audio": _NoOp(),
-    "reasoning_content": _NoOp(),
 }
 
 # Content parts other than text (their `type` is refused too; this names the part).
@@ -308,6 +308,8 @@ class ChatMessage(_Request):
     name: Optional[str] = None
     tool_calls: Optional[list[ToolCall]] = None  # an assistant's earlier calls
     tool_call_id: Optional[str] = None  # a tool's result answers this call
+    reasoning: Optional[str] = None  # an assistant's earlier reasoning (vLLM's), to the template
+    reasoning_content: Optional[str] = None  # its deprecated name, taken as `reasoning`
 
     def text(self) -> str:
         if self.content is None:
@@ -352,6 +354,10 @@ class ChatCompletionRequest(_SamplingFields):
     continue_final_message: bool = False
     chat_template_kwargs: Optional[dict[str, Any]] = None
     add_special_tokens: bool = False  # the tokenizer's on top of the template's (vLLM's)
+    # vLLM's: false drops the think block's text (--reasoning-parser) from the response
+    include_reasoning: bool = True
+    # OpenAI's; as vLLM, a template variable (templates that know it use it)
+    reasoning_effort: Optional[Literal["none", "minimal", "low", "medium", "high"]] = None
 
 
 class TopLogprob(BaseModel):
@@ -382,6 +388,7 @@ class ResponseToolCall(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: Optional[str] = None
+    reasoning: Optional[str] = None  # the think block's text (--reasoning-parser; vLLM's name)
     tool_calls: list[ResponseToolCall] = Field(default_factory=list)
 
 
@@ -427,6 +434,7 @@ class ChatCompletionResponse(_WithTokenIds):
 class DeltaMessage(_DropNone):
     role: Optional[str] = None
     content: Optional[str] = None
+    reasoning: Optional[str] = None
     tool_calls: Optional[list[DeltaToolCall]] = None
 
 

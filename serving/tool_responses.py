@@ -16,14 +16,15 @@ def finished_calls(
     finish: Optional[str],
     parallel: bool = True,
     fmt: str = tools.HERMES,
+    tool_defs: Optional[list[dict]] = None,
 ):
     """(content, calls, finish_reason) of a finished chat output. parallel=False keeps the first
     call the model wrote (a forced one has a grammar of one call already); fmt: the model's
-    tool-call format (tools.call_format)."""
+    tool-call format (tools.call_format, a --tool-call-parser name)."""
     if mode is None:
         return text, [], finish
     if mode == "auto":
-        content, calls = tools.parse_tool_calls(text, fmt)
+        content, calls = tools.parse_tool_calls(text, fmt, tool_defs)
         calls = calls if parallel else calls[:1]
         return content, calls, ("tool_calls" if calls and finish == "stop" else finish)
     calls = tools.forced_calls(text, mode) if finish == "stop" else None
@@ -34,23 +35,61 @@ def finished_calls(
     return None, calls, ("tool_calls" if mode == "required" else "stop")
 
 
-def call_format_of(tokenizer) -> str:
-    """The tool-call format of the model behind this tokenizer's chat template."""
+def call_format_of(tokenizer, parser: Optional[str] = None) -> str:
+    """The tool-call format: --tool-call-parser's, or (None, "auto") the one of the model behind
+    this tokenizer's chat template."""
+    if parser not in (None, "auto"):
+        return parser
     return tools.call_format(getattr(tokenizer, "chat_template", None))
 
 
 class ToolDeltas:
-    """A streamed chat choice's deltas when tools are on: content and OpenAI tool-call deltas."""
+    """A chat choice's tool-call stage: the content it is fed comes out as content and OpenAI
+    tool-call deltas (`feed`, then `finish` with the finish reason). `auto`: the model's own
+    calls in format `fmt`; "required": the forced array of calls, sent whole once complete; a
+    function's name: its forced arguments, streamed as they come (or, fed whole and finished at
+    once, read as a finished output)."""
 
-    def __init__(self, mode: str, parallel: bool, fmt: str = tools.HERMES):
+    def __init__(
+        self,
+        mode: str,
+        parallel: bool,
+        fmt: str = tools.HERMES,
+        tool_defs: Optional[list[dict]] = None,
+    ):
         self.mode, self.n_calls, self.parallel = mode, 0, parallel
-        self.auto = tools.call_stream(fmt) if mode == "auto" else None
+        self.auto = tools.call_stream(fmt, tool_defs) if mode == "auto" else None
         self.text = ""  # a forced call's output so far
         self.named_id = None
+        self.piece_index: dict[int, int] = {}  # a streamed call's number -> its delta index
 
-    def _call_deltas(self, calls) -> list[DeltaToolCall]:
+    def _call_deltas(self, items) -> list[DeltaToolCall]:
         out = []
-        for c in calls if self.parallel else calls[: max(0, 1 - self.n_calls)]:
+        for c in items:
+            if isinstance(c, tools.CallPiece):  # a call streaming piece by piece
+                if c.name is not None:
+                    if not self.parallel and self.n_calls >= 1:
+                        continue
+                    self.piece_index[c.call] = self.n_calls
+                    self.n_calls += 1
+                    out.append(
+                        DeltaToolCall(
+                            index=self.piece_index[c.call],
+                            id=c.id,
+                            type="function",
+                            function=DeltaFunctionCall(name=c.name, arguments=c.arguments),
+                        )
+                    )
+                elif c.call in self.piece_index:
+                    out.append(
+                        DeltaToolCall(
+                            index=self.piece_index[c.call],
+                            function=DeltaFunctionCall(arguments=c.arguments),
+                        )
+                    )
+                continue
+            if not self.parallel and self.n_calls >= 1:
+                continue
             out.append(
                 DeltaToolCall(
                     index=self.n_calls,
@@ -62,25 +101,14 @@ class ToolDeltas:
             self.n_calls += 1
         return out
 
-    def step(self, delta: str, finish: Optional[str]) -> tuple[DeltaMessage, Optional[str]]:
+    def feed(self, delta: str) -> tuple[str, list[DeltaToolCall]]:
+        """(content, tool-call deltas) of more output text."""
         if self.auto is not None:
-            content, calls = self.auto.feed(delta)
-            if finish is not None:
-                more, last = self.auto.finish()
-                content, calls = content + more, calls + last
-            if finish == "stop" and self.auto.calls:
-                finish = "tool_calls"
-            return DeltaMessage(
-                content=content or None, tool_calls=self._call_deltas(calls) or None
-            ), finish
+            content, items = self.auto.feed(delta)
+            return content, self._call_deltas(items)
         self.text += delta
-        if self.mode == "required":  # an array of calls: sent whole, when it is complete
-            if finish is None:
-                return DeltaMessage(), None
-            _, calls, finish = finished_calls(self.mode, self.text, finish)
-            if not calls:
-                return DeltaMessage(content=self.text), finish
-            return DeltaMessage(tool_calls=self._call_deltas(calls)), finish
+        if self.mode == "required" or not delta:  # an array of calls: sent whole at the end
+            return "", []
         # a named function: its arguments stream as they come
         first = self.named_id is None
         if first:
@@ -91,4 +119,32 @@ class ToolDeltas:
             type="function" if first else None,
             function=DeltaFunctionCall(name=self.mode if first else None, arguments=delta),
         )
-        return DeltaMessage(tool_calls=[piece]), finish
+        return "", [piece]
+
+    def finish(self, finish: Optional[str]) -> tuple[str, list[DeltaToolCall], Optional[str]]:
+        """What was held back, and the finish reason (tool_calls where the model called)."""
+        if self.auto is not None:
+            content, items = self.auto.finish()
+            deltas = self._call_deltas(items)
+            if finish == "stop" and self.auto.calls:
+                finish = "tool_calls"
+            return content, deltas, finish
+        if self.mode != "required" and self.named_id is not None:
+            return "", [], finish  # a named function's arguments have streamed
+        # the forced output whole: the array of calls, or a named function's arguments
+        content, calls, finish = finished_calls(self.mode, self.text, finish)
+        if not calls:
+            return content or "", [], finish
+        return "", self._call_deltas(calls), finish
+
+    def step(self, delta: str, finish: Optional[str]) -> tuple[DeltaMessage, Optional[str]]:
+        """feed and, with a finish reason, finish: one chunk's message and finish reason."""
+        if self.mode != "auto" and self.mode != "required" and finish is not None:
+            if self.named_id is None:  # fed whole: read as a finished output
+                self.text += delta
+                delta = ""
+        content, calls = self.feed(delta)
+        if finish is not None:
+            more, last, finish = self.finish(finish)
+            content, calls = content + more, calls + last
+        return DeltaMessage(content=content or None, tool_calls=calls or None), finish

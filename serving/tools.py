@@ -1,11 +1,14 @@
 """Tool calling: tools into the prompt, the grammar of a forced call, and calls out of the text.
 
-- `tool_choice: "auto"`: the model writes calls in its own format, parsed here into
-  `message.tool_calls` (`parse_tool_calls`; `call_stream` while streaming). The format follows
-  from the chat template (`call_format`): Hermes-style
+- `tool_choice: "auto"` (the server's `--enable-auto-tool-choice`): the model writes calls in
+  its own format, parsed here into `message.tool_calls` (`parse_tool_calls`; `call_stream` while
+  streaming). `--tool-call-parser` names the format (vLLM's names), `auto` takes it from the
+  chat template (`call_format`): Hermes-style
   `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (Qwen 2.5/3, SmolLM2, Hermes), or
   Llama 3.1's JSON: the whole message is `{"name": ..., "parameters": {...}}` (several joined by
-  `;`), after an optional `<|python_tag|>`.
+  `;`), after an optional `<|python_tag|>`; `qwen3_coder` / `qwen3_xml` (Qwen3-Coder, Qwen3.5):
+  `<tool_call><function=NAME><parameter=P>value</parameter></function></tool_call>`, each value
+  typed by the tool's JSON schema (`Qwen3XmlStream`).
 - `"required"` / a named function: a grammar (a JSON schema) forces the call: for a named
   function the output is its arguments; for "required" a JSON array of {name, arguments} objects
   (one of the tools each). `forced_calls` reads them back.
@@ -20,6 +23,7 @@ Hermes' shape: an assistant's calls as `<tool_call>` blocks, a tool's result as 
 from __future__ import annotations
 
 import json
+import math
 import re
 import uuid
 from dataclasses import dataclass
@@ -29,6 +33,9 @@ from paxengine.structured import StructuredOutputs
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"  # Llama 3.1's tool-call start
 HERMES, LLAMA3_JSON = "hermes", "llama3_json"
+QWEN3_CODER, QWEN3_XML = "qwen3_coder", "qwen3_xml"  # one format (Qwen3-Coder, Qwen3.5)
+# --tool-call-parser's names (vLLM's); "auto": the format the chat template shows (call_format)
+PARSERS = ("auto", HERMES, LLAMA3_JSON, QWEN3_CODER, QWEN3_XML)
 
 
 def call_format(template: str | None) -> str:
@@ -219,13 +226,21 @@ def _parse_llama3(text: str) -> tuple[str | None, list[Call]]:
     return None, calls
 
 
-def parse_tool_calls(text: str, fmt: str = HERMES) -> tuple[str | None, list[Call]]:
+def parse_tool_calls(
+    text: str, fmt: str = HERMES, tool_defs: list[dict] | None = None
+) -> tuple[str | None, list[Call]]:
     """(content, calls) of a finished output in the model's format (`call_format`). Hermes:
     content is the text outside the call blocks (None if only whitespace); a block that is not
     a JSON call stays in the content (the client sees what the model wrote); an unclosed last
-    block counts if its JSON is whole."""
+    block counts if its JSON is whole. tool_defs: the request's tools (OpenAI dicts), whose
+    schemas type the XML formats' parameter values."""
     if fmt == LLAMA3_JSON:
         return _parse_llama3(text)
+    if fmt in (QWEN3_CODER, QWEN3_XML):
+        stream = Qwen3XmlStream(tool_defs)
+        content, pieces = stream.feed(text)
+        more, last = stream.finish()
+        return ((content + more).strip() or None), calls_of_pieces(pieces + last)
     calls, content, pos = [], [], 0
     while True:
         i = text.find(OPEN, pos)
@@ -327,6 +342,205 @@ class Llama3CallStream:
         return content or "", calls
 
 
-def call_stream(fmt: str):
-    """The streaming parser of a tool-call format (`call_format`)."""
+def call_stream(fmt: str, tool_defs: list[dict] | None = None):
+    """The streaming parser of a tool-call format (`call_format`, a --tool-call-parser name).
+    Its feed / finish give (content, items): whole `Call`s, or `CallPiece`s of calls that
+    stream piece by piece (the XML formats)."""
+    if fmt in (QWEN3_CODER, QWEN3_XML):
+        return Qwen3XmlStream(tool_defs)
     return Llama3CallStream() if fmt == LLAMA3_JSON else ToolCallStream()
+
+
+# ----------------------------------------------------------------------------- Qwen3's XML calls
+@dataclass
+class CallPiece:
+    """A piece of a call that streams: the first (name set) opens call `call`, the others add
+    to its arguments (JSON text)."""
+
+    call: int
+    name: str | None = None
+    arguments: str = ""
+    id: str | None = None
+
+
+def calls_of_pieces(pieces: list) -> list[Call]:
+    calls: dict[int, Call] = {}
+    for p in pieces:
+        if p.name is not None:
+            calls[p.call] = Call(p.name, p.arguments, p.id or "")
+        elif p.call in calls:
+            calls[p.call].arguments += p.arguments
+    return [calls[k] for k in sorted(calls)]
+
+
+_FUNCTION = re.compile(r"\s*<function=([^>\n]*)>")
+_PARAMETER = re.compile(r"<parameter=([^>\n]*)>(.*?)</parameter>", re.S)
+_PARAMETER_OPEN = re.compile(r"<parameter=([^>\n]*)>(.*)\Z", re.S)  # cut by the output's end
+FUNCTION_END = "</function>"
+
+
+def _schema_type(schema: dict | None) -> str | None:
+    t = (schema or {}).get("type")
+    if isinstance(t, list):  # ["integer", "null"]: the first that is not null
+        t = next((x for x in t if x != "null"), None)
+    return t if isinstance(t, str) else None
+
+
+def typed_value(text: str, schema: dict | None):
+    """A parameter's text as its JSON schema's type says (as vLLM's qwen3_coder parser reads
+    it): strings kept, numbers, booleans, objects and arrays parsed, "null" as null; text that
+    does not parse stays a string."""
+    if text.startswith("\n"):
+        text = text[1:]
+    if text.endswith("\n"):
+        text = text[:-1]
+    t = _schema_type(schema)
+    if text.strip().lower() == "null" and t != "string":
+        return None
+    if t == "string":
+        return text
+    if t == "integer":
+        try:
+            return int(text.strip())
+        except ValueError:
+            return text
+    if t == "number":
+        try:
+            f = float(text.strip())
+        except ValueError:
+            return text
+        if not math.isfinite(f):
+            return text
+        return int(f) if f.is_integer() else f
+    if t == "boolean":
+        low = text.strip().lower()
+        return {"true": True, "false": False}.get(low, text)
+    try:  # object, array, or no type: JSON if it is JSON
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+class Qwen3XmlStream:
+    r"""`<tool_call>\n<function=NAME>\n<parameter=P>\nvalue\n</parameter>\n</function>\n
+    </tool_call>` while streaming: text outside blocks goes out as content at once (but a
+    possible start of `<tool_call>`); a call streams as OpenAI's deltas do: its name when
+    `<function=NAME>` is whole, then `{"P": value` / `, "P": value` as each parameter closes,
+    and `}` at `</function>`. A block that is not a call stays content, as the model wrote
+    it; a call cut by the output's end is closed with the parameters it has."""
+
+    def __init__(self, tool_defs: list[dict] | None = None):
+        self.props = {
+            t["function"]["name"]: (t["function"].get("parameters") or {}).get("properties") or {}
+            for t in tool_defs or []
+            if t.get("function")
+        }
+        self.buf, self.state = "", "text"  # text | block | function | block_end
+        self.calls: list[Call] = []  # the finished calls
+        self.n = 0  # calls opened
+        self.name, self.id, self.args = "", "", {}
+        self.sent_content = False
+
+    def _open(self, name: str) -> CallPiece:
+        self.name, self.args = name.strip(), {}
+        self.id = Call(self.name, "").id
+        return CallPiece(self.n, self.name, "", self.id)
+
+    def _param(self, name: str, text: str) -> CallPiece:
+        name = name.strip()
+        value = typed_value(text, self.props.get(self.name, {}).get(name))
+        sep = "{" if not self.args else ", "
+        self.args[name] = value
+        return CallPiece(self.n, None, f"{sep}{json.dumps(name)}: {json.dumps(value)}")
+
+    def _close(self) -> CallPiece:
+        piece = CallPiece(self.n, None, "}" if self.args else "{}")
+        self.calls.append(Call(self.name, json.dumps(self.args), self.id))
+        self.n += 1
+        return piece
+
+    def feed(self, delta: str) -> tuple[str, list[CallPiece]]:
+        self.buf += delta
+        out, pieces = "", []
+        while True:
+            if self.state == "text":
+                i = self.buf.find(OPEN)
+                if i < 0:
+                    keep = _partial_suffix(self.buf, OPEN)
+                    out += self.buf[: len(self.buf) - keep]
+                    self.buf = self.buf[len(self.buf) - keep :]
+                    break
+                out += self.buf[:i]
+                self.buf, self.state = self.buf[i + len(OPEN) :], "block"
+                continue
+            s = self.buf.lstrip()
+            if self.state in ("block", "block_end"):
+                m = _FUNCTION.match(self.buf)
+                if m:
+                    pieces.append(self._open(m.group(1)))
+                    self.buf, self.state = self.buf[m.end() :], "function"
+                    continue
+                if s.startswith(CLOSE):
+                    self.buf, self.state = s[len(CLOSE) :], "text"
+                    continue
+                if not s or CLOSE.startswith(s) or _could_open_function(s):
+                    break  # not yet whole
+                # not a call: what the model wrote is content
+                out += (OPEN if self.state == "block" else "") + self.buf
+                self.buf, self.state = "", "text"
+                continue
+            # inside a function: parameters until </function>
+            m = _PARAMETER.match(s)
+            if m:
+                pieces.append(self._param(m.group(1), m.group(2)))
+                self.buf = s[m.end() :]
+                continue
+            if s.startswith(FUNCTION_END):
+                pieces.append(self._close())
+                self.buf, self.state = s[len(FUNCTION_END) :], "block_end"
+                continue
+            if s.startswith(CLOSE):  # </function> left out
+                pieces.append(self._close())
+                self.buf, self.state = s[len(CLOSE) :], "text"
+                continue
+            if (
+                not s
+                or s.startswith("<parameter=")
+                or any(t.startswith(s) for t in ("<parameter=", FUNCTION_END, CLOSE))
+            ):
+                break  # not yet whole
+            j = s.find("<", 1)  # stray text inside the function: skipped
+            self.buf = s[j:] if j > 0 else ""
+            if j <= 0:
+                break
+        return self._content(out), pieces
+
+    def finish(self) -> tuple[str, list[CallPiece]]:
+        rest, self.buf, pieces = self.buf, "", []
+        if self.state == "function":  # cut inside a call: close it with what it has
+            s = rest.lstrip()
+            m = _PARAMETER_OPEN.match(s)
+            if m:
+                pieces.append(self._param(m.group(1), m.group(2).rstrip()))
+            pieces.append(self._close())
+            rest = ""
+        elif self.state == "block":
+            rest = OPEN + rest
+        elif self.state == "block_end":
+            rest = ""
+        self.state = "text"
+        return self._content(rest), pieces
+
+    def _content(self, out: str) -> str:
+        if not self.sent_content:  # text before a call is usually a newline or two
+            out = out.lstrip()
+            self.sent_content = bool(out)
+        return out
+
+
+def _could_open_function(s: str) -> bool:
+    """s (stripped) may still become `<function=NAME>`."""
+    head = "<function="
+    if len(s) < len(head):
+        return head.startswith(s)
+    return s.startswith(head) and ">" not in s and "\n" not in s
