@@ -52,7 +52,15 @@ def server():
 
     engine = AsyncEngine(engine_config())
     port = _free_port()
-    app = build_app(engine, ServerConfig(host="127.0.0.1", port=port, api_key=API_KEY))
+    # tool_choice "auto" as vLLM serves it: with --enable-auto-tool-choice --tool-call-parser
+    scfg = ServerConfig(
+        host="127.0.0.1",
+        port=port,
+        api_key=API_KEY,
+        enable_auto_tool_choice=True,
+        tool_call_parser="auto",
+    )
+    app = build_app(engine, scfg)
     srv = uvicorn.Server(
         uvicorn.Config(
             app, host="127.0.0.1", port=port, log_level="warning", timeout_graceful_shutdown=5

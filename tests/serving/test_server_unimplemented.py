@@ -39,8 +39,8 @@ CHAT_ONLY = {
     "modalities": ["text", "audio"],
     "audio": {"voice": "alloy", "format": "wav"},
     "prediction": {"type": "content", "content": "x"},
-    "reasoning_effort": "low",
     "verbosity": "low",
+    "thinking_token_budget": 64,
     "web_search_options": {},
     "echo": True,
     "chat_template": "{{ messages }}",
@@ -53,7 +53,6 @@ MESSAGE = {
     "refusal": "no",
     "annotations": [{"type": "url_citation"}],
     "audio": {"id": "a1"},
-    "reasoning_content": "thinking",
 }
 STREAM = {"continuous_usage_stats": True, "include_obfuscation": True}
 
