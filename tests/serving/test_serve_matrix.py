@@ -448,6 +448,22 @@ ELSEWHERE: dict[str, tuple[str, str]] = {
         "tests/serving/test_server_unit.py::test_cors_for_listed_origins_only",
         "the default: CORS without credentials",
     ),
+    "--reasoning-parser": (
+        "tests/serving/test_server_reasoning_tools.py::test_reasoning_split_on_smollm2",
+        "response text only: the session server with the parser set, and a scripted fake engine",
+    ),
+    "--enable-auto-tool-choice": (
+        "tests/serving/test_server_reasoning_tools.py::test_auto_tool_choice_needs_the_flag_as_in_vllm",
+        "response text only: the session server runs with it (tests/serving/conftest.py)",
+    ),
+    "--tool-call-parser": (
+        "tests/serving/test_server_reasoning_tools.py::test_reasoning_then_tool_calls_through_the_chain",
+        "response text only: the model's calls parsed on a scripted fake engine",
+    ),
+    "--generation-config": (
+        "tests/serving/test_server_reasoning_tools.py::test_generation_config_defaults",
+        "default SamplingParams from a model directory's file; the rows' models have none",
+    ),
 }
 
 
