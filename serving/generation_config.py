@@ -51,6 +51,8 @@ def defaults(mode: str, model) -> tuple[dict, Optional[str]]:
         if isinstance(v, bool) or not isinstance(v, (int, float)):
             continue
         out[field] = int(v) if field in ("top_k", "max_tokens") else float(v)
+    if out.get("top_k") == 0:  # HF's "no top-k"
+        out["top_k"] = -1
     return out, path
 
 
