@@ -91,17 +91,6 @@ def _greedy(llm, prompts=PROMPTS, n=1):
     return [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
-def test_whole_prefills_equal_hf(causal_lm, tmp_path):
-    path, want = causal_lm
-    llm = LLM(model=str(path), weights_cache_dir=str(tmp_path), **ENGINE)
-    assert llm.engine.model_config.recurrent_layers == (0, 1, 2)
-    assert [o[0] for o in _greedy(llm)] == want
-    # read back from the converted-weights cache: the same tokens
-    again = LLM(model=str(path), weights_cache_dir=str(tmp_path), **ENGINE)
-    assert [o[0] for o in _greedy(again)] == want
-    assert llm.engine.kv.free_slots and len(llm.engine.kv.free_slots) == ENGINE["max_num_seqs"]
-
-
 def test_chunked_prefill_and_n_equal_hf(causal_lm):
     path, want = causal_lm
     llm = LLM(model=str(path), **dict(ENGINE, max_num_batched_tokens=32))
@@ -118,11 +107,13 @@ def test_preemption_recomputes_the_state(causal_lm):
     assert llm.engine.scheduler.num_preemptions > 0
 
 
-def test_prefix_caching_restores_the_recurrent_state(causal_lm):
-    """A prompt's state is kept at its last full block before its last token: the same prompts
-    again, and a next turn that starts with an earlier prompt and its answer, restore it."""
+def test_whole_prefills_and_prefix_caching_equal_hf(causal_lm, tmp_path):
+    """Whole prefills; then prefix caching: a prompt's state is kept at its last full block
+    before its last token, and the same prompts again, and a next turn that starts with an
+    earlier prompt and its answer, restore it; then the converted-weights cache read back."""
     path, want = causal_lm
-    llm = LLM(model=str(path), **ENGINE)
+    llm = LLM(model=str(path), weights_cache_dir=str(tmp_path), **ENGINE)
+    assert llm.engine.model_config.recurrent_layers == (0, 1, 2)
     kv = llm.engine.kv
     assert [o[0] for o in _greedy(llm)] == want
     hits = kv.prefix_hits
@@ -134,6 +125,12 @@ def test_prefix_caching_restores_the_recurrent_state(causal_lm):
     assert [o[0] for o in _greedy(llm, [turn])] == _hf_greedy(hf, [turn])
     assert kv.prefix_hits - hits == 144
     assert sorted(kv.free_slots) == list(range(ENGINE["max_num_seqs"]))
+    from paxengine.models.loader import load_model
+
+    cached = load_model(str(path), "float32", cache_dir=str(tmp_path), progress=False)
+    assert cached.from_cache and cached.config == llm.engine.model_config
+    again = LLM(model=str(path), weights_cache_dir=str(tmp_path), **ENGINE)
+    assert [o[0] for o in _greedy(again, PROMPTS[:1])] == want[:1]
 
 
 def test_the_multimodal_checkpoint_serves_its_text_model(conditional):
