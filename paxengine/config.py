@@ -24,7 +24,7 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None
     # while requests decode, a step's tokens (decodes first, then prompt chunks) stay under this:
     # it bounds how long a prefill stalls their next token; None: max_num_batched_tokens;
-    # "auto" (the server's default): the device class's (512 on a GPU, 32 on a CPU)
+    # "auto" (the server's default): the device class's (512 on a GPU, 16 on a CPU)
     decode_step_token_budget: int | str | None = None
     # the largest cap while prompts wait to prefill: decode_step_token_budget doubles up to it
     # as the waiting prompt tokens reach 2x each doubled cap (scheduler._decoding_step_budget):

@@ -8,9 +8,10 @@ FP8 GEMV's batch-1 decode) and 320 / 384 (300 decode rows padded to 512 spent ~4
 GEMM time on padding), and, serving, 512-token steps while requests decode, doubled up to 4,096
 as prompts wait (`benchmarks/results/gpu_2026-12-02_serve_budget/`, `..._12-03d_graded_budget/`).
 
-CPU (2 cores, SmolLM2-135M): a prompt token costs about as much as a decode row, so a step of
-512 prompt tokens stalls every running stream for seconds; serving, steps take 32 tokens while
-requests decode (`benchmarks/results/cpu_2026-12-06_stall/`), and no larger backlog steps.
+CPU (2 cores, SmolLM2-135M): a step costs about its token bucket (the XLA attention gathers
+each token's pages), so a prompt is prefilled as fast in 16-token steps beside the decodes as in
+512-token ones, and those do not stall the running streams: serving, steps take 16 tokens while
+requests decode, no larger backlog steps (`benchmarks/results/cpu_2026-12-06_stall/`).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ GPU = {"max_num_seqs": 512, "max_num_batched_tokens": 8192}
 CPU = {"max_num_seqs": 64, "max_num_batched_tokens": 2048}
 # (decode_step_token_budget, backlog_step_token_budget) for "auto", each capped at the step size
 GPU_STEP_BUDGETS = (512, 4096)
-CPU_STEP_BUDGETS = (32, None)
+CPU_STEP_BUDGETS = (16, None)
 
 
 def gpu_token_buckets(max_tokens: int, max_seqs: int) -> list[int]:

@@ -169,7 +169,10 @@ class Scheduler:
         prefilling = [r for r in self.running if r.num_computed_tokens < r.num_prompt_tokens]
         budget, full = self._schedule_running(decoding, out, budget, self.speculating())
         if out.requests and self.decode_step_token_budget is not None:
-            budget = min(budget, self._decoding_step_budget(prefilling) - out.total_tokens)
+            # prompts keep at least half the cap beside any number of decodes: at the cap's
+            # worth of decoding rows they would otherwise never be prefilled
+            cap = self._decoding_step_budget(prefilling)
+            budget = min(budget, max(cap - out.total_tokens, cap // 2))
         if not full:
             budget, _ = self._schedule_running(prefilling, out, budget)
 

@@ -46,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--decode-step-token-budget",
         type=int,
         help="while requests decode, a step takes at most this many tokens (bounds inter-token "
-        "latency under long prefills; default: the device class's, 512 on a GPU, 32 on a CPU; "
+        "latency under long prefills; default: the device class's, 512 on a GPU, 16 on a CPU; "
         "--max-num-batched-tokens turns it off)",
     )
     e.add_argument(

@@ -28,7 +28,7 @@ def test_cpu_defaults():
     assert (cfg.max_num_seqs, cfg.max_num_batched_tokens) == (64, 2048)
     assert cfg.token_buckets == [16, 32, 64, 128, 256, 512, 1024, 2048]
     assert cfg.seq_buckets == [4, 16, 64]
-    assert (cfg.decode_step_token_budget, cfg.backlog_step_token_budget) == (32, None)
+    assert (cfg.decode_step_token_budget, cfg.backlog_step_token_budget) == (16, None)
 
 
 def test_given_settings_win_and_budgets_fit_the_step():
@@ -56,7 +56,7 @@ def test_the_server_defaults_to_the_device_budgets_and_flags_win():
     ecfg, _ = parse(["--config", "configs/smollm2-135m.yaml"])
     assert ecfg.decode_step_token_budget == ecfg.backlog_step_token_budget == AUTO
     cfg = resolve(ecfg, on_gpu=False)
-    assert (cfg.max_num_batched_tokens, cfg.decode_step_token_budget) == (512, 32)
+    assert (cfg.max_num_batched_tokens, cfg.decode_step_token_budget) == (512, 16)
     ecfg, _ = parse(["--decode-step-token-budget", "512", "--backlog-step-token-budget", "1024"])
     assert (ecfg.decode_step_token_budget, ecfg.backlog_step_token_budget) == (512, 1024)
 
