@@ -195,3 +195,19 @@ def test_step_budget_while_decoding_bounds_the_prefill_chunk():
     assert out.total_tokens == 16  # 3 decodes + 13 prompt tokens
     assert [out.num_scheduled_tokens[r] for r in ("a", "b", "c")] == [1, 1, 1]
     assert out.num_scheduled_tokens.get("alone", 0) + out.num_scheduled_tokens.get("late", 0) == 13
+
+
+def test_a_full_step_of_decodes_does_not_starve_a_waiting_prompt():
+    # 10 decoding rows against a cap of 8: the waiting prompt still gets half the cap a step
+    kv = KVCacheManager(1024, 4, enable_prefix_caching=False)
+    sched = Scheduler(
+        kv,
+        max_num_seqs=16,
+        max_num_batched_tokens=64,
+        max_model_len=512,
+        decode_step_token_budget=8,
+    )
+    _decoding(sched, *((f"d{i}", 3) for i in range(10)))
+    sched.add(Request("w", list(range(1, 31)), SamplingParams(max_tokens=4), seed=0))
+    out = sched.schedule()
+    assert out.num_scheduled_tokens.get("w") == 4 and out.total_tokens == 14
