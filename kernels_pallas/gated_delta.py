@@ -4,14 +4,15 @@ the ragged batch and the state pools (slots) they share.
 
     gated_delta_rule(q, k, v, g, beta, state, query_start_loc, initial_slots,
                      final_slots=None, position_slots=None, *, impl="chunk") -> (o, state)
-        prefill / mixed steps: impl="chunk" (WY form, chunks of 64 tokens, no position_slots)
-        or impl="recurrent" (token by token; position_slots allowed).
+        prefill / mixed steps: impl="chunk" (WY form, chunks of 16 tokens by default, bf16
+        dot operands; no position_slots) or impl="recurrent" (token by token, f32;
+        position_slots allowed).
     gated_delta_decode(x, conv_weight, conv_bias, g, beta, conv_state, state, initial_slots,
                        final_slots=None, position_slots=None) -> (o, conv_state, state)
         decode / verify steps: m = T / S tokens a sequence, the conv update (SiLU) fused with
         the recurrence.
-    causal_conv1d(...)  the prefill conv with its state: the jnp oracle, one XLA fusion-friendly
-        pass (gathers and a K-tap sum); a kernel buys nothing measurable unmeasured.
+    causal_conv1d(...)  the prefill conv with its state: the jnp oracle (gathers and a K-tap
+        sum that XLA fuses; no kernel of its own, not measured).
 
 The pools are updated in place (`input_output_aliases`): under `jax.jit(...,
 donate_argnums=...)` nothing is copied. Only the slots written change.
@@ -21,14 +22,16 @@ Work decomposition (all static shapes; the data decides which programs do work):
 * grid = (S, Hv, dv / block_v): a program owns one sequence, one value head and block_v of its
   dv columns; its state block [dk, block_v] (f32) stays in registers for the whole sequence.
   The key head is h // (Hv / Hk). A sequence with no tokens returns at once and writes nothing.
-* chunk (prefill): the sequence in chunks of C = 64 tokens (the last one masked). Per chunk:
+* chunk (prefill): the sequence in chunks of C tokens (the last one masked). Per chunk:
   q, k l2-normalised in f32, the in-chunk cumulative log-decay gc (a masked row sum),
   A = strictly-lower (beta k k^T * exp(gc_i - gc_j)), T = (I + A)^-1 by forward substitution
   (C row steps on the register tile), u = T (beta v), w = T (beta exp(gc) k); then
   v' = u - w S, o = (exp(gc) q) S + tril(q k^T * exp(gc_i - gc_j)) v',
-  S = exp(gc_last) S + (exp(gc_last - gc) k)^T v'. Every dot in f32 (IEEE).
-  k-side work (A, T, w) is repeated by the Hv / Hk value heads and the dv / block_v blocks
-  sharing a key head: 4x at Qwen3.5-9B shapes with block_v 64.
+  S = exp(gc_last) S + (exp(gc_last - gc) k)^T v'. The dots take f32 operands as IEEE
+  ("ieee") or TF32 ("tf32") or bf16 operands ("bf16", FLA's choice), f32 accumulation; the rest
+  is f32. C = 16 (the smallest Triton dot) is fastest: the substitution and the intra-chunk
+  terms grow with C, the state terms per token do not. k-side work (A, T, w) is repeated by the
+  Hv / Hk value heads and the dv / block_v blocks sharing a key head (4x at Qwen3.5-9B shapes).
 * recurrent / decode: token by token, S = exp(g) S; S += k (beta (v - S^T k))^T; o = S^T q, as
   vector ops on the [dk, block_v] tile. With the conv (decode): the program's q, k and v
   channels, their K - 1 previous inputs carried in registers (from the conv pool at the start),
@@ -44,12 +47,48 @@ Work decomposition (all static shapes; the data decides which programs do work):
 * Rows a program does not own are never stored; padding tokens of a ragged call are zeros (the
   output buffer starts zeroed and is aliased in).
 
+How a step calls them (slots as `gated_delta_ref`'s docstring says): a request's first prefill
+chunk passes initial slot -1 (its slot may hold a finished request's state) and final slot = its
+slot; later chunks and decode steps pass its slot for both. Padding rows: empty sequences in
+`gated_delta_rule` write nothing whatever their slots; a decode call's rows always have m
+tokens, so its padding rows must pass -1 as both slots. Prefill: `causal_conv1d` on the
+in-projection's q | k | v, split, `gated_delta_rule`; decode / verify: `gated_delta_decode` on
+the in-projection's output directly. g, beta from `gated_delta_ref.gdn_gating`.
+
 Triton lowering like the attention kernels (`attention.py`: runs on jax 0.10 and 0.11, interpret
 mode on a CPU, CUDA lowering checked on a CPU: `lowering.lower_for_cuda`). Block shapes: dk,
 block_v and the chunk are powers of two (>= 16 for the chunk kernel's dots).
 
-Not tuned on a GPU (none here): block_v, num_warps and the f32 dots are first guesses; see
-kernels_pallas/README.md.
+Measured (H100 80GB HBM3, jax 0.11.2, one run; `python -m kernels_pallas.gated_delta_bench
+--sweep`; Qwen3.5-9B shapes: 16 key / 32 value heads of 128, bf16 inputs, f32 states, one layer,
+microseconds a call; the error is ||out - oracle|| / ||oracle|| against the f32 chunked oracle):
+
+    prefill               chunk bf16 c16   tf32 c16   ieee c64   recurrent   XLA (chunked oracle)
+    4 x 1024 tokens             420          617       29,947      1,590        4,217
+    64 x 64                     497          680       30,029      1,318        8,028
+    1 x 8192                  2,622        3,658      126,356         -         8,127
+    300, 17, 1000, 700          403          583       21,085      1,501        2,397
+    output error             4.2e-3       1.4e-3       3.1e-5      4.2e-5
+
+IEEE f32 dots are 50-70x slower than tensor-core ones in Triton, so the default is bf16
+operands (output error 4.2e-3, about a bf16 output's own rounding; state 1e-3); "tf32" costs
+1.4x for 3x less error. block_v 32 / 128 and chunks of 32 / 64 were slower (block_v 128: 412
+against 497 us at 64 x 64, slower elsewhere). A lone long sequence has only Hv * dv / block_v
+programs (64): 1 x 8192 runs at a third of the tokens per second of 4 x 1024.
+
+    decode (m tokens a seq.)   kernel, block_v / warps     XLA (conv oracle + one vectorised step)
+                               64 / 4    32 / 2    32 / 4
+    S = 1                       64.1      47.8      96.1        68.7
+    S = 8                      112.7     116.7     122.7        85.9
+    S = 64                     131.9     143.7     141.9       551.6
+    S = 256                    498.9     529.7     521.9     2,112.2
+    S = 16, m = 4, P = 4       108.3     119.9     119.3          -
+
+A decode step must read and write every state (4 MiB a sequence and layer in f32): 64 and 256
+sequences run at ~2 TB/s of it. Up to S = 8 the harness (one jitted call a step, timed from
+the host) likely measures its own dispatch more than the kernel (variants differ by up to 2x at
+S = 1 with no pattern): those need measuring inside the model's step.
+Defaults: block_v 64 with 4 warps from 16 sequences, else 32 with 2 (`decode_tuning`).
 """
 
 from __future__ import annotations
@@ -71,7 +110,13 @@ from kernels_pallas.gated_delta_ref import (
 )
 
 _HI = lax.Precision.HIGHEST
-CHUNK = 64
+CHUNK = 16  # the chunk kernel's default chunk (the oracle's is FLA's 64: the same math)
+CHUNK_BLOCK_V, CHUNK_WARPS, CHUNK_PRECISION = 64, 4, "bf16"  # measured (module docstring)
+
+
+def decode_tuning(S: int) -> tuple[int, int]:
+    """(block_v, num_warps) of a decode / verify call of S sequences (module docstring)."""
+    return (64, 4) if S >= 16 else (32, 2)
 
 
 def _pow2(x: int) -> bool:
@@ -337,6 +382,15 @@ def _recurrent_kernel(
 # --- wrappers ----------------------------------------------------------------------------------
 
 
+def _check_pool_size(pool):
+    """The kernels address a pool (all its layers) with int32 offsets."""
+    if pool.size >= 2**31:
+        raise ValueError(
+            f"a state pool of {pool.size} elements is over the kernels' int32 offsets: "
+            "pass one layer's pool, or fewer slots"
+        )
+
+
 def _slots(initial_slots, final_slots):
     init = jnp.asarray(initial_slots, jnp.int32)
     fin = init if final_slots is None else jnp.asarray(final_slots, jnp.int32)
@@ -370,7 +424,7 @@ def gated_delta_rule(
     block_v=None,
     num_warps=None,
     num_stages=1,
-    precision="ieee",
+    precision=CHUNK_PRECISION,
     interpret=False,
 ):
     """The gated delta rule over a ragged batch (prefill, chunked prefill, mixed steps).
@@ -398,12 +452,13 @@ def gated_delta_rule(
         raise ValueError("position_slots need impl='recurrent' (the chunked form keeps none)")
     if not _pow2(dk) or (impl == "chunk" and (dk < 16 or not _pow2(chunk_size) or chunk_size < 16)):
         raise ValueError(f"dk ({dk}) and chunk_size ({chunk_size}) must be powers of 2 (>= 16)")
-    block_v = _block_v(block_v, dv, 64 if impl == "chunk" else 32)
+    block_v = _block_v(block_v, dv, CHUNK_BLOCK_V if impl == "chunk" else 32)
     if impl == "chunk" and block_v < 16:
         raise ValueError(f"block_v must be >= 16 for the chunk kernel's dots, got {block_v}")
     pool, unflat, init_s, fin_s, pos_s = flat_pool(
         state, layer, initial_slots, final_slots, position_slots, per_slot_ndim=3
     )
+    _check_pool_size(pool)
     N = pool.shape[0]
     S = init_s.shape[0]
     slots = _slots(init_s, fin_s)
@@ -419,7 +474,7 @@ def gated_delta_rule(
         kernel = functools.partial(_chunk_kernel, C=chunk_size, precision=precision, **common)
         args = (qsl, slots)
         name = f"gated_delta_chunk_c{chunk_size}_v{block_v}_{precision}"
-        params = plt.CompilerParams(num_warps=num_warps or 8, num_stages=num_stages)
+        params = plt.CompilerParams(num_warps=num_warps or CHUNK_WARPS, num_stages=num_stages)
     else:
         P = 0 if pos_s is None else pos_s.shape[1]
         kernel = functools.partial(
@@ -478,7 +533,7 @@ def gated_delta_decode(
     use_qk_l2norm=True,
     layer=None,
     block_v=None,
-    num_warps=4,
+    num_warps=None,
     num_stages=1,
     interpret=False,
 ):
@@ -488,7 +543,8 @@ def gated_delta_decode(
     x [S * m, C] (the in-projection's q | k | v before the conv, C = 2 Hk dk + Hv dv);
     conv_weight [C, K]; conv_bias [C] or None; g, beta [S * m, Hv]; conv_state [N, C, K-1] and
     state [N, Hv, dk, dv] pools (or [L, N, ...] with `layer`) sharing initial_slots /
-    final_slots [S] and position_slots [S, P] (P <= m: the states after each token).
+    final_slots [S] and position_slots [S, P] (the states after each of the first P tokens;
+    positions past m are not written). Every row has m tokens: padding rows pass -1 slots.
     -> (o [S * m, Hv, dv] in x.dtype, conv_state, state), pools updated in place.
     Oracle: `ref_gated_delta_decode`."""
     Hk, dk, Hv, dv = decode_dims(x, g, state, layer)
@@ -498,8 +554,10 @@ def gated_delta_decode(
         raise ValueError(f"conv_weight must be [{C_ch}, K >= 2], got {conv_weight.shape}")
     if not _pow2(dk):
         raise ValueError(f"dk must be a power of 2, got {dk}")
-    block_v = _block_v(block_v, dv, 32)
     S = initial_slots.shape[0]
+    d_block_v, d_warps = decode_tuning(S)
+    block_v = _block_v(block_v, dv, d_block_v)
+    num_warps = num_warps or d_warps
     if T % S:
         raise ValueError(f"x has {T} tokens, not a multiple of the {S} sequences")
     m = T // S
@@ -507,6 +565,8 @@ def gated_delta_decode(
         state, layer, initial_slots, final_slots, position_slots, per_slot_ndim=3
     )
     cpool, cunflat, *_ = flat_pool(conv_state, layer, per_slot_ndim=2)
+    _check_pool_size(pool)
+    _check_pool_size(cpool)
     N = pool.shape[0]
     if cpool.shape != (N, C_ch, K - 1):
         raise ValueError(f"conv_state must be [(L,) {N}, {C_ch}, {K - 1}], got {conv_state.shape}")

@@ -478,9 +478,10 @@ def _close(got, want, dtype):
 
 
 def test_chunk_kernel_against_oracle(ragged):
-    """Chunks of 64, dv 32 in two blocks of 16."""
+    """Chunks of 64 (FLA's), IEEE f32 dots, dv 32 in two blocks of 16."""
     b, (o_c, st_c) = ragged["b"], ragged["chunk"]
-    run = jax.jit(lambda *a: gated_delta_rule(*a, impl="chunk", block_v=16, interpret=True))
+    kw = dict(impl="chunk", chunk_size=64, precision="ieee", block_v=16, interpret=True)
+    run = jax.jit(lambda *a: gated_delta_rule(*a, **kw))
     o, st = run(*_args(b))
     _close(o, o_c, jnp.float32)
     _close(st, st_c, jnp.float32)
@@ -501,14 +502,14 @@ def test_recurrent_kernel_against_oracle(ragged):
 
 def test_bf16_stacked_pool_chunked_equals_recurrent():
     """bf16 inputs, a layer of a [L, N, ...] pool (the other layer untouched), Hv = 2 Hk = 2:
-    the recurrent oracle, the chunked oracle (chunks of 16: many boundaries) and the chunk
-    kernel (chunks of 32, one dv block, bf16 dot operands: within 1% of the f32 math) agree."""
+    the recurrent oracle, the chunked oracle (chunks of 32) and the chunk kernel at its
+    defaults (chunks of 16, bf16 dot operands: within 1% of the f32 math) agree."""
     b = _batch([17, 1, 40, 16, 0], T=80, S=6, Hk=1, Hv=2, dk=16, dv=16, dtype=jnp.bfloat16)
     stacked = jnp.stack([b["state"], b["state"] + 1.0])
     args = _args(b)[:5] + (stacked,) + _args(b)[6:]
     o_r, st_r = jax.jit(lambda *a: ref_gated_delta_rule(*a, layer=jnp.int32(1)))(*args)
-    o_c, st_c = jax.jit(lambda *a: ref_chunk_gated_delta_rule(*a, layer=1, chunk_size=16))(*args)
-    kw = dict(layer=1, chunk_size=32, precision="bf16", interpret=True)
+    o_c, st_c = jax.jit(lambda *a: ref_chunk_gated_delta_rule(*a, layer=1, chunk_size=32))(*args)
+    kw = dict(layer=1, interpret=True)
     o_k, st_k = jax.jit(lambda *a: gated_delta_rule(*a, **kw))(*args)
     _close(o_c, o_r, jnp.bfloat16)
     _close(st_c, st_r, jnp.float32)
@@ -570,11 +571,18 @@ QWEN35_9B = dict(Hk=16, Hv=32, dk=128, dv=128)
 LOWER = {
     # prefill / mixed steps: chunked, and the recurrent form with per-position states
     "chunk_8192": dict(kind="chunk", T=8192, S=4, **QWEN35_9B),
-    "chunk_512_bv128_tf32": dict(
-        kind="chunk", T=512, S=64, block_v=128, precision="tf32", **QWEN35_9B
+    "chunk_512_c64_ieee_bv128": dict(
+        kind="chunk", T=512, S=64, chunk_size=64, block_v=128, precision="ieee", **QWEN35_9B
     ),
-    "chunk_2048_bf16_w4": dict(
-        kind="chunk", T=2048, S=8, block_v=32, precision="bf16", num_warps=4, **QWEN35_9B
+    "chunk_2048_c32_tf32_bv32_w8": dict(
+        kind="chunk",
+        T=2048,
+        S=8,
+        chunk_size=32,
+        block_v=32,
+        precision="tf32",
+        num_warps=8,
+        **QWEN35_9B,
     ),
     "recurrent_pos": dict(kind="recurrent", T=256, S=64, P=4, **QWEN35_9B),
     # decode buckets, a verify step of 4 tokens a sequence, a 48-value-head model
