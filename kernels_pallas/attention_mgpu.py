@@ -101,6 +101,7 @@ def mosaic_eligible(
         and jnp.dtype(k_dtype) == jnp.dtype(q_dtype)
         and jnp.dtype(v_dtype) in (jnp.dtype(k_dtype), value_cache_dtype(k_dtype))
         and D % 64 == 0
+        and D <= 128  # D = 256 (Qwen3.5): 395 KB of shared memory against the H100's 227 KB
         and block_size % 8 == 0
         and block_kv % block_size == 0
         and block_kv % 64 == 0
