@@ -64,7 +64,10 @@ class _AiohttpClient:
         self.session = a.ClientSession(
             headers=self._headers,
             timeout=a.ClientTimeout(total=self._timeout),
-            connector=a.TCPConnector(limit=0, force_close=False),
+            # idle connections dropped before the server drops them (uvicorn: after 5 s; vLLM's
+            # too), so no request goes out on one the server is closing ("Can not write
+            # request body" in CI between two sweep points)
+            connector=a.TCPConnector(limit=0, force_close=False, keepalive_timeout=3),
             read_bufsize=1 << 20,
         )
         return self
