@@ -295,7 +295,6 @@ def check_hybrid(cfg: EngineConfig, checked: Checked, model_config, spec) -> Non
     for what, unsupported in (
         ("speculative_config", spec is not None),
         ("tensor_parallel_size > 1", cfg.tensor_parallel_size > 1),
-        ("quantization fp8", checked.quantization is not None),
         ("kv_cache_dtype fp8", checked.kv_dtype_name == "fp8"),
         ("kv_transfer_config", cfg.kv_transfer_config is not None),
         ("several processes", cfg.num_processes > 1),

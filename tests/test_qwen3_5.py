@@ -147,8 +147,28 @@ def test_what_is_not_implemented_yet_is_refused_by_name(causal_lm):
             speculative_config={"method": "ngram", "num_speculative_tokens": 2},
             **ENGINE,
         )
-    with pytest.raises(ValueError, match="quantization fp8 is not implemented for qwen3_5"):
-        LLM(model=str(path), quantization="fp8", **ENGINE)
+    with pytest.raises(ValueError, match="kv_cache_dtype fp8 is not implemented for qwen3_5"):
+        LLM(model=str(path), kv_cache_dtype="fp8", **ENGINE)
+
+
+def test_fp8_weights_agree_with_fp32_teacher_forced(causal_lm):
+    """--quantization fp8 (online, per output channel; the delta rule's state stays in the
+    model dtype): the next token after each prefix of a greedy continuation, against fp32."""
+    from paxengine.models.quant import weight_dtype
+
+    path, want = causal_lm
+    seq = PROMPTS[2] + want[2]
+    prefixes = [seq[:n] for n in range(130, 160)]
+    one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+
+    def top1(llm):
+        return [o.outputs[0].token_ids[0] for o in llm.generate(prefixes, one, use_tqdm=False)]
+
+    ref = top1(LLM(model=str(path), **ENGINE))
+    fp8 = LLM(model=str(path), quantization="fp8", **ENGINE)
+    assert weight_dtype(fp8.engine.runner.params) == "fp8_e4m3"
+    agree = sum(a == b for a, b in zip(top1(fp8), ref)) / len(ref)
+    assert agree >= 0.9, agree
 
 
 def _write_tokenizer(path):

@@ -155,8 +155,9 @@ def load_model(
     else:
         cfg, params, meta = _load_hf(path, progress)
     if cfg.family != "llama":  # its own layout: loaded, checked and cached as it is
-        if quantization is not None:
-            raise ValueError(f"quantization {quantization} is not implemented for {cfg.family} yet")
+        if quantization == "fp8":
+            log.info("fp8: quantizing the projections online (per output channel)")
+            params = quantize_params(params)
         if cached is not None:
             weights_cache.write(cached, cfg, params, tokenizer, eos, meta)
         return LoadedModel(cfg, _to_device(params, dtype), tokenizer, str(path), eos, False, **meta)
@@ -387,9 +388,8 @@ def _load_dummy(spec: str, dtype: str, seed: int, quantization: str | None = Non
     elif spec.endswith(".json") and Path(spec).is_file():
         cfg = registry.config_from_hf(json.loads(Path(spec).read_text()))
         if cfg.family != "llama":
-            if quantization is not None:
-                raise ValueError(f"quantization {quantization} is not implemented for {cfg.family}")
             params = registry.family(cfg).dummy_params(cfg, _jnp_dtype(dtype), seed)
+            params = quantize_params(params) if quantization == "fp8" else params
             return LoadedModel(cfg, params, None, f"dummy:{spec}", [], False)
     else:
         raise ValueError(

@@ -27,6 +27,9 @@ FP8_MAX = float(jnp.finfo(FP8_DTYPE).max)  # 448
 # Per-layer projection weights (dense: [in, out], or [L, in, out] stacked); embeddings, norms,
 # biases and the LM head stay in the model dtype.
 LINEAR_WEIGHTS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "wqkv", "w_gate_up")
+# a hybrid's Gated DeltaNet projections FP8 quantizes too (models/qwen3_5.py); its per-head b
+# and a projections (the gates, [H, Hv]) stay dense
+LINEAR_WEIGHTS += ("la_qkv", "la_z", "la_out")
 
 
 @jax.tree_util.register_dataclass
