@@ -16,22 +16,17 @@ from __future__ import annotations
 
 import importlib
 
-from paxengine.models.config import ModelConfig
+from paxengine.models.config import SUPPORTED_ARCHS, ModelConfig
 
+# the Llama layout's architectures and model types are config.py's (its config mapping reads them)
 ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "llama",
-    "Qwen2ForCausalLM": "llama",
-    "Qwen3ForCausalLM": "llama",
+    **{arch: "llama" for arch in SUPPORTED_ARCHS},
     "Qwen3_5ForCausalLM": "qwen3_5",
     "Qwen3_5ForConditionalGeneration": "qwen3_5",
 }
 # config.json's model_type where `architectures` is missing
 MODEL_TYPES = {
-    "llama": "llama",
-    "mistral": "llama",
-    "qwen2": "llama",
-    "qwen3": "llama",
+    **{model_type: "llama" for model_type in SUPPORTED_ARCHS.values()},
     "qwen3_5": "qwen3_5",
     "qwen3_5_text": "qwen3_5",
 }
