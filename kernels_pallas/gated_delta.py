@@ -3,10 +3,12 @@
 the ragged batch and the state pools (slots) they share.
 
     gated_delta_rule(q, k, v, g, beta, state, query_start_loc, initial_slots,
-                     final_slots=None, position_slots=None, *, impl="chunk") -> (o, state)
+                     final_slots=None, position_slots=None, *, snapshot_slots=None,
+                     impl="chunk") -> (o, state)
         prefill / mixed steps: impl="chunk" (WY form, chunks of 16 tokens by default, bf16
-        dot operands; no position_slots) or impl="recurrent" (token by token, f32;
-        position_slots allowed).
+        dot operands; a sequence of fewer than TOKEN_BY_TOKEN_BELOW tokens token by token in
+        f32; snapshot_slots: a second copy of each final state, for the prefix cache; no
+        position_slots) or impl="recurrent" (token by token, f32; position_slots allowed).
     gated_delta_decode(x, conv_weight, conv_bias, g, beta, conv_state, state, initial_slots,
                        final_slots=None, position_slots=None) -> (o, conv_state, state)
         decode / verify steps: m = T / S tokens a sequence, the conv update (SiLU) fused with
@@ -112,6 +114,10 @@ from kernels_pallas.gated_delta_ref import (
 _HI = lax.Precision.HIGHEST
 CHUNK = 16  # the chunk kernel's default chunk (the oracle's is FLA's 64: the same math)
 CHUNK_BLOCK_V, CHUNK_WARPS, CHUNK_PRECISION = 64, 4, "bf16"  # measured (module docstring)
+# impl="chunk": a sequence of fewer tokens runs token by token (f32) in the same program. The
+# recurrent kernel took ~1.6 us a token and the chunk one ~6.5 us a 16-token chunk at 4 x 1024
+# (module docstring), so a decode row's single token skips the chunk's solve.
+TOKEN_BY_TOKEN_BELOW = 4
 
 
 def decode_tuning(S: int) -> tuple[int, int]:
@@ -180,6 +186,7 @@ def _chunk_kernel(
     scale,
     use_qk_l2norm,
     precision,
+    snapshot,
 ):
     del o_in, st_in  # aliased to o_ref / st_ref
     f32 = jnp.float32
@@ -232,9 +239,29 @@ def _chunk_kernel(
         kd = k * jnp.exp(g_last - gc)[:, None]
         return st * jnp.exp(g_last) + _dot(kd.T, v_new, precision)
 
+    def token(i, st):  # the recurrent form, f32: S = e^g S; S += k (beta (v - S^T k))^T
+        t = start + i
+        q = q_ref[t, pl.ds(hk * dk, dk)].astype(f32)
+        k = k_ref[t, pl.ds(hk * dk, dk)].astype(f32)
+        v = v_ref[t, pl.ds(v_col, block_v)].astype(f32)
+        if use_qk_l2norm:
+            q, k = _l2norm(q), _l2norm(k)
+        st = st * jnp.exp(g_ref[t, h].astype(f32))
+        kv_mem = jnp.sum(st * k[:, None], axis=0)
+        st = st + k[:, None] * ((v - kv_mem) * b_ref[t, h].astype(f32))[None, :]
+        o = jnp.sum(st * (q * scale)[:, None], axis=0)
+        o_ref[t, pl.ds(v_col, block_v)] = o.astype(o_ref.dtype)
+        return st
+
+    # A sequence of a few tokens (a decode row) runs token by token: one chunk would pay the
+    # in-chunk solve of C tokens for them (module docstring: TOKEN_BY_TOKEN_BELOW).
     n = end - start
-    st = lax.fori_loop(0, (n + C - 1) // C, chunk, st)
+    few = n < TOKEN_BY_TOKEN_BELOW
+    st = lax.fori_loop(0, jnp.where(few, 0, (n + C - 1) // C), chunk, st)
+    st = lax.fori_loop(0, jnp.where(few, n, 0), token, st)
     _store_state(st_ref, slot_out, h, vb, st, n > 0, Hv=Hv, dk=dk, block_v=block_v)
+    if snapshot:  # the prefix cache's copy of the same state
+        _store_state(st_ref, slot_ref[s, 2], h, vb, st, n > 0, Hv=Hv, dk=dk, block_v=block_v)
 
 
 # --- the recurrent kernel (ragged, or decode with the conv fused) ------------------------------
@@ -391,10 +418,11 @@ def _check_pool_size(pool):
         )
 
 
-def _slots(initial_slots, final_slots):
+def _slots(initial_slots, final_slots, snapshot_slots=None):
     init = jnp.asarray(initial_slots, jnp.int32)
     fin = init if final_slots is None else jnp.asarray(final_slots, jnp.int32)
-    return jnp.stack([init, fin], axis=1)  # [S, 2]
+    cols = [init, fin] + ([] if snapshot_slots is None else [snapshot_slots])
+    return jnp.stack(cols, axis=1)  # [S, 2 or 3]
 
 
 def _block_v(block_v, dv, default):
@@ -416,6 +444,7 @@ def gated_delta_rule(
     final_slots=None,
     position_slots=None,
     *,
+    snapshot_slots=None,
     scale=None,
     use_qk_l2norm=True,
     layer=None,
@@ -450,18 +479,20 @@ def gated_delta_rule(
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     if impl == "chunk" and position_slots is not None:
         raise ValueError("position_slots need impl='recurrent' (the chunked form keeps none)")
+    if impl != "chunk" and snapshot_slots is not None:
+        raise ValueError("snapshot_slots need impl='chunk'")
     if not _pow2(dk) or (impl == "chunk" and (dk < 16 or not _pow2(chunk_size) or chunk_size < 16)):
         raise ValueError(f"dk ({dk}) and chunk_size ({chunk_size}) must be powers of 2 (>= 16)")
     block_v = _block_v(block_v, dv, CHUNK_BLOCK_V if impl == "chunk" else 32)
     if impl == "chunk" and block_v < 16:
         raise ValueError(f"block_v must be >= 16 for the chunk kernel's dots, got {block_v}")
-    pool, unflat, init_s, fin_s, pos_s = flat_pool(
-        state, layer, initial_slots, final_slots, position_slots, per_slot_ndim=3
+    pool, unflat, init_s, fin_s, pos_s, snap_s = flat_pool(
+        state, layer, initial_slots, final_slots, position_slots, snapshot_slots, per_slot_ndim=3
     )
     _check_pool_size(pool)
     N = pool.shape[0]
     S = init_s.shape[0]
-    slots = _slots(init_s, fin_s)
+    slots = _slots(init_s, fin_s, snap_s)
     scale = float(dk**-0.5 if scale is None else scale)
     qsl = jnp.asarray(query_start_loc, jnp.int32)
     common = dict(G=Hv // Hk, Hv=Hv, dk=dk, dv=dv, block_v=block_v, scale=scale)
@@ -471,7 +502,13 @@ def gated_delta_rule(
     grid = (S, Hv, dv // block_v)
     params = plt.CompilerParams(num_warps=num_warps or 4, num_stages=num_stages)
     if impl == "chunk":
-        kernel = functools.partial(_chunk_kernel, C=chunk_size, precision=precision, **common)
+        kernel = functools.partial(
+            _chunk_kernel,
+            C=chunk_size,
+            precision=precision,
+            snapshot=snap_s is not None,
+            **common,
+        )
         args = (qsl, slots)
         name = f"gated_delta_chunk_c{chunk_size}_v{block_v}_{precision}"
         params = plt.CompilerParams(num_warps=num_warps or CHUNK_WARPS, num_stages=num_stages)
@@ -629,6 +666,7 @@ def causal_conv1d(
     final_slots=None,
     position_slots=None,
     *,
+    snapshot_slots=None,
     activation="silu",
     layer=None,
 ):
@@ -643,6 +681,7 @@ def causal_conv1d(
         initial_slots,
         final_slots,
         position_slots,
+        snapshot_slots=snapshot_slots,
         activation=activation,
         layer=layer,
     )

@@ -26,6 +26,9 @@ tokens past query_start_loc[S] are padding (output 0). States live in pools inde
     position_slots [S, P] int32 optional: the state after token p (p < P) of sequence s also
                                 goes to position_slots[s, p] (< 0: not written); for
                                 speculative verification (see gated_delta.py)
+    snapshot_slots [S] int32    optional (the chunked rule, the conv): the state after its last
+                                token also goes there (< 0: not written); the prefix cache's
+                                snapshots (paxengine/state_snapshots.py)
 
 All reads of the pools happen before any write; a sequence with no tokens writes nothing. Slots
 written in one call must be distinct, and distinct from every other sequence's initial slot.
@@ -242,6 +245,7 @@ def ref_chunk_gated_delta_rule(
     initial_slots,
     final_slots=None,
     *,
+    snapshot_slots=None,
     scale=None,
     use_qk_l2norm=True,
     layer=None,
@@ -256,8 +260,8 @@ def ref_chunk_gated_delta_rule(
     T, _, dk, Hv, dv = _check(q, k, v, g, beta, state, layer)
     C = chunk_size
     f32 = jnp.float32
-    pool, unflat, init_s, fin_s = flat_pool(
-        state, layer, initial_slots, final_slots, per_slot_ndim=3
+    pool, unflat, init_s, fin_s, snap_s = flat_pool(
+        state, layer, initial_slots, final_slots, snapshot_slots, per_slot_ndim=3
     )
     fin_s = init_s if fin_s is None else fin_s
     qf, kf = prepare_qk(q, k, Hv, scale=scale, use_qk_l2norm=use_qk_l2norm)
@@ -299,6 +303,8 @@ def ref_chunk_gated_delta_rule(
         o = mm(qg_j, h) + mm(attn_j, v_new)
         h = h * jnp.exp(gl_j)[:, None, None] + mm(jnp.swapaxes(kd_j, -1, -2), v_new)
         pool = _write_slot(pool, fin_s[s], h, is_last)
+        if snap_s is not None:
+            pool = _write_slot(pool, snap_s[s], h, is_last)
         return (pool, h), o
 
     h0 = jnp.zeros((Hv, dk, dv), f32)
@@ -335,6 +341,7 @@ def ref_causal_conv1d(
     final_slots=None,
     position_slots=None,
     *,
+    snapshot_slots=None,
     activation="silu",
     layer=None,
 ):
@@ -352,8 +359,14 @@ def ref_causal_conv1d(
     K1 = K - 1
     if weight.shape != (C, K) or K < 2:
         raise ValueError(f"weight must be [{C}, K >= 2], got {weight.shape}")
-    pool, unflat, init_s, fin_s, pos_s = flat_pool(
-        conv_state, layer, initial_slots, final_slots, position_slots, per_slot_ndim=2
+    pool, unflat, init_s, fin_s, pos_s, snap_s = flat_pool(
+        conv_state,
+        layer,
+        initial_slots,
+        final_slots,
+        position_slots,
+        snapshot_slots,
+        per_slot_ndim=2,
     )
     if pool.shape[1:] != (C, K1):
         raise ValueError(f"conv_state must be [(L,) N, {C}, {K1}], got {conv_state.shape}")
@@ -389,6 +402,8 @@ def ref_causal_conv1d(
         )
     w = window_after(s_all, jnp.maximum(lens - 1, 0))
     pool = scatter_slots(pool, fin_s, w, lens > 0)
+    if snap_s is not None:
+        pool = scatter_slots(pool, snap_s, w, lens > 0)
     return y, unflat(pool)
 
 

@@ -8,6 +8,13 @@ import json
 from pathlib import Path
 
 
+def write_config_dir(config: str, path: Path) -> Path:
+    """A model directory holding only an HF config file (vLLM's load_format=dummy reads it)."""
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(Path(config).read_text())
+    return path
+
+
 def write_dummy_model_dir(preset: str, path: Path, tokenizer: str = "word") -> Path:
     """config.json with the preset's shapes (an HF LlamaForCausalLM/Qwen3 config, so vLLM can load
     it with load_format=dummy and our loader with dummy:<dir>/config.json) and a tokenizer of

@@ -18,9 +18,9 @@ import time
 from pathlib import Path
 
 from benchmarks.bench.datasets import random_dataset
-from benchmarks.gpu.dummy_model import write_dummy_model_dir
+from benchmarks.gpu.dummy_model import write_config_dir, write_dummy_model_dir
 from benchmarks.gpu.stage import log, save_partial, seconds_left
-from benchmarks.gpu.workloads import engine_args
+from benchmarks.gpu.workloads import engine_args, pax_model, vocab_size, with_model
 
 
 def itl(gen, spec, vocab: int) -> dict:
@@ -103,17 +103,20 @@ def offline(gen, spec, vocab: int, stats=None) -> dict:
     return res
 
 
-def stage_pax_offline(spec: dict, out: Path, variant: str | None = None) -> dict:
-    """paxengine's `LLM` at its defaults; variant: one of the spec's "variants" ("fp8")."""
+def stage_pax_offline(
+    spec: dict, out: Path, variant: str | None = None, model: str | None = None
+) -> dict:
+    """paxengine's `LLM` at its defaults; variant: one of the spec's "variants" ("fp8"); model:
+    one of its "models" ("qwen35") instead of the preset."""
     from benchmarks.bench.throughput import greedy_params, token_prompts
     from benchmarks.measure import CompileCounter
     from paxengine import LLM
     from paxengine.config import EngineConfig
     from paxengine.kv_memory import largest_temporaries
-    from paxengine.models.config import PRESETS
 
+    spec = with_model(spec, model)
     args = engine_args(spec, variant)
-    cfg = EngineConfig(model=f"dummy:{spec['preset']}", dtype=spec["dtype"], **args)
+    cfg = EngineConfig(model=pax_model(spec), dtype=spec["dtype"], **args)
     t = time.perf_counter()
     llm = LLM(config=cfg)
     startup = time.perf_counter() - t
@@ -129,7 +132,7 @@ def stage_pax_offline(spec: dict, out: Path, variant: str | None = None) -> dict
         kv_block_size=kv.block_size,
         kv_blocks=kv.num_blocks,
     )
-    vocab = PRESETS[spec["preset"]].vocab_size
+    vocab = vocab_size(spec)
 
     def gen(reqs):
         outs = llm.generate(token_prompts(reqs), greedy_params(reqs), use_tqdm=False)
@@ -173,13 +176,17 @@ def device_memory() -> dict:
     return out
 
 
-def stage_vllm_offline(spec: dict, out: Path, variant: str | None = None) -> dict:
+def stage_vllm_offline(
+    spec: dict, out: Path, variant: str | None = None, model: str | None = None
+) -> dict:
     import vllm
     from vllm import LLM, SamplingParams
 
-    from paxengine.models.config import PRESETS
-
-    d = write_dummy_model_dir(spec["preset"], out.parent / "dummy_model")
+    spec = with_model(spec, model)
+    if model:
+        d = write_config_dir(spec["config"], out.parent / f"dummy_{model}")
+    else:
+        d = write_dummy_model_dir(spec["preset"], out.parent / "dummy_model")
     args = engine_args(spec, variant)
     t = time.perf_counter()
     llm = LLM(
@@ -189,11 +196,12 @@ def stage_vllm_offline(spec: dict, out: Path, variant: str | None = None) -> dic
         dtype=spec["dtype"],
         seed=0,
         **args,
+        **spec.get("vllm_required", {}),
     )
     startup = time.perf_counter() - t
     log(f"vLLM {vllm.__version__} started in {startup:.1f} s")
     save_partial(startup_s=startup, vllm_version=vllm.__version__, engine_args=args)
-    vocab = PRESETS[spec["preset"]].vocab_size
+    vocab = vocab_size(spec)
 
     def gen(reqs):
         params = [

@@ -116,6 +116,8 @@ def summary_rows(merged: dict) -> list[tuple[str, ...]]:
                 rows.append((f"Poisson {rate:g} req/s {label}", cell(p), cell(v), "-", ""))
     rows += variant_rows(merged, f, "fp8", "FP8", VLLM_PEER_FP8)
     rows += variant_rows(merged, f, "tp2", "TP=2", {})
+    rows += variant_rows(merged, f, "qwen35", "Qwen3.5-9B", {})
+    rows += variant_rows(merged, f, "qwen35-fp8", "Qwen3.5-9B FP8", {})
     sc = pax_s.get("server_compile_metrics_delta")
     pax_c = f(pax_o.get("jax_compiles_during_timed_runs"), "d") + " offline"
     if sc:
@@ -135,7 +137,8 @@ def summary_rows(merged: dict) -> list[tuple[str, ...]]:
 
 def variant_rows(merged: dict, f, variant: str, label: str, ref: dict) -> list[tuple[str, ...]]:
     """The rows of a variant's stages (pax-offline-<variant>, vllm-offline-<variant>, and the
-    serve ones), when they ran: "fp8" (FP8 weights and KV in both engines), "tp2" (two GPUs)."""
+    serve ones), when they ran: "fp8" (FP8 weights and KV in both engines), "tp2" (two GPUs),
+    "qwen35" (Qwen3.5-9B shapes), "qwen35-fp8"."""
     st = merged["stages"]
     pax, vl = st.get(f"pax-offline-{variant}") or {}, st.get(f"vllm-offline-{variant}") or {}
     if not any(st.get(f"{e}-{k}-{variant}") for e in ("pax", "vllm") for k in ("offline", "serve")):
@@ -160,6 +163,9 @@ def variant_rows(merged: dict, f, variant: str, label: str, ref: dict) -> list[t
             for r in (pax, vl)
         ]
         rows.append((f"{label} offline {n} output tok/s", *cells, ref.get(f"offline {n}", "-"), ""))
+    if pax or vl:
+        cells = [f(r.get("startup_s"), ".0f") for r in (pax, vl)]
+        rows.append((f"{label} offline start-up (s)", *cells, "-", ""))
     pax_s, vl_s = st.get(f"pax-serve-{variant}") or {}, st.get(f"vllm-serve-{variant}") or {}
     if pax_s or vl_s:
         for c in merged["spec"]["serve"]["concurrency"]:

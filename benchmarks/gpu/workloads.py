@@ -19,6 +19,34 @@ def engine_args(spec: dict, variant: str | None = None) -> dict:
     return {"max_model_len": spec["max_model_len"], **spec.get("cpu_size", {}), **extra}
 
 
+def with_model(spec: dict, model: str | None) -> dict:
+    """The spec of a stage on one of its "models" (another architecture than the preset's):
+    the model's entry merged over the spec."""
+    return {**spec, **spec["models"][model], "model": model} if model else spec
+
+
+def pax_model(spec: dict) -> str:
+    """paxengine's dummy-weight model: a config file of the spec's (a stage's model) or the preset."""
+    return f"dummy:{spec['config']}" if spec.get("config") else f"dummy:{spec['preset']}"
+
+
+def vocab_size(spec: dict) -> int:
+    if spec.get("config"):
+        import json
+        from pathlib import Path
+
+        raw = json.loads(Path(spec["config"]).read_text())
+        return (raw.get("text_config") or raw)["vocab_size"]
+    from paxengine.models.config import PRESETS
+
+    return PRESETS[spec["preset"]].vocab_size
+
+
+# Architectures beside the preset's, by stage suffix (<engine>-offline-qwen35[-fp8]): the HF
+# config (dummy weights) and what vLLM needs to run it at all (VLLM-PEER.md: its FlashInfer GDN
+# prefill kernel is missing from the wheel set; text only, as paxengine serves Qwen3.5)
+QWEN35_VLLM = {"language_model_only": True, "additional_config": {"gdn_prefill_backend": "triton"}}
+
 FULL = {
     "preset": "llama-3.1-8b",
     "dtype": "bfloat16",
@@ -53,6 +81,9 @@ FULL = {
     "variants": {
         "fp8": {"quantization": "fp8", "kv_cache_dtype": "fp8"},
         "tp2": {"tensor_parallel_size": 2},
+    },
+    "models": {
+        "qwen35": {"config": "benchmarks/gpu/models/qwen35_9b.json", "vllm_required": QWEN35_VLLM},
     },
     "copy_mib": 2048,
     "matmul_n": 8192,
@@ -99,6 +130,12 @@ QUICK = {
     "variants": {  # tp2: the tiny preset's 4 heads, 2 KV heads and 128 channels split in two
         "fp8": {"quantization": "fp8", "kv_cache_dtype": "fp8"},
         "tp2": {"tensor_parallel_size": 2},
+    },
+    "models": {
+        "qwen35": {
+            "config": "benchmarks/gpu/models/qwen35_tiny.json",
+            "vllm_required": QWEN35_VLLM,
+        },
     },
     "copy_mib": 16,
     "matmul_n": 256,

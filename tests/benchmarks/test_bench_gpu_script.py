@@ -231,6 +231,7 @@ def test_stages_run_both_engines_at_their_defaults(spec, tmp_path, monkeypatch):
     fake_vllm = types.SimpleNamespace(LLM=fake_llm, SamplingParams=None, __version__="0")
     monkeypatch.setitem(sys.modules, "vllm", fake_vllm)
     monkeypatch.setattr(offline, "write_dummy_model_dir", lambda *a: tmp_path)
+    monkeypatch.setattr(offline, "write_config_dir", lambda *a: tmp_path)
     monkeypatch.setattr(serving, "write_dummy_model_dir", lambda *a: tmp_path)
     monkeypatch.setattr(serving, "serve_stage", lambda spec, out, cmd, *a: cmd)
     out = tmp_path / "stage.json"
@@ -257,6 +258,23 @@ def test_stages_run_both_engines_at_their_defaults(spec, tmp_path, monkeypatch):
             seed=0,
             **args,
         )
+        for model, m in spec["models"].items():  # other architectures: the same, on their config
+            with pytest.raises(Started) as pax:
+                offline.stage_pax_offline(spec, out, variant, model=model)
+            cfg = pax.value.args[1]["config"]
+            assert cfg.model == f"dummy:{m['config']}"
+            assert {k: getattr(cfg, k) for k in args} == args
+            with pytest.raises(Started) as vl:
+                offline.stage_vllm_offline(spec, out, variant, model=model)
+            assert vl.value.args[1] == dict(
+                model=str(tmp_path),
+                load_format="dummy",
+                skip_tokenizer_init=True,
+                dtype=spec["dtype"],
+                seed=0,
+                **args,
+                **m["vllm_required"],  # what it needs to run the model at all, no tuning
+            )
         flags = {"--" + k.replace("_", "-") for k in args}
         for stage, own in (
             (serving.stage_pax_serve, SERVER | {"--log-level"}),

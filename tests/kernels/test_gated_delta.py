@@ -489,6 +489,28 @@ def test_chunk_kernel_against_oracle(ragged):
     _untouched(st, b["state"], _written(b))
 
 
+def test_snapshot_slots_copy_each_final_state():
+    """snapshot_slots (the prefix cache's copies): the chunk kernel and the chunked oracle also
+    write each sequence's final state there, nowhere else (sequence 0 passes -1, an empty
+    sequence writes nothing); sequences of 1-3 tokens (token by token in the kernel) among
+    longer ones."""
+    lens = [2, 17, 1, 0, 3, 40]
+    b = _batch(lens, T=sum(lens) + 3, S=len(lens) + 1, P=1)
+    snap = b["pos"][:, 0]
+    kw = dict(snapshot_slots=snap)
+    o_c, st_c = jax.jit(lambda *a: ref_chunk_gated_delta_rule(*a, chunk_size=16, **kw))(*_args(b))
+    kern = dict(precision="ieee", block_v=16, interpret=True, **kw)
+    o_k, st_k = jax.jit(lambda *a: gated_delta_rule(*a, **kern))(*_args(b))
+    _close(o_k, o_c, jnp.float32)
+    _close(st_k, st_c, jnp.float32)
+    copies = [(int(snap[s]), int(b["fin"][s])) for s, n in enumerate(lens) if n and snap[s] >= 0]
+    assert len(copies) == 4
+    for st in (_f(st_c), _f(st_k)):
+        for dst, src in copies:
+            assert (st[dst] == st[src]).all()
+    _untouched(st_k, b["state"], _written(b) + [d for d, _ in copies])
+
+
 def test_recurrent_kernel_against_oracle(ragged):
     """Token by token, with the states after each of the first 3 tokens (one past the end of
     the 1-token sequence: not written)."""

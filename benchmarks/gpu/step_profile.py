@@ -1,0 +1,118 @@
+"""Where a decode step's device time goes: greedy decoding of `--batch` sequences through `LLM`
+under the JAX profiler, then the GPU's kernels summed by the HLO op that launched them (a fused
+computation, a custom call such as a Pallas kernel, a cuBLAS GEMM), per decode step.
+
+    python3 -m benchmarks.gpu.step_profile --model dummy:CONFIG --batch 1 8 [--json OUT]
+
+Buckets are narrowed (token 1 / 64 / 512, sequences 8 / 64) so the start fits one device call:
+it profiles the model's step, not the engine's defaults. The ITL printed beside each profile is
+the same run's (steps timed from the host, profiler on), not a benchmark number.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import json
+import re
+import tempfile
+import time
+
+import numpy as np
+
+
+def kernel_times(xplane: str) -> tuple[dict, float]:
+    """-> ({op: total ns}, span ns) over the GPU planes of a profile."""
+    from jax.profiler import ProfileData
+
+    per: dict = collections.defaultdict(float)
+    lo, hi = float("inf"), 0.0
+    for plane in ProfileData.from_file(xplane).planes:
+        if not plane.name.startswith("/device:GPU"):
+            continue
+        for line in plane.lines:
+            if not line.name.startswith("Stream"):
+                continue
+            for e in line.events:
+                stats = dict(e.stats)
+                op = stats.get("hlo_op") or e.name
+                per[op] += e.duration_ns
+                lo, hi = min(lo, e.start_ns), max(hi, e.start_ns + e.duration_ns)
+    return dict(per), max(hi - lo, 0.0)
+
+
+def family(op: str) -> str:
+    """Ops with the same role but a numbered name (fusion.12, gemm_fusion_dot.3) together."""
+    return re.sub(r"[._]\d+$", "", re.sub(r"\.\d+(\.clone)*$", "", op))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", required=True)
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--steps", type=int, default=32)
+    p.add_argument("--top", type=int, default=30)
+    p.add_argument("--json")
+    a = p.parse_args(argv)
+    import jax
+
+    from paxengine import LLM, SamplingParams
+
+    t0 = time.perf_counter()
+    llm = LLM(
+        model=a.model,
+        max_model_len=4096,
+        max_num_seqs=64,
+        max_num_batched_tokens=512,
+        token_buckets=[1, 64, 512],
+        seq_buckets=[8, 64],
+        show_progress=False,
+    )
+    out = {"startup_s": round(time.perf_counter() - t0, 1)}
+    print(json.dumps(out), flush=True)
+    rng = np.random.default_rng(0)
+
+    def gen(b, n_out):
+        prompts = [rng.integers(10, 30000, 128).tolist() for _ in range(b)]
+        sp = SamplingParams(temperature=0, max_tokens=n_out, ignore_eos=True)
+        t = time.perf_counter()
+        llm.generate(prompts, sp, use_tqdm=False)
+        return time.perf_counter() - t
+
+    for b in a.batch:
+        gen(b, 8)  # warm
+        itl = (gen(b, 8 + a.steps) - gen(b, 8)) / a.steps
+        d = tempfile.mkdtemp()
+        with jax.profiler.trace(d):
+            gen(b, 8 + a.steps)
+        per, span = kernel_times(glob.glob(f"{d}/**/*.xplane.pb", recursive=True)[0])
+        steps = 8 + a.steps  # prefill steps are in it too: ops are per generated token
+        fams: dict = collections.defaultdict(float)
+        for op, ns in per.items():
+            fams[family(op)] += ns
+        total = sum(per.values())
+        row = {
+            "batch": b,
+            "itl_ms": round(1e3 * itl, 3),
+            "gpu_busy_ms_per_token": round(total / steps / 1e6, 3),
+            "span_ms_per_token": round(span / steps / 1e6, 3),
+            "top_ops_us_per_token": {
+                k: round(v / steps / 1e3, 1)
+                for k, v in sorted(per.items(), key=lambda kv: -kv[1])[: a.top]
+            },
+            "families_us_per_token": {
+                k: round(v / steps / 1e3, 1)
+                for k, v in sorted(fams.items(), key=lambda kv: -kv[1])[: a.top]
+            },
+        }
+        out[f"batch{b}"] = row
+        print(json.dumps(row, indent=1), flush=True)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
