@@ -22,6 +22,7 @@ from paxengine.kv_cache import KVCacheManager
 from paxengine.kv_memory import claim_device_memory
 from paxengine.output import RequestGroup, SequenceOutput
 from paxengine.outputs import RequestOutput
+from paxengine.prompt_logprobs import PromptLogprobs, StepTargets, step_targets
 from paxengine.request import Request
 from paxengine.runner import Runner
 from paxengine.sampling import ALL_FLAGS, build_sampling_tensors, verify_drafts
@@ -58,6 +59,7 @@ class _InFlight:
     result: object  # the runner's device result (or a Future of it)
     out: SchedulerOutput
     rows: dict[str, int]  # request id -> its sample's row, for the requests that sample
+    plp: StepTargets | None = None  # its rows' prompt logprobs (prompt_logprobs.py)
 
 
 class EngineCore:
@@ -129,6 +131,7 @@ class EngineCore:
             aux=eagle.aux_hidden(DTYPES[dtype]) if eagle is not None else None,
             chain=engine_setup.chain_spec(self.spec, cfg.max_num_seqs, tp, max(sb)),
             num_state_slots=slots + snapshots,
+            prompt_logprobs=True,
         )
         # chained verify steps (n-gram speculation on one device): built while the previous
         # step runs; False runs every verify step read first (benchmarks compare the two)
@@ -225,6 +228,8 @@ class EngineCore:
         now = time.monotonic()
         base_seed = params.seed if params.seed is not None else int(self.rng.integers(1 << 31))
         group = RequestGroup(request_id, text, ids, [], now, final_only)
+        if params.prompt_logprobs is not None:
+            group.prompt_logprobs = PromptLogprobs(ids, params.prompt_logprobs)
         for i in range(params.n):
             seq_id = request_id if params.n == 1 else f"{request_id}#{i}"
             req = Request(seq_id, ids, params, seed=base_seed + 7919 * i, arrival_time=now)
@@ -390,6 +395,7 @@ class EngineCore:
         dispatched = None
         if out:
             prev_rows = self.inflight.rows if self.inflight is not None else None
+            plp = None if out.chained else step_targets(out)
             if out.chained:
                 T, S = self.runner.chain_bucket(len(out.requests))
                 arrays = build_chained(
@@ -405,7 +411,9 @@ class EngineCore:
             else:
                 # a verify step samples more positions than it has sequences: its sequence
                 # bucket holds them (never more than the largest, see Scheduler._propose)
-                T, S = self.runner.bucket_for(out.total_tokens, out.num_sample_rows)
+                T, S = self.runner.bucket_for(
+                    out.total_tokens, out.num_sample_rows, plp is not None
+                )
                 arrays = build_step(
                     out, self.kv.block_size, T, S, self.runner.max_blocks_per_seq, prev_rows
                 )
@@ -425,12 +433,14 @@ class EngineCore:
             run = self.runner.execute
             if out.chained:
                 run = partial(self.runner.execute_chained, (T, S))
+            elif plp is not None:
+                run = partial(self.runner.execute, plp_targets=plp.array(T))
             if self._dispatcher is not None:
                 result = self._dispatcher.submit(run, arrays, st)
             else:
                 result = self._device(out, run, arrays, st)
             rows = {rid: i for rid, i in out.sample_rows().items() if rid in out.sampling}
-            dispatched = _InFlight(result, out, rows)
+            dispatched = _InFlight(result, out, rows, plp)
             self.steps += 1
             self.chained_steps += out.chained
             if tr is not None:
@@ -461,6 +471,8 @@ class EngineCore:
         else:
             result = step.result
         tokens, lps, ranks, top_ids, top_lps = self._device(step.out, self.runner.fetch, result)
+        if step.plp is not None:
+            self._record_prompt_logprobs(step, result)
         if step.out.chained:  # the drafts the device made for its rows
             drafts = self._device(step.out, self.runner.fetch_drafts, result)
             for r, req in enumerate(step.out.requests):
@@ -478,6 +490,13 @@ class EngineCore:
             sampled = {rid: [int(tokens[i])] for rid, i in step.rows.items()}
         updated = self.scheduler.update_from_output(step.out, sampled)
         return step, updated, (lps, ranks, top_ids, top_lps)
+
+    def _record_prompt_logprobs(self, step: _InFlight, result) -> None:
+        values = self._device(step.out, self.runner.fetch_prompt_logprobs, result)
+        for rid, span in step.plp.spans.items():
+            group = self.seq_of.get(rid, (None,))[0]  # None: aborted meanwhile
+            if group is not None and group.prompt_logprobs is not None:
+                group.prompt_logprobs.record(span, values)
 
     def _process_outputs(self, step: _InFlight, updated, logprobs) -> list[RequestOutput]:
         """Text, logprobs and stop strings of the requests a read step updated. A stop string

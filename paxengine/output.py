@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from paxengine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from paxengine.prompt_logprobs import PromptLogprobs
 from paxengine.request import Request
 from paxengine.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -114,6 +115,8 @@ class RequestGroup:
     seqs: list[SequenceOutput]
     arrival_time: float
     final_only: bool = False  # no per-step outputs, only the finished one (LLM.generate)
+    # the prompt's logprobs, filled as its steps are read (SamplingParams.prompt_logprobs)
+    prompt_logprobs: PromptLogprobs | None = None
 
     @property
     def finished(self) -> bool:
@@ -152,4 +155,12 @@ class RequestGroup:
             finished,
             m,
             num_cached_tokens=reqs[0].num_cached_tokens,
+            prompt_logprobs=self._prompt_logprobs(),
         )
+
+    def _prompt_logprobs(self) -> list | None:
+        plp = self.prompt_logprobs
+        if plp is None:
+            return None
+        seq = self.seqs[0]
+        return plp.entries(seq._decode_one)

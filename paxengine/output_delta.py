@@ -10,8 +10,9 @@ keeps the cumulative state and gives back outputs equal to the encoded ones, les
 (ProcessEngine holds that and puts it back). Both drop a request's state at its finished output
 or its error (`drop`), so each side's state changes with the same messages, in the same order.
 
-A request's wire form: (finished, meta, completions), where meta is the metrics' values and
-num_cached_tokens, or None when unchanged since the last message. A completion's:
+A request's wire form: (finished, meta, completions, prompt logprobs), where meta is the
+metrics' values and num_cached_tokens, or None when unchanged since the last message, and the
+prompt logprobs (as logprob entries below) go once, in the first message that has them. A completion's:
 (index, ids_keep, new_ids, text_keep, new_text, lps_keep, new_lps, cumulative_logprob,
 finish_reason, stop_reason): the receiver keeps the first *_keep items of what it had and appends
 the new ones. Token ids and logprobs only grow (the scheduler appends, output.py never rewrites
@@ -35,13 +36,17 @@ class DeltaEncoder:
     """The child's side: RequestOutput -> its wire form."""
 
     def __init__(self):
-        # request id -> (meta sent, [(token ids sent, text sent, logprobs sent)] per completion)
+        # request id -> (meta sent, [(token ids sent, text sent, logprobs sent)] per completion,
+        # prompt logprobs sent)
         self.sent: dict[str, tuple] = {}
 
     def encode(self, rid: str, out: RequestOutput) -> tuple:
         m = out.metrics
         meta = (None if m is None else tuple(vars(m).values()), out.num_cached_tokens)
-        prev_meta, prev = self.sent.get(rid, (None, ()))
+        prev_meta, prev, plp_sent = self.sent.get(rid, (None, (), False))
+        plp = None
+        if out.prompt_logprobs is not None and not plp_sent:
+            plp = [None] + _values(out.prompt_logprobs[1:])
         comps, state = [], []
         for j, c in enumerate(out.outputs):
             n_ids, sent_text, n_lps = prev[j] if j < len(prev) else (0, "", 0)
@@ -58,8 +63,8 @@ class DeltaEncoder:
         if out.finished:
             self.sent.pop(rid, None)
         else:
-            self.sent[rid] = (meta, state)
-        return (out.finished, None if meta == prev_meta else meta, comps)
+            self.sent[rid] = (meta, state, plp_sent or plp is not None)
+        return (out.finished, None if meta == prev_meta else meta, comps, plp)
 
     def drop(self, rid: str) -> None:
         """The request ended with an error."""
@@ -70,16 +75,19 @@ class DeltaDecoder:
     """The front end's side: wire form -> the cumulative RequestOutput (prompt None)."""
 
     def __init__(self):
-        # request id -> [meta, [[token ids, text, logprobs or None]] per completion]
+        # request id -> [meta, [[token ids, text, logprobs or None]] per completion, prompt
+        # logprobs or None]
         self.state: dict[str, list] = {}
 
     def decode(self, rid: str, wire: tuple) -> RequestOutput:
-        finished, meta, comps = wire
+        finished, meta, comps, plp = wire
         st = self.state.get(rid)
         if st is None:
-            st = self.state[rid] = [None, []]
+            st = self.state[rid] = [None, [], None]
         if meta is not None:
             st[0] = meta
+        if plp is not None:
+            st[2] = [None] + [{t: Logprob(*v) for t, v in d.items()} for d in plp[1:]]
         values, num_cached = st[0]
         have = st[1]
         del have[len(comps) :]
@@ -106,7 +114,7 @@ class DeltaDecoder:
         if finished:
             del self.state[rid]
         metrics = None if values is None else RequestMetrics(*values)
-        return RequestOutput(rid, None, None, outputs, finished, metrics, num_cached)
+        return RequestOutput(rid, None, None, outputs, finished, metrics, num_cached, st[2])
 
     def drop(self, rid: str) -> None:
         """The request ended with an error (or the engine is gone)."""

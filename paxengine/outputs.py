@@ -46,3 +46,6 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     num_cached_tokens: int = 0
+    # vLLM's: None first, then {token id: Logprob} per prompt token (SamplingParams'
+    # prompt_logprobs), once the whole prompt is computed; None when not asked
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

@@ -18,6 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 import kernels_pallas
 from paxengine import parallel
+from paxengine import prompt_logprobs as plp_mod
 from paxengine.attention import PagedAttend
 from paxengine.batch import StepArrays, pick
 from paxengine.executables import ExecutableStore
@@ -90,6 +91,7 @@ class Runner:
         aux: AuxHidden | None = None,
         chain: ChainSpec | None = None,
         num_state_slots: int = 0,
+        prompt_logprobs: bool = False,
     ):
         """params: stacked layers (scanned) or a list of per-layer dicts (unrolled), see
         `weights.unstack_layers`; the KV cache takes the same layout. tp: tensor parallelism
@@ -98,7 +100,9 @@ class Runner:
         speculator reads (`AuxHidden`); None: the forward computes nothing for them. chain: also
         compile chained n-gram verify steps (spec_decode/chain.py) for up to chain.rows requests.
         num_state_slots: the per-request state slots of the model's recurrent layers (its
-        family's pools, donated with the KV cache; kv_cache.KVCacheManager hands them out)."""
+        family's pools, donated with the KV cache; kv_cache.KVCacheManager hands them out).
+        prompt_logprobs: the forward also returns the step's final hidden states, and a
+        prompt-logprob executable per token bucket is built (paxengine/prompt_logprobs.py)."""
         self.tp = tp
         self.chain = chain
         if chain is not None and (tp is not None or aux is not None):
@@ -111,6 +115,9 @@ class Runner:
         self.placement = tuple(d.id for d in tp.mesh.devices.flat) if tp is not None else ()
         self.cfg = cfg
         self.family = registry.family(cfg)
+        self.plp = prompt_logprobs
+        self.plp_compiled: dict[int, object] = {}  # T -> prompt-logprob executable
+        self.hidden_dtype = jnp.dtype(params["final_norm"].dtype)
         self.params = parallel.shard_params(params, tp) if tp is not None else params
         if aux is not None:
             self.params = {**self.params, "aux_proj": aux.proj}
@@ -137,6 +144,7 @@ class Runner:
         self.chained: dict[tuple[int, int], object] = {}  # (T, S) -> chained verify forward
         # the last chained step's drafts (the next chained step reads them), [chain.rows, K]
         self.prev_drafts = jnp.full((chain.rows, chain.k), -1, jnp.int32) if chain else None
+        self._plp_fn = jax.jit(self._prompt_logprobs_fn)
         self._chain_fwd = jax.jit(
             self._chain_fn, donate_argnums=(1,), static_argnames=("layout", "T", "S")
         )
@@ -189,7 +197,28 @@ class Runner:
         tokens, positions, prev_index = x["tokens"], x["positions"], x["prev_index"]
         # Tokens sampled by the previous step never visit the host before they are used here.
         tokens = jnp.where(prev_index >= 0, prev_tokens[jnp.maximum(prev_index, 0)], tokens)
-        return self._model(params, kv_cache, tokens, positions, md, x["logits_indices"], x)
+        kv_cache, logits, hidden = self._model(
+            params, kv_cache, tokens, positions, md, x["logits_indices"], x
+        )
+        if self.plp:  # for the prompt-logprob executable, which runs only when a row asks
+            return kv_cache, logits, hidden.astype(self.hidden_dtype)
+        return kv_cache, logits
+
+    def _prompt_logprobs_fn(self, params, hidden, targets):
+        """A step's prompt logprobs from its hidden states (prompt_logprobs.device_values)."""
+
+        def logits_fn(h):
+            logits = self.family.compute_logits(params, self.cfg, h)
+            if self.tp is not None:
+                logits = jax.lax.with_sharding_constraint(logits, self.tp.sharding(P()))
+            return logits
+
+        V = self.cfg.vocab_size
+        return plp_mod.device_values(logits_fn, hidden, targets, V, self.n_top)
+
+    @property
+    def n_top(self) -> int:
+        return min(NUM_TOP_LOGPROBS, self.cfg.vocab_size)
 
     def _chain_fn(self, params, kv_cache, packed, prev_tokens, prev_drafts, *, layout, T, S):
         """A chained verify step: its rows laid out on the device from the previous step's
@@ -201,7 +230,7 @@ class Runner:
         md = kernels_pallas.AttentionMetadata(
             slots, x["block_tables"], seq_lens, qsl, x["num_seqs"]
         )
-        kv_cache, logits = self._model(params, kv_cache, tokens, positions, md, logits_indices)
+        kv_cache, logits, _ = self._model(params, kv_cache, tokens, positions, md, logits_indices)
         return kv_cache, logits, shift, drafts
 
     def _model(self, params, kv_cache, tokens, positions, md, logits_indices, step=None):
@@ -222,7 +251,7 @@ class Runner:
         logits = self.family.compute_logits(params, self.cfg, hidden[logits_indices])
         if self.tp is not None:  # every device samples from all of them (StepBuilder's sampler)
             logits = jax.lax.with_sharding_constraint(logits, self.tp.sharding(P()))
-        return kv_cache, logits
+        return kv_cache, logits, hidden
 
     # -- each bucket's forward as a job for the builder: (store key, lowering, XLA options) -----
     def _abstract_inputs(self, T: int, S: int):
@@ -237,9 +266,24 @@ class Runner:
         static = (self.cfg, self.backend, self.max_blocks_per_seq, self.max_rows, self.placement)
         if self.aux is not None:  # which layers' states it keeps is in the program, not its shapes
             static += (("aux_layers", self.aux.layers),)
+        if self.plp:  # it also returns the hidden states
+            static += ("hidden",)
         key, opts = self.builder.store_key("forward", static, args, T)
         layout = self.step_layout(T, S)
         return key, lambda: self._forward.lower(*args, layout=layout), opts
+
+    def _plp_job(self, T: int):
+        params = jax.tree.map(abstract_of, self.params)
+        sharding = self.tp.sharding(P()) if self.tp is not None else None
+        hidden = jax.ShapeDtypeStruct(
+            (T, self.cfg.hidden_size), self.hidden_dtype, sharding=sharding
+        )
+        targets = jax.ShapeDtypeStruct((T,), jnp.int32, sharding=sharding)
+        args = (params, hidden, targets)
+        static = (self.cfg, self.placement, plp_mod.CHUNK_ELEMENTS, self.n_top)
+        store = self.store
+        key = store.key("prompt_logprobs", static, args) if store is not None else None
+        return key, lambda: self._plp_fn.lower(*args), None
 
     def _chain_layout(self, T: int, S: int) -> PackedLayout:
         return chain_layout(self.chain, T, S, self.max_blocks_per_seq, self.history_len)
@@ -302,14 +346,23 @@ class Runner:
             return None
         return smallest_holding(self.chained, num_requests * (self.chain.k + 1))
 
-    def bucket_for(self, num_tokens: int, num_seqs: int) -> tuple[int, int]:
+    def bucket_for(
+        self, num_tokens: int, num_seqs: int, prompt_logprobs: bool = False
+    ) -> tuple[int, int]:
         """The smallest compiled (T, S) that holds the step (T first): 17 single-token rows take
-        (64, 64); a 2048-token prefill of 3 sequences (2048, 64), see `bucket_pairs`."""
+        (64, 64); a 2048-token prefill of 3 sequences (2048, 64), see `bucket_pairs`.
+        prompt_logprobs: a T whose prompt-logprob executable is built too."""
         T = pick(self.token_buckets, num_tokens)
         S = pick(self.seq_buckets, num_seqs)
-        if (T, S) not in self.compiled:  # not planned, or still compiling in the background
+        plps = self.plp_compiled
+        if (T, S) not in self.compiled or (prompt_logprobs and T not in plps):
+            # not planned, or still compiling in the background
             ready = tuple(self.compiled)  # a snapshot: the background may add to it meanwhile
-            T, S = min(k for k in ready if k[0] >= num_tokens and k[1] >= num_seqs)
+            T, S = min(
+                k
+                for k in ready
+                if k[0] >= num_tokens and k[1] >= num_seqs and (not prompt_logprobs or k[0] in plps)
+            )
         return T, S
 
     def _stable(self, key, x):
@@ -320,15 +373,30 @@ class Runner:
         self._staged[key] = _copy_into(old, x)
         return self._staged[key]
 
-    def execute(self, arrays: StepArrays, st: SamplingTensors):
+    def execute(self, arrays: StepArrays, st: SamplingTensors, plp_targets=None):
+        """plp_targets: [T] int32, each token's next prompt token (-1: none) for the prompt
+        logprobs of the rows that ask (prompt_logprobs.StepTargets); its result is the 5th item
+        of the returned tuple (`fetch_prompt_logprobs`)."""
         T, S = arrays.tokens.shape[0], arrays.seq_lens.shape[0]
         packed = self._layouts[("fwd", T, S)].pack(vars(arrays))
         prev = self.prev_tokens
         if _STABLE_INPUTS:
             packed, prev = self._stable(("fwd", T, S), packed), self._stable("prev", prev)
-        caches, logits = self.compiled[(T, S)](self.params, self._caches(), packed, prev)
+        out = self.compiled[(T, S)](self.params, self._caches(), packed, prev)
+        caches, logits = out[:2]
         self._set_caches(caches)
-        return self._sample(logits, st, S, self._no_shift(S))
+        result = self._sample(logits, st, S, self._no_shift(S))
+        if plp_targets is None:
+            return result
+        plp = self.plp_compiled[T](self.params, out[2], plp_targets)
+        return (*result, None, (plp, T))
+
+    def fetch_prompt_logprobs(self, result) -> tuple[np.ndarray, ...] | None:
+        """A step's prompt logprobs on the host (prompt_logprobs.unpack), or None."""
+        if len(result) < 5:
+            return None
+        v, T = result[4]
+        return plp_mod.unpack(np.asarray(jax.device_get(v)), T, self.n_top)
 
     def _no_shift(self, S: int) -> jax.Array:
         z = self._zero_shift.get(S)

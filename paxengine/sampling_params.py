@@ -42,6 +42,9 @@ class SamplingParams:
     logprobs: int | None = (
         None  # number of top logprobs per generated token (0: only the sampled one)
     )
+    # vLLM's: the prompt tokens' logprobs with the top k each (0: only the prompt's own token);
+    # computed on the device (prompt_logprobs.py), and such a request takes no prefix-cache hit
+    prompt_logprobs: int | None = None
     logit_bias: dict[int, float] = field(default_factory=dict)
     skip_special_tokens: bool = True
     # scheduling, not sampling: lower runs first (vLLM's convention); needs the engine's
@@ -126,6 +129,11 @@ class SamplingParams:
             not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_LOGPROBS
         ):
             bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        k = self.prompt_logprobs
+        if k is not None and (
+            isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_LOGPROBS
+        ):
+            bad("prompt_logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {k!r}")
         if isinstance(self.priority, bool) or not isinstance(self.priority, int):
             bad("priority", f"must be an integer, got {self.priority!r}")
         if not -(2**31) <= self.priority < 2**31:

@@ -186,7 +186,9 @@ class Scheduler:
             req = self.waiting[0]
             if req.num_pending_tokens:  # preempted with a sample still on the device
                 break
-            cached = self.kv.find_cached_prefix(req) if req.num_computed_tokens == 0 else []
+            # prompt logprobs need every prompt position computed: no hit for such a request
+            hit = req.num_computed_tokens == 0 and req.params.prompt_logprobs is None
+            cached = self.kv.find_cached_prefix(req) if hit else []
             already = req.num_computed_tokens + len(cached) * self.kv.block_size
             n = self._cut_at_snapshot(req, already, min(req.num_tokens - already, budget))
             if not self.kv.allocate(req, n, cached):

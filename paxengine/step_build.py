@@ -21,6 +21,7 @@ from typing import Protocol
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec as P
 from tqdm import tqdm
 
@@ -173,13 +174,16 @@ class StepRunner(Protocol):
     samplers: dict  # (S, flags) -> sampler
     _layouts: dict
     prev_tokens: jax.Array
+    plp: bool  # prompt-logprob executables too
+    plp_compiled: dict  # filled here: T -> prompt-logprob executable
 
     def step_layout(self, T: int, S: int) -> PackedLayout: ...
     def sampling_layout(self, S: int, flags) -> PackedLayout: ...
     def _chain_layout(self, T: int, S: int) -> PackedLayout: ...
     def _forward_job(self, T: int, S: int) -> tuple: ...  # (store key, lower, XLA options)
     def _chain_job(self, T: int, S: int) -> tuple: ...
-    def execute(self, arrays: StepArrays, st: SamplingTensors) -> tuple: ...
+    def _plp_job(self, T: int) -> tuple: ...
+    def execute(self, arrays: StepArrays, st: SamplingTensors, plp_targets=None) -> tuple: ...
 
 
 class StepBuilder:
@@ -250,15 +254,19 @@ class StepBuilder:
             for S, f in sampler_keys
             if (S, f) not in r.samplers
         ]
+        if r.plp:  # one per token bucket (prompt_logprobs.py)
+            jobs += [(("plp", T), r._plp_job(T)) for T in r.token_buckets]
         later = []
         if background:
             first = set(first_buckets(pairs, r.token_buckets, r.seq_buckets))
             cheap, full = min(r.sampler_flags, key=sum), max(r.sampler_flags, key=sum)
+            # the largest token bucket's prompt logprobs: a step that asks runs in it meanwhile
             now = [
                 j
                 for j in jobs
                 if (j[0][0] == "fwd" and j[0][1:] in first)
                 or (j[0][0] == "smp" and j[0][2] in (cheap, full))
+                or j[0] == ("plp", r.token_buckets[-1])
             ]
             later = sorted((j for j in jobs if j not in now), key=background_order)
             jobs = now
@@ -327,7 +335,8 @@ class StepBuilder:
     def _priming_runs(self) -> list[tuple[int, int, tuple]]:
         """(T, S, sampler flags) runs that reach every compiled forward and sampler not run yet:
         each forward with its S's plainest built sampler, each other sampler after its S's
-        smallest forward. Sorted: every process of a mesh runs them in the same order."""
+        smallest forward; a prompt-logprob executable after a forward of its T. Sorted: every
+        process of a mesh runs them in the same order."""
         r = self.runner
         built, smp = sorted(r.compiled), sorted(r.samplers)  # snapshots: the background
         forwards = [k for k in built if k not in self._primed]  # may add to both meanwhile
@@ -342,6 +351,13 @@ class StepBuilder:
             T = next((t for t, s in built if s == S), None)
             if T is not None and (S, flags) not in used:
                 runs.append((T, S, flags))
+        for T in sorted(r.plp_compiled):
+            if ("plp", T) in self._primed or any(t == T for t, _, _ in runs):
+                continue
+            S = next((s for t, s in built if t == T), None)
+            flags = min((f for s, f in smp if s == S), key=sum, default=None)
+            if flags is not None:
+                runs.append((T, S, flags))
         return runs
 
     @property
@@ -355,7 +371,8 @@ class StepBuilder:
 
     def num_unprimed(self) -> int:
         r = self.runner
-        return sum(k not in self._primed for k in list(r.compiled) + list(r.samplers))
+        plps = [("plp", T) for T in list(r.plp_compiled)]
+        return sum(k not in self._primed for k in list(r.compiled) + list(r.samplers) + plps)
 
     def prime(self, limit: int | None = None) -> tuple[int, float]:
         """Runs each compiled forward and sampler variant not run yet once, on an all-padding
@@ -373,7 +390,12 @@ class StepBuilder:
             st = build_sampling_tensors(
                 [], S, r.history_len, [], vocab_size=r.cfg.vocab_size, available=[flags]
             )
-            result = r.execute(StepArrays.padding(T, S, r.max_blocks_per_seq, 0), st)
+            targets = None
+            if T in r.plp_compiled and ("plp", T) not in self._primed:
+                targets = np.full(T, -1, np.int32)
+                self._primed.add(("plp", T))
+            arrays = StepArrays.padding(T, S, r.max_blocks_per_seq, 0)
+            result = r.execute(arrays, st) if targets is None else r.execute(arrays, st, targets)
             self._primed.update({(T, S), (S, flags)})
         if result is not None:
             jax.block_until_ready(result[0])
@@ -424,6 +446,8 @@ class StepBuilder:
             r.compiled[name[1:]] = exe
         elif name[0] == "chn":
             r.chained[name[1:]] = exe
+        elif name[0] == "plp":
+            r.plp_compiled[name[1]] = exe
         else:
             _SAMPLERS[self._sampler_key(*name[1:])] = exe
             r.samplers[name[1:]] = exe

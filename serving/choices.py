@@ -33,6 +33,7 @@ class Piece:
     reasoning: str = ""
     tool_calls: list = field(default_factory=list)  # DeltaToolCall
     logprobs: Any = None
+    prompt_logprobs: Optional[list] = None  # the request's (RequestOutput.prompt_logprobs)
 
 
 class TextDelta:
@@ -106,8 +107,9 @@ class ChatLogprobs:
 
 
 class CompletionEcho:
-    """A completion's echo (the prompt's text first, and its tokens in the logprobs, without
-    values) and logprobs (k, or None: none asked)."""
+    """A completion's echo (the prompt's text first, and its tokens in the logprobs, with
+    their values: echo with logprobs asks the engine for the prompt's logprobs) and logprobs
+    (k, or None: none asked)."""
 
     def __init__(self, state, prompt: tuple[str, list[int]], echo: bool, k, as_ids: bool):
         self.state, self.prompt, self.echo, self.k, self.as_ids = state, prompt, echo, k, as_ids
@@ -125,6 +127,7 @@ class CompletionEcho:
                 offset,
                 pids if echo_now else None,
                 self.as_ids,
+                p.prompt_logprobs,
             )
         if echo_now:
             p.text = ptext + p.text
@@ -137,10 +140,12 @@ class Chain:
     def __init__(self, source: TextDelta, stages: list):
         self.source, self.stages = source, stages
 
-    def run(self, o: CompletionOutput) -> Optional[Piece]:
+    def run(self, o: CompletionOutput, prompt_logprobs: Optional[list] = None) -> Optional[Piece]:
+        """prompt_logprobs: the request's, when it asked (the echo stage reads them)."""
         p = self.source.feed(o)
         if p is None:
             return None
+        p.prompt_logprobs = prompt_logprobs
         for stage in self.stages:
             p = stage.feed(p)
             if p.finish is not None and hasattr(stage, "finish"):

@@ -8,7 +8,13 @@ from typing import Optional
 
 from paxengine.outputs import Logprob
 from serving.generation import ServerState
-from serving.protocol import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
+from serving.protocol import (
+    ChatLogprobs,
+    ChatTokenLogprob,
+    CompletionLogprobs,
+    PromptLogprob,
+    TopLogprob,
+)
 
 
 def _lp(v: Logprob) -> tuple[float, int, Optional[str]]:
@@ -40,14 +46,37 @@ def _token_entries(state, o, start: int, k: int, as_ids: bool):
     return out
 
 
+def prompt_logprobs(entries: Optional[list]) -> Optional[list]:
+    """The engine's prompt logprobs (RequestOutput.prompt_logprobs) in vLLM's wire shape."""
+    if entries is None:
+        return None
+    return [
+        None if d is None else {t: PromptLogprob(**vars(v)) for t, v in d.items()} for d in entries
+    ]
+
+
 def completion_logprobs(
-    state, o, start: int, k: int, offset: int, prompt=None, as_ids: bool = False
+    state, o, start: int, k: int, offset: int, prompt=None, as_ids: bool = False, plp=None
 ) -> CompletionLogprobs:
+    """prompt: echo's prompt token ids, first; plp: their logprobs (the engine's prompt
+    logprobs: None for the first token, as OpenAI's echo has it)."""
     res = CompletionLogprobs()
-    if prompt is not None:  # echo: prompt tokens carry no logprobs
-        for tid in prompt:
-            t = _tok_str(state, tid, None, as_ids)
-            res.tokens.append(t), res.token_logprobs.append(None), res.top_logprobs.append(None)
+    if prompt is not None:
+        for i, tid in enumerate(prompt):
+            d = plp[i] if plp is not None and i < len(plp) else None
+            t = _tok_str(state, tid, d[tid].decoded_token if d and tid in d else None, as_ids)
+            lp, top = None, None
+            if d:
+                own = d.get(tid)
+                lp = float(own.logprob) if own is not None else None
+                ranked = sorted(d.items(), key=lambda e: e[1].rank)
+                top = {
+                    _tok_str(state, x, v.decoded_token, as_ids): float(v.logprob)
+                    for x, v in ranked
+                    if v.rank <= k
+                }
+                top.setdefault(t, lp)
+            res.tokens.append(t), res.token_logprobs.append(lp), res.top_logprobs.append(top)
             res.text_offset.append(offset)
             offset += len(t)
     for tstr, lp, tops in _token_entries(state, o, start, k, as_ids):

@@ -32,6 +32,7 @@ from serving.generation import (
     start_jobs,
     until_disconnect,
 )
+from serving.logprobs import prompt_logprobs
 from serving.prompts import chat_prompt, completion_prompts, truncated
 from serving.protocol import (
     ChatChoice,
@@ -137,7 +138,18 @@ def sampling_params(
         structured_outputs=structured_outputs,
         allowed_token_ids=req.allowed_token_ids,
         cache_salt=req.cache_salt,
+        prompt_logprobs=_prompt_logprobs_asked(req),
     )
+
+
+def _prompt_logprobs_asked(req) -> Optional[int]:
+    """vLLM's prompt_logprobs; a completion's echo with logprobs asks for as many (OpenAI's
+    echo shows the prompt tokens' logprobs)."""
+    if req.prompt_logprobs is not None:
+        return req.prompt_logprobs
+    if getattr(req, "echo", False) and getattr(req, "logprobs", None) is not None:
+        return req.logprobs
+    return None
 
 
 def _default_max_tokens(state: ServerState, room: int, given: Optional[int] = None) -> int:
@@ -380,7 +392,7 @@ def _final_response(call: _Call, finals: dict):
     for pi, (_, pids) in enumerate(call.prompts):
         for o in finals[pi].outputs:
             idx = call.index(pi, o.index)
-            p = call.chain(pi).run(o)  # the finished output: one piece
+            p = call.chain(pi).run(o, finals[pi].prompt_logprobs)  # finished: one piece
             if call.kind == "chat":
                 choices.append(
                     ChatChoice(
@@ -402,6 +414,7 @@ def _final_response(call: _Call, finals: dict):
                         stop_reason=o.stop_reason,
                         prompt_token_ids=list(pids) if call.ids_on else None,
                         token_ids=list(o.token_ids) if call.ids_on else None,
+                        prompt_logprobs=prompt_logprobs(finals[pi].prompt_logprobs),
                     )
                 )
     choices.sort(key=lambda c: c.index)
@@ -414,6 +427,7 @@ def _final_response(call: _Call, finals: dict):
             choices=choices,
             usage=usage,
             prompt_token_ids=prompt_ids,
+            prompt_logprobs=prompt_logprobs(finals[0].prompt_logprobs),
         )
     return CompletionResponse(id=call.id, model=state.model_name, choices=choices, usage=usage)
 
@@ -423,9 +437,10 @@ async def _stream(call: _Call) -> AsyncIterator[str]:
     usage_on = bool(req.stream_options and req.stream_options.include_usage)
     chains: dict[int, object] = {}
     sent_ids: dict[int, int] = {}  # return_token_ids: the output's token ids sent so far
+    plp_sent: set[int] = set()  # a chat's prompts whose prompt logprobs went
     finals: dict = {}
 
-    def chunk(choices, usage=None, prompt_ids=None):
+    def chunk(choices, usage=None, prompt_ids=None, plp=None):
         if chat:
             return sse(
                 ChatCompletionChunk(
@@ -434,6 +449,7 @@ async def _stream(call: _Call) -> AsyncIterator[str]:
                     choices=choices,
                     usage=usage,
                     prompt_token_ids=prompt_ids,
+                    prompt_logprobs=plp,
                 )
             )
         return sse(
@@ -454,13 +470,19 @@ async def _stream(call: _Call) -> AsyncIterator[str]:
                     idx = call.index(pi, o.index)
                     if idx not in chains:
                         chains[idx] = call.chain(pi)
-                    p = chains[idx].run(o)
+                    p = chains[idx].run(o, out.prompt_logprobs)
                     if p is None:
                         continue
+                    # the prompt's logprobs: with a completion choice's first chunk; a chat's
+                    # (one prompt) with the first chunk sent after they came
+                    plp = None
+                    if out.prompt_logprobs is not None and (chat or p.first) and pi not in plp_sent:
+                        plp = prompt_logprobs(out.prompt_logprobs)
                     if chat:
                         message = _delta_message(call.setup, p)
                         if p.finish is None and call.k is None and not message.model_dump():
-                            continue  # held back (a tag or a call not yet whole): nothing to send
+                            if plp is None:  # held back (a tag or a call not yet whole)
+                                continue
                         c = ChatStreamChoice(
                             index=idx,
                             delta=message,
@@ -475,13 +497,16 @@ async def _stream(call: _Call) -> AsyncIterator[str]:
                             logprobs=p.logprobs,
                             finish_reason=p.finish,
                             stop_reason=o.stop_reason,
+                            prompt_logprobs=plp,
                         )
+                    if chat and plp is not None:
+                        plp_sent.add(pi)
                     if call.ids_on:
                         c.token_ids = list(o.token_ids[sent_ids.get(idx, 0) :])
                         sent_ids[idx] = len(o.token_ids)
                         if not chat and p.first:
                             c.prompt_token_ids = list(call.prompts[pi][1])
-                    yield chunk([c])
+                    yield chunk([c], plp=plp if chat else None)
         if usage_on:
             yield chunk([], usage=call.usage(finals))
     except ApiError as e:

@@ -85,7 +85,6 @@ _SHARED_UNIMPLEMENTED = {
     "best_of": _NoOp(test=_best_of_is_n),
     "use_beam_search": _NoOp(False),
     "length_penalty": _NoOp(1.0),  # beam search only
-    "prompt_logprobs": _NoOp(),  # even 0 asks for the prompt tokens' logprobs
     "bad_words": _NoOp([]),
     "logits_processors": _NoOp(),
     "spaces_between_special_tokens": _NoOp(True),
@@ -217,6 +216,8 @@ class _SamplingFields(_Request):
     return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name tokens "token_id:<id>"
     cache_salt: Optional[str] = None  # vLLM's: prefix-cache hits only within one salt (tenant)
     return_token_ids: bool = False  # vLLM's: the prompt's and the output's token ids
+    # vLLM's: each prompt token's logprob and the top k (the response's `prompt_logprobs`)
+    prompt_logprobs: Optional[int] = None
     request_id: Optional[str] = None  # vLLM's: names the response (cmpl-<id>, chatcmpl-<id>)
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
@@ -260,8 +261,20 @@ class _WithTokenIds(BaseModel):
         return {
             k: v
             for k, v in handler(self).items()
-            if not (v is None and k in ("token_ids", "prompt_token_ids"))
+            if not (v is None and k in ("token_ids", "prompt_token_ids", "prompt_logprobs"))
         }
+
+
+class PromptLogprob(BaseModel):
+    """One token of a prompt position's entry (vLLM's Logprob)."""
+
+    logprob: float
+    rank: Optional[int] = None
+    decoded_token: Optional[str] = None
+
+
+# vLLM's prompt_logprobs: None for the first prompt token, then {token id: its logprob}
+PromptLogprobs = Optional[list[Optional[dict[int, PromptLogprob]]]]
 
 
 class CompletionChoice(_WithTokenIds):
@@ -272,6 +285,7 @@ class CompletionChoice(_WithTokenIds):
     stop_reason: Optional[Union[int, str]] = None
     prompt_token_ids: Optional[list[int]] = None  # return_token_ids (streamed: the first chunk)
     token_ids: Optional[list[int]] = None  # return_token_ids (streamed: this chunk's)
+    prompt_logprobs: PromptLogprobs = None  # vLLM's (streamed: the choice's first chunk)
 
 
 class CompletionResponse(BaseModel):
@@ -429,6 +443,7 @@ class ChatCompletionResponse(_WithTokenIds):
     choices: list[ChatChoice]
     usage: Optional[Usage] = None
     prompt_token_ids: Optional[list[int]] = None  # return_token_ids
+    prompt_logprobs: PromptLogprobs = None  # vLLM's
 
 
 class DeltaMessage(_DropNone):
@@ -455,6 +470,7 @@ class ChatCompletionChunk(_WithTokenIds):
     choices: list[ChatStreamChoice]
     usage: Optional[Usage] = None
     prompt_token_ids: Optional[list[int]] = None  # return_token_ids: in the role chunks
+    prompt_logprobs: PromptLogprobs = None  # vLLM's: with the choice's first output
 
 
 # ----------------------------------------------------------------------------- models, tokenize

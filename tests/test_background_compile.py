@@ -74,8 +74,13 @@ def test_serves_before_the_background_is_done_and_gives_the_same_tokens(monkeypa
             for f in r.sampler_flags
             if (S, f) not in r.samplers
         ]
+        # prompt logprobs: the largest token bucket's now, the others in the background
+        tb = ENGINE["token_buckets"]
+        assert set(r.plp_compiled) == {tb[-1]}
         pending = llm.engine.stats()["step_executables_pending"]
-        assert pending == len(set(r.builder.planned) - first) + len(missing_samplers) > 0
+        missing = len(set(r.builder.planned) - first) + len(missing_samplers) + len(tb) - 1
+        assert pending == missing > 0
+        assert r.bucket_for(17, 2, prompt_logprobs=True)[0] == tb[-1]
         cheap, full = min(r.sampler_flags, key=sum), max(r.sampler_flags, key=sum)
         assert r.available_flags(2) == [cheap, full]
         T, S = r.bucket_for(17, 2)  # (32, 2) is not built yet: a larger built bucket holds it
@@ -85,6 +90,7 @@ def test_serves_before_the_background_is_done_and_gives_the_same_tokens(monkeypa
         gate.set()
     assert r.builder.wait_background(300)
     assert set(r.compiled) == set(r.builder.planned)
+    assert set(r.plp_compiled) == set(ENGINE["token_buckets"])
     assert llm.engine.stats()["step_executables_pending"] == 0
     assert r.available_flags(2) == r.sampler_flags
     # the background's planned compiles are start-up work, not recompiles

@@ -9,7 +9,7 @@ from prompts import PROMPTS
 
 from paxengine import LLM, SamplingParams
 from paxengine.errors import InvalidRequest
-from paxengine.reference import reference_generate
+from paxengine.reference import reference_generate, reference_logits
 from paxengine.step_build import compile_count
 
 MAX_TOKENS = 16
@@ -419,4 +419,98 @@ def test_structured_outputs_offline_under_preemption(llm_tight, oracle):
     assert re.fullmatch(r"[0-9]{4}", outs[-1].outputs[0].text)
     assert llm_tight.engine.scheduler.num_preemptions > preempted
     assert compile_count() == before
+    assert_pool_empty(llm_tight)
+
+
+# ------------------------------------------------------------------------- prompt logprobs
+def _hf_prompt_log_softmax(hf_smollm, ids):
+    """transformers' fp32 log-softmax at every prompt position: row i - 1 scores token i."""
+    import torch
+
+    hf, _ = hf_smollm
+    with torch.no_grad():
+        logits = hf(torch.tensor([ids])).logits[0].double()
+    return torch.log_softmax(logits, dim=-1).numpy()
+
+
+def check_prompt_logprobs(o, lsm, k: int, rtol: float = 2e-5) -> None:
+    """o: a RequestOutput whose params asked prompt_logprobs=k; lsm: HF's log-softmax. Within
+    1e-4, and 2e-5 of the value for rare tokens (below -5): where two fp32 forwards of 30
+    layers (JAX's and torch's) differ that much themselves (-14.1093 vs -14.1092)."""
+    ids = o.prompt_token_ids
+    plp = o.prompt_logprobs
+    assert plp is not None and len(plp) == len(ids) and plp[0] is None
+    for i in range(1, len(ids)):
+        row, tok, entry = lsm[i - 1], ids[i], plp[i]
+        np.testing.assert_allclose(
+            entry[tok].logprob, row[tok], atol=1e-4, rtol=rtol, err_msg=f"position {i}"
+        )
+        # rank: 1 + how many tokens score higher (near ties may swap within the tolerance)
+        tol = 1e-4 + rtol * abs(row[tok])
+        higher = int(np.sum(row > row[tok] + tol)) + 1
+        close = int(np.sum(row > row[tok] - tol))
+        assert higher <= entry[tok].rank <= max(close, 1), (i, entry[tok].rank, higher, close)
+        top = np.argsort(-row)[:k]
+        assert len(entry) <= k + 1
+        for t in top:  # the top k are HF's top k (but for near ties), with their logprobs
+            if int(t) in entry:
+                np.testing.assert_allclose(entry[int(t)].logprob, row[t], atol=1e-4, rtol=rtol)
+            else:
+                assert row[t] - row[top[-1]] < 1e-4, (i, int(t))
+        for t, v in entry.items():
+            np.testing.assert_allclose(v.logprob, row[t], atol=1e-4, rtol=rtol)
+
+
+def test_prompt_logprobs_match_hf_with_chunked_prefill_and_no_prefix_hit(
+    llm_chunked, smollm, hf_smollm
+):
+    """32-token steps: the ~70-token prompts' logprobs come in three chunks. The prompt was
+    cached by a request before: the one asking computes it anyway (no hit), the values equal
+    transformers' fp32 log-softmax at every position, and nothing compiles."""
+    prompt = " ".join(PROMPTS)  # 88 tokens
+    ids = smollm.tokenizer.encode(prompt)
+    assert len(ids) > 64
+    llm_chunked.generate(prompt, SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
+    before = compile_count()
+    prompts = [prompt, PROMPTS[2], "x"]
+    outs = llm_chunked.generate(
+        prompts,
+        SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=5),
+        use_tqdm=False,
+    )
+    assert compile_count() == before
+    assert outs[0].num_cached_tokens == 0
+    for o in outs:
+        check_prompt_logprobs(o, _hf_prompt_log_softmax(hf_smollm, o.prompt_token_ids), 5)
+    assert_pool_empty(llm_chunked)
+    # without the field: none
+    plain = llm_chunked.generate(prompt, SamplingParams(max_tokens=1), use_tqdm=False)[0]
+    assert plain.prompt_logprobs is None
+
+
+def test_prompt_logprobs_under_preemption(llm_tight, smollm, hf_smollm, oracle):
+    """A tiny pool: requests are preempted and recompute their prompts; every prompt's
+    logprobs still equal transformers' (k = 0: only the prompt's own tokens), and our own
+    oracle's forward (the same attention; batched, not contiguous) within 5e-5 (2e-5 of the value)."""
+    before = llm_tight.engine.scheduler.num_preemptions
+    # PROMPTS and their pairs: text on which our fp32 forward is within 1e-4 of transformers'
+    # ("word " * 30 is not: its activations are large, 5e-4 in both engines' own logits)
+    prompts = MIXED[:12]
+    outs = llm_tight.generate(
+        prompts,
+        SamplingParams(temperature=0, max_tokens=MAX_TOKENS, prompt_logprobs=0),
+        use_tqdm=False,
+    )
+    assert llm_tight.engine.scheduler.num_preemptions > before
+    for p, o in zip(prompts, outs):
+        assert o.outputs[0].token_ids == oracle[p], p
+        ids = o.prompt_token_ids
+        check_prompt_logprobs(o, _hf_prompt_log_softmax(hf_smollm, ids), 0)
+        ours = np.asarray(reference_logits(smollm.params, smollm.config, ids), np.float64)
+        ours = ours - ours.max(-1, keepdims=True)
+        ours -= np.log(np.exp(ours).sum(-1, keepdims=True))
+        got = [o.prompt_logprobs[i][t].logprob for i, t in enumerate(ids) if i]
+        np.testing.assert_allclose(
+            got, ours[np.arange(len(ids) - 1), ids[1:]], atol=5e-5, rtol=2e-5
+        )
     assert_pool_empty(llm_tight)

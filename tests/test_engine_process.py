@@ -276,6 +276,24 @@ def test_delta_metrics_go_when_they_change():
     assert metas[-1] == ((1.0, 1.5, 2.0, 3.0, 3, 16), 16)
 
 
+def test_delta_prompt_logprobs_go_once():
+    """A prompt's logprobs (complete at the first output) go in one message, and every rebuilt
+    output after it has them."""
+    plp = [None, _lp(7), _lp(8)]
+    steps = [
+        [dataclasses.replace(_out("a", [_comp([1], "a")]), prompt_logprobs=plp)],
+        [dataclasses.replace(_out("a", [_comp([1, 2], "ab")]), prompt_logprobs=plp)],
+        [
+            dataclasses.replace(
+                _out("a", [_comp([1, 2], "ab", reason="stop")], finished=True),
+                prompt_logprobs=plp,
+            )
+        ],
+    ]
+    wires = _roundtrip(steps)
+    assert [w[3] is not None for w in wires] == [True, False, False]
+
+
 def test_delta_an_id_used_again_or_dropped_starts_afresh():
     enc, dec = DeltaEncoder(), DeltaDecoder()
     _roundtrip([[_out("a", [_comp([1, 2], "ab", reason="stop")], finished=True)]], enc, dec)
@@ -300,6 +318,7 @@ def test_the_delta_codec_knows_every_output_field():
         "finished",
         "metrics",
         "num_cached_tokens",
+        "prompt_logprobs",
     ]
     assert names(CompletionOutput) == [
         "index",

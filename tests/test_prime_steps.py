@@ -49,16 +49,17 @@ def test_runs_every_executable_once_and_writes_no_kv(unprimed):
 
         return run
 
-    saved = dict(r.compiled), dict(r.samplers)
+    saved = dict(r.compiled), dict(r.samplers), dict(r.plp_compiled)
     r.compiled = {k: counted(("fwd", *k), f) for k, f in r.compiled.items()}
     r.samplers = {k: counted(("smp", *k), f) for k, f in r.samplers.items()}
+    r.plp_compiled = {k: counted(("plp", k), f) for k, f in r.plp_compiled.items()}
     r.prev_tokens = r.prev_tokens + 7  # a previous step's samples: priming must clear them
     before = [np.asarray(x) for x in jax.tree_util.tree_leaves(r.kv_cache)]
     r.builder._primed.clear()
     try:
         ran, _ = r.builder.prime()
     finally:
-        r.compiled, r.samplers = saved
+        r.compiled, r.samplers, r.plp_compiled = saved
     forwards = {k for k in calls if k[0] == "fwd"}
     samplers = {k for k in calls if k[0] == "smp"}
     assert forwards == {("fwd", *k) for k in r.compiled}
@@ -68,7 +69,11 @@ def test_runs_every_executable_once_and_writes_no_kv(unprimed):
     # other sampler variants after their sequence bucket's smallest forward
     expected = len(r.compiled) + len(r.samplers) - len(r.seq_buckets)
     assert ran == expected == sum(calls[k] for k in forwards) == sum(calls[k] for k in samplers)
-    assert r.builder.num_primed == len(r.compiled) + len(r.samplers) and not r.builder.unprimed()
+    # each prompt-logprob executable once, after a forward of its token bucket
+    assert {k for k in calls if k[0] == "plp"} == {("plp", T) for T in r.token_buckets}
+    assert all(calls[("plp", T)] == 1 for T in r.token_buckets)
+    total = len(r.compiled) + len(r.samplers) + len(r.plp_compiled)
+    assert r.builder.num_primed == total and not r.builder.unprimed()
     assert r.builder.prime()[0] == 0  # all ran already
     after = [np.asarray(x) for x in jax.tree_util.tree_leaves(r.kv_cache)]
     assert all(np.array_equal(a, b) for a, b in zip(before, after))

@@ -125,6 +125,11 @@ def check_disaggregable(params: SamplingParams) -> None:
             "n > 1 is not supported with disaggregated prefill yet (kv_transfer_config)",
             param="n",
         )
+    if params.prompt_logprobs is not None:
+        raise InvalidRequest(
+            "prompt_logprobs is not supported with disaggregated prefill yet (kv_transfer_config)",
+            param="prompt_logprobs",
+        )
 
 
 def _on_engine_thread(core: EngineCore, fn, *args):

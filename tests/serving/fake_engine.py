@@ -178,6 +178,24 @@ class FakeEngine:
                 done = all(o.finish_reason for o in outs)
                 if done:
                     m.finished_time = time.monotonic()
-                yield RequestOutput(request_id, None, ids, [_copy(o) for o in outs], done, m)
+                out = RequestOutput(request_id, None, ids, [_copy(o) for o in outs], done, m)
+                out.prompt_logprobs = _prompt_logprobs(ids, params.prompt_logprobs)
+                yield out
         finally:
             self.running.pop(request_id, None)
+
+
+def _prompt_logprobs(ids, k):
+    """A prompt's logprobs as the engine shapes them (made up: each token -0.25 at rank 1, then
+    the next letters of the alphabet), or None when not asked."""
+    if k is None:
+        return None
+    out = [None]
+    for t in ids[1:]:
+        e = {t: Logprob(-0.25, 1, chr(t))}
+        for r, x in enumerate(x for x in range(97, 123) if x != t):
+            if r >= max(k - 1, 0):
+                break
+            e[x] = Logprob(-2.0 - r, r + 2, chr(x))
+        out.append(e)
+    return out

@@ -171,6 +171,65 @@ def check_draft_model(s: Server) -> None:
     assert err["param"] == "structured_outputs" and "structured output is off" in err["message"]
 
 
+def _hf_log_softmax(model_dir: str, ids: list[int]):
+    """transformers' fp32 log-softmax of the model at every position of ids."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return torch.log_softmax(hf(torch.tensor([ids])).logits[0].double(), -1).numpy()
+
+
+def check_draft_model_and_prompt_logprobs(s: Server) -> None:
+    """check_draft_model, and prompt logprobs through the engine process: an 86-token prompt
+    (two chunks of these 64-token steps; the steps' background compile may still be going)
+    asked for prompt_logprobs, echo with logprobs, and a chat's, each equal to transformers'
+    fp32 log-softmax within 1e-4 at every position; prompt_logprobs 21 is a 400 naming it."""
+    check_draft_model(s)
+    prompt = "The capital of France is Paris. " * 12
+    body = {"model": s.row.model, "prompt": prompt, "max_tokens": 2, "temperature": 0}
+    r = s.http.post(
+        "/v1/completions", json={**body, "prompt_logprobs": 3, "return_token_ids": True}
+    )
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    ids, plp = choice["prompt_token_ids"], choice["prompt_logprobs"]
+    assert len(ids) > 64 and len(plp) == len(ids) and plp[0] is None
+    lsm = _hf_log_softmax(s.row.model, ids)
+    for i in range(1, len(ids)):
+        entry = plp[i]
+        assert str(ids[i]) in entry and len(entry) <= 4, entry
+        for t, v in entry.items():
+            assert abs(v["logprob"] - lsm[i - 1, int(t)]) < 1e-4, (i, t, v)
+            assert isinstance(v["decoded_token"], str) and v["rank"] >= 1
+    echo = s.client.completions.create(**body, echo=True, logprobs=2)
+    lp = echo.choices[0].logprobs
+    assert echo.choices[0].text.startswith(prompt)
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    for i in range(1, len(ids)):
+        assert abs(lp.token_logprobs[i] - lsm[i - 1, ids[i]]) < 1e-4, i
+        assert len(lp.top_logprobs[i]) in (2, 3)
+    assert len(ids) < len(lp.tokens) <= len(ids) + 2
+    chat = s.http.post(
+        "/v1/chat/completions",
+        json={
+            "model": s.row.model,
+            "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": 2,
+            "prompt_logprobs": 0,
+            "return_token_ids": True,
+        },
+    ).json()
+    cids, cplp = chat["prompt_token_ids"], chat["prompt_logprobs"]
+    clsm = _hf_log_softmax(s.row.model, cids)
+    assert len(cplp) == len(cids) and cplp[0] is None
+    worst = max(abs(cplp[i][str(t)]["logprob"] - clsm[i - 1, t]) for i, t in enumerate(cids) if i)
+    assert worst < 1e-4
+    err = _bad_request(s, {**body, "prompt_logprobs": 21}, "/v1/completions")
+    assert err["param"] == "prompt_logprobs"
+
+
 def check_eagle3(s: Server) -> None:
     """A random EAGLE-3 head proposes (its drafts are mostly rejected; the output is the
     target's all the same, checked in test_spec_decode_eagle3)."""
@@ -293,7 +352,7 @@ ROWS: dict[str, Row] = {
             "--seed",
             "7",
         ],
-        check_draft_model,
+        check_draft_model_and_prompt_logprobs,
         model="{short}",
         greedy="4 layers, float32",
     ),

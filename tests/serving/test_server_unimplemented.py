@@ -24,7 +24,6 @@ SHARED = {
     "best_of": 3,
     "use_beam_search": True,
     "length_penalty": 0.5,
-    "prompt_logprobs": 0,
     "bad_words": ["foo"],
     "logits_processors": ["pkg.module:Processor"],
     "spaces_between_special_tokens": False,

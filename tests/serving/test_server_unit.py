@@ -49,7 +49,18 @@ def test_completion_shapes(fake):
     assert [ch["index"] for ch in body["choices"]] == [0, 1, 2, 3]
     assert all(ch["text"].startswith("ab") and len(ch["text"]) == 5 for ch in body["choices"])
     lp = body["choices"][0]["logprobs"]
-    assert lp["token_logprobs"][:2] == [None, None] and len(lp["tokens"]) == 5
+    # echo with logprobs: the prompt tokens' logprobs (the engine's prompt logprobs), the
+    # first one's None (OpenAI's)
+    assert lp["token_logprobs"][:2] == [None, -0.25] and len(lp["tokens"]) == 5
+    assert lp["top_logprobs"][0] is None and lp["top_logprobs"][1] == {"b": -0.25, "a": -2.0}
+    # ... also as vLLM's prompt_logprobs (echo with logprobs asks for them)
+    plp = body["choices"][0]["prompt_logprobs"]
+    assert plp[0] is None and plp[1] == {
+        "98": {"logprob": -0.25, "rank": 1, "decoded_token": "b"},
+        "97": {"logprob": -2.0, "rank": 2, "decoded_token": "a"},
+    }
+    plain = c.post("/v1/completions", json={"prompt": "ab", "max_tokens": 1}).json()
+    assert "prompt_logprobs" not in plain["choices"][0]  # the field appears only when asked
     assert body["usage"] == {
         "prompt_tokens": 4,
         "completion_tokens": 12,
@@ -388,6 +399,37 @@ def test_no_cors_headers_by_default(fake):
         "/v1/completions", headers={**origin, "Access-Control-Request-Method": "POST"}
     )
     assert "access-control-allow-origin" not in pre.headers
+
+
+def test_prompt_logprobs_where_vllm_puts_them(fake):
+    """A chat's prompt_logprobs at the response's top level (streamed: in one chunk, the first
+    after the engine's first output); a completion's in its choice (streamed: the choice's
+    first chunk); out of range: a 400 naming the field."""
+    import json
+
+    _, c = fake
+    msgs = [{"role": "user", "content": "hi"}]
+    chat = c.post(
+        "/v1/chat/completions", json={"messages": msgs, "max_tokens": 3, "prompt_logprobs": 1}
+    ).json()
+    plp = chat["prompt_logprobs"]
+    assert plp[0] is None and len(plp) > 1 and all(len(e) == 1 for e in plp[1:])
+    body = {"messages": msgs, "max_tokens": 3, "prompt_logprobs": 0, "stream": True}
+    with c.stream("POST", "/v1/chat/completions", json=body) as r:
+        chunks = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: {")]
+    carried = [i for i, ch in enumerate(chunks) if "prompt_logprobs" in ch]
+    assert carried == [1] and chunks[1]["prompt_logprobs"][1:] == plp[1:]
+    body = {"prompt": "abc", "max_tokens": 3, "prompt_logprobs": 2, "stream": True, "n": 2}
+    with c.stream("POST", "/v1/completions", json=body) as r:
+        chunks = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: {")]
+    firsts = [ch["choices"][0] for ch in chunks if "prompt_logprobs" in ch["choices"][0]]
+    assert sorted(f["index"] for f in firsts) == [0, 1]
+    assert all(len(f["prompt_logprobs"]) == 3 for f in firsts)
+    _err(
+        c.post("/v1/completions", json={"prompt": "a", "prompt_logprobs": -1}),
+        400,
+        "prompt_logprobs",
+    )
 
 
 def test_token_prompt_is_decoded_only_for_echo(fake, monkeypatch):
