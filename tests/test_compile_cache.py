@@ -26,7 +26,7 @@ compiles = compile_count()
 out = llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}],
                    SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
 store = r.store
-print(json.dumps({"executables": len(r.compiled) + len(r.samplers),
+print(json.dumps({"executables": len(r.compiled) + len(r.samplers) + len(r.plp_compiled),
                   "store_hits": store.hits if store else 0,
                   "store_misses": store.misses if store else 0,
                   "jax_hits": events.count("/jax/compilation_cache/cache_hits"),
@@ -79,11 +79,12 @@ def _fresh(first_start):
 
 def test_restart_loads_every_step_from_the_store(stored):
     cache, first = _fresh(stored)
-    assert first["executables"] == 12  # 1 forward + 8 samplers + 3 with a grammar mask
-    assert first["store_misses"] == 12 and first["store_hits"] == 0
-    assert len(list((cache / "executables").glob("*.exe"))) == 12
+    # 1 forward + 8 samplers + 3 with a grammar mask + 1 prompt-logprob executable
+    assert first["executables"] == 13
+    assert first["store_misses"] == 13 and first["store_hits"] == 0
+    assert len(list((cache / "executables").glob("*.exe"))) == 13
     second = _start(cache)
-    assert second["store_hits"] == 12 and second["store_misses"] == 0
+    assert second["store_hits"] == 13 and second["store_misses"] == 0
     assert second["jax_misses"] == 0  # the eager rest of start-up hits JAX's cache
     assert second["tokens"] == first["tokens"] and len(first["tokens"]) == 8
     assert second["compiles_while_serving"] == first["compiles_while_serving"] == 0
@@ -94,7 +95,7 @@ def test_unreadable_entry_is_compiled_again(stored):
     victim = sorted((cache / "executables").glob("*.exe"))[0]
     victim.write_bytes(victim.read_bytes()[:100])  # truncated, as by a crash mid-write
     second = _start(cache)
-    assert second["store_hits"] == 11 and second["store_misses"] == 1
+    assert second["store_hits"] == 12 and second["store_misses"] == 1
     assert second["tokens"] == first["tokens"]
     assert len(victim.read_bytes()) > 100  # rewritten
 
@@ -114,9 +115,9 @@ def test_store_written_after_a_run_through_jax_cache_still_runs(unstored):
     failed when run ("Function ... not found") on XLA:CPU."""
     cache, plain = _fresh(unstored)
     writes = _start(cache)
-    assert writes["store_misses"] == 12
+    assert writes["store_misses"] == 13
     loads = _start(cache)
-    assert loads["store_hits"] == 12
+    assert loads["store_hits"] == 13
     assert plain["tokens"] == writes["tokens"] == loads["tokens"]
 
 
