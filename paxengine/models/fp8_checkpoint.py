@@ -9,6 +9,13 @@ Two families ship FP8 Llama checkpoints:
 - `quant_method: "fp8"` (transformers' FP8 / DeepSeek): per-tensor `weight_scale`, or 128 x 128
   block scales `weight_scale_inv` [ceil(out/128), ceil(in/128)].
 
+Qwen ships its FP8 checkpoints (Qwen3.5-27B-FP8) in the second form, 128 x 128 blocks, leaving
+small modules (the Gated DeltaNet's per-head in_proj_a / in_proj_b, norms, lm_head, the vision
+tower) dense. `CheckpointReader` reads either form for every family's loader (the Llama layout
+in loader.py, Qwen3.5's in qwen3_5.py): by each tensor's own dtype, so whatever a config's
+ignore list says, an FP8 projection loads as an `Fp8Weight` and an FP8 tensor of a module the
+engine keeps dense is dequantized.
+
 A weight's value is `values * scale` in every scheme. Per-tensor and per-channel scales are an
 `Fp8Weight` exactly (a per-tensor scale is every channel's); block scales are not, so those
 weights are dequantized and quantized again per output channel (logged, and a small error
@@ -46,6 +53,7 @@ SAFETENSORS_DTYPES = {
     "BF16": np.dtype(ml_dtypes.bfloat16),
     "F8_E4M3": E4M3,
     "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
+    "F8_E8M0": np.dtype(ml_dtypes.float8_e8m0fnu),  # UE8M0 block scales (power-of-two)
     "I64": np.dtype(np.int64),
     "I32": np.dtype(np.int32),
     "I16": np.dtype(np.int16),
@@ -330,6 +338,92 @@ def scale_key(module: str, keys) -> str | None:
     return next((f"{module}.{s}" for s in SCALE_NAMES if f"{module}.{s}" in keys), None)
 
 
+class CheckpointReader:
+    """A Hugging Face model directory's *.safetensors by tensor name, read the way every
+    family's loader wants them: `weight(key, projection)` is float32, or for an FP8 tensor an
+    `Fp8Weight` (projections) or its dequantized float32 form (anything else: an FP8 lm_head,
+    embedding or small gate). The quantization_config (or compression_config) is parsed here:
+    a method or scheme paxengine cannot load is a ValueError naming it."""
+
+    def __init__(self, path: Path, raw_cfg: dict):
+        self.path = Path(path)
+        self.scheme = parse_quantization_config(
+            raw_cfg.get("quantization_config") or raw_cfg.get("compression_config")
+        )
+        self.block = self.scheme.block if self.scheme is not None else None
+        files = sorted(self.path.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"{self.path}: no *.safetensors weight files")
+        self.where: dict[str, SafetensorsFile] = {}
+        for f in files:
+            st = SafetensorsFile(f)  # a ValueError "corrupt or unreadable" for a bad header
+            self.where.update((k, st) for k in st.keys())
+        self.requantized: list[str] = []  # block-scaled weights quantized again per channel
+        self.fp8_projections = 0
+
+    def keys(self) -> list[str]:
+        return list(self.where)
+
+    def tensor(self, key: str) -> np.ndarray:
+        st = self.where[key]
+        try:
+            return st.get(key)
+        except Exception as e:
+            raise ValueError(f"{st.path}: corrupt tensor {key} ({e})") from e
+
+    def weight(self, key: str, projection: bool):
+        """float32 numpy, or an Fp8Weight ([out, in] values) for an FP8 projection."""
+        w, kind = self.tensor(key), self.where[key].dtype(key)
+        if not kind.startswith("F8_"):
+            return np.asarray(w, dtype=np.float32)
+        if kind != "F8_E4M3":
+            raise ValueError(
+                f"{self.where[key].path}: tensor {key} is {kind}: paxengine loads FP8 weights "
+                f"in e4m3 (F8_E4M3)"
+            )
+        module = key.removesuffix(".weight")
+        skey = scale_key(module, self.where)
+        if skey is None:
+            raise ValueError(
+                f"{self.path}: FP8 weight {key} has no scale: tensor {module}.weight_scale (or "
+                f"{module}.weight_scale_inv) is missing"
+            )
+        if w.ndim != 2:
+            raise ValueError(
+                f"{self.path}: FP8 tensor {key} has shape {tuple(w.shape)}: paxengine reads "
+                f"FP8 weights of 2-D (Linear) layers only"
+            )
+        scale = self.tensor(skey)
+        if not projection:
+            return dequantize_np(w, scale, self.block, skey)
+        q, exact = to_fp8_weight(w, scale, self.block, skey)
+        self.fp8_projections += 1
+        if not exact:
+            self.requantized.append(key)
+        return q
+
+    def prequantized(self) -> str | None:
+        """What the meta says of the checkpoint's FP8 form (None: a dense checkpoint), logged."""
+        name = self.path.name
+        if self.fp8_projections:
+            what = self.scheme.describe() if self.scheme else "fp8 (no quantization_config)"
+            log.info("%s: FP8 checkpoint (%s)", name, what)
+        elif self.scheme is not None:
+            what = self.scheme.describe()
+            log.info("%s: %s checkpoint without FP8 projections", name, what)
+        else:
+            return None
+        if self.requantized:
+            log.info(
+                "%s: %d weights have block scales that one scale per output channel cannot "
+                "hold: dequantized and quantized again per output channel (e.g. %s)",
+                name,
+                len(self.requantized),
+                self.requantized[0],
+            )
+        return what
+
+
 # Per-layer KV-cache scale tensors (compressed-tensors kv_cache_scheme, and older exports).
 KV_SCALE_NAMES = {
     "self_attn.k_scale": (0,),
@@ -342,18 +436,22 @@ KV_SCALE_NAMES = {
 }
 
 
-def kv_scales_array(found: dict[tuple[int, int], float], num_layers: int) -> np.ndarray | None:
-    """{(layer, 0 = k | 1 = v): scale} -> np.float32 [num_layers, 2]; None when there are
-    none; a checkpoint with some but not all is a ValueError naming the first missing one."""
+def kv_scales_array(
+    found: dict[tuple[int, int], float], num_layers: int, layers=None
+) -> np.ndarray | None:
+    """{(layer, 0 = k | 1 = v): scale} -> np.float32 [len(layers), 2] (layers: the model's
+    attention layers, default all `num_layers`); None when there are none; a checkpoint with
+    some but not all is a ValueError naming the first missing one."""
     if not found:
         return None
-    out = np.zeros((num_layers, 2), np.float32)
-    for i in range(num_layers):
+    layers = list(range(num_layers) if layers is None else layers)
+    out = np.zeros((len(layers), 2), np.float32)
+    for row, i in enumerate(layers):
         for j, kv in enumerate("kv"):
             if (i, j) not in found:
                 raise ValueError(
                     f"the checkpoint has KV-cache scales but not model.layers.{i}.self_attn."
                     f"{kv}_scale (nor model.layers.{i}.self_attn.{kv}_proj.output_scale)"
                 )
-            out[i, j] = found[(i, j)]
+            out[row, j] = found[(i, j)]
     return out

@@ -96,10 +96,11 @@ def _to_device(params: dict, dtype: str) -> dict:
 
 
 def _dense_linear(params: dict) -> list[str]:
-    """The projections (of the first layer) that are not FP8 yet."""
+    """The projections that are not FP8 yet (by name; any layer of a per-layer list)."""
     layers = params["layers"]
-    first = layers[0] if isinstance(layers, list) else layers
-    return [k for k, v in first.items() if k in LINEAR_WEIGHTS and not isinstance(v, Fp8Weight)]
+    layers = layers if isinstance(layers, list) else [layers]
+    dense = {k for d in layers for k, v in d.items() if not isinstance(v, Fp8Weight)}
+    return [k for k in LINEAR_WEIGHTS if k in dense]
 
 
 def load_model(
@@ -155,8 +156,9 @@ def load_model(
     else:
         cfg, params, meta = _load_hf(path, progress)
     if cfg.family != "llama":  # its own layout: loaded, checked and cached as it is
-        if quantization == "fp8":
-            log.info("fp8: quantizing the projections online (per output channel)")
+        dense = _dense_linear(params)
+        if (quantization == "fp8" or meta["prequantized"]) and dense:
+            log.info("fp8: quantizing %s online (per output channel)", ", ".join(dense))
             params = quantize_params(params)
         if cached is not None:
             weights_cache.write(cached, cfg, params, tokenizer, eos, meta)
@@ -241,59 +243,13 @@ def _load_hf(path: Path, progress: bool):
     if family.load_hf is not None:  # a layout of its own (e.g. the hybrid Qwen3.5)
         return family.load_hf(path, raw_cfg, progress)
     cfg = from_hf_config(raw_cfg)
-    scheme = fp8.parse_quantization_config(
-        raw_cfg.get("quantization_config") or raw_cfg.get("compression_config")
-    )
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{path}: no *.safetensors weight files")
-    where: dict[str, fp8.SafetensorsFile] = {}
-    for f in files:
-        st = fp8.SafetensorsFile(f)  # a ValueError "corrupt or unreadable" for a bad header
-        where.update((k, st) for k in st.keys())
-
-    def tensor(key: str) -> np.ndarray:
-        st = where[key]
-        try:
-            return st.get(key)
-        except Exception as e:
-            raise ValueError(f"{st.path}: corrupt tensor {key} ({e})") from e
-
-    block = scheme.block if scheme is not None else None
-
-    def weight(key: str, projection: bool):
-        """A weight tensor: float32, or for an FP8 one an Fp8Weight (projections) or its
-        dequantized float32 form (anything else, e.g. a quantized lm_head)."""
-        w, kind = tensor(key), where[key].dtype(key)
-        if not kind.startswith("F8_"):
-            return np.asarray(w, dtype=np.float32)
-        if kind != "F8_E4M3":
-            raise ValueError(
-                f"{where[key].path}: tensor {key} is {kind}: paxengine loads FP8 weights in "
-                f"e4m3 (F8_E4M3)"
-            )
-        module = key.removesuffix(".weight")
-        skey = fp8.scale_key(module, where)
-        if skey is None:
-            raise ValueError(
-                f"{path}: FP8 weight {key} has no scale: tensor {module}.weight_scale (or "
-                f"{module}.weight_scale_inv) is missing"
-            )
-        scale = tensor(skey)
-        if not projection:
-            return fp8.dequantize_np(w, scale, block, skey)
-        q, exact = fp8.to_fp8_weight(w, scale, block, skey)
-        if not exact:
-            requantized.append(key)
-        return q
-
+    reader = fp8.CheckpointReader(path, raw_cfg)
     per_layer = [dict() for _ in range(cfg.num_layers)]
     params: dict = {}
     kv: dict[tuple[int, int], float] = {}
-    requantized: list[str] = []
     input_scales = 0
     bar = tqdm(desc=f"loading {path.name}", unit="tensor", disable=not progress)
-    for key in where:
+    for key in reader.keys():
         bar.update()
         name = key.removeprefix("model.")
         if name.startswith("layers."):
@@ -302,36 +258,23 @@ def _load_hf(path: Path, progress: bool):
                 continue
             if rest in _HF_LAYER:
                 leaf = _HF_LAYER[rest]
-                per_layer[int(idx)][leaf] = weight(key, leaf in LINEAR_WEIGHTS)
+                per_layer[int(idx)][leaf] = reader.weight(key, leaf in LINEAR_WEIGHTS)
             elif rest in fp8.KV_SCALE_NAMES:
-                v = np.asarray(tensor(key), np.float32)
+                v = np.asarray(reader.tensor(key), np.float32)
                 for j in fp8.KV_SCALE_NAMES[rest]:
                     kv[(int(idx), j)] = float(v.reshape(-1)[0])
             elif rest.endswith(".input_scale"):
                 input_scales += 1
         elif name == "embed_tokens.weight":
-            params["embed"] = weight(key, False)
+            params["embed"] = reader.weight(key, False)
         elif name == "norm.weight":
-            params["final_norm"] = weight(key, False)
+            params["final_norm"] = reader.weight(key, False)
         elif key == "lm_head.weight" and not cfg.tie_word_embeddings:
-            params["lm_head"] = weight(key, False).T
+            params["lm_head"] = reader.weight(key, False).T
     bar.close()
-    prequantized = None
+    prequantized = reader.prequantized()
     if any(isinstance(v, Fp8Weight) for layer in per_layer for v in layer.values()):
-        prequantized = scheme.describe() if scheme is not None else "fp8 (no quantization_config)"
-        log.info("%s: FP8 checkpoint (%s)", path.name, prequantized)
-        _one_type_per_name(per_layer, scheme)
-    elif scheme is not None:
-        prequantized = scheme.describe()
-        log.info("%s: %s checkpoint without FP8 projections", path.name, prequantized)
-    if requantized:
-        log.info(
-            "%s: %d weights have block scales that one scale per output channel cannot hold: "
-            "dequantized and quantized again per output channel (e.g. %s)",
-            path.name,
-            len(requantized),
-            requantized[0],
-        )
+        _one_type_per_name(per_layer, reader.scheme)
     if input_scales:
         log.info(
             "%s: the checkpoint's %d static activation scales (input_scale) are not used: "

@@ -28,7 +28,7 @@ import numpy as np
 from kernels_pallas import gated_delta_ref as gdr
 from paxengine.models.config import ModelConfig
 from paxengine.models.llama import compute_logits, rms_norm  # noqa: F401 (the family's logits)
-from paxengine.models.quant import linear
+from paxengine.models.quant import LINEAR_WEIGHTS, Fp8Weight, linear
 
 log = logging.getLogger(__name__)
 
@@ -158,24 +158,23 @@ def param_shapes(cfg: ModelConfig) -> dict:
 
 def load_hf(path: Path, raw: dict, progress: bool):
     """-> (config, params as float32 numpy, per layer, meta). Vision and MTP weights are
-    skipped (said once in the log); FP8 checkpoints are not read yet."""
+    skipped (said once in the log). An FP8 checkpoint (quant_method "fp8" with 128 x 128 block
+    scales, as Qwen ships, or compressed-tensors) keeps its projections FP8 (Fp8Weight, per
+    output channel: fp8_checkpoint.py); FP8 tensors of anything else (the per-head b / a gates,
+    an lm_head) are dequantized; the checkpoint's KV-cache scales, if any, are the attention
+    layers'."""
     from tqdm import tqdm
 
     from paxengine.models import fp8_checkpoint as fp8
 
     cfg = from_hf_config(raw)
-    if raw.get("quantization_config") or raw.get("compression_config"):
-        raise ValueError(f"{path}: quantized Qwen3.5 checkpoints are not supported yet")
-    where: dict = {}
-    for f in sorted(path.glob("*.safetensors")):
-        st = fp8.SafetensorsFile(f)
-        where.update((k, st) for k in st.keys())
-    if not where:
-        raise FileNotFoundError(f"{path}: no *.safetensors weight files")
+    reader = fp8.CheckpointReader(path, raw)
     layers: list[dict] = [{} for _ in range(cfg.num_layers)]
     params: dict = {}
+    kv: dict[tuple[int, int], float] = {}
     skipped = {"vision": 0, "mtp": 0}
-    for key in tqdm(list(where), desc=f"loading {path.name}", unit="tensor", disable=not progress):
+    keys = reader.keys()
+    for key in tqdm(keys, desc=f"loading {path.name}", unit="tensor", disable=not progress):
         name = key
         for prefix in ("model.language_model.", "model."):
             if name.startswith(prefix):
@@ -187,22 +186,29 @@ def load_hf(path: Path, raw: dict, progress: bool):
         if key.startswith(("mtp.", "model.mtp.")):
             skipped["mtp"] += 1
             continue
-        arr = lambda key=key: np.asarray(where[key].get(key), np.float32)  # noqa: E731
         if name.startswith("layers."):
             _, idx, rest = name.split(".", 2)
             i = int(idx)
-            if i >= cfg.num_layers or rest not in layer_names(cfg, i):
+            if i >= cfg.num_layers:
+                continue
+            if rest in fp8.KV_SCALE_NAMES:
+                v = np.asarray(reader.tensor(key), np.float32)
+                for j in fp8.KV_SCALE_NAMES[rest]:
+                    kv[(i, j)] = float(v.reshape(-1)[0])
+            if rest not in layer_names(cfg, i):
                 continue
             ours, transpose = layer_names(cfg, i)[rest]
-            a = arr()
-            a = a.T if transpose else a
-            layers[i][ours] = a.reshape(a.shape[0], -1) if ours == "la_conv" else a
+            a = reader.weight(key, ours in LINEAR_WEIGHTS)
+            if not isinstance(a, Fp8Weight):  # an Fp8Weight is [out, in] already
+                a = a.T if transpose else a
+                a = a.reshape(a.shape[0], -1) if ours == "la_conv" else a
+            layers[i][ours] = a
         elif name == "embed_tokens.weight":
-            params["embed"] = arr()
+            params["embed"] = reader.weight(key, False)
         elif name == "norm.weight":
-            params["final_norm"] = arr()
+            params["final_norm"] = reader.weight(key, False)
         elif key == "lm_head.weight" and not cfg.tie_word_embeddings:
-            params["lm_head"] = arr().T
+            params["lm_head"] = reader.weight(key, False).T
     if skipped["vision"] or skipped["mtp"]:
         log.info(
             "%s: text only: %d vision and %d MTP tensors not loaded",
@@ -216,7 +222,8 @@ def load_hf(path: Path, raw: dict, progress: bool):
             if n in layer:
                 layer[n] = layer[n] + 1.0
     check_shapes(params, cfg)
-    return cfg, params, {"kv_scales": None, "prequantized": None}
+    kv_scales = fp8.kv_scales_array(kv, cfg.num_layers, cfg.attention_layers)
+    return cfg, params, {"kv_scales": kv_scales, "prequantized": reader.prequantized()}
 
 
 def check_shapes(params: dict, cfg: ModelConfig) -> None:
