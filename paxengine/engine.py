@@ -33,6 +33,7 @@ from paxengine.spec_decode.chain import build_chained
 from paxengine.step_build import compiles_after_warmup, enable_persistent_cache
 from paxengine.step_trace import StepTrace
 from paxengine.structured import GrammarCompiler
+from paxengine.thinking import ThinkingState
 from paxengine.validation import check_request, prompt_and_ids, truncate_prompt
 
 log = logging.getLogger("paxengine")
@@ -235,6 +236,8 @@ class EngineCore:
             req = Request(seq_id, ids, params, seed=base_seed + 7919 * i, arrival_time=now)
             if params.structured_outputs is not None:  # a copy of the compiled (cached) matcher
                 req.grammar = self.grammars.new_state(params.structured_outputs)
+            if params.thinking_token_budget is not None:
+                req.thinking = ThinkingState(params.thinking_token_budget, params.think_tags)
             seq = SequenceOutput(req, i, self.tokenizer)
             group.seqs.append(seq)
             self.seq_of[seq_id] = (group, seq)
@@ -457,7 +460,10 @@ class EngineCore:
         known tokens, and a verify step's row count per request is only known once read)."""
         if self.inflight.out.drafts or self.scheduler.speculating():
             return True
-        return any(r.grammar is not None or r.params.has_penalties for r in self.scheduler.running)
+        return any(
+            r.grammar is not None or r.params.has_penalties or r.forces_tokens
+            for r in self.scheduler.running
+        )
 
     def _read_inflight(self):
         """The one sync: the in-flight step's samples, handed to the scheduler (which appends

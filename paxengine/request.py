@@ -52,6 +52,15 @@ class Request:
     # structured output: this sequence's place in its grammar (structured.GrammarState), advanced
     # by the scheduler once per accepted token; None when unconstrained
     grammar: object = field(default=None, repr=False)
+    # a thinking budget's place (thinking.ThinkingState), advanced like the grammar; None: none
+    thinking: object = field(default=None, repr=False)
+
+    @property
+    def forces_tokens(self) -> bool:
+        """Whether its next samples may be forced (a thinking budget not spent or closed yet):
+        like a grammar, each step is read before the next is built, and it does not
+        speculate."""
+        return self.thinking is not None and self.thinking.active
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from paxengine.sampling_params import MAX_LOGIT_BIAS  # OpenAI allows 300 entries
+from paxengine.thinking import FORCE_BIAS
 
 NUM_TOP_LOGPROBS = 20  # the API's maximum; computed for every row when any row asks
 MAX_STOP_IDS = 16  # stop ids banned while min_tokens is not reached (EOS + stop_token_ids)
@@ -371,6 +372,11 @@ def build_sampling_tensors(
             items = list(p.logit_bias.items())[:MAX_LOGIT_BIAS]
             bias_ids[i, : len(items)] = [k for k, _ in items]
             bias_vals[i, : len(items)] = [v for _, v in items]
+        forced = req.thinking.forced_token() if getattr(req, "thinking", None) else None
+        if forced is not None:  # a spent thinking budget: this sample is the end tag's token
+            temperature[i], ban[i] = 0.0, False
+            bias_ids[i], bias_vals[i] = -1, 0.0
+            bias_ids[i, 0], bias_vals[i, 0] = forced, FORCE_BIAS
     constrained = [
         (g, i) for i, (r, _, _) in enumerate(entries) if (g := getattr(r, "grammar", None))
     ]

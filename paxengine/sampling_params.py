@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from paxengine.errors import InvalidRequest
 from paxengine.structured import StructuredOutputs
+from paxengine.thinking import ThinkTags
 
 MAX_LOGPROBS = 20
 MAX_N = 64
@@ -45,6 +46,10 @@ class SamplingParams:
     # vLLM's: the prompt tokens' logprobs with the top k each (0: only the prompt's own token);
     # computed on the device (prompt_logprobs.py), and such a request takes no prefix-cache hit
     prompt_logprobs: int | None = None
+    # vLLM's: after this many tokens inside the think block, its end tag is forced (thinking.py);
+    # think_tags say which tokens those are (the server sets them from --reasoning-parser)
+    thinking_token_budget: int | None = None
+    think_tags: ThinkTags | None = None
     logit_bias: dict[int, float] = field(default_factory=dict)
     skip_special_tokens: bool = True
     # scheduling, not sampling: lower runs first (vLLM's convention); needs the engine's
@@ -134,6 +139,15 @@ class SamplingParams:
             isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_LOGPROBS
         ):
             bad("prompt_logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {k!r}")
+        b = self.thinking_token_budget
+        if b is not None:
+            if isinstance(b, bool) or not isinstance(b, int) or b < 0:
+                bad("thinking_token_budget", f"must be an integer >= 0, got {b!r}")
+            if not isinstance(self.think_tags, ThinkTags):
+                bad("thinking_token_budget", "needs think_tags (a reasoning parser's)")
+            why = self.think_tags.check(vocab_size)
+            if why is not None:
+                bad("think_tags", why)
         if isinstance(self.priority, bool) or not isinstance(self.priority, int):
             bad("priority", f"must be an integer, got {self.priority!r}")
         if not -(2**31) <= self.priority < 2**31:

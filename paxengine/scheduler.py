@@ -267,7 +267,8 @@ class Scheduler:
         return (
             self.spec is not None
             and 0 < len(self.running) <= self.spec.disable_by_batch_size
-            and any(r.grammar is None for r in self.running)  # constrained ones never speculate
+            # constrained ones never speculate
+            and any(r.grammar is None and not r.forces_tokens for r in self.running)
         )
 
     def can_chain(self, prev: SchedulerOutput) -> bool:
@@ -290,6 +291,7 @@ class Scheduler:
                 req.request_id not in prev.sampling
                 or req.num_pending_tokens != 1
                 or req.grammar is not None
+                or req.forces_tokens
                 or p.allowed_token_ids is not None  # masked rows: the unchained path
                 or p.has_penalties
                 or len(req.output_token_ids) < p.min_tokens
@@ -329,6 +331,7 @@ class Scheduler:
         if (
             req.num_pending_tokens
             or req.grammar is not None
+            or req.forces_tokens
             or req.num_tokens - req.num_computed_tokens != 1
         ):
             return []
@@ -494,6 +497,8 @@ class Scheduler:
             req.first_token_time = time.monotonic()
         for t in tokens:
             req.output_token_ids.append(t)
+            if req.thinking is not None:
+                req.thinking.accept(t)
             if req.grammar is not None and not req.grammar.accept(t):
                 # the mask allows only what the grammar takes: this is a bug, never a client's
                 log.error("%s: token %d rejected by its grammar", req.request_id, t)

@@ -20,6 +20,7 @@ from starlette.responses import StreamingResponse
 from paxengine.errors import InvalidRequest
 from paxengine.sampling_params import MAX_LOGPROBS, SamplingParams
 from paxengine.structured import StructuredOutputs
+from paxengine.thinking import ThinkTags
 from serving import constraints, reasoning, tool_responses, tools
 from serving.choices import ChatSetup, Piece, chat_chain, completion_chain
 from serving.errors import ApiError, bad_request, internal_error
@@ -251,6 +252,27 @@ def _check_grammar_after_reasoning(state: ServerState, req, mode, prompt_state) 
         )
 
 
+def _thinking_budget(state: ServerState, req, params: SamplingParams, prompt: str) -> None:
+    """thinking_token_budget: the parser's tags as token ids, and whether the output starts
+    inside the block (thinking.py); a prompt that closed the block (thinking off) needs none."""
+    budget = req.thinking_token_budget
+    if budget is None:
+        return
+    parser = state.config.reasoning_parser
+    if parser is None:
+        raise bad_request(
+            "thinking_token_budget: needs a reasoning parser (serve with --reasoning-parser)",
+            "thinking_token_budget",
+        )
+    where = reasoning.prompt_block(prompt)
+    if where == "closed":
+        return
+    enc = lambda s: tuple(state.tokenizer.encode(s, add_special_tokens=False))  # noqa: E731
+    inside = where == "open" or parser == "deepseek_r1"
+    params.thinking_token_budget = budget
+    params.think_tags = ThinkTags(enc(reasoning.START), enc(reasoning.END), inside)
+
+
 async def prepare(state: ServerState, kind: str, req) -> _Call:
     state.check_model(req.model)
     mode, spec, setup = None, constraints.constraint(req), None
@@ -297,6 +319,7 @@ async def prepare(state: ServerState, kind: str, req) -> _Call:
         elif max_tokens is None:
             max_tokens = _default_max_tokens(state, room)
     params = sampling_params(state, req, max_tokens, k, spec)
+    _thinking_budget(state, req, params, prompts[0][0])
     if kind == "chat" and mode not in (None, "auto"):  # a forced call: its grammar
         parallel = req.parallel_tool_calls is not False
         params.structured_outputs = tools.forced_constraint(tool_defs, mode, parallel)

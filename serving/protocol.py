@@ -105,8 +105,6 @@ _CHAT_UNIMPLEMENTED = {
     "audio": _NoOp(),
     "prediction": _NoOp(),
     "verbosity": _NoOp(),
-    # vLLM's: closing the think block after N tokens needs the engine to force `</think>`
-    "thinking_token_budget": _NoOp(),
     "web_search_options": _NoOp(),
     # vLLM's chat extras
     "echo": _NoOp(False),  # echo the last message
@@ -218,6 +216,8 @@ class _SamplingFields(_Request):
     return_token_ids: bool = False  # vLLM's: the prompt's and the output's token ids
     # vLLM's: each prompt token's logprob and the top k (the response's `prompt_logprobs`)
     prompt_logprobs: Optional[int] = None
+    # vLLM's: the think block is closed after this many tokens (needs --reasoning-parser)
+    thinking_token_budget: Optional[int] = None
     request_id: Optional[str] = None  # vLLM's: names the response (cmpl-<id>, chatcmpl-<id>)
     stream: bool = False
     stream_options: Optional[StreamOptions] = None

@@ -514,3 +514,46 @@ def test_prompt_logprobs_under_preemption(llm_tight, smollm, hf_smollm, oracle):
             got, ours[np.arange(len(ids) - 1), ids[1:]], atol=5e-5, rtol=2e-5
         )
     assert_pool_empty(llm_tight)
+
+
+# ------------------------------------------------------------------------- thinking budget
+def test_thinking_token_budget_forces_the_end_tag(llm_chunked):
+    """After `budget` tokens inside the block the end tag's tokens are forced, one by one;
+    before that the tokens are the unforced greedy ones; a block the model closes itself, or
+    one that never opens, is left alone; nothing compiles."""
+    from paxengine.thinking import ThinkingState, ThinkTags
+
+    prompt = "Once upon a time, in a land far away,"
+    greedy = SamplingParams(temperature=0, max_tokens=10)
+    free = llm_chunked.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids
+    end = (28, 29)  # any two tokens stand for `</think>`
+    before = compile_count()
+    for inside, budget in ((True, 3), (True, 0)):
+        tags = ThinkTags(start_ids=(1,), end_ids=end, inside=inside)
+        params = SamplingParams(
+            temperature=0.8, seed=3, max_tokens=10, thinking_token_budget=budget, think_tags=tags
+        )
+        greedy_budget = SamplingParams(
+            temperature=0, max_tokens=10, thinking_token_budget=budget, think_tags=tags
+        )
+        toks = llm_chunked.generate(prompt, greedy_budget, use_tqdm=False)[0].outputs[0].token_ids
+        assert toks[:budget] == free[:budget] and tuple(toks[budget : budget + 2]) == end
+        sampled = llm_chunked.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+        assert tuple(sampled[budget : budget + 2]) == end  # forced whatever the temperature
+    # the block never opens (no start tag): nothing is forced
+    tags = ThinkTags(start_ids=(1,), end_ids=end, inside=False)
+    p = SamplingParams(temperature=0, max_tokens=10, thinking_token_budget=0, think_tags=tags)
+    assert llm_chunked.generate(prompt, p, use_tqdm=False)[0].outputs[0].token_ids == free
+    assert compile_count() == before
+    # the state machine: a start tag opens, a partial end tag is completed, a natural one ends
+    st = ThinkingState(2, ThinkTags(start_ids=(7,), end_ids=(8, 9), inside=False))
+    for t in (5, 7, 1):
+        st.accept(t)
+    assert st.forced_token() is None and st.count == 1
+    st.accept(8)  # the model starts the end tag itself at the budget
+    assert st.forced_token() == 9
+    st.accept(9)
+    assert not st.active and st.forced_token() is None
+    with pytest.raises(InvalidRequest, match="think_tags"):
+        llm_chunked.generate(prompt, SamplingParams(thinking_token_budget=3), use_tqdm=False)
+    assert_pool_empty(llm_chunked)

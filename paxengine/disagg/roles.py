@@ -125,11 +125,12 @@ def check_disaggregable(params: SamplingParams) -> None:
             "n > 1 is not supported with disaggregated prefill yet (kv_transfer_config)",
             param="n",
         )
-    if params.prompt_logprobs is not None:
-        raise InvalidRequest(
-            "prompt_logprobs is not supported with disaggregated prefill yet (kv_transfer_config)",
-            param="prompt_logprobs",
-        )
+    for name in ("prompt_logprobs", "thinking_token_budget"):
+        if getattr(params, name) is not None:
+            raise InvalidRequest(
+                f"{name} is not supported with disaggregated prefill yet (kv_transfer_config)",
+                param=name,
+            )
 
 
 def _on_engine_thread(core: EngineCore, fn, *args):

@@ -260,6 +260,7 @@ class DraftProposer:
         if (
             req.num_pending_tokens
             or req.grammar is not None
+            or req.forces_tokens
             or req.num_tokens - req.num_computed_tokens != 1
         ):
             return 0

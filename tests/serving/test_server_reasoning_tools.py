@@ -249,7 +249,8 @@ def test_reasoning_then_tool_calls_through_the_chain():
 def test_request_fields_of_reasoning_models():
     """reasoning_effort goes to the template (the request's chat_template_kwargs win); an
     assistant's reasoning (or the deprecated reasoning_content) goes back as both names;
-    thinking_token_budget and a grammar while the reasoning may run are 400s naming them."""
+    thinking_token_budget reaches the engine with the parser's tags (a 400 without a parser);
+    a grammar while the reasoning may run is a 400 naming it (for now)."""
     engine, c = _client("ok", reasoning_parser="deepseek_r1")
     with c:
         _chat(c, reasoning_effort="high")
@@ -265,8 +266,13 @@ def test_request_fields_of_reasoning_models():
             _chat(c, messages=history)
             sent = engine.variables[-1]["messages"][1]
             assert sent["reasoning"] == sent["reasoning_content"] == "because"
+        _chat(c, thinking_token_budget=32)
+        p = engine.params[-1]
+        enc = [ord(ch) for ch in "</think>"]  # the fake's tokenizer: one id a character
+        assert p.thinking_token_budget == 32 and list(p.think_tags.end_ids) == enc
+        assert p.think_tags.inside  # deepseek_r1: the output starts inside the block
         for extra, field in [
-            ({"thinking_token_budget": 32}, "thinking_token_budget"),
+            ({"thinking_token_budget": -1}, "thinking_token_budget"),
             ({"response_format": {"type": "json_object"}}, "response_format"),
             ({"structured_outputs": {"regex": "a+"}}, "structured_outputs"),
         ]:
@@ -278,6 +284,13 @@ def test_request_fields_of_reasoning_models():
         # deepseek_r1: no tags in the output, all reasoning (the block is assumed open)
         r = _chat(c)
         assert r["choices"][0]["message"]["reasoning"] == "ok"
+    engine, c = _client("ok")  # no --reasoning-parser
+    with c:
+        body = {"messages": [{"role": "user", "content": "q"}], "thinking_token_budget": 8}
+        r = c.post("/v1/chat/completions", json=body)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == "thinking_token_budget" and "--reasoning-parser" in err["message"]
 
 
 def test_auto_tool_choice_needs_the_flag_as_in_vllm():

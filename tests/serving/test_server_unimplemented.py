@@ -39,7 +39,6 @@ CHAT_ONLY = {
     "audio": {"voice": "alloy", "format": "wav"},
     "prediction": {"type": "content", "content": "x"},
     "verbosity": "low",
-    "thinking_token_budget": 64,
     "web_search_options": {},
     "echo": True,
     "chat_template": "{{ messages }}",
