@@ -154,7 +154,7 @@ def prepare_params(cfg: EngineConfig, checked: Checked, loaded, tokenizer, store
         tokenizer,
     )
     if scales is not None:  # per layer, applied by the attention (attention.py)
-        params = {**params, "layers": {**params["layers"], "kv_scale": jnp.asarray(scales)}}
+        params = {**params, "layers": with_kv_scales(params["layers"], scales, loaded.config)}
         log.info("fp8 KV cache, %s scales: %s", scales_from, kv_scales.describe(scales))
     tp = parallel.make_tensor_parallel(cfg.tensor_parallel_size, loaded.config, cfg.first_device)
     if tp is not None:
@@ -165,6 +165,17 @@ def prepare_params(cfg: EngineConfig, checked: Checked, loaded, tokenizer, store
     if resolve_layer_loop(cfg.layer_loop) == "unroll":
         params = unstack_layers(params, shards=tp.size if tp is not None else 1)
     return Prepared(params, scales, scales_from, tp, store)
+
+
+def with_kv_scales(layers, scales, model_config):
+    """Each attention layer's (k_scale, v_scale) beside its weights: a stacked [L, 2] entry, or
+    in the per-layer dicts of a family of its own layout (a hybrid's attention layers only)."""
+    if not isinstance(layers, list):
+        return {**layers, "kv_scale": jnp.asarray(scales)}
+    layers = list(layers)
+    for row, i in enumerate(model_config.attention_layers):
+        layers[i] = {**layers[i], "kv_scale": jnp.asarray(scales[row])}
+    return layers
 
 
 def log_weights(params, prequantized, on_gpu: bool) -> None:
@@ -295,7 +306,6 @@ def check_hybrid(cfg: EngineConfig, checked: Checked, model_config, spec) -> Non
     for what, unsupported in (
         ("speculative_config", spec is not None),
         ("tensor_parallel_size > 1", cfg.tensor_parallel_size > 1),
-        ("kv_cache_dtype fp8", checked.kv_dtype_name == "fp8"),
         ("kv_transfer_config", cfg.kv_transfer_config is not None),
         ("several processes", cfg.num_processes > 1),
     ):

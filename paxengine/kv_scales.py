@@ -6,7 +6,8 @@ each layer's range onto the format. They come from the checkpoint (compressed-te
 `kv_cache_scheme`), or from a calibration pass: one forward over a built-in text, K (after
 RoPE) and V's largest magnitude per layer, with 2x headroom for what the text did not show.
 The write and attention kernels apply them (`paxengine/attention.py`; `llama.scaled_attend`
-folds them into the operands for an attention without that).
+folds them into the operands for an attention without that). A hybrid model (Qwen3.5) has them
+for its full-attention layers only; its recurrent states stay in the model dtype.
 """
 
 from __future__ import annotations
@@ -45,7 +46,9 @@ def calibration_tokens(tokenizer, vocab_size: int, n: int = 256) -> list[int]:
 
 
 def calibrate(params: dict, cfg: ModelConfig, token_ids: list[int]) -> np.ndarray:
-    """[L, 2] float32 (k_scale, v_scale) from one forward of `token_ids` over stacked layers."""
+    """[L, 2] float32 (k_scale, v_scale) of the attention layers from one forward of
+    `token_ids`: over stacked layers, or a family's own forward (a hybrid's per-layer params,
+    its recurrent layers run from zero states)."""
     from paxengine.reference import contiguous_attend
 
     tokens = jnp.asarray(token_ids, jnp.int32)
@@ -65,7 +68,21 @@ def calibrate(params: dict, cfg: ModelConfig, token_ids: list[int]) -> np.ndarra
         _, (_, amax) = forward_hidden(params, cfg, tokens, positions, cache, recording)
         return amax
 
-    amax = np.asarray(jax.jit(run)(params))
+    def run_hybrid(params):  # one cache per attention layer, each its layer 0
+        from paxengine.models import registry
+
+        family = registry.family(cfg)
+        one = (1,) + shape[1:]
+        kv = [((jnp.zeros(one, dtype),) * 2, jnp.zeros((1, 2))) for _ in cfg.attention_layers]
+        states = family.allocate_state(cfg, 1, dtype)
+        slot, none = jnp.zeros(1, jnp.int32), jnp.full(1, -1, jnp.int32)
+        step = dict(query_start_loc=jnp.array([0, tokens.shape[0]], jnp.int32), state_slots=slot)
+        step.update(has_state=slot, restore_slots=none, snapshot_slots=none)
+        caches = (kv, states)
+        _, (kv, _) = family.forward_step(params, cfg, tokens, positions, caches, recording, step)
+        return jnp.concatenate([amax for _, amax in kv])
+
+    amax = np.asarray(jax.jit(run_hybrid if cfg.recurrent_layers else run)(params))
     return np.where(amax > 0, HEADROOM * amax / FP8_MAX, 1.0).astype(np.float32)
 
 
@@ -81,13 +98,14 @@ def choose(
     mode: str, fp8_cache: bool, checkpoint: np.ndarray | None, params, cfg, tokenizer
 ) -> tuple[np.ndarray | None, str]:
     """The scales an engine runs with and where they came from: ("none" without an FP8 cache),
-    "checkpoint", "calibrated" or "unit". params: stacked layers (calibration runs on them)."""
+    "checkpoint", "calibrated" or "unit", one row per attention layer. params: stacked layers,
+    or a hybrid family's per-layer ones (calibration runs on them)."""
     if mode not in MODES:
         raise ValueError(f"kv_cache_scales must be one of {', '.join(MODES)}, got {mode!r}")
     if not fp8_cache:
         return None, "none"
     if mode == "unit":
-        return np.ones((cfg.num_layers, 2), np.float32), "unit"
+        return np.ones((cfg.num_kv_layers, 2), np.float32), "unit"
     if mode == "auto" and checkpoint is not None:
-        return np.asarray(checkpoint, np.float32).reshape(cfg.num_layers, 2), "checkpoint"
+        return np.asarray(checkpoint, np.float32).reshape(cfg.num_kv_layers, 2), "checkpoint"
     return calibrate(params, cfg, calibration_tokens(tokenizer, cfg.vocab_size)), "calibrated"

@@ -211,3 +211,94 @@ def test_block_fp8_checkpoint_agrees_with_hf_teacher_forced(fp8_ckpt):
     llm = LLM(model=str(path), **ENGINE)
     agree = _agreement(_top1(llm, seq), _hf_top1(model, seq))
     assert agree >= 0.9, agree
+
+
+def test_fp8_kv_cache_agrees_with_hf_teacher_forced(fp8_ckpt):
+    """--kv-cache-dtype fp8 on the attention layer (scales calibrated per layer), the recurrent
+    states in the model dtype (float32 here)."""
+    _, dense, model, seq = fp8_ckpt
+    llm = LLM(model=str(dense), kv_cache_dtype="fp8", **ENGINE)
+    runner = llm.engine.runner
+    assert len(runner.kv_cache) == 1 and runner.kv_cache[0][0].dtype == np.dtype(E4M3)
+    assert all(s.dtype == np.float32 for s in runner.state.values())
+    assert llm.engine.kv_scales.shape == (1, 2)
+    agree = _agreement(_top1(llm, seq), _hf_top1(model, seq))
+    assert agree >= 0.9, agree
+    # the pages hold K / k_scale: the calibrated scale (2x headroom) maps |K| near 448 / 2
+    # (stored unscaled, its largest would be ~1e-2 of that)
+    k_pages = np.asarray(runner.kv_cache[0][0]).astype(np.float32)
+    assert 448 / 8 < np.abs(k_pages).max() <= 448, np.abs(k_pages).max()
+
+
+def test_checkpoint_kv_scales_are_the_attention_layers(fp8_ckpt, tmp_path):
+    """A checkpoint's per-layer KV-cache scales (compressed-tensors' kv_cache_scheme names): one
+    row per full-attention layer, the one an fp8 cache then runs with."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from paxengine.models.loader import load_model
+
+    src = shutil.copytree(fp8_ckpt[0], tmp_path / "kv")
+    sd = load_file(str(src / "model.safetensors"))
+    sd["model.layers.3.self_attn.k_scale"] = torch.tensor(0.03)
+    sd["model.layers.3.self_attn.v_scale"] = torch.tensor(0.01)
+    save_file(sd, str(src / "model.safetensors"))
+    m = load_model(str(src), use_cache=False, progress=False)
+    np.testing.assert_allclose(m.kv_scales, [[0.03, 0.01]], rtol=1e-6)
+
+
+def test_the_server_serves_the_fp8_checkpoint_with_an_fp8_cache(fp8_ckpt):
+    """`paxengine serve DIR --kv-cache-dtype fp8` on the block-FP8 checkpoint (the
+    Qwen3.5-27B-FP8 deployment's flags): it starts, and each token it returns is HF's next
+    token after the ones before it (teacher-forced on its own continuation) but for near-ties."""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+    from test_qwen3_5 import _write_tokenizer
+
+    path, _, model, _ = fp8_ckpt
+    _write_tokenizer(path)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    args = ["--port", str(port), "--max-model-len", "256", "--max-num-seqs", "4"]
+    args += ["--max-num-batched-tokens", "64", "--num-kv-blocks", "16", "--kv-cache-dtype", "fp8"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "paxengine.cli", "serve", str(path), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert proc.poll() is None, proc.stdout.read()[-4000:]
+            try:
+                if httpx.get(base + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "not ready in 300 s"
+            time.sleep(0.25)
+        body = {"model": str(path), "prompt": PROMPT, "max_tokens": 16, "temperature": 0}
+        body.update(ignore_eos=True, return_token_ids=True)
+        r = httpx.post(base + "/v1/completions", json=body, timeout=300)
+        assert r.status_code == 200, r.text
+        got = r.json()["choices"][0]["token_ids"]
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert len(got) == 16
+    with torch.no_grad():
+        logits = model(torch.tensor([PROMPT + got])).logits[0]
+    hf = logits.argmax(-1)[len(PROMPT) - 1 : -1].tolist()
+    agree = sum(a == b for a, b in zip(got, hf)) / len(got)
+    assert agree >= 0.75, (agree, got, hf)

@@ -27,7 +27,7 @@ import numpy as np
 
 from kernels_pallas import gated_delta_ref as gdr
 from paxengine.models.config import ModelConfig
-from paxengine.models.llama import compute_logits, rms_norm  # noqa: F401 (the family's logits)
+from paxengine.models.llama import compute_logits, rms_norm, scaled_attend  # noqa: F401
 from paxengine.models.quant import LINEAR_WEIGHTS, Fp8Weight, linear
 
 log = logging.getLogger(__name__)
@@ -311,7 +311,10 @@ def _full_attention(cfg: ModelConfig, w, x, rope, kv, attend):
     q = rms_norm(q, w["q_norm"], cfg.rms_norm_eps)
     k = rms_norm(k, w["k_norm"], cfg.rms_norm_eps)
     q, k = _apply_rope(q, rope), _apply_rope(k, rope)
-    o, kv = attend(q, k, v, kv, jnp.int32(0))
+    if "kv_scale" in w:  # an fp8 KV cache: the layer's (k_scale, v_scale) (kv_scales.py)
+        o, kv = scaled_attend(attend, q, k, v, kv, jnp.int32(0), w["kv_scale"])
+    else:
+        o, kv = attend(q, k, v, kv, jnp.int32(0))
     o = o.reshape(t, hq * d).astype(x.dtype) * jax.nn.sigmoid(gate)
     return linear(o, w["wo"]), kv
 
