@@ -6,6 +6,9 @@ import pytest
 from kernels_pallas.lowering import check_cuda_lowering
 
 LLAMA8B = dict(num_heads=32, num_kv_heads=8, head_dim=128)
+QWEN35_9B_FP8 = dict(
+    num_heads=16, num_kv_heads=4, head_dim=256, kv_dtype=jnp.float8_e4m3fn, kv_scales=True
+)
 CONFIGS = {
     # decode buckets (split-K), prefill / mixed buckets, at Llama-3.1-8B shapes
     "decode_b1": dict(T=16, S=1, P=512, **LLAMA8B),
@@ -115,6 +118,13 @@ CONFIGS = {
     ),
     "rope_write_smollm": dict(
         T=16, S=4, P=64, num_heads=9, num_kv_heads=3, head_dim=64, rope_write=True
+    ),
+    # Qwen3.5's full-attention layers with an fp8 cache (head_dim 256; 9B: 16 / 4 heads, 27B:
+    # 24 / 4): the Triton kernel (Mosaic takes no fp8), 64-token pages
+    "qwen35_9b_fp8_decode_b1": dict(T=16, S=1, P=64, block_size=64, **QWEN35_9B_FP8),
+    "qwen35_9b_fp8_decode": dict(T=64, S=64, P=32, block_size=64, **QWEN35_9B_FP8),
+    "qwen35_27b_fp8_prefill": dict(
+        T=2048, S=4, P=32, block_size=64, **dict(QWEN35_9B_FP8, num_heads=24)
     ),
 }
 
