@@ -215,7 +215,8 @@ def test_block_fp8_checkpoint_agrees_with_hf_teacher_forced(fp8_ckpt):
 
 def test_fp8_kv_cache_agrees_with_hf_teacher_forced(fp8_ckpt):
     """--kv-cache-dtype fp8 on the attention layer (scales calibrated per layer), the recurrent
-    states in the model dtype (float32 here)."""
+    states in the model dtype (float32 here); the prefixes share their prompt, so the prefix
+    cache restores fp8 pages and a state snapshot."""
     _, dense, model, seq = fp8_ckpt
     llm = LLM(model=str(dense), kv_cache_dtype="fp8", **ENGINE)
     runner = llm.engine.runner
@@ -224,6 +225,7 @@ def test_fp8_kv_cache_agrees_with_hf_teacher_forced(fp8_ckpt):
     assert llm.engine.kv_scales.shape == (1, 2)
     agree = _agreement(_top1(llm, seq), _hf_top1(model, seq))
     assert agree >= 0.9, agree
+    assert llm.engine.kv.prefix_hits > 0  # the shared prompt's pages and state restored
     # the pages hold K / k_scale: the calibrated scale (2x headroom) maps |K| near 448 / 2
     # (stored unscaled, its largest would be ~1e-2 of that)
     k_pages = np.asarray(runner.kv_cache[0][0]).astype(np.float32)
