@@ -236,8 +236,11 @@ class EngineCore:
             req = Request(seq_id, ids, params, seed=base_seed + 7919 * i, arrival_time=now)
             if params.structured_outputs is not None:  # a copy of the compiled (cached) matcher
                 req.grammar = self.grammars.new_state(params.structured_outputs)
-            if params.thinking_token_budget is not None:
-                req.thinking = ThinkingState(params.thinking_token_budget, params.think_tags)
+            if params.think_tags is not None:  # a budget, or a grammar after the block
+                grammar = params.structured_outputs is not None
+                req.thinking = ThinkingState(
+                    params.thinking_token_budget, params.think_tags, grammar
+                )
             seq = SequenceOutput(req, i, self.tokenizer)
             group.seqs.append(seq)
             self.seq_of[seq_id] = (group, seq)

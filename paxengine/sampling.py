@@ -312,6 +312,15 @@ def verify_drafts(tokens, drafts) -> int:
     return a
 
 
+def _thinking(req):
+    return getattr(req, "thinking", None)  # thinking.ThinkingState
+
+
+def _grammar_waits(req) -> bool:
+    th = _thinking(req)
+    return th is not None and th.grammar_waits
+
+
 def build_sampling_tensors(
     rows: list,
     num_rows: int,
@@ -378,8 +387,13 @@ def build_sampling_tensors(
             bias_ids[i], bias_vals[i] = -1, 0.0
             bias_ids[i, 0], bias_vals[i, 0] = forced, FORCE_BIAS
     constrained = [
-        (g, i) for i, (r, _, _) in enumerate(entries) if (g := getattr(r, "grammar", None))
+        (g, i)
+        for i, (r, _, _) in enumerate(entries)
+        if (g := getattr(r, "grammar", None)) and not _grammar_waits(r)
     ]
+    # where a grammar waits for a think block that may still open: its start tag is allowed too
+    opening = [(i, th.start_token()) for i, r in enumerate(rows) if (th := _thinking(r))]
+    opening = [(i, t) for i, t in opening if t is not None and drafts is None]
     allowed = [(i, r.params.allowed_token_ids) for i, (r, _, _) in enumerate(entries)]
     allowed = [(i, ids) for i, ids in allowed if ids is not None]
     penalties, top, logprobs, grammar = choose_flags(
@@ -390,6 +404,8 @@ def build_sampling_tensors(
         mask = np.full((s, mask_words(vocab_size)), -1, np.int32)
         if constrained:  # none in a priming step (StepBuilder.prime), which has no grammars
             grammars.fill_masks(constrained, mask)
+        for i, t in opening:
+            mask[i, t // 32] |= np.int32(np.uint32(1 << (t % 32)).view(np.int32))
         for i, ids in allowed:  # and, for a grammar's row, only what both allow
             mask[i] &= token_mask(tuple(ids), vocab_size)
     # [S, H] only when a row uses a penalty (no S x max_model_len upload every step otherwise).

@@ -145,6 +145,9 @@ class SamplingParams:
                 bad("thinking_token_budget", f"must be an integer >= 0, got {b!r}")
             if not isinstance(self.think_tags, ThinkTags):
                 bad("thinking_token_budget", "needs think_tags (a reasoning parser's)")
+        if self.think_tags is not None:
+            if not isinstance(self.think_tags, ThinkTags):
+                bad("think_tags", "must be a paxengine.thinking.ThinkTags")
             why = self.think_tags.check(vocab_size)
             if why is not None:
                 bad("think_tags", why)

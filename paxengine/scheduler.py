@@ -497,9 +497,9 @@ class Scheduler:
             req.first_token_time = time.monotonic()
         for t in tokens:
             req.output_token_ids.append(t)
-            if req.thinking is not None:
-                req.thinking.accept(t)
-            if req.grammar is not None and not req.grammar.accept(t):
+            # a think block's tokens are not a grammar's (thinking.py)
+            past_block = req.thinking.accept(t) if req.thinking is not None else True
+            if past_block and req.grammar is not None and not req.grammar.accept(t):
                 # the mask allows only what the grammar takes: this is a bug, never a client's
                 log.error("%s: token %d rejected by its grammar", req.request_id, t)
                 self.finish(req, "abort")

@@ -233,39 +233,22 @@ def _check_top_logprobs(req) -> None:
         )
 
 
-def _check_grammar_after_reasoning(state: ServerState, req, mode, prompt_state) -> None:
-    """Under --reasoning-parser a grammar would have to start where the reasoning ends (vLLM's
-    structured outputs do); the engine applies it from the first token, so it is refused unless
-    the prompt has closed the think block (thinking off)."""
-    parser = state.config.reasoning_parser
-    if parser is None or prompt_state == "closed":
-        return
-    field = constraints.constraint_field(req) or (
-        "tool_choice" if mode not in (None, "auto") else None
-    )
-    if field is not None:
-        raise bad_request(
-            f"{field}: with --reasoning-parser {parser}, an output constraint that applies "
-            "after the reasoning ends is not supported yet; turn thinking off "
-            '(chat_template_kwargs {"enable_thinking": false}) or leave the constraint out',
-            field,
-        )
-
-
-def _thinking_budget(state: ServerState, req, params: SamplingParams, prompt: str) -> None:
-    """thinking_token_budget: the parser's tags as token ids, and whether the output starts
-    inside the block (thinking.py); a prompt that closed the block (thinking off) needs none."""
+def _think_tags(state: ServerState, req, params: SamplingParams, prompt: str) -> None:
+    """Under --reasoning-parser, for thinking_token_budget or an output constraint (which
+    applies after the reasoning, vLLM's rule): the parser's tags as token ids, and whether the
+    output starts inside the block (paxengine/thinking.py). A prompt that closed the block
+    (thinking off) needs none: a constraint applies from the first token."""
     budget = req.thinking_token_budget
-    if budget is None:
-        return
     parser = state.config.reasoning_parser
     if parser is None:
-        raise bad_request(
-            "thinking_token_budget: needs a reasoning parser (serve with --reasoning-parser)",
-            "thinking_token_budget",
-        )
+        if budget is not None:
+            raise bad_request(
+                "thinking_token_budget: needs a reasoning parser (serve with --reasoning-parser)",
+                "thinking_token_budget",
+            )
+        return
     where = reasoning.prompt_block(prompt)
-    if where == "closed":
+    if where == "closed" or (budget is None and params.structured_outputs is None):
         return
     enc = lambda s: tuple(state.tokenizer.encode(s, add_special_tokens=False))  # noqa: E731
     inside = where == "open" or parser == "deepseek_r1"
@@ -290,7 +273,6 @@ async def prepare(state: ServerState, kind: str, req) -> _Call:
         size = sum(len(m.text()) for m in req.messages)
         prompts = truncated(state, req, [await _off_loop(size, chat_prompt, state, req, tool_defs)])
         prompt_state = reasoning.prompt_block(prompts[0][0]) if cfg.reasoning_parser else None
-        _check_grammar_after_reasoning(state, req, mode, prompt_state)
         k = (req.top_logprobs or 0) if req.logprobs else None
         max_tokens = (
             req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -319,10 +301,10 @@ async def prepare(state: ServerState, kind: str, req) -> _Call:
         elif max_tokens is None:
             max_tokens = _default_max_tokens(state, room)
     params = sampling_params(state, req, max_tokens, k, spec)
-    _thinking_budget(state, req, params, prompts[0][0])
     if kind == "chat" and mode not in (None, "auto"):  # a forced call: its grammar
         parallel = req.parallel_tool_calls is not False
         params.structured_outputs = tools.forced_constraint(tool_defs, mode, parallel)
+    _think_tags(state, req, params, prompts[0][0])
     if params.structured_outputs is not None:
         # compiles the grammar (cached by its text) off the event loop: a bad one is a 400 here
         try:

@@ -554,6 +554,15 @@ def test_thinking_token_budget_forces_the_end_tag(llm_chunked):
     assert st.forced_token() == 9
     st.accept(9)
     assert not st.active and st.forced_token() is None
+    # a grammar after the block: the block may open only at the first token, and which tokens
+    # are the grammar's
+    tags = ThinkTags(start_ids=(7,), end_ids=(8,), inside=False)
+    st = ThinkingState(None, tags, grammar=True)
+    assert st.start_token() == 7 and not st.active and not st.grammar_waits
+    assert [st.accept(t) for t in (7, 1, 2, 8, 3)] == [False, False, False, False, True]
+    st = ThinkingState(None, tags, grammar=True)
+    assert [st.accept(t) for t in (3, 7, 8)] == [True, True, True]  # no block: all grammar
+    assert st.start_token() is None and not st.grammar_waits
     with pytest.raises(InvalidRequest, match="think_tags"):
         llm_chunked.generate(prompt, SamplingParams(thinking_token_budget=3), use_tqdm=False)
     assert_pool_empty(llm_chunked)

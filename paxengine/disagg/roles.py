@@ -125,7 +125,7 @@ def check_disaggregable(params: SamplingParams) -> None:
             "n > 1 is not supported with disaggregated prefill yet (kv_transfer_config)",
             param="n",
         )
-    for name in ("prompt_logprobs", "thinking_token_budget"):
+    for name in ("prompt_logprobs", "thinking_token_budget", "think_tags"):
         if getattr(params, name) is not None:
             raise InvalidRequest(
                 f"{name} is not supported with disaggregated prefill yet (kv_transfer_config)",

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 
 import pytest
 from fake_engine import FakeEngine
@@ -250,7 +251,8 @@ def test_request_fields_of_reasoning_models():
     """reasoning_effort goes to the template (the request's chat_template_kwargs win); an
     assistant's reasoning (or the deprecated reasoning_content) goes back as both names;
     thinking_token_budget reaches the engine with the parser's tags (a 400 without a parser);
-    a grammar while the reasoning may run is a 400 naming it (for now)."""
+    a grammar while the reasoning may run reaches it with the tags too (it applies after the
+    reasoning: tests/serving/test_server_thinking_model.py)."""
     engine, c = _client("ok", reasoning_parser="deepseek_r1")
     with c:
         _chat(c, reasoning_effort="high")
@@ -273,14 +275,16 @@ def test_request_fields_of_reasoning_models():
         assert p.think_tags.inside  # deepseek_r1: the output starts inside the block
         for extra, field in [
             ({"thinking_token_budget": -1}, "thinking_token_budget"),
-            ({"response_format": {"type": "json_object"}}, "response_format"),
-            ({"structured_outputs": {"regex": "a+"}}, "structured_outputs"),
         ]:
             r = c.post(
                 "/v1/chat/completions",
                 json={"messages": [{"role": "user", "content": "q"}], **extra},
             )
             assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+        _chat(c, structured_outputs={"regex": "a+"})
+        p = engine.params[-1]
+        assert p.thinking_token_budget is None and p.think_tags.inside
+        assert p.structured_outputs is not None
         # deepseek_r1: no tags in the output, all reasoning (the block is assumed open)
         r = _chat(c)
         assert r["choices"][0]["message"]["reasoning"] == "ok"
@@ -416,7 +420,11 @@ def test_reasoning_split_on_smollm2(thinking_server, http):
     deltas = [ch["delta"] for k in lines for ch in k["choices"]]
     assert "".join(d.get("reasoning", "") for d in deltas) == msg["reasoning"]
     assert "".join(d.get("content") or "" for d in deltas) == msg["content"]
-    # thinking not closed in the prompt: the grammar would have to wait for the reasoning
+    # thinking not closed in the prompt: the grammar waits for a block that may open at the
+    # first token (SmolLM2 opens none: a letters-only answer, all content)
     body["messages"] = [{"role": "user", "content": "Say yes."}]
+    body["structured_outputs"] = {"regex": "[a-z]{2,6}"}
     r = http.post("/v1/chat/completions", json=body)
-    assert r.status_code == 400 and r.json()["error"]["param"] == "structured_outputs"
+    assert r.status_code == 200, r.text
+    msg = r.json()["choices"][0]["message"]
+    assert msg["reasoning"] is None and re.fullmatch("[a-z]{2,6}", msg["content"]), msg

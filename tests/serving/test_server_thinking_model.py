@@ -1,13 +1,14 @@
 """Reasoning and tool calls end to end (issue #56): a tiny Qwen3 checkpoint written here, whose
 tokenizer has the think and tool-call tokens and whose weights are crafted so that greedy
-decoding writes `<think> hmm weather needed </think> <tool_call> {...} </tool_call>`, served by
+decoding writes `<think> hmm weather needed</think><tool_call>{...}</tool_call>`, served by
 `paxengine serve` as a user starts it (engine process, background compile) with
 --reasoning-parser qwen3 --enable-auto-tool-choice --tool-call-parser hermes.
 
 The crafted weights: attention and MLP outputs are zero, so each position's final state is its
 own token's embedding and the next token depends on the current one only; the LM head's row
 for token j is the embeddings of the tokens whose successor is j (random 64-dim vectors of a
-~20-token vocabulary are nearly orthogonal), so greedy decoding follows the script."""
+~270-token vocabulary, 256 of them bytes, are nearly orthogonal), so greedy decoding follows
+the script."""
 
 from __future__ import annotations
 
@@ -25,10 +26,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 CALL = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
-WORDS = ["[UNK]", "user", "assistant", "system", "hmm", "weather", "needed", "in", "Paris"]
-WORDS += ["what", "is", "the", "?"]
-# each token's greedy successor: the generation prompt ends with "assistant"
-SCRIPT = ["assistant", "<think>", "hmm", "weather", "needed", "</think>", "<tool_call>", CALL]
+# added tokens over a byte-level alphabet; each script token's greedy successor is the next one
+# (the generation prompt ends with "assistant")
+SCRIPT = ["assistant", "<think>", " hmm", " weather", " needed", "</think>", "<tool_call>", CALL]
 SCRIPT += ["</tool_call>", "<|im_end|>"]
 TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m.role }} {{ m.content }}<|im_end|>{% endfor %}"
@@ -46,12 +46,14 @@ WEATHER = {
 def write_model(path: Path) -> None:
     import torch
     import transformers as tf
-    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tags = ["<think>", "</think>", "<tool_call>", "</tool_call>", CALL]
-    tok.add_tokens([AddedToken(t, normalized=False) for t in tags])
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    tok = Tokenizer(models.BPE({ch: i for i, ch in enumerate(sorted(alphabet))}, []))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    words = [t for t in SCRIPT if t != "<|im_end|>"]
+    tok.add_tokens([AddedToken(t, normalized=False) for t in words])
     tok.add_special_tokens(
         [AddedToken(t, normalized=False) for t in ("<|im_start|>", "<|im_end|>")]
     )
@@ -70,7 +72,7 @@ def write_model(path: Path) -> None:
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=16,
-        max_position_embeddings=256,
+        max_position_embeddings=1024,
         tie_word_embeddings=False,
         eos_token_id=eos,
     )
@@ -84,8 +86,11 @@ def write_model(path: Path) -> None:
         emb = torch.randn(V, 64)
         model.model.embed_tokens.weight.copy_(emb)
         head = torch.zeros(V, 64)
+        unit = emb / emb.norm(dim=1, keepdim=True)
         for a, b in zip(ids, ids[1:]):
-            head[b] += 10 * emb[a] / emb[a].norm()
+            head[b] += 10 * unit[a]
+        # the runner-up after </think>: a whole JSON object (what a JSON grammar takes there)
+        head[tok.token_to_id(CALL)] += 5 * unit[tok.token_to_id("</think>")]
         model.lm_head.weight.copy_(head)
     model.save_pretrained(path, safe_serialization=True)
 
@@ -102,8 +107,8 @@ def server(tmp_path_factory):
     write_model(d / "model")
     port = _free_port()
     argv = [d / "model", "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", port]
-    argv += ["--dtype", "float32", "--max-model-len", "128", "--max-num-seqs", "4"]
-    argv += ["--max-num-batched-tokens", "32", "--reasoning-parser", "qwen3"]
+    argv += ["--dtype", "float32", "--max-model-len", "1024", "--max-num-seqs", "4"]
+    argv += ["--max-num-batched-tokens", "128", "--reasoning-parser", "qwen3"]
     argv += ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
     log = d / "serve.log"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -195,3 +200,20 @@ def test_thinking_token_budget_closes_the_block(server):
     r = server.post("/v1/chat/completions", json=_body(thinking_token_budget=-2))
     assert r.status_code == 400 and r.json()["error"]["param"] == "thinking_token_budget"
     assert _chat(server)["finish_reason"] == "tool_calls"  # the engine runs on
+
+
+def test_a_grammar_applies_after_the_reasoning(server):
+    """A JSON constraint under --reasoning-parser (vLLM's rule): the block opens and runs
+    unconstrained (its tokens are no JSON), then the grammar takes over: after </think> the
+    model's own choice (<tool_call>) is masked and its runner-up, a whole JSON object, ends
+    the output; with a budget of 1 the same after one reasoning token."""
+    for extra, words in (
+        ({}, ["hmm", "weather", "needed"]),
+        ({"thinking_token_budget": 1}, ["hmm"]),
+    ):
+        body = {"response_format": {"type": "json_object"}, "tools": None, **extra}
+        ch = _chat(server, **body)
+        msg = ch["message"]
+        assert msg["reasoning"].split() == words, msg
+        assert json.loads(msg["content"]) == json.loads(CALL) and not msg["tool_calls"]
+        assert ch["finish_reason"] == "stop"
