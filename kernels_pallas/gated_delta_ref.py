@@ -371,7 +371,9 @@ def ref_causal_conv1d(
     if pool.shape[1:] != (C, K1):
         raise ValueError(f"conv_state must be [(L,) N, {C}, {K1}], got {conv_state.shape}")
     fin_s = init_s if fin_s is None else fin_s
-    init = gather_slots(pool, init_s)  # [S, C, K1]
+    # [S, C, K1], materialised: fused into the scatters below (their updates read it), the
+    # pool's read made XLA on the GPU copy the whole pool before each layer's scatter
+    init = lax.optimization_barrier(gather_slots(pool, init_s))
     seq, idx, valid, lens = seq_of_tokens(query_start_loc, T)
     t = jnp.arange(T, dtype=jnp.int32)
     taps = _conv_taps(x, init, t, seq, idx, range(-K1, 1))  # [T, K, C]

@@ -34,7 +34,7 @@ from paxengine.models.quant import (
     w8a8_gemv_max_rows,
     weight_dtype,
 )
-from paxengine.models.weights import unstack_layers
+from paxengine.models.weights import fuse_layers, is_per_layer, unstack_layers
 from paxengine.runner import resolve_layer_loop
 from paxengine.scheduler import Scheduler, check_policy
 from paxengine.spec_decode.chain import ChainSpec
@@ -164,6 +164,9 @@ def prepare_params(cfg: EngineConfig, checked: Checked, loaded, tokenizer, store
         store = None
     if resolve_layer_loop(cfg.layer_loop) == "unroll":
         params = unstack_layers(params, shards=tp.size if tp is not None else 1)
+    fused = getattr(registry.family(loaded.config), "FUSED", None)
+    if fused and is_per_layer(params):  # a family of its own layout (Qwen3.5): its fusions
+        params = fuse_layers(params, fused)
     return Prepared(params, scales, scales_from, tp, store)
 
 

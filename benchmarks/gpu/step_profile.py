@@ -4,6 +4,9 @@ computation, a custom call such as a Pallas kernel, a cuBLAS GEMM), per decode s
 
     python3 -m benchmarks.gpu.step_profile --model dummy:CONFIG --batch 1 8 [--json OUT]
 
+XLA's command buffers (CUDA graphs) are turned off here (`XLA_FLAGS`), or the profile shows
+one graph per step instead of its kernels: run it as
+`XLA_FLAGS=--xla_gpu_enable_command_buffer= python3 -m benchmarks.gpu.step_profile ...`.
 Buckets are narrowed (token 1 / 64 / 512, sequences 8 / 64) so the start fits one device call:
 it profiles the model's step, not the engine's defaults. The ITL printed beside each profile is
 the same run's (steps timed from the host, profiler on), not a benchmark number.
@@ -42,6 +45,26 @@ def kernel_times(xplane: str) -> tuple[dict, float]:
     return dict(per), max(hi - lo, 0.0)
 
 
+def big_copies(compiled: dict, hlo_dir: str) -> dict:
+    """Each executable's HLO written to hlo_dir; -> {bucket: the copies of over 1 MiB}."""
+    import os
+
+    os.makedirs(hlo_dir, exist_ok=True)
+    res = {}
+    for key, exe in compiled.items():
+        txt = exe.as_text()
+        with open(f"{hlo_dir}/step_{key[0]}_{key[1]}.hlo.txt", "w") as f:
+            f.write(txt)
+        found = []
+        for m in re.finditer(r"(%\S+) = (\w+)\[([\d,]*)\]\S* copy\((\S+)\)", txt):
+            dims = [int(x) for x in m.group(3).split(",") if x]
+            n = int(np.prod(dims)) if dims else 1
+            if n * 2 > 1 << 20:
+                found.append(f"{m.group(1)} {m.group(2)}{dims} <- {m.group(4)}")
+        res[f"{key[0]}x{key[1]}"] = found[:40]
+    return res
+
+
 def family(op: str) -> str:
     """Ops with the same role but a numbered name (fusion.12, gemm_fusion_dot.3) together."""
     return re.sub(r"[._]\d+$", "", re.sub(r"\.\d+(\.clone)*$", "", op))
@@ -54,6 +77,8 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--top", type=int, default=30)
     p.add_argument("--json")
+    p.add_argument("--gpu-memory-utilization", type=float, default=None)
+    p.add_argument("--hlo-dir", help="write each step executable's optimized HLO here")
     a = p.parse_args(argv)
     import jax
 
@@ -68,8 +93,21 @@ def main(argv=None) -> int:
         token_buckets=[1, 64, 512],
         seq_buckets=[8, 64],
         show_progress=False,
+        **(
+            {"gpu_memory_utilization": a.gpu_memory_utilization} if a.gpu_memory_utilization else {}
+        ),
     )
     out = {"startup_s": round(time.perf_counter() - t0, 1)}
+    from paxengine.kv_memory import largest_temporaries
+
+    temp = largest_temporaries(llm.engine.runner.compiled)
+    if temp is not None:  # XLA's temporaries of the largest step (the activation reserve)
+        out["step_temp_gib"], out["step_temp_bucket"] = round(temp[0] / 2**30, 2), list(temp[1])
+    out["state_pools_gib"] = round(
+        sum(a.nbytes for a in jax.tree.leaves(llm.engine.runner.state)) / 2**30, 2
+    )
+    if a.hlo_dir:
+        out["big_copies"] = big_copies(llm.engine.runner.compiled, a.hlo_dir)
     print(json.dumps(out), flush=True)
     rng = np.random.default_rng(0)
 

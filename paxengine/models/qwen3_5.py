@@ -28,7 +28,8 @@ import numpy as np
 from kernels_pallas import gated_delta_ref as gdr
 from paxengine.models.config import ModelConfig
 from paxengine.models.llama import compute_logits, rms_norm, scaled_attend  # noqa: F401
-from paxengine.models.quant import LINEAR_WEIGHTS, Fp8Weight, linear
+from paxengine.models.norm import norm_into
+from paxengine.models.quant import LINEAR_WEIGHTS, Fp8Weight, gated_mlp, linear, linear_parts
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +111,15 @@ _LINEAR = {
     "linear_attn.A_log": ("la_A_log", False),
     "linear_attn.norm.weight": ("la_norm", False),  # the gated RMSNorm: not zero-centred
     "linear_attn.out_proj.weight": ("la_out", True),
+}
+# projections one GEMM reads, in their output order (weights.fuse_layers, which engine_setup
+# applies to the runner's params; the forward takes a layer either way): at batch 1 a layer's
+# four in-projections of the DeltaNet were four launches and four partial waves
+FUSED = {
+    "wqkv": ("wq", "wk", "wv"),
+    "w_gate_up": ("w_gate", "w_up"),
+    "la_qkvz": ("la_qkv", "la_z"),
+    "la_ba": ("la_b", "la_a"),
 }
 _ZERO_CENTRED = ("attn_norm", "mlp_norm", "q_norm", "k_norm", "final_norm")
 
@@ -302,12 +312,28 @@ def _apply_rope(x, rope):
     return jnp.concatenate([(xr * cos + rotated * sin).astype(x.dtype), xp], axis=-1)
 
 
+def _project(x, w: dict, fused: str, sizes: tuple) -> list:
+    """x @ each part of FUSED[fused] (output widths `sizes`): one GEMM over the fused weight,
+    split, or one GEMM a part where the layer keeps them apart."""
+    if fused in w:
+        y = linear(x, w[fused])
+        return jnp.split(y, np.cumsum(sizes)[:-1].tolist(), axis=-1)
+    return [linear(x, w[p]) for p in FUSED[fused]]
+
+
+def _weights(w: dict, fused: str) -> list:
+    """The weights x goes into (norm_into's next_weights): fused, or its parts."""
+    return [w[fused]] if fused in w else [w[p] for p in FUSED[fused]]
+
+
 def _full_attention(cfg: ModelConfig, w, x, rope, kv, attend):
     t, hq, d = x.shape[0], cfg.num_heads, cfg.head_dim
-    qg = linear(x, w["wq"]).reshape(t, hq, 2 * d)
+    kd = cfg.num_kv_heads * d
+    qg, k, v = _project(x, w, "wqkv", (2 * hq * d, kd, kd))
+    qg = qg.reshape(t, hq, 2 * d)
     q, gate = qg[..., :d], qg[..., d:].reshape(t, hq * d)
-    k = linear(x, w["wk"]).reshape(t, cfg.num_kv_heads, d)
-    v = linear(x, w["wv"]).reshape(t, cfg.num_kv_heads, d)
+    k = k.reshape(t, cfg.num_kv_heads, d)
+    v = v.reshape(t, cfg.num_kv_heads, d)
     q = rms_norm(q, w["q_norm"], cfg.rms_norm_eps)
     k = rms_norm(k, w["k_norm"], cfg.rms_norm_eps)
     q, k = _apply_rope(q, rope), _apply_rope(k, rope)
@@ -315,8 +341,8 @@ def _full_attention(cfg: ModelConfig, w, x, rope, kv, attend):
         o, kv = scaled_attend(attend, q, k, v, kv, jnp.int32(0), w["kv_scale"])
     else:
         o, kv = attend(q, k, v, kv, jnp.int32(0))
-    o = o.reshape(t, hq * d).astype(x.dtype) * jax.nn.sigmoid(gate)
-    return linear(o, w["wo"]), kv
+    o = o.reshape(t, hq * d).astype(gate.dtype) * jax.nn.sigmoid(gate)
+    return o, kv
 
 
 def _gated_norm(o, z, weight, eps):
@@ -334,27 +360,37 @@ def _delta_net(cfg: ModelConfig, w, x, states, li: int, step):
     hk, dk = cfg.linear_num_key_heads, cfg.linear_key_head_dim
     hv, dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
     qsl, init, final = step["query_start_loc"], step["initial_slots"], step["state_slots"]
+    snap = step["snapshot_slots"]  # the prefix cache's copy of a row's final state, or -1
     layer = jnp.int32(li)
-    mixed = linear(x, w["la_qkv"])
-    z = linear(x, w["la_z"]).reshape(t, hv, dv)
-    b, a = linear(x, w["la_b"]), linear(x, w["la_a"])
+    mixed, z = _project(x, w, "la_qkvz", (_conv_dim(cfg), hv * dv))
+    b, a = _project(x, w, "la_ba", (hv, hv))
+    dtype = z.dtype
     y, conv = gdr.ref_causal_conv1d(
-        mixed, w["la_conv"], None, states["conv"], qsl, init, final, layer=layer
+        mixed,
+        w["la_conv"],
+        None,
+        states["conv"],
+        qsl,
+        init,
+        final,
+        snapshot_slots=snap,
+        layer=layer,
     )
-    q, k, v = gdr.split_qkv(y.astype(x.dtype), hk, dk, hv, dv)
+    q, k, v = gdr.split_qkv(y.astype(dtype), hk, dk, hv, dv)
     g, beta = gdr.gdn_gating(a, b, w["la_A_log"], w["la_dt_bias"])
-    o, ssm = _delta_rule(q, k, v, g, beta, states["ssm"], qsl, init, final, layer)
-    o = _gated_norm(o.astype(x.dtype), z, w["la_norm"], cfg.rms_norm_eps)
-    return linear(o.reshape(t, hv * dv), w["la_out"]), {"conv": conv, "ssm": ssm}
+    o, ssm = _delta_rule(q, k, v, g, beta, states["ssm"], qsl, init, final, snap, layer)
+    o = _gated_norm(o.astype(dtype), z.reshape(t, hv, dv), w["la_norm"], cfg.rms_norm_eps)
+    return o.reshape(t, hv * dv), {"conv": conv, "ssm": ssm}
 
 
-def _delta_rule(q, k, v, g, beta, pool, qsl, init, final, layer):
+def _delta_rule(q, k, v, g, beta, pool, qsl, init, final, snap, layer):
     """The chunked gated delta rule: the Pallas kernel on a GPU, its jnp oracle elsewhere."""
+    args = (q, k, v, g, beta, pool, qsl, init, final)
     if jax.default_backend() == "gpu":
         from kernels_pallas.gated_delta import gated_delta_rule
 
-        return gated_delta_rule(q, k, v, g, beta, pool, qsl, init, final, layer=layer)
-    return gdr.ref_chunk_gated_delta_rule(q, k, v, g, beta, pool, qsl, init, final, layer=layer)
+        return gated_delta_rule(*args, snapshot_slots=snap, layer=layer)
+    return gdr.ref_chunk_gated_delta_rule(*args, snapshot_slots=snap, layer=layer)
 
 
 def forward_step(params, cfg: ModelConfig, tokens, positions, caches, attend, step, tp=None):
@@ -375,24 +411,23 @@ def forward_step(params, cfg: ModelConfig, tokens, positions, caches, attend, st
     attn_index = {i: j for j, i in enumerate(cfg.attention_layers)}
     lin_index = {i: j for j, i in enumerate(cfg.recurrent_layers)}
     for i, w in enumerate(params["layers"]):
-        x = rms_norm(h, w["attn_norm"], eps)
+        # the residual adds and norms as the Llama family's (models/norm.py): one kernel in
+        # small steps, FP8 rows handed to FP8 projections
         if i in attn_index:
+            _, x = norm_into(h, None, w["attn_norm"], eps, _weights(w, "wqkv"))
             j = attn_index[i]
             o, kv[j] = _full_attention(cfg, w, x, rope, kv[j], attend)
+            out = w["wo"]
         else:
+            into = _weights(w, "la_qkvz") + _weights(w, "la_ba")
+            _, x = norm_into(h, None, w["attn_norm"], eps, into)
             o, states = _delta_net(cfg, w, x, states, lin_index[i], step)
-        h = h + o.astype(h.dtype)
-        x = rms_norm(h, w["mlp_norm"], eps)
-        h = h + linear(jax.nn.silu(linear(x, w["w_gate"])) * linear(x, w["w_up"]), w["w_down"])
-    return rms_norm(h, params["final_norm"], eps), (kv, _keep_snapshots(states, step))
-
-
-def _keep_snapshots(states: dict, step) -> dict:
-    """Each row with a snapshot slot copies its state, as the step left it, there (every
-    recurrent layer's): the prefix cache restores it later (paxengine/state_snapshots.py)."""
-    snap, slots = step["snapshot_slots"], step["state_slots"]
-    out = {}
-    for name, pool in states.items():
-        dst = jnp.where(snap >= 0, snap, pool.shape[1])  # out of range: dropped
-        out[name] = pool.at[:, dst].set(pool[:, jnp.maximum(slots, 0)], mode="drop")
-    return out
+            out = w["la_out"]
+        delta = linear_parts(o.astype(h.dtype), out)
+        h, x = norm_into(h, delta, w["mlp_norm"], eps, _weights(w, "w_gate_up"))
+        if "w_gate_up" in w:
+            h = h + gated_mlp(x, w["w_gate_up"], w["w_down"])
+        else:
+            gate, up = _project(x, w, "w_gate_up", ())
+            h = h + linear(jax.nn.silu(gate) * up, w["w_down"])
+    return rms_norm(h, params["final_norm"], eps), (kv, states)
