@@ -302,8 +302,9 @@ def state_slots(cfg: EngineConfig, model_config) -> tuple[int, int]:
 
 
 def check_hybrid(cfg: EngineConfig, checked: Checked, model_config, spec) -> None:
-    """What a model with recurrent layers (Qwen3.5) cannot run yet, refused by name."""
-    if not model_config.recurrent_layers:
+    """What a model with recurrent layers (Qwen3.5) or MoE layers (Qwen3-MoE) cannot run yet,
+    refused by name."""
+    if not model_config.recurrent_layers and not model_config.moe_layers:
         return
     name = model_config.family
     for what, unsupported in (

@@ -42,10 +42,17 @@ class ModelConfig:
     linear_key_head_dim: int = 0
     linear_value_head_dim: int = 0
     linear_conv_kernel_dim: int = 0
+    # mixture-of-experts MLPs (models/moe.py): the layers that have one, E experts, top-k each
+    moe_layers: tuple = ()
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    shared_expert_intermediate_size: int = 0
 
     def __post_init__(self):
         # a config read back from JSON (the weights cache) has lists where jit keys need tuples
-        for f in ("rope_scaling", "layer_types"):
+        for f in ("rope_scaling", "layer_types", "moe_layers"):
             v = getattr(self, f)
             if isinstance(v, list):
                 object.__setattr__(self, f, _tuples(v))

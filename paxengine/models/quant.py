@@ -30,6 +30,9 @@ LINEAR_WEIGHTS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "wqkv", "w
 # a hybrid's Gated DeltaNet projections FP8 quantizes too (models/qwen3_5.py); its per-head b
 # and a projections (the gates, [H, Hv]) stay dense
 LINEAR_WEIGHTS += ("la_qkv", "la_z", "la_out")
+# an MoE layer's experts ([E, in, out] stacks: values [E, out, in], scales [E, out]) and its
+# shared expert (models/moe.py); the routers stay dense
+LINEAR_WEIGHTS += ("e_gate", "e_up", "e_down", "e_gate_up", "s_gate", "s_up", "s_down", "s_gate_up")
 
 
 @jax.tree_util.register_dataclass

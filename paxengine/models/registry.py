@@ -23,12 +23,14 @@ ARCHITECTURES = {
     **{arch: "llama" for arch in SUPPORTED_ARCHS},
     "Qwen3_5ForCausalLM": "qwen3_5",
     "Qwen3_5ForConditionalGeneration": "qwen3_5",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 # config.json's model_type where `architectures` is missing
 MODEL_TYPES = {
     **{model_type: "llama" for model_type in SUPPORTED_ARCHS.values()},
     "qwen3_5": "qwen3_5",
     "qwen3_5_text": "qwen3_5",
+    "qwen3_moe": "qwen3_moe",
 }
 
 

@@ -1,0 +1,88 @@
+"""A mixture-of-experts MLP (Qwen3-MoE, Qwen2-MoE / Qwen3.5-MoE's shared expert, Mixtral's routing):
+router logits -> softmax -> top-k (renormalised with `norm_topk_prob`), each token through its k
+experts' SwiGLU MLPs, their outputs summed by the routing weights; an optional shared expert every
+token goes through, scaled by sigmoid(x . w_shared_gate).
+
+The experts' weights are stacked [E, in, out] (`e_gate`, `e_up` or their fusion `e_gate_up`,
+`e_down`; an `Fp8Weight` of the same shape: values [E, out, in], scales [E, out]). The grouped
+GEMMs: the T * k (token, expert) pairs are sorted by expert and each projection is one
+`jax.lax.ragged_dot` over the groups, so every step has one shape per token bucket whatever the
+routing (an expert with no tokens is a group of size 0); the products go back to their tokens by
+one scatter-add, weighted.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from paxengine.models.quant import Fp8Weight, gated_mlp, linear
+
+
+def route(x: jax.Array, w_router, top_k: int, norm_topk_prob: bool):
+    """x [T, H], w_router [H, E] -> (weights [T, k] in x's dtype, expert ids [T, k] int32), as
+    HF's Qwen3MoeTopKRouter: softmax in float32, top-k, renormalised or not."""
+    logits = jnp.dot(x, w_router, preferred_element_type=jnp.float32)
+    probs = jax.nn.softmax(logits, axis=-1)
+    weights, ids = jax.lax.top_k(probs, top_k)
+    if norm_topk_prob:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights.astype(x.dtype), ids.astype(jnp.int32)
+
+
+def _grouped(x: jax.Array, w, sizes: jax.Array, row_expert: jax.Array) -> jax.Array:
+    """x [M, in] (rows sorted by expert, `sizes` [E] of them each) @ each row's expert of w
+    [E, in, out]. An Fp8Weight: the e4m3 values upcast in the dot, its per-output-channel scales
+    applied to each row's product (they commute with the matmul)."""
+    if isinstance(w, Fp8Weight):
+        dims = (((1,), (2,)), ((), ()))  # contract x's in with the values' [E, out, in] in
+        y = jax.lax.ragged_dot_general(
+            x,
+            w.values.astype(x.dtype),
+            sizes,
+            jax.lax.RaggedDotDimensionNumbers(
+                dims, lhs_ragged_dimensions=[0], rhs_group_dimensions=[0]
+            ),
+            preferred_element_type=jnp.float32,
+        )
+        return (y * w.scales[row_expert]).astype(x.dtype)
+    return jax.lax.ragged_dot(
+        x, w.astype(x.dtype), sizes, preferred_element_type=jnp.float32
+    ).astype(x.dtype)
+
+
+def grouped_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, w: dict) -> jax.Array:
+    """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]): x [T, H], weights / ids [T, k], w the
+    layer's expert weights (`e_gate_up` or `e_gate` and `e_up`, `e_down`) -> [T, H]."""
+    t, k = ids.shape
+    down = w["e_down"]
+    num_experts = down.shape[0]
+    flat = ids.reshape(-1)
+    order = jnp.argsort(flat, stable=True)  # the (token, expert) pairs, grouped by expert
+    row_expert = flat[order]
+    token = order // k
+    sizes = jnp.zeros(num_experts, jnp.int32).at[flat].add(1)
+    xs = x[token]
+    if "e_gate_up" in w:
+        gate, up = jnp.split(_grouped(xs, w["e_gate_up"], sizes, row_expert), 2, axis=-1)
+    else:
+        gate = _grouped(xs, w["e_gate"], sizes, row_expert)
+        up = _grouped(xs, w["e_up"], sizes, row_expert)
+    y = _grouped(jax.nn.silu(gate) * up, down, sizes, row_expert)
+    y = y.astype(jnp.float32) * weights.reshape(-1)[order][:, None].astype(jnp.float32)
+    return jnp.zeros((t, x.shape[1]), jnp.float32).at[token].add(y).astype(x.dtype)
+
+
+def moe_mlp(x: jax.Array, w: dict, top_k: int, norm_topk_prob: bool) -> jax.Array:
+    """The MoE block of one layer: routed experts, plus the shared expert where the layer has
+    one (`s_gate_up` or `s_gate` / `s_up`, `s_down`, its gate `s_router` [H, 1])."""
+    weights, ids = route(x, w["router"], top_k, norm_topk_prob)
+    out = grouped_experts(x, weights, ids, w)
+    if "s_down" in w:
+        if "s_gate_up" in w:
+            shared = gated_mlp(x, w["s_gate_up"], w["s_down"])
+        else:
+            shared = linear(jax.nn.silu(linear(x, w["s_gate"])) * linear(x, w["s_up"]), w["s_down"])
+        gate = jax.nn.sigmoid(jnp.dot(x, w["s_router"], preferred_element_type=jnp.float32))
+        out = out + (shared.astype(jnp.float32) * gate).astype(out.dtype)
+    return out

@@ -1,0 +1,276 @@
+"""Qwen3-MoE (HF transformers `models/qwen3_moe`: `Qwen3MoeForCausalLM`, e.g. Qwen3-30B-A3B).
+
+Qwen3's attention (the Llama family's `_attention` with QK RMSNorm); the MLP of layer i is an MoE
+block (models/moe.py: E experts, top-k, `norm_topk_prob`) where `i not in mlp_only_layers` and
+`(i + 1) % decoder_sparse_step == 0`, else a dense SwiGLU MLP of `intermediate_size`. The layers
+differ in kind, so they run unrolled over per-layer dicts (a list), each attention layer its own
+KV pair; the experts of a layer are stacked [E, in, out] at load, from the checkpoint's
+per-expert tensors (`mlp.experts.{e}.gate_proj.weight`, ...) or transformers 5's fused 3-D form
+(`mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj` [E, H, I]). No per-request state.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from paxengine.models.config import ModelConfig
+from paxengine.models.llama import (  # noqa: F401 (compute_logits: the family's entry)
+    _attention,
+    compute_logits,
+    rms_norm,
+    rope_inv_freq,
+    rope_tables,
+)
+from paxengine.models.moe import moe_mlp
+from paxengine.models.norm import norm_into
+from paxengine.models.quant import LINEAR_WEIGHTS, Fp8Weight, gated_mlp, linear, linear_parts
+
+
+# -- config ---------------------------------------------------------------------------------------
+def from_hf_config(raw: dict) -> ModelConfig:
+    heads, n = raw["num_attention_heads"], raw["num_hidden_layers"]
+    rope = raw.get("rope_parameters") or {}
+    scaling = raw.get("rope_scaling") or {}
+    for r in (rope, scaling):
+        if r.get("rope_type", r.get("type", "default")) != "default":
+            raise ValueError(f"unsupported rope scaling {r!r} for Qwen3-MoE: only 'default'")
+    experts = raw.get("num_experts", raw.get("num_local_experts", 0))
+    step, only = raw.get("decoder_sparse_step", 1), set(raw.get("mlp_only_layers") or ())
+    moe = tuple(i for i in range(n) if experts and i not in only and (i + 1) % step == 0)
+    return ModelConfig(
+        arch="qwen3_moe",
+        family="qwen3_moe",
+        vocab_size=raw["vocab_size"],
+        hidden_size=raw["hidden_size"],
+        intermediate_size=raw.get("intermediate_size") or 0,
+        num_layers=n,
+        num_heads=heads,
+        num_kv_heads=raw.get("num_key_value_heads") or heads,
+        head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+        rope_theta=float(rope.get("rope_theta", raw.get("rope_theta", 10000.0))),
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        attention_bias=bool(raw.get("attention_bias", False)),
+        qk_norm=True,
+        max_position_embeddings=int(raw.get("max_position_embeddings", 32768)),
+        sliding_window=raw.get("sliding_window") if raw.get("use_sliding_window") else None,
+        name=raw.get("_name_or_path", ""),
+        moe_layers=moe,
+        num_experts=experts,
+        num_experts_per_tok=raw.get("num_experts_per_tok", 0),
+        moe_intermediate_size=raw.get("moe_intermediate_size", 0),
+        norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+        shared_expert_intermediate_size=raw.get("shared_expert_intermediate_size") or 0,
+    )
+
+
+# -- weights --------------------------------------------------------------------------------------
+# HF name (after "model.layers.{i}.") -> (our name, a Linear [out, in] stored transposed)
+_COMMON = {
+    "input_layernorm.weight": ("attn_norm", False),
+    "post_attention_layernorm.weight": ("mlp_norm", False),
+    "self_attn.q_proj.weight": ("wq", True),
+    "self_attn.k_proj.weight": ("wk", True),
+    "self_attn.v_proj.weight": ("wv", True),
+    "self_attn.o_proj.weight": ("wo", True),
+    "self_attn.q_proj.bias": ("bq", False),
+    "self_attn.k_proj.bias": ("bk", False),
+    "self_attn.v_proj.bias": ("bv", False),
+    "self_attn.q_norm.weight": ("q_norm", False),
+    "self_attn.k_norm.weight": ("k_norm", False),
+}
+_DENSE = {
+    "mlp.gate_proj.weight": ("w_gate", True),
+    "mlp.up_proj.weight": ("w_up", True),
+    "mlp.down_proj.weight": ("w_down", True),
+}
+_MOE = {
+    "mlp.gate.weight": ("router", True),  # [E, H] -> [H, E]
+    "mlp.shared_expert.gate_proj.weight": ("s_gate", True),
+    "mlp.shared_expert.up_proj.weight": ("s_up", True),
+    "mlp.shared_expert.down_proj.weight": ("s_down", True),
+    "mlp.shared_expert_gate.weight": ("s_router", True),  # [1, H] -> [H, 1]
+}
+_EXPERT = {"gate_proj.weight": "e_gate", "up_proj.weight": "e_up", "down_proj.weight": "e_down"}
+# projections one GEMM reads (weights.fuse_layers, applied by engine_setup)
+FUSED = {
+    "wqkv": ("wq", "wk", "wv"),
+    "bqkv": ("bq", "bk", "bv"),
+    "w_gate_up": ("w_gate", "w_up"),
+    "s_gate_up": ("s_gate", "s_up"),
+    "e_gate_up": ("e_gate", "e_up"),
+}
+
+
+def param_shapes(cfg: ModelConfig) -> dict:
+    h, d, e = cfg.hidden_size, cfg.head_dim, cfg.num_experts
+    qd, kd = cfg.num_heads * d, cfg.num_kv_heads * d
+    common = {
+        "attn_norm": (h,),
+        "mlp_norm": (h,),
+        "wq": (h, qd),
+        "wk": (h, kd),
+        "wv": (h, kd),
+        "wo": (qd, h),
+        "q_norm": (d,),
+        "k_norm": (d,),
+    }
+    if cfg.attention_bias:
+        common.update(bq=(qd,), bk=(kd,), bv=(kd,))
+    i = cfg.intermediate_size
+    dense = {"w_gate": (h, i), "w_up": (h, i), "w_down": (i, h)}
+    mi, si = cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
+    moe = {"router": (h, e), "e_gate": (e, h, mi), "e_up": (e, h, mi), "e_down": (e, mi, h)}
+    if si:
+        moe.update(s_gate=(h, si), s_up=(h, si), s_down=(si, h), s_router=(h, 1))
+    layers = [
+        {**common, **(moe if li in cfg.moe_layers else dense)} for li in range(cfg.num_layers)
+    ]
+    shapes = {"embed": (cfg.vocab_size, h), "final_norm": (h,), "layers": layers}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head"] = (h, cfg.vocab_size)
+    return shapes
+
+
+def load_hf(path: Path, raw: dict, progress: bool):
+    """-> (config, params as float32 numpy, per layer, meta). Each expert's projections are
+    read one tensor at a time into the layer's stacked [E, in, out] arrays."""
+    from tqdm import tqdm
+
+    from paxengine.models import fp8_checkpoint as fp8
+
+    cfg = from_hf_config(raw)
+    reader = fp8.CheckpointReader(path, raw)
+    layers: list[dict] = [{} for _ in range(cfg.num_layers)]
+    experts: list[dict] = [{} for _ in range(cfg.num_layers)]
+    params: dict = {}
+    for key in tqdm(
+        reader.keys(), desc=f"loading {path.name}", unit="tensor", disable=not progress
+    ):
+        name = key.removeprefix("model.")
+        if name.startswith("layers."):
+            _, idx, rest = name.split(".", 2)
+            i = int(idx)
+            if i >= cfg.num_layers:
+                continue
+            names = {**_COMMON, **(_MOE if i in cfg.moe_layers else _DENSE)}
+            if rest in names:
+                ours, transpose = names[rest]
+                a = reader.weight(key, ours in LINEAR_WEIGHTS)
+                layers[i][ours] = a.T if transpose and not isinstance(a, Fp8Weight) else a
+            elif rest.startswith("mlp.experts.") and i in cfg.moe_layers:
+                _expert_tensor(experts[i], rest[len("mlp.experts.") :], reader.weight(key, False))
+        elif name == "embed_tokens.weight":
+            params["embed"] = reader.weight(key, False)
+        elif name == "norm.weight":
+            params["final_norm"] = reader.weight(key, False)
+        elif key == "lm_head.weight" and not cfg.tie_word_embeddings:
+            params["lm_head"] = reader.weight(key, False).T
+    for i in cfg.moe_layers:
+        for ours, parts in experts[i].items():
+            if isinstance(parts, dict):
+                missing = set(range(cfg.num_experts)) - set(parts)
+                if missing:
+                    raise ValueError(f"layers.{i}: no {ours} weights of experts {sorted(missing)}")
+                parts = np.stack([parts[e] for e in range(cfg.num_experts)])
+            layers[i][ours] = parts
+    params["layers"] = layers
+    check_shapes(params, cfg)
+    meta = {"kv_scales": None, "prequantized": reader.prequantized()}
+    return cfg, params, meta
+
+
+def _expert_tensor(into: dict, rest: str, a: np.ndarray) -> None:
+    """One expert tensor ("{e}.gate_proj.weight" [I, H], ...) as the [in, out] slice of its
+    stack, or a fused 3-D one ("gate_up_proj" [E, 2I, H], "down_proj" [E, H, I]) whole."""
+    if rest == "gate_up_proj":
+        gate, up = np.split(a, 2, axis=1)
+        into["e_gate"], into["e_up"] = gate.swapaxes(1, 2), up.swapaxes(1, 2)
+    elif rest == "down_proj":
+        into["e_down"] = a.swapaxes(1, 2)
+    else:
+        e, proj = rest.split(".", 1)
+        if proj in _EXPERT:
+            into.setdefault(_EXPERT[proj], {})[int(e)] = a.T
+
+
+def check_shapes(params: dict, cfg: ModelConfig) -> None:
+    want = param_shapes(cfg)
+    for k, shape in want.items():
+        if k == "layers":
+            for i, (got, need) in enumerate(zip(params["layers"], shape)):
+                for n, s in need.items():
+                    g = got.get(n)
+                    if g is None or tuple(g.shape) != tuple(s):
+                        raise ValueError(
+                            f"weight layers.{i}.{n}: expected shape {s}, got "
+                            f"{None if g is None else tuple(g.shape)}"
+                        )
+        elif params.get(k) is None or tuple(params[k].shape) != tuple(shape):
+            raise ValueError(f"weight {k}: expected shape {shape}")
+
+
+def dummy_params(cfg: ModelConfig, dtype, seed: int) -> dict:
+    """Random weights of the config's shapes (benchmarks: `dummy:/path/config.json`)."""
+    key = jax.random.PRNGKey(seed)
+    count = iter(range(1 << 30))
+
+    def make(name, shape):
+        if name.endswith("norm"):
+            return jnp.ones(shape, dtype)
+        r = jax.random.normal(jax.random.fold_in(key, next(count)), shape, dtype)
+        return (r * 0.02).astype(dtype)
+
+    shapes = param_shapes(cfg)
+    params = {k: make(k, s) for k, s in shapes.items() if k != "layers"}
+    params["layers"] = [{n: make(n, s) for n, s in d.items()} for d in shapes["layers"]]
+    return params
+
+
+# -- per-request state: none (the experts are weights) -------------------------------------------
+def allocate_state(cfg: ModelConfig, num_slots: int, dtype) -> dict:
+    return {}
+
+
+def state_bytes_per_slot(cfg: ModelConfig, dtype) -> int:
+    return 0
+
+
+# -- forward --------------------------------------------------------------------------------------
+def _mlp(cfg: ModelConfig, w: dict, x):
+    if "router" in w:
+        return moe_mlp(x, w, cfg.num_experts_per_tok, cfg.norm_topk_prob)
+    if "w_gate_up" in w:
+        return gated_mlp(x, w["w_gate_up"], w["w_down"])
+    return linear(jax.nn.silu(linear(x, w["w_gate"])) * linear(x, w["w_up"]), w["w_down"])
+
+
+def _layer(cfg: ModelConfig, attend, rope, h, w, kv):
+    eps = cfg.rms_norm_eps
+    qkv = [w["wqkv"]] if "wqkv" in w else [w["wq"], w["wk"], w["wv"]]
+    _, x = norm_into(h, None, w["attn_norm"], eps, qkv)
+    o, kv = _attention(cfg, attend, rope, w, x, kv, jnp.int32(0))
+    delta = linear_parts(o.astype(h.dtype), w["wo"])
+    # an MoE layer's rows go to the (dense) router first: plain rows, never FP8 ones
+    if "router" in w:
+        into = [w["router"]]
+    else:
+        into = [w["w_gate_up"]] if "w_gate_up" in w else [w["w_gate"], w["w_up"]]
+    h, x = norm_into(h, delta, w["mlp_norm"], eps, into)
+    return h + _mlp(cfg, w, x).astype(h.dtype), kv
+
+
+def forward_step(params, cfg: ModelConfig, tokens, positions, caches, attend, step, tp=None):
+    """-> (final hidden states [T, H] (normed), the per-layer KV pairs)."""
+    if tp is not None:
+        raise NotImplementedError("tensor parallelism for qwen3_moe models")
+    kv = list(caches)
+    h = params["embed"][tokens]
+    rope = rope_tables(positions, rope_inv_freq(cfg))
+    for i, w in enumerate(params["layers"]):
+        h, kv[i] = _layer(cfg, attend, rope, h, w, kv[i])
+    return rms_norm(h, params["final_norm"], cfg.rms_norm_eps), kv

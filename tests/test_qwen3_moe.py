@@ -1,0 +1,280 @@
+"""Qwen3-MoE (issue #55): the grouped expert GEMMs against a dense per-expert oracle on random
+routings (experts with no tokens included, the shared expert too), then a tiny random checkpoint
+written by HF transformers against its fp32 greedy tokens through paxengine.LLM: 32-token chunked
+prefill, whole prefills, prefix caching, the converted-weights cache, the server."""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import jax.numpy as jnp  # noqa: E402
+
+from paxengine import LLM, SamplingParams  # noqa: E402
+from paxengine.models import moe  # noqa: E402
+
+PROMPTS = [
+    [5, 9, 13, 200, 3, 77, 1, 4, 8],
+    [(7 * i + 3) % 300 + 1 for i in range(70)],
+    [(11 * i + 5) % 300 + 1 for i in range(150)],  # ten blocks of 16
+]
+MAX_TOKENS = 10
+HF = dict(
+    vocab_size=320,
+    hidden_size=64,
+    intermediate_size=96,
+    moe_intermediate_size=32,
+    num_hidden_layers=3,
+    mlp_only_layers=[1],  # layers 0 and 2 MoE, layer 1 a dense MLP
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    num_experts=8,
+    num_experts_per_tok=2,
+    norm_topk_prob=True,
+    max_position_embeddings=512,
+    tie_word_embeddings=False,
+)
+ENGINE = dict(
+    max_model_len=256,
+    max_num_seqs=4,
+    max_num_batched_tokens=256,
+    structured_outputs=False,
+    store_executables=False,
+    show_progress=False,
+)
+
+
+# -- the MoE layer against a dense per-expert oracle ----------------------------------------------
+def _silu(x):
+    return x / (1 + np.exp(-x))
+
+
+def _oracle(x, weights, ids, w, shared=None):
+    """Token by token, each of its experts' SwiGLU MLP in float64, weighted and summed."""
+    out = np.zeros(x.shape, np.float64)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = ids[t, j]
+            y = (_silu(x[t] @ w["e_gate"][e]) * (x[t] @ w["e_up"][e])) @ w["e_down"][e]
+            out[t] += weights[t, j] * y
+        if shared is not None:
+            s = (_silu(x[t] @ shared["s_gate"]) * (x[t] @ shared["s_up"])) @ shared["s_down"]
+            out[t] += s / (1 + np.exp(-(x[t] @ shared["s_router"])))
+    return out
+
+
+def _experts(rng, e, h, i):
+    w = {"e_gate": rng.normal(size=(e, h, i)), "e_up": rng.normal(size=(e, h, i))}
+    w["e_down"] = rng.normal(size=(e, i, h)) / np.sqrt(i)
+    return w
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_grouped_experts_equal_a_dense_oracle(fused):
+    """Random routings over 8 experts of which 3 get no token (and a step of one token, where
+    7 get none): one ragged_dot a projection, the scatter back, the routing weights."""
+    rng = np.random.default_rng(0)
+    e, h, i, k = 8, 16, 8, 2
+    w = _experts(rng, e, h, i)
+    used = np.array([0, 2, 3, 6, 7])  # 1, 4 and 5 idle
+    for t in (1, 13, 32):
+        x = rng.normal(size=(t, h)) / np.sqrt(h)
+        ids = np.stack([rng.choice(used, size=k, replace=False) for _ in range(t)])
+        weights = rng.random((t, k))
+        jw = {n: jnp.asarray(a, jnp.float32) for n, a in w.items()}
+        if fused:
+            jw["e_gate_up"] = jnp.concatenate([jw.pop("e_gate"), jw.pop("e_up")], axis=-1)
+        got = moe.grouped_experts(
+            jnp.asarray(x, jnp.float32), jnp.asarray(weights, jnp.float32), jnp.asarray(ids), jw
+        )
+        np.testing.assert_allclose(np.asarray(got), _oracle(x, weights, ids, w), atol=1e-4)
+
+
+@pytest.mark.parametrize("norm", [False, True])
+def test_router_and_shared_expert_equal_the_oracle(norm):
+    """softmax top-k (renormalised or not) from the router's logits, then the experts and the
+    shared expert scaled by its sigmoid gate."""
+    rng = np.random.default_rng(1)
+    t, e, h, i, k = 11, 6, 16, 8, 3
+    x = rng.normal(size=(t, h))
+    router = rng.normal(size=(h, e))
+    logits = x @ router
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    ids = np.argsort(-probs, axis=-1)[:, :k]
+    weights = np.take_along_axis(probs, ids, axis=-1)
+    if norm:
+        weights = weights / weights.sum(-1, keepdims=True)
+    shared = {"s_gate": rng.normal(size=(h, 4)), "s_up": rng.normal(size=(h, 4))}
+    shared.update(s_down=rng.normal(size=(4, h)), s_router=rng.normal(size=(h, 1)))
+    w = {**_experts(rng, e, h, i), **shared, "router": router}
+    got_w, got_ids = moe.route(
+        jnp.asarray(x, jnp.float32), jnp.asarray(router, jnp.float32), k, norm
+    )
+    np.testing.assert_array_equal(np.asarray(got_ids), ids)
+    np.testing.assert_allclose(np.asarray(got_w), weights, rtol=1e-5)
+    jw = {n: jnp.asarray(a, jnp.float32) for n, a in w.items()}
+    got = moe.moe_mlp(jnp.asarray(x, jnp.float32), jw, k, norm)
+    np.testing.assert_allclose(
+        np.asarray(got), _oracle(x, weights, ids, w, shared), rtol=1e-4, atol=1e-4
+    )
+
+
+# -- the family against HF transformers -----------------------------------------------------------
+def _hf_greedy(model, prompts):
+    out = []
+    for p in prompts:
+        gen = model.generate(
+            torch.tensor([p]), max_new_tokens=MAX_TOKENS, do_sample=False, min_new_tokens=MAX_TOKENS
+        )
+        out.append(gen[0, len(p) :].tolist())
+    return out
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    torch.manual_seed(0)
+    model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**HF)).float().eval()
+    with torch.no_grad():  # weights of 1/sqrt(fan-in) (at 0.02 the MLPs hardly move the
+        # tokens), random norms (all-ones would pass unread) and a decisive router
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+            else:
+                p.normal_(0, (2 if name.endswith("mlp.gate.weight") else 1) / p.shape[-1] ** 0.5)
+    path = tmp_path_factory.mktemp("qwen3_moe")
+    model.save_pretrained(path)
+    return path, _hf_greedy(model, PROMPTS)
+
+
+def _greedy(llm, prompts=PROMPTS):
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def test_chunked_prefill_equals_hf(checkpoint):
+    path, want = checkpoint
+    llm = LLM(model=str(path), **dict(ENGINE, max_num_batched_tokens=32))
+    cfg = llm.engine.model_config
+    assert (cfg.family, cfg.moe_layers, cfg.num_experts) == ("qwen3_moe", (0, 2), 8)
+    assert _greedy(llm) == want
+
+
+def test_whole_prefills_prefix_caching_and_the_weights_cache(checkpoint, tmp_path):
+    path, want = checkpoint
+    llm = LLM(
+        model=str(path), weights_cache_dir=str(tmp_path), enable_prefix_caching=True, **ENGINE
+    )
+    assert _greedy(llm) == want
+    hits = llm.engine.kv.prefix_hits
+    assert _greedy(llm) == want  # again: every full block but the last token's from the cache
+    assert llm.engine.kv.prefix_hits - hits == 64 + 144
+    from paxengine.models.loader import load_model
+
+    cached = load_model(str(path), "float32", cache_dir=str(tmp_path), progress=False)
+    assert cached.from_cache and cached.config == llm.engine.model_config
+    assert cached.params["layers"][0]["e_down"].shape == (8, 32, 64)
+
+
+def test_what_is_not_implemented_yet_is_refused_by_name(checkpoint):
+    path, _ = checkpoint
+    with pytest.raises(ValueError, match="speculative_config is not implemented for qwen3_moe"):
+        LLM(
+            model=str(path),
+            speculative_config={"method": "ngram", "num_speculative_tokens": 2},
+            **ENGINE,
+        )
+
+
+def test_fp8_experts_agree_with_fp32_teacher_forced(checkpoint, tmp_path):
+    """--quantization fp8: the experts' stacks quantized per expert and output channel (the
+    grouped GEMMs apply each row's expert's scales), attention and the dense MLP as ever; the
+    next token after each prefix against HF fp32's, where fp32's top-1 leads by > 0.3 (this
+    random model's near-ties are FP8 noise either way: all positions agree ~0.8; applying
+    expert 0's scales to every row gave 0.5 on the decisive ones)."""
+    from paxengine.models.quant import Fp8Weight
+
+    path, _ = checkpoint
+    seq = [(11 * i + 5) % 300 + 1 for i in range(200)]
+    hf = transformers.Qwen3MoeForCausalLM.from_pretrained(path).float().eval()
+    with torch.no_grad():
+        logits = hf(torch.tensor([seq])).logits[0, 99:199]
+    top2 = torch.topk(logits, 2).values
+    decisive = (top2[:, 0] - top2[:, 1] > 0.3).numpy()
+    ref = logits.argmax(-1).numpy()
+    fp8 = LLM(model=str(path), quantization="fp8", weights_cache_dir=str(tmp_path), **ENGINE)
+    layer = fp8.engine.runner.params["layers"][0]
+    assert isinstance(layer["e_gate_up"], Fp8Weight) and layer["e_gate_up"].scales.shape == (8, 64)
+    one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    outs = fp8.generate([seq[:n] for n in range(100, 200)], one, use_tqdm=False)
+    got = np.array([o.outputs[0].token_ids[0] for o in outs])
+    assert decisive.sum() >= 20
+    agree = (got == ref)[decisive].mean()
+    assert agree >= 0.9, agree
+
+
+def test_the_server_serves_it(checkpoint):
+    """`paxengine serve DIR` with its defaults (engine process, background compile): the
+    greedy tokens of a prompt of ten blocks equal HF's."""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+
+    path, want = checkpoint
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    args = ["--port", str(port), "--max-model-len", "256", "--max-num-seqs", "4"]
+    args += ["--max-num-batched-tokens", "64", "--served-model-name", "moe"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "paxengine.cli", "serve", str(path), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert proc.poll() is None, proc.stdout.read()[-4000:]
+            try:
+                if httpx.get(base + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "not ready in 300 s"
+            time.sleep(0.25)
+        body = {"model": "moe", "prompt": PROMPTS[2], "max_tokens": MAX_TOKENS}
+        body.update(temperature=0, ignore_eos=True, return_token_ids=True)
+        r = httpx.post(base + "/v1/completions", json=body, timeout=300)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["token_ids"] == want[2]
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def test_fused_expert_tensors_load_as_the_per_expert_ones():
+    """transformers 5's in-memory 3-D form (gate_up_proj [E, 2I, H], down_proj [E, H, I]) and
+    the per-expert tensors of the released checkpoints give the same [E, in, out] stacks."""
+    from paxengine.models.qwen3_moe import _expert_tensor
+
+    rng = np.random.default_rng(2)
+    gate_up, down = rng.normal(size=(3, 8, 5)), rng.normal(size=(3, 5, 4))
+    fused, each = {}, {}
+    _expert_tensor(fused, "gate_up_proj", gate_up)
+    _expert_tensor(fused, "down_proj", down)
+    for e in range(3):
+        _expert_tensor(each, f"{e}.gate_proj.weight", gate_up[e, :4])
+        _expert_tensor(each, f"{e}.up_proj.weight", gate_up[e, 4:])
+        _expert_tensor(each, f"{e}.down_proj.weight", down[e])
+    for name in ("e_gate", "e_up", "e_down"):
+        np.testing.assert_array_equal(fused[name], np.stack([each[name][e] for e in range(3)]))
