@@ -162,6 +162,19 @@ def test_chunked_prefill_equals_hf(checkpoint):
     assert _greedy(llm) == want
 
 
+def test_preemption_and_no_compiles_after_warmup(checkpoint):
+    """14 blocks of 16 tokens cannot hold the three prompts' 229 + 30 tokens at once: requests
+    are preempted and recomputed; every routing runs in the compiled buckets (0 compiles)."""
+    from paxengine.step_build import compile_count
+
+    path, want = checkpoint
+    llm = LLM(model=str(path), **dict(ENGINE, num_kv_blocks=14, max_num_batched_tokens=64))
+    before = compile_count()
+    assert _greedy(llm) == want
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert compile_count() == before
+
+
 def test_whole_prefills_prefix_caching_and_the_weights_cache(checkpoint, tmp_path):
     path, want = checkpoint
     llm = LLM(
