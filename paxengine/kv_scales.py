@@ -68,21 +68,22 @@ def calibrate(params: dict, cfg: ModelConfig, token_ids: list[int]) -> np.ndarra
         _, (_, amax) = forward_hidden(params, cfg, tokens, positions, cache, recording)
         return amax
 
-    def run_hybrid(params):  # one cache per attention layer, each its layer 0
+    def run_family(params):  # a family's own layout: one cache per attention layer, each its 0
         from paxengine.models import registry
 
         family = registry.family(cfg)
         one = (1,) + shape[1:]
         kv = [((jnp.zeros(one, dtype),) * 2, jnp.zeros((1, 2))) for _ in cfg.attention_layers]
-        states = family.allocate_state(cfg, 1, dtype)
         slot, none = jnp.zeros(1, jnp.int32), jnp.full(1, -1, jnp.int32)
         step = dict(query_start_loc=jnp.array([0, tokens.shape[0]], jnp.int32), state_slots=slot)
         step.update(has_state=slot, restore_slots=none, snapshot_slots=none)
-        caches = (kv, states)
-        _, (kv, _) = family.forward_step(params, cfg, tokens, positions, caches, recording, step)
+        states = cfg.recurrent_layers and family.allocate_state(cfg, 1, dtype)
+        caches = (kv, states) if cfg.recurrent_layers else kv
+        _, caches = family.forward_step(params, cfg, tokens, positions, caches, recording, step)
+        kv = caches[0] if cfg.recurrent_layers else caches
         return jnp.concatenate([amax for _, amax in kv])
 
-    amax = np.asarray(jax.jit(run_hybrid if cfg.recurrent_layers else run)(params))
+    amax = np.asarray(jax.jit(run if cfg.family == "llama" else run_family)(params))
     return np.where(amax > 0, HEADROOM * amax / FP8_MAX, 1.0).astype(np.float32)
 
 
