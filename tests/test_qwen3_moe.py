@@ -275,20 +275,20 @@ def test_the_server_serves_it(checkpoint):
         proc.wait()
 
 
-def test_fused_expert_tensors_load_as_the_per_expert_ones():
+def test_fusedexpert_tensors_load_as_the_per_expert_ones():
     """transformers 5's in-memory 3-D form (gate_up_proj [E, 2I, H], down_proj [E, H, I]) and
     the per-expert tensors of the released checkpoints give the same [E, in, out] stacks."""
-    from paxengine.models.qwen3_moe import _expert_tensor
+    from paxengine.models.qwen3_moe import expert_tensor
 
     rng = np.random.default_rng(2)
     gate_up, down = rng.normal(size=(3, 8, 5)), rng.normal(size=(3, 5, 4))
     fused, each = {}, {}
-    _expert_tensor(fused, "gate_up_proj", gate_up)
-    _expert_tensor(fused, "down_proj", down)
+    expert_tensor(fused, "gate_up_proj", gate_up)
+    expert_tensor(fused, "down_proj", down)
     for e in range(3):
-        _expert_tensor(each, f"{e}.gate_proj.weight", gate_up[e, :4])
-        _expert_tensor(each, f"{e}.up_proj.weight", gate_up[e, 4:])
-        _expert_tensor(each, f"{e}.down_proj.weight", down[e])
+        expert_tensor(each, f"{e}.gate_proj.weight", gate_up[e, :4])
+        expert_tensor(each, f"{e}.up_proj.weight", gate_up[e, 4:])
+        expert_tensor(each, f"{e}.down_proj.weight", down[e])
     for name in ("e_gate", "e_up", "e_down"):
         np.testing.assert_array_equal(fused[name], np.stack([each[name][e] for e in range(3)]))
 

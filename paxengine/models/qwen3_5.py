@@ -26,8 +26,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from kernels_pallas import gated_delta_ref as gdr
+from paxengine.models import qwen3_moe
 from paxengine.models.config import ModelConfig
 from paxengine.models.llama import compute_logits, rms_norm, scaled_attend  # noqa: F401
+from paxengine.models.moe import moe_mlp
 from paxengine.models.norm import norm_into
 from paxengine.models.quant import LINEAR_WEIGHTS, Fp8Weight, gated_mlp, linear, linear_parts
 
@@ -53,7 +55,7 @@ def from_hf_config(raw: dict) -> ModelConfig:
         family="qwen3_5",
         vocab_size=text["vocab_size"],
         hidden_size=text["hidden_size"],
-        intermediate_size=text["intermediate_size"],
+        intermediate_size=text.get("intermediate_size") or 0,  # 0: Qwen3.5-MoE (no dense MLP)
         num_layers=n,
         num_heads=heads,
         num_kv_heads=text.get("num_key_value_heads") or heads,
@@ -73,6 +75,22 @@ def from_hf_config(raw: dict) -> ModelConfig:
         linear_key_head_dim=text["linear_key_head_dim"],
         linear_value_head_dim=text["linear_value_head_dim"],
         linear_conv_kernel_dim=text["linear_conv_kernel_dim"],
+        **_moe_config(text, n),
+    )
+
+
+def _moe_config(text: dict, n: int) -> dict:
+    """Qwen3.5-MoE (`Qwen3_5Moe*`): every layer's MLP is a routed block with a shared expert,
+    its top-k weights always renormalised (HF's Qwen3_5MoeTopKRouter)."""
+    if not text.get("num_experts"):
+        return {}
+    return dict(
+        moe_layers=tuple(range(n)),
+        num_experts=text["num_experts"],
+        num_experts_per_tok=text["num_experts_per_tok"],
+        moe_intermediate_size=text["moe_intermediate_size"],
+        norm_topk_prob=True,
+        shared_expert_intermediate_size=text.get("shared_expert_intermediate_size") or 0,
     )
 
 
@@ -118,6 +136,8 @@ _LINEAR = {
 FUSED = {
     "wqkv": ("wq", "wk", "wv"),
     "w_gate_up": ("w_gate", "w_up"),
+    "s_gate_up": ("s_gate", "s_up"),  # Qwen3.5-MoE's shared expert and experts
+    "e_gate_up": ("e_gate", "e_up"),
     "la_qkvz": ("la_qkv", "la_z"),
     "la_ba": ("la_b", "la_a"),
 }
@@ -126,6 +146,9 @@ _ZERO_CENTRED = ("attn_norm", "mlp_norm", "q_norm", "k_norm", "final_norm")
 
 def layer_names(cfg: ModelConfig, i: int) -> dict:
     kind = _ATTENTION if cfg.layer_types[i] == "full_attention" else _LINEAR
+    if i in cfg.moe_layers:  # the norms of _COMMON, the MoE block's router and shared expert
+        mlp = {k: v for k, v in _COMMON.items() if not k.startswith("mlp.")}
+        return {**mlp, **qwen3_moe.MOE_NAMES, **kind}
     return {**_COMMON, **kind}
 
 
@@ -160,6 +183,12 @@ def param_shapes(cfg: ModelConfig) -> dict:
         "la_out": (vd, h),
     }
     layers = [{**common, **(attn if t == "full_attention" else lin)} for t in cfg.layer_types]
+    if cfg.moe_layers:  # Qwen3.5-MoE: the MoE block's shapes instead of the dense MLP's
+        moe = qwen3_moe.param_shapes(cfg)["layers"]
+        for li in cfg.moe_layers:
+            for n in ("w_gate", "w_up", "w_down"):
+                del layers[li][n]
+            layers[li].update({n: moe[li][n] for n in moe[li] if n not in common and n not in attn})
     shapes = {"embed": (cfg.vocab_size, h), "final_norm": (h,), "layers": layers}
     if not cfg.tie_word_embeddings:
         shapes["lm_head"] = (h, cfg.vocab_size)
@@ -180,6 +209,7 @@ def load_hf(path: Path, raw: dict, progress: bool):
     cfg = from_hf_config(raw)
     reader = fp8.CheckpointReader(path, raw)
     layers: list[dict] = [{} for _ in range(cfg.num_layers)]
+    experts: list[dict] = [{} for _ in range(cfg.num_layers)]  # MoE layers' expert slices
     params: dict = {}
     kv: dict[tuple[int, int], float] = {}
     skipped = {"vision": 0, "mtp": 0}
@@ -205,6 +235,10 @@ def load_hf(path: Path, raw: dict, progress: bool):
                 v = np.asarray(reader.tensor(key), np.float32)
                 for j in fp8.KV_SCALE_NAMES[rest]:
                     kv[(i, j)] = float(v.reshape(-1)[0])
+            if rest.startswith("mlp.experts.") and i in cfg.moe_layers:
+                a = reader.weight(key, False)
+                qwen3_moe.expert_tensor(experts[i], rest[len("mlp.experts.") :], a)
+                continue
             if rest not in layer_names(cfg, i):
                 continue
             ours, transpose = layer_names(cfg, i)[rest]
@@ -226,6 +260,7 @@ def load_hf(path: Path, raw: dict, progress: bool):
             skipped["vision"],
             skipped["mtp"],
         )
+    qwen3_moe.stack_experts(layers, experts, cfg)
     params["layers"] = layers
     for layer in [params, *layers]:  # zero-centred RMSNorms: scale 1 + w
         for n in _ZERO_CENTRED:
@@ -424,8 +459,11 @@ def forward_step(params, cfg: ModelConfig, tokens, positions, caches, attend, st
             o, states = _delta_net(cfg, w, x, states, lin_index[i], step)
             out = w["la_out"]
         delta = linear_parts(o.astype(h.dtype), out)
-        h, x = norm_into(h, delta, w["mlp_norm"], eps, _weights(w, "w_gate_up"))
-        if "w_gate_up" in w:
+        into = [w["router"]] if "router" in w else _weights(w, "w_gate_up")
+        h, x = norm_into(h, delta, w["mlp_norm"], eps, into)
+        if "router" in w:  # Qwen3.5-MoE (models/moe.py)
+            h = h + moe_mlp(x, w, cfg.num_experts_per_tok, cfg.norm_topk_prob)
+        elif "w_gate_up" in w:
             h = h + gated_mlp(x, w["w_gate_up"], w["w_down"])
         else:
             gate, up = _project(x, w, "w_gate_up", ())

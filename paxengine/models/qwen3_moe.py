@@ -88,7 +88,7 @@ _DENSE = {
     "mlp.up_proj.weight": ("w_up", True),
     "mlp.down_proj.weight": ("w_down", True),
 }
-_MOE = {
+MOE_NAMES = {  # (Qwen3.5-MoE's layers name their MoE block the same: models/qwen3_5.py)
     "mlp.gate.weight": ("router", True),  # [E, H] -> [H, E]
     "mlp.shared_expert.gate_proj.weight": ("s_gate", True),
     "mlp.shared_expert.up_proj.weight": ("s_up", True),
@@ -157,19 +157,28 @@ def load_hf(path: Path, raw: dict, progress: bool):
             i = int(idx)
             if i >= cfg.num_layers:
                 continue
-            names = {**_COMMON, **(_MOE if i in cfg.moe_layers else _DENSE)}
+            names = {**_COMMON, **(MOE_NAMES if i in cfg.moe_layers else _DENSE)}
             if rest in names:
                 ours, transpose = names[rest]
                 a = reader.weight(key, ours in LINEAR_WEIGHTS)
                 layers[i][ours] = a.T if transpose and not isinstance(a, Fp8Weight) else a
             elif rest.startswith("mlp.experts.") and i in cfg.moe_layers:
-                _expert_tensor(experts[i], rest[len("mlp.experts.") :], reader.weight(key, False))
+                expert_tensor(experts[i], rest[len("mlp.experts.") :], reader.weight(key, False))
         elif name == "embed_tokens.weight":
             params["embed"] = reader.weight(key, False)
         elif name == "norm.weight":
             params["final_norm"] = reader.weight(key, False)
         elif key == "lm_head.weight" and not cfg.tie_word_embeddings:
             params["lm_head"] = reader.weight(key, False).T
+    stack_experts(layers, experts, cfg)
+    params["layers"] = layers
+    check_shapes(params, cfg)
+    meta = {"kv_scales": None, "prequantized": reader.prequantized()}
+    return cfg, params, meta
+
+
+def stack_experts(layers: list[dict], experts: list[dict], cfg: ModelConfig) -> None:
+    """Each MoE layer's expert slices (`expert_tensor`) stacked [E, in, out] into its dict."""
     for i in cfg.moe_layers:
         for ours, parts in experts[i].items():
             if isinstance(parts, dict):
@@ -178,13 +187,9 @@ def load_hf(path: Path, raw: dict, progress: bool):
                     raise ValueError(f"layers.{i}: no {ours} weights of experts {sorted(missing)}")
                 parts = np.stack([parts[e] for e in range(cfg.num_experts)])
             layers[i][ours] = parts
-    params["layers"] = layers
-    check_shapes(params, cfg)
-    meta = {"kv_scales": None, "prequantized": reader.prequantized()}
-    return cfg, params, meta
 
 
-def _expert_tensor(into: dict, rest: str, a: np.ndarray) -> None:
+def expert_tensor(into: dict, rest: str, a: np.ndarray) -> None:
     """One expert tensor ("{e}.gate_proj.weight" [I, H], ...) as the [in, out] slice of its
     stack, or a fused 3-D one ("gate_up_proj" [E, 2I, H], "down_proj" [E, H, I]) whole."""
     if rest == "gate_up_proj":

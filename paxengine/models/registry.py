@@ -23,6 +23,8 @@ ARCHITECTURES = {
     **{arch: "llama" for arch in SUPPORTED_ARCHS},
     "Qwen3_5ForCausalLM": "qwen3_5",
     "Qwen3_5ForConditionalGeneration": "qwen3_5",
+    "Qwen3_5MoeForCausalLM": "qwen3_5",  # the hybrid with MoE blocks (its `num_experts`)
+    "Qwen3_5MoeForConditionalGeneration": "qwen3_5",
     "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 # config.json's model_type where `architectures` is missing
@@ -30,6 +32,8 @@ MODEL_TYPES = {
     **{model_type: "llama" for model_type in SUPPORTED_ARCHS.values()},
     "qwen3_5": "qwen3_5",
     "qwen3_5_text": "qwen3_5",
+    "qwen3_5_moe": "qwen3_5",
+    "qwen3_5_moe_text": "qwen3_5",
     "qwen3_moe": "qwen3_moe",
 }
 
