@@ -195,41 +195,15 @@ def _write_tokenizer(path):
 def test_the_server_serves_it_as_a_user_starts_it(causal_lm):
     """`paxengine serve DIR` with its defaults (engine process, background compile): the
     tokens equal HF's; a streamed chat answers; an image part is a 400 naming it."""
-    import os
-    import signal
-    import socket
-    import subprocess
-    import sys
-    import time
 
     import httpx
+    from served import served
 
     path, want = causal_lm
     _write_tokenizer(path)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    args = ["--port", str(port), "--max-model-len", "256", "--max-num-seqs", "4"]
+    args = ["--max-model-len", "256", "--max-num-seqs", "4"]
     args += ["--max-num-batched-tokens", "64", "--served-model-name", "q35"]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "paxengine.cli", "serve", str(path), *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert proc.poll() is None, proc.stdout.read()[-4000:]
-            try:
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "not ready in 300 s"
-            time.sleep(0.25)
+    with served(str(path), *args) as base:
         body = {"model": "q35", "prompt": PROMPTS[2], "max_tokens": MAX_TOKENS}
         body.update(temperature=0, ignore_eos=True, return_token_ids=True)
         r = httpx.post(base + "/v1/completions", json=body, timeout=300)
@@ -245,6 +219,3 @@ def test_the_server_serves_it_as_a_user_starts_it(causal_lm):
         r = httpx.post(base + "/v1/chat/completions", json=bad, timeout=60)
         assert r.status_code == 400 and "image_url" in r.text
         assert httpx.get(base + "/health").status_code == 200
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()

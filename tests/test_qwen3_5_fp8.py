@@ -254,50 +254,21 @@ def test_the_server_serves_the_fp8_checkpoint_with_an_fp8_cache(fp8_ckpt):
     """`paxengine serve DIR --kv-cache-dtype fp8` on the block-FP8 checkpoint (the
     Qwen3.5-27B-FP8 deployment's flags): it starts, and each token it returns is HF's next
     token after the ones before it (teacher-forced on its own continuation) but for near-ties."""
-    import os
-    import signal
-    import socket
-    import subprocess
-    import sys
-    import time
 
     import httpx
+    from served import served
     from test_qwen3_5 import _write_tokenizer
 
     path, _, model, _ = fp8_ckpt
     _write_tokenizer(path)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    args = ["--port", str(port), "--max-model-len", "256", "--max-num-seqs", "4"]
+    args = ["--max-model-len", "256", "--max-num-seqs", "4"]
     args += ["--max-num-batched-tokens", "64", "--num-kv-blocks", "16", "--kv-cache-dtype", "fp8"]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "paxengine.cli", "serve", str(path), *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert proc.poll() is None, proc.stdout.read()[-4000:]
-            try:
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "not ready in 300 s"
-            time.sleep(0.25)
+    with served(str(path), *args) as base:
         body = {"model": str(path), "prompt": PROMPT, "max_tokens": 16, "temperature": 0}
         body.update(ignore_eos=True, return_token_ids=True)
         r = httpx.post(base + "/v1/completions", json=body, timeout=300)
         assert r.status_code == 200, r.text
         got = r.json()["choices"][0]["token_ids"]
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
     assert len(got) == 16
     with torch.no_grad():
         logits = model(torch.tensor([PROMPT + got])).logits[0]

@@ -231,51 +231,22 @@ def test_fp8_experts_agree_with_fp32_teacher_forced(checkpoint, tmp_path):
 def test_the_server_serves_it(checkpoint):
     """`paxengine serve DIR` with its defaults (engine process, background compile): the
     greedy tokens of a prompt of ten blocks equal HF's."""
-    import os
-    import signal
-    import socket
-    import subprocess
-    import sys
-    import time
 
     import httpx
+    from served import served
 
     path, want = checkpoint
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    args = ["--port", str(port), "--max-model-len", "256", "--max-num-seqs", "4"]
+    args = ["--max-model-len", "256", "--max-num-seqs", "4"]
     args += ["--max-num-batched-tokens", "64", "--served-model-name", "moe"]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "paxengine.cli", "serve", str(path), *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert proc.poll() is None, proc.stdout.read()[-4000:]
-            try:
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "not ready in 300 s"
-            time.sleep(0.25)
+    with served(str(path), *args) as base:
         body = {"model": "moe", "prompt": PROMPTS[2], "max_tokens": MAX_TOKENS}
         body.update(temperature=0, ignore_eos=True, return_token_ids=True)
         r = httpx.post(base + "/v1/completions", json=body, timeout=300)
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["token_ids"] == want[2]
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
 
 
-def test_fusedexpert_tensors_load_as_the_per_expert_ones():
+def test_fused_expert_tensors_load_as_the_per_expert_ones():
     """transformers 5's in-memory 3-D form (gate_up_proj [E, 2I, H], down_proj [E, H, I]) and
     the per-expert tensors of the released checkpoints give the same [E, in, out] stacks."""
     from paxengine.models.qwen3_moe import expert_tensor

@@ -32,6 +32,7 @@ from paxengine.models.llama import compute_logits, rms_norm, scaled_attend  # no
 from paxengine.models.moe import moe_mlp
 from paxengine.models.norm import norm_into
 from paxengine.models.quant import LINEAR_WEIGHTS, Fp8Weight, gated_mlp, linear, linear_parts
+from paxengine.models.weights import check_per_layer_shapes, random_per_layer
 
 log = logging.getLogger(__name__)
 
@@ -272,40 +273,17 @@ def load_hf(path: Path, raw: dict, progress: bool):
 
 
 def check_shapes(params: dict, cfg: ModelConfig) -> None:
-    want = param_shapes(cfg)
-    for k, shape in want.items():
-        if k == "layers":
-            for i, (got, need) in enumerate(zip(params["layers"], shape)):
-                for n, s in need.items():
-                    g = got.get(n)
-                    if g is None or tuple(g.shape) != tuple(s):
-                        raise ValueError(
-                            f"weight layers.{i}.{n}: expected shape {s}, got "
-                            f"{None if g is None else tuple(g.shape)}"
-                        )
-        elif params.get(k) is None or tuple(params[k].shape) != tuple(shape):
-            raise ValueError(f"weight {k}: expected shape {shape}")
+    check_per_layer_shapes(params, param_shapes(cfg))
 
 
 def dummy_params(cfg: ModelConfig, dtype, seed: int) -> dict:
-    """Random weights of the config's shapes (benchmarks: `dummy:/path/config.json`)."""
-    key = jax.random.PRNGKey(seed)
-    shapes = param_shapes(cfg)
-    count = iter(range(1 << 30))
-
-    def make(name, shape):
-        if name.endswith("norm"):
-            return jnp.ones(shape, dtype)
-        if name == "la_A_log":
-            return jnp.zeros(shape, jnp.float32)
-        if name == "la_dt_bias":
-            return jnp.ones(shape, jnp.float32)
-        r = jax.random.normal(jax.random.fold_in(key, next(count)), shape, dtype)
-        return (r * 0.02).astype(dtype)
-
-    params = {k: make(k, s) for k, s in shapes.items() if k != "layers"}
-    params["layers"] = [{n: make(n, s) for n, s in d.items()} for d in shapes["layers"]]
-    return params
+    """Random weights of the config's shapes (benchmarks: `dummy:/path/config.json`); the
+    DeltaNet's A_log 0 and dt_bias 1, in f32."""
+    fixed = {
+        "la_A_log": lambda shape: jnp.zeros(shape, jnp.float32),
+        "la_dt_bias": lambda shape: jnp.ones(shape, jnp.float32),
+    }
+    return random_per_layer(param_shapes(cfg), dtype, seed, fixed)
 
 
 # -- per-request state ----------------------------------------------------------------------------

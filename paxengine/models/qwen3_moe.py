@@ -28,6 +28,7 @@ from paxengine.models.llama import (  # noqa: F401 (compute_logits: the family's
 from paxengine.models.moe import moe_mlp
 from paxengine.models.norm import norm_into
 from paxengine.models.quant import LINEAR_WEIGHTS, Fp8Weight, gated_mlp, linear, linear_parts
+from paxengine.models.weights import check_per_layer_shapes, random_per_layer
 
 
 # -- config ---------------------------------------------------------------------------------------
@@ -204,36 +205,12 @@ def expert_tensor(into: dict, rest: str, a: np.ndarray) -> None:
 
 
 def check_shapes(params: dict, cfg: ModelConfig) -> None:
-    want = param_shapes(cfg)
-    for k, shape in want.items():
-        if k == "layers":
-            for i, (got, need) in enumerate(zip(params["layers"], shape)):
-                for n, s in need.items():
-                    g = got.get(n)
-                    if g is None or tuple(g.shape) != tuple(s):
-                        raise ValueError(
-                            f"weight layers.{i}.{n}: expected shape {s}, got "
-                            f"{None if g is None else tuple(g.shape)}"
-                        )
-        elif params.get(k) is None or tuple(params[k].shape) != tuple(shape):
-            raise ValueError(f"weight {k}: expected shape {shape}")
+    check_per_layer_shapes(params, param_shapes(cfg))
 
 
 def dummy_params(cfg: ModelConfig, dtype, seed: int) -> dict:
     """Random weights of the config's shapes (benchmarks: `dummy:/path/config.json`)."""
-    key = jax.random.PRNGKey(seed)
-    count = iter(range(1 << 30))
-
-    def make(name, shape):
-        if name.endswith("norm"):
-            return jnp.ones(shape, dtype)
-        r = jax.random.normal(jax.random.fold_in(key, next(count)), shape, dtype)
-        return (r * 0.02).astype(dtype)
-
-    shapes = param_shapes(cfg)
-    params = {k: make(k, s) for k, s in shapes.items() if k != "layers"}
-    params["layers"] = [{n: make(n, s) for n, s in d.items()} for d in shapes["layers"]]
-    return params
+    return random_per_layer(param_shapes(cfg), dtype, seed)
 
 
 # -- per-request state: none (the experts are weights) -------------------------------------------

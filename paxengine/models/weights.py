@@ -85,6 +85,46 @@ def check_shapes(params: dict, cfg: ModelConfig) -> None:
             )
 
 
+def check_per_layer_shapes(params: dict, want: dict) -> None:
+    """check_shapes for a family of its own layout: `want` its param_shapes, whose "layers" is
+    a list of per-layer dicts (as the params')."""
+    for k, shape in want.items():
+        if k == "layers":
+            for i, (got, need) in enumerate(zip(params["layers"], shape)):
+                for n, s in need.items():
+                    g = got.get(n)
+                    if g is None or tuple(g.shape) != tuple(s):
+                        raise ValueError(
+                            f"weight layers.{i}.{n}: expected shape {s}, got "
+                            f"{None if g is None else tuple(g.shape)}"
+                        )
+        elif params.get(k) is None or tuple(params[k].shape) != tuple(shape):
+            raise ValueError(f"weight {k}: expected shape {shape}")
+
+
+def random_per_layer(shapes: dict, dtype, seed: int, fixed: dict | None = None) -> dict:
+    """Random weights of a family's per-layer param_shapes (`dummy:/path/config.json`): norms
+    ones, a name in `fixed` its function of the shape, the rest N(0, 0.02) in `dtype`."""
+    import jax
+    import jax.numpy as jnp
+
+    key = jax.random.PRNGKey(seed)
+    count = iter(range(1 << 30))
+    fixed = fixed or {}
+
+    def make(name, shape):
+        if name.endswith("norm"):
+            return jnp.ones(shape, dtype)
+        if name in fixed:
+            return fixed[name](shape)
+        r = jax.random.normal(jax.random.fold_in(key, next(count)), shape, dtype)
+        return (r * 0.02).astype(dtype)
+
+    params = {k: make(k, s) for k, s in shapes.items() if k != "layers"}
+    params["layers"] = [{n: make(n, s) for n, s in d.items()} for d in shapes["layers"]]
+    return params
+
+
 def stack_layers(per_layer: list[dict], cfg: ModelConfig) -> dict:
     """[{name: array}] * L -> {name: array[L, ...]}; Linear weights go from [out, in] to [in, out].
 

@@ -1,0 +1,43 @@
+"""`paxengine serve` as a user starts it, for the model-family tests: a process of its own (the
+engine process, background compile on) on a free port, ready when /health answers."""
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+
+
+@contextlib.contextmanager
+def served(model: str, *args: str, ready_s: float = 300):
+    """Yields the server's base URL; the process group is killed on exit."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "paxengine.cli", "serve", model, "--port", str(port), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + ready_s
+        while True:
+            assert proc.poll() is None, proc.stdout.read()[-4000:]
+            try:
+                if httpx.get(base + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, f"not ready in {ready_s:.0f} s"
+            time.sleep(0.25)
+        yield base
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
