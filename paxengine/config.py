@@ -51,6 +51,9 @@ class EngineConfig:
     # devices one model is split over (Megatron-style, paxengine/parallel.py): must divide the
     # attention heads and the intermediate size; KV heads are copied when there are fewer
     tensor_parallel_size: int = 1
+    # MoE models (vLLM's flag): each of the tensor_parallel_size devices holds num_experts / N
+    # whole experts instead of 1/N of every expert's channels (parallel.py)
+    enable_expert_parallel: bool = False
     # replicas of the model behind one AsyncEngine-like client (paxengine/data_parallel.py), each
     # on its own tensor_parallel_size devices; requests go where their prefix is cached
     data_parallel_size: int = 1

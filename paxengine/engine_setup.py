@@ -120,6 +120,12 @@ def check_config(cfg: EngineConfig, on_gpu: bool) -> Checked:
             f"backlog_step_token_budget ({backlog}) needs decode_step_token_budget and must be "
             f"in [decode_step_token_budget ({budget}), max_num_batched_tokens ({max_tokens})]"
         )
+    if cfg.enable_expert_parallel and cfg.tensor_parallel_size < 2:
+        # vLLM's EP spans its data-parallel ranks too; here the replicas hold whole models
+        raise ValueError(
+            "enable_expert_parallel splits the experts over the tensor-parallel devices: it "
+            f"needs tensor_parallel_size > 1, got {cfg.tensor_parallel_size}"
+        )
     check_policy(cfg.scheduling_policy)
     return Checked(dtype, quantization, kv_dtype_name, on_gpu, block_size)
 
@@ -156,7 +162,9 @@ def prepare_params(cfg: EngineConfig, checked: Checked, loaded, tokenizer, store
     if scales is not None:  # per layer, applied by the attention (attention.py)
         params = {**params, "layers": with_kv_scales(params["layers"], scales, loaded.config)}
         log.info("fp8 KV cache, %s scales: %s", scales_from, kv_scales.describe(scales))
-    tp = parallel.make_tensor_parallel(cfg.tensor_parallel_size, loaded.config, cfg.first_device)
+    tp = parallel.make_tensor_parallel(
+        cfg.tensor_parallel_size, loaded.config, cfg.first_device, cfg.enable_expert_parallel
+    )
     if tp is not None:
         params = parallel.copy_kv_heads(params, loaded.config, tp)
     if jax.process_count() > 1 and store is not None:
@@ -166,7 +174,9 @@ def prepare_params(cfg: EngineConfig, checked: Checked, loaded, tokenizer, store
         params = unstack_layers(params, shards=tp.size if tp is not None else 1)
     fused = getattr(registry.family(loaded.config), "FUSED", None)
     if fused and is_per_layer(params):  # a family of its own layout (Qwen3.5): its fusions
-        params = fuse_layers(params, fused)
+        shards = tp.size if tp is not None else 1
+        whole = parallel.EXPERTS if tp is not None and tp.expert_parallel else ()
+        params = fuse_layers(params, fused, shards, whole)
     return Prepared(params, scales, scales_from, tp, store)
 
 
@@ -303,13 +313,20 @@ def state_slots(cfg: EngineConfig, model_config) -> tuple[int, int]:
 
 def check_hybrid(cfg: EngineConfig, checked: Checked, model_config, spec) -> None:
     """What a model with recurrent layers (Qwen3.5) or MoE layers (Qwen3-MoE) cannot run yet,
-    refused by name."""
+    refused by name (tensor parallelism: the recurrent layers only)."""
+    if cfg.enable_expert_parallel and not model_config.moe_layers:
+        # vLLM ignores the flag here; a flag that changes nothing is refused instead
+        raise ValueError(
+            f"enable_expert_parallel needs a model with MoE layers; this {model_config.family} "
+            "model has none"
+        )
     if not model_config.recurrent_layers and not model_config.moe_layers:
         return
     name = model_config.family
+    tp_refused = cfg.tensor_parallel_size > 1 and bool(model_config.recurrent_layers)
     for what, unsupported in (
         ("speculative_config", spec is not None),
-        ("tensor_parallel_size > 1", cfg.tensor_parallel_size > 1),
+        ("tensor_parallel_size > 1", tp_refused),
         ("kv_transfer_config", cfg.kv_transfer_config is not None),
         ("several processes", cfg.num_processes > 1),
     ):

@@ -11,6 +11,17 @@ logits and the sampler see every vocabulary entry on every device.
 Column-parallel weights are split along their output channels into N contiguous blocks, so the
 fused projections are fused per shard ([q_0 k_0 v_0 | q_1 k_1 v_1 | ...], see
 `weights.unstack_layers(shards=N)`); row-parallel ones (wo, w_down) along their inputs.
+
+Mixture-of-experts layers (models/moe.py; the router is replicated): without expert parallelism
+every expert's intermediate channels are split like a dense MLP's (its gate|up stack
+[E, H, 2I] column-parallel, fused per shard; its down stack [E, I, H] row-parallel), so the
+MLP's all-reduce sums every expert's partial products. With `expert_parallel` each device holds
+E / N whole experts (the stacks split on their expert axis): a token's pairs with experts of
+another device add zero here, and the same all-reduce sums the devices' partial outputs
+(`moe.grouped_experts`' `first_expert`). Every device routes every token (the activations are
+replicated under tensor parallelism), so this dispatch needs no collective of its own; an
+all-to-all of the tokens to their experts' devices (vLLM's EP kernels) is the alternative to
+measure on GPUs, where it moves k rows a token instead of one all-reduce of all of them.
 """
 
 from __future__ import annotations
@@ -30,7 +41,9 @@ from paxengine.models.quant import Fp8Weight
 AXIS = "tp"
 # output-channel (column) parallel, input (row) parallel, and per-layer names kept whole
 COLUMN = ("wq", "wk", "wv", "w_gate", "w_up", "wqkv", "w_gate_up", "bq", "bk", "bv", "bqkv")
-ROW = ("wo", "w_down")
+COLUMN += ("s_gate", "s_up", "s_gate_up", "e_gate", "e_up", "e_gate_up")  # MoE: shared, experts
+ROW = ("wo", "w_down", "s_down", "e_down")
+EXPERTS = ("e_gate", "e_up", "e_gate_up", "e_down")  # [E, ...] stacks: split by expert under EP
 KV_HEADS = ("wk", "wv", "bk", "bv")  # copied per device when kv_heads < N
 
 
@@ -38,15 +51,26 @@ KV_HEADS = ("wk", "wv", "bk", "bv")  # copied per device when kv_heads < N
 class TensorParallel:
     mesh: Mesh
     size: int
+    expert_parallel: bool = False  # MoE experts whole, E / N a device (else their channels split)
 
     def local_config(self, cfg: ModelConfig) -> ModelConfig:
-        """The model one device runs: its heads and intermediate channels."""
+        """The model one device runs: its heads, intermediate channels, and its experts (expert
+        parallelism) or its share of every expert's channels."""
+        ep = self.expert_parallel
         return dataclasses.replace(
             cfg,
             num_heads=cfg.num_heads // self.size,
             num_kv_heads=max(1, cfg.num_kv_heads // self.size),
             intermediate_size=cfg.intermediate_size // self.size,
+            num_experts=cfg.num_experts // self.size if ep else cfg.num_experts,
+            moe_intermediate_size=cfg.moe_intermediate_size // (1 if ep else self.size),
+            shared_expert_intermediate_size=cfg.shared_expert_intermediate_size // self.size,
         )
+
+    def first_expert(self, cfg: ModelConfig):
+        """Inside the shard_map: the global id of this device's first expert (expert
+        parallelism, `cfg` the local config), else None (every device holds every expert)."""
+        return jax.lax.axis_index(AXIS) * cfg.num_experts if self.expert_parallel else None
 
     def kv_copies(self, cfg: ModelConfig) -> int:
         """How many devices hold each KV head (1 unless kv_heads < N)."""
@@ -82,7 +106,7 @@ def init_distributed(coordinator_address: str | None, num_processes: int, proces
 
 
 def make_tensor_parallel(
-    size: int, cfg: ModelConfig, first_device: int = 0
+    size: int, cfg: ModelConfig, first_device: int = 0, expert_parallel: bool = False
 ) -> TensorParallel | None:
     """The mesh over devices [first_device, first_device + size), or a clear error; None for
     one device at index 0 (the plain single-device path). A one-device mesh elsewhere is how a
@@ -91,10 +115,18 @@ def make_tensor_parallel(
         raise ValueError(f"tensor_parallel_size must be >= 1, got {size}")
     if size == 1 and first_device == 0:
         return None
-    for what, n in (
-        ("attention heads", cfg.num_heads),
-        ("intermediate size", cfg.intermediate_size),
-    ):
+    split = [("attention heads", cfg.num_heads), ("intermediate size", cfg.intermediate_size)]
+    if cfg.moe_layers:
+        split.append(("shared expert's intermediate size", cfg.shared_expert_intermediate_size))
+        if not expert_parallel:
+            split.append(("experts' intermediate size", cfg.moe_intermediate_size))
+        elif cfg.num_experts % size:
+            raise ValueError(
+                f"enable_expert_parallel: tensor_parallel_size={size} does not divide the "
+                f"{cfg.num_experts} experts (each device holds num_experts / "
+                f"tensor_parallel_size whole experts)"
+            )
+    for what, n in split:
         if n % size:
             raise ValueError(f"tensor_parallel_size={size} does not divide the {what} ({n})")
     kv = cfg.num_kv_heads
@@ -113,7 +145,7 @@ def make_tensor_parallel(
     kinds = sorted({d.device_kind for d in mine})
     if len(kinds) > 1:
         raise ValueError(f"tensor parallelism over mixed device kinds {kinds} is not supported")
-    return TensorParallel(Mesh(np.array(mine), (AXIS,)), size)
+    return TensorParallel(Mesh(np.array(mine), (AXIS,)), size, expert_parallel)
 
 
 def _copy_kv_heads(w, copies: int, head_dim: int):
@@ -140,16 +172,25 @@ def copy_kv_heads(params: dict, cfg: ModelConfig, tp: TensorParallel) -> dict:
     copies = tp.kv_copies(cfg)
     if copies == 1:
         return params
-    layers = dict(params["layers"])
-    for name in KV_HEADS:
-        if name in layers:
-            layers[name] = _copy_kv_heads(layers[name], copies, cfg.head_dim)
+
+    def widen(layer: dict) -> dict:
+        layer = dict(layer)
+        for name in KV_HEADS:
+            if name in layer:
+                layer[name] = _copy_kv_heads(layer[name], copies, cfg.head_dim)
+        return layer
+
+    layers = params["layers"]  # stacked, or a family's per-layer list (Qwen3-MoE)
+    layers = [widen(d) for d in layers] if isinstance(layers, list) else widen(layers)
     return {**params, "layers": layers}
 
 
-def _layer_spec(name: str, leaf: jax.Array, fp8_values: bool = False) -> P:
+def _layer_spec(name: str, leaf: jax.Array, fp8_values: bool = False, ep: bool = False) -> P:
     """The spec of one layer array; a leading layer axis (stacked layout) stays whole. FP8
-    values are [out, in]: their channel axes swap places with a dense weight's [in, out]."""
+    values are [out, in]: their channel axes swap places with a dense weight's [in, out]. An
+    expert stack [E, ...] under expert parallelism: split by expert, each expert whole."""
+    if ep and name in EXPERTS:
+        return P(AXIS, *(None,) * (leaf.ndim - 1))
     lead = (None,) * (leaf.ndim - (1 if name.startswith("b") else 2))
     if name in COLUMN:
         if name.startswith("b"):
@@ -160,34 +201,37 @@ def _layer_spec(name: str, leaf: jax.Array, fp8_values: bool = False) -> P:
     return P()
 
 
-def layer_specs(layer: dict) -> dict:
+def layer_specs(layer: dict, expert_parallel: bool = False) -> dict:
     """A PartitionSpec per array of a layer dict (the stacked dict or one of the per-layer)."""
     specs = {}
     for name, w in layer.items():
         if isinstance(w, Fp8Weight):
             lead = (None,) * (w.scales.ndim - 1)
-            specs[name] = Fp8Weight(
-                _layer_spec(name, w.values, fp8_values=True),
-                P(*lead, AXIS) if name in COLUMN else P(),
-            )
+            if expert_parallel and name in EXPERTS:  # scales [E, out]: with their experts
+                scales = P(AXIS, None)
+            else:
+                scales = P(*lead, AXIS) if name in COLUMN else P()
+            values = _layer_spec(name, w.values, fp8_values=True, ep=expert_parallel)
+            specs[name] = Fp8Weight(values, scales)
         else:
-            specs[name] = _layer_spec(name, w)
+            specs[name] = _layer_spec(name, w, ep=expert_parallel)
     return specs
 
 
-def param_specs(params: dict) -> dict:
+def param_specs(params: dict, expert_parallel: bool = False) -> dict:
     layers = params["layers"]
     out = {k: P() for k in params if k != "layers"}
-    out["layers"] = (
-        [layer_specs(d) for d in layers] if isinstance(layers, list) else layer_specs(layers)
-    )
+    if isinstance(layers, list):
+        out["layers"] = [layer_specs(d, expert_parallel) for d in layers]
+    else:
+        out["layers"] = layer_specs(layers, expert_parallel)
     return out
 
 
 def shard_params(params: dict, tp: TensorParallel) -> dict:
     """The params placed on the mesh by their specs. Across processes each one places the same
     host copy (every process loaded the same checkpoint), keeping its own shards."""
-    specs = param_specs(params)
+    specs = param_specs(params, tp.expert_parallel)
     host = jax.process_count() > 1
     return jax.tree_util.tree_map(
         lambda a, s: jax.device_put(np.asarray(a) if host else a, tp.sharding(s)),
@@ -198,3 +242,23 @@ def shard_params(params: dict, tp: TensorParallel) -> dict:
 
 
 CACHE_SPEC = P(None, AXIS)  # [L or 1, kv_heads, blocks, block_size, head_dim]: split by KV head
+
+
+def run_sharded(tp: TensorParallel, body, rope, h, layers, kv_cache):
+    """body(rope, h, layers, kv_cache) -> (h, kv_cache), the layers of one step, run under one
+    shard_map: each device on its shards of `layers` (per layer or stacked) and of the cache
+    (split by KV head), `rope` and the residual stream `h` replicated."""
+    per_layer = isinstance(layers, (list, tuple))
+    if per_layer:
+        w_spec = [layer_specs(d, tp.expert_parallel) for d in layers]
+    else:
+        w_spec = layer_specs(layers, tp.expert_parallel)
+    pair = (CACHE_SPEC, CACHE_SPEC)
+    c_spec = [pair] * len(layers) if per_layer else pair
+    return jax.shard_map(
+        body,
+        mesh=tp.mesh,
+        in_specs=((P(), P()), P(), w_spec, c_spec),
+        out_specs=(P(), c_spec),
+        check_vma=False,
+    )(rope, h, list(layers) if per_layer else layers, list(kv_cache) if per_layer else kv_cache)

@@ -264,6 +264,8 @@ class Runner:
         params, kv = jax.tree.map(abstract_of, (self.params, self._caches()))
         args = (params, kv, *self._abstract_inputs(T, S))
         static = (self.cfg, self.backend, self.max_blocks_per_seq, self.max_rows, self.placement)
+        if self.tp is not None and self.tp.expert_parallel:  # same shapes, experts split apart
+            static += ("expert_parallel",)
         if self.aux is not None:  # which layers' states it keeps is in the program, not its shapes
             static += (("aux_layers", self.aux.layers),)
         if self.plp:  # it also returns the hidden states

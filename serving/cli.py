@@ -105,6 +105,14 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         help="split the model over this many devices of this host",
     )
+    e.add_argument(
+        "--enable-expert-parallel",
+        "-ep",
+        action="store_true",
+        default=None,
+        help="MoE models: each of the --tensor-parallel-size devices holds num_experts / N "
+        "whole experts (instead of a share of every expert)",
+    )
     e.add_argument("--attention-backend", choices=["auto", "xla", "pallas", "reference"])
     e.add_argument(
         "--layer-loop",

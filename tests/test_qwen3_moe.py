@@ -1,7 +1,10 @@
 """Qwen3-MoE (issue #55): the grouped expert GEMMs against a dense per-expert oracle on random
 routings (experts with no tokens included, the shared expert too), then a tiny random checkpoint
 written by HF transformers against its fp32 greedy tokens through paxengine.LLM: 32-token chunked
-prefill, whole prefills, prefix caching, the converted-weights cache, the server."""
+prefill, whole prefills, prefix caching, the converted-weights cache, the server; and split over
+simulated CPU devices: tensor parallelism, with and without expert parallelism."""
+
+import json
 
 import numpy as np
 import pytest
@@ -295,3 +298,61 @@ def test_fp8_kv_cache_calibrates_through_the_family(checkpoint):
     ranks = [e[t].rank for e, t in _forced_ranks(llm, want)]
     top = [r == 1 for r, c in zip(ranks, clear) if c]
     assert len(top) >= 10 and np.mean(top) >= 0.9, (ranks, clear)
+
+
+# -- tensor and expert parallelism on simulated CPU devices (tests/devices.py) ---------------------
+@pytest.fixture(scope="module")
+def parallel_runs(checkpoint, tmp_path_factory):
+    """In one process of 4 CPU devices: TP 2 (each expert's channels split in two), TP 2 with
+    expert parallelism (4 whole experts a device), TP 4 with it (2 experts a device, the 2 KV
+    heads copied to 4). One 32-token bucket: the 150-token prompt prefills in chunks."""
+    from devices import run_worker
+
+    path, _ = checkpoint
+    cache = str(tmp_path_factory.mktemp("moe_tp") / "jax")
+    engine = {k: v for k, v in ENGINE.items() if k != "show_progress"}
+    engine.update(model=str(path), max_num_batched_tokens=32, token_buckets=[32])
+    engine.update(seq_buckets=[4], compilation_cache_dir=cache)
+    runs = [
+        {"engine": dict(engine, tensor_parallel_size=2)},
+        {"engine": dict(engine, tensor_parallel_size=2, enable_expert_parallel=True)},
+        {"engine": dict(engine, tensor_parallel_size=4, enable_expert_parallel=True)},
+    ]
+    for r in runs:
+        r.update(prompts=PROMPTS, max_tokens=MAX_TOKENS)
+    return run_worker("tp_worker.py", [json.dumps(runs)], 4)
+
+
+def test_tensor_parallel_equals_hf(checkpoint, parallel_runs):
+    """TP 2 without expert parallelism: every expert's gate|up [8, 64, 2 * 32] split by its
+    (per-shard fused) output channels, its down [8, 32, 64] by its inputs."""
+    _, want = checkpoint
+    tp2 = parallel_runs[0]
+    assert tp2["tokens"] == want
+    gate_up, down = tp2["experts"]["e_gate_up"], tp2["experts"]["e_down"]
+    assert gate_up["spec"] == [None, None, "tp"] and gate_up["shard_shape"] == [8, 64, 32]
+    assert down["spec"] == [None, "tp", None] and down["shard_shape"] == [8, 16, 64]
+
+
+def test_expert_parallel_equals_hf(checkpoint, parallel_runs):
+    """--enable-expert-parallel: the stacks split by expert, each expert whole on its device;
+    at TP 4 the 2 KV heads are copied to one a device."""
+    _, want = checkpoint
+    for run, n in zip(parallel_runs[1:], (2, 4)):
+        assert run["tokens"] == want, n
+        gate_up, down = run["experts"]["e_gate_up"], run["experts"]["e_down"]
+        assert gate_up["spec"] == ["tp", None, None] and gate_up["shard_shape"] == [8 // n, 64, 64]
+        assert down["spec"] == ["tp", None, None] and down["shard_shape"] == [8 // n, 32, 64]
+    assert parallel_runs[2]["cache"]["shape"][1] == 4
+
+
+def test_expert_parallel_refusals(checkpoint):
+    """--enable-expert-parallel without devices to split over, on a dense model (vLLM ignores
+    the flag in both cases), or over a device count that does not divide the experts."""
+    path, _ = checkpoint
+    with pytest.raises(ValueError, match="needs tensor_parallel_size > 1, got 1"):
+        LLM(model=str(path), enable_expert_parallel=True, **ENGINE)
+    with pytest.raises(ValueError, match="needs a model with MoE layers; this llama model"):
+        LLM(model="dummy:tiny", tensor_parallel_size=2, enable_expert_parallel=True, **ENGINE)
+    with pytest.raises(ValueError, match="tensor_parallel_size=3 does not divide the 8 experts"):
+        LLM(model=str(path), tensor_parallel_size=3, enable_expert_parallel=True, **ENGINE)

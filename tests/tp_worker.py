@@ -1,7 +1,8 @@
 """Run in a subprocess by test_tensor_parallel.py, with XLA_FLAGS giving this process N CPU
 devices (they must be set before jax starts). argv[1]: a JSON list of runs, each
 {"engine": EngineConfig overrides, "prompts": [str | [token ids]], "max_tokens": n}; prints one
-JSON line: per run the greedy tokens, the KV cache's and two weights' shardings."""
+JSON line: per run the greedy tokens, the KV cache's and two weights' shardings (and the first
+layer's expert stacks', an MoE model's)."""
 
 import json
 import sys
@@ -35,8 +36,14 @@ def main() -> None:
         params = SamplingParams(temperature=0, max_tokens=run["max_tokens"], ignore_eos=True)
         outs = llm.generate(prompts, params, use_tqdm=False)
         store = llm.engine.runner.store
+        experts = {
+            n: describe(getattr(layer[n], "values", layer[n]))
+            for n in ("e_gate_up", "e_down")
+            if n in layer
+        }
         out.append(
             {
+                "experts": experts,
                 "tokens": [o.outputs[0].token_ids for o in outs],
                 "cache": describe(cache),
                 "qkv": describe(getattr(qkv, "values", qkv)),

@@ -19,13 +19,11 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
 
 from paxengine.models.config import ModelConfig
 from paxengine.models.config import from_hf_config as config_from_hf
 from paxengine.models.norm import norm_into
 from paxengine.models.quant import gated_mlp, linear, linear_parts
-from paxengine.models.weights import is_per_layer
 
 Attend = Callable[[jax.Array, jax.Array, jax.Array, Any, jax.Array], tuple[jax.Array, Any]]
 
@@ -177,20 +175,17 @@ def forward_hidden(
     if tp is None:
         h, kv_cache = _run_layers(cfg, attend, rope, _identity, h, layers, kv_cache)
     else:
-        from paxengine.parallel import CACHE_SPEC, layer_specs
+        from paxengine.parallel import run_sharded
 
-        per_layer = is_per_layer(params)
-        w_spec = [layer_specs(d) for d in layers] if per_layer else layer_specs(layers)
-        pair = (CACHE_SPEC, CACHE_SPEC)
-        c_spec = [pair] * len(layers) if per_layer else pair
         body = partial(_run_layers, tp.local_config(cfg), attend)
-        h, kv_cache = jax.shard_map(
+        h, kv_cache = run_sharded(
+            tp,
             lambda rope, h, layers, kv: body(rope, tp.psum, h, layers, kv),
-            mesh=tp.mesh,
-            in_specs=((P(), P()), P(), w_spec, c_spec),
-            out_specs=(P(), c_spec),
-            check_vma=False,
-        )(rope, h, layers, list(kv_cache) if per_layer else kv_cache)
+            rope,
+            h,
+            layers,
+            kv_cache,
+        )
     return rms_norm(h, params["final_norm"], cfg.rms_norm_eps), kv_cache
 
 

@@ -9,6 +9,10 @@ GEMMs: the T * k (token, expert) pairs are sorted by expert and each projection 
 `jax.lax.ragged_dot` over the groups, so every step has one shape per token bucket whatever the
 routing (an expert with no tokens is a group of size 0); the products go back to their tokens by
 one scatter-add, weighted.
+
+Under expert parallelism (parallel.py) a device holds experts [first_expert, first_expert + E_local)
+and routes every token: its pairs with other devices' experts are sorted last, outside every
+group, and add nothing; the tensor-parallel all-reduce after the MLP sums the devices' outputs.
 """
 
 from __future__ import annotations
@@ -51,17 +55,25 @@ def _grouped(x: jax.Array, w, sizes: jax.Array, row_expert: jax.Array) -> jax.Ar
     ).astype(x.dtype)
 
 
-def grouped_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, w: dict) -> jax.Array:
+def grouped_experts(
+    x: jax.Array, weights: jax.Array, ids: jax.Array, w: dict, first_expert=None
+) -> jax.Array:
     """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]): x [T, H], weights / ids [T, k], w the
-    layer's expert weights (`e_gate_up` or `e_gate` and `e_up`, `e_down`) -> [T, H]."""
+    layer's expert weights (`e_gate_up` or `e_gate` and `e_up`, `e_down`) -> [T, H].
+    first_expert (expert parallelism): w holds experts first_expert.. only; the sum is over
+    the pairs with those."""
     t, k = ids.shape
     down = w["e_down"]
     num_experts = down.shape[0]
     flat = ids.reshape(-1)
+    if first_expert is not None:  # another device's expert: group `num_experts`, past the last
+        flat = flat - first_expert
+        flat = jnp.where((flat >= 0) & (flat < num_experts), flat, num_experts)
     order = jnp.argsort(flat, stable=True)  # the (token, expert) pairs, grouped by expert
-    row_expert = flat[order]
+    sorted_ids = flat[order]
+    row_expert = jnp.minimum(sorted_ids, num_experts - 1)  # (FP8 scales of local rows only)
     token = order // k
-    sizes = jnp.zeros(num_experts, jnp.int32).at[flat].add(1)
+    sizes = jnp.zeros(num_experts, jnp.int32).at[flat].add(1, mode="drop")
     xs = x[token]
     if "e_gate_up" in w:
         gate, up = jnp.split(_grouped(xs, w["e_gate_up"], sizes, row_expert), 2, axis=-1)
@@ -69,15 +81,21 @@ def grouped_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, w: dict) -
         gate = _grouped(xs, w["e_gate"], sizes, row_expert)
         up = _grouped(xs, w["e_up"], sizes, row_expert)
     y = _grouped(jax.nn.silu(gate) * up, down, sizes, row_expert)
-    y = y.astype(jnp.float32) * weights.reshape(-1)[order][:, None].astype(jnp.float32)
+    pair_weight = weights.reshape(-1)[order].astype(jnp.float32)
+    if first_expert is not None:  # rows past the groups: ragged_dot leaves them undefined
+        y = jnp.where((sorted_ids < num_experts)[:, None], y, 0)
+    y = y.astype(jnp.float32) * pair_weight[:, None]
     return jnp.zeros((t, x.shape[1]), jnp.float32).at[token].add(y).astype(x.dtype)
 
 
-def moe_mlp(x: jax.Array, w: dict, top_k: int, norm_topk_prob: bool) -> jax.Array:
+def moe_mlp(
+    x: jax.Array, w: dict, top_k: int, norm_topk_prob: bool, first_expert=None
+) -> jax.Array:
     """The MoE block of one layer: routed experts, plus the shared expert where the layer has
-    one (`s_gate_up` or `s_gate` / `s_up`, `s_down`, its gate `s_router` [H, 1])."""
+    one (`s_gate_up` or `s_gate` / `s_up`, `s_down`, its gate `s_router` [H, 1]). Under tensor
+    parallelism the result is this device's partial sum (the caller all-reduces it)."""
     weights, ids = route(x, w["router"], top_k, norm_topk_prob)
-    out = grouped_experts(x, weights, ids, w)
+    out = grouped_experts(x, weights, ids, w, first_expert)
     if "s_down" in w:
         if "s_gate_up" in w:
             shared = gated_mlp(x, w["s_gate_up"], w["s_down"])

@@ -7,6 +7,8 @@ differ in kind, so they run unrolled over per-layer dicts (a list), each attenti
 KV pair; the experts of a layer are stacked [E, in, out] at load, from the checkpoint's
 per-expert tensors (`mlp.experts.{e}.gate_proj.weight`, ...) or transformers 5's fused 3-D form
 (`mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj` [E, H, I]). No per-request state.
+Tensor parallelism (parallel.py): attention and the dense MLPs as the Llama family's, the MoE
+block's experts split by channel or, with expert parallelism, by expert.
 """
 
 from __future__ import annotations
@@ -117,9 +119,9 @@ def param_shapes(cfg: ModelConfig) -> dict:
         "wk": (h, kd),
         "wv": (h, kd),
         "wo": (qd, h),
-        "q_norm": (d,),
-        "k_norm": (d,),
     }
+    if cfg.qk_norm:  # (Mixtral's attention has none)
+        common.update(q_norm=(d,), k_norm=(d,))
     if cfg.attention_bias:
         common.update(bq=(qd,), bk=(kd,), bv=(kd,))
     i = cfg.intermediate_size
@@ -140,11 +142,16 @@ def param_shapes(cfg: ModelConfig) -> dict:
 def load_hf(path: Path, raw: dict, progress: bool):
     """-> (config, params as float32 numpy, per layer, meta). Each expert's projections are
     read one tensor at a time into the layer's stacked [E, in, out] arrays."""
+    return read_checkpoint(path, raw, from_hf_config(raw), progress)
+
+
+def read_checkpoint(path: Path, raw: dict, cfg: ModelConfig, progress: bool, rename=None):
+    """load_hf of a family of this layout: `rename` maps a layer's tensor name (after
+    "layers.{i}.") to the names above where its checkpoint spells them otherwise (Mixtral)."""
     from tqdm import tqdm
 
     from paxengine.models import fp8_checkpoint as fp8
 
-    cfg = from_hf_config(raw)
     reader = fp8.CheckpointReader(path, raw)
     layers: list[dict] = [{} for _ in range(cfg.num_layers)]
     experts: list[dict] = [{} for _ in range(cfg.num_layers)]
@@ -158,6 +165,7 @@ def load_hf(path: Path, raw: dict, progress: bool):
             i = int(idx)
             if i >= cfg.num_layers:
                 continue
+            rest = rename(rest) if rename is not None else rest
             names = {**_COMMON, **(MOE_NAMES if i in cfg.moe_layers else _DENSE)}
             if rest in names:
                 ours, transpose = names[rest]
@@ -223,36 +231,62 @@ def state_bytes_per_slot(cfg: ModelConfig, dtype) -> int:
 
 
 # -- forward --------------------------------------------------------------------------------------
-def _mlp(cfg: ModelConfig, w: dict, x):
+def _mlp(cfg: ModelConfig, w: dict, x, first_expert):
     if "router" in w:
-        return moe_mlp(x, w, cfg.num_experts_per_tok, cfg.norm_topk_prob)
+        return moe_mlp(x, w, cfg.num_experts_per_tok, cfg.norm_topk_prob, first_expert)
     if "w_gate_up" in w:
         return gated_mlp(x, w["w_gate_up"], w["w_down"])
     return linear(jax.nn.silu(linear(x, w["w_gate"])) * linear(x, w["w_up"]), w["w_down"])
 
 
-def _layer(cfg: ModelConfig, attend, rope, h, w, kv):
+def _layer(cfg: ModelConfig, attend, rope, h, w, kv, reduce=None, first_expert=None):
+    """One decoder layer; under tensor parallelism `reduce` all-reduces the o projection's and
+    the MLP's partial products (parallel.py), `first_expert` is this device's first expert."""
     eps = cfg.rms_norm_eps
     qkv = [w["wqkv"]] if "wqkv" in w else [w["wq"], w["wk"], w["wv"]]
     _, x = norm_into(h, None, w["attn_norm"], eps, qkv)
     o, kv = _attention(cfg, attend, rope, w, x, kv, jnp.int32(0))
-    delta = linear_parts(o.astype(h.dtype), w["wo"])
+    if reduce is None:  # one device: the W8A8 product goes unscaled into the add + norm
+        delta = linear_parts(o.astype(h.dtype), w["wo"])
+    else:
+        delta = reduce(linear(o.astype(h.dtype), w["wo"]))
     # an MoE layer's rows go to the (dense) router first: plain rows, never FP8 ones
     if "router" in w:
         into = [w["router"]]
     else:
         into = [w["w_gate_up"]] if "w_gate_up" in w else [w["w_gate"], w["w_up"]]
     h, x = norm_into(h, delta, w["mlp_norm"], eps, into)
-    return h + _mlp(cfg, w, x).astype(h.dtype), kv
+    mlp = _mlp(cfg, w, x, first_expert)
+    return h + (mlp if reduce is None else reduce(mlp)).astype(h.dtype), kv
+
+
+def _run_layers(cfg: ModelConfig, attend, rope, h, layers, kv, tp=None):
+    """The layers, unrolled (they differ in kind); `cfg` the device's own under tp."""
+    kv = list(kv)
+    reduce = tp.psum if tp is not None else None
+    first = tp.first_expert(cfg) if tp is not None else None
+    for i, w in enumerate(layers):
+        h, kv[i] = _layer(cfg, attend, rope, h, w, kv[i], reduce, first)
+    return h, kv
 
 
 def forward_step(params, cfg: ModelConfig, tokens, positions, caches, attend, step, tp=None):
-    """-> (final hidden states [T, H] (normed), the per-layer KV pairs)."""
-    if tp is not None:
-        raise NotImplementedError("tensor parallelism for qwen3_moe models")
-    kv = list(caches)
+    """-> (final hidden states [T, H] (normed), the per-layer KV pairs). tp: the layers run
+    under one shard_map (parallel.run_sharded) on each device's heads and expert shards."""
     h = params["embed"][tokens]
     rope = rope_tables(positions, rope_inv_freq(cfg))
-    for i, w in enumerate(params["layers"]):
-        h, kv[i] = _layer(cfg, attend, rope, h, w, kv[i])
+    if tp is None:
+        h, kv = _run_layers(cfg, attend, rope, h, params["layers"], caches)
+    else:
+        from paxengine.parallel import run_sharded
+
+        local = tp.local_config(cfg)
+        h, kv = run_sharded(
+            tp,
+            lambda rope, h, layers, kv: _run_layers(local, attend, rope, h, layers, kv, tp),
+            rope,
+            h,
+            params["layers"],
+            caches,
+        )
     return rms_norm(h, params["final_norm"], cfg.rms_norm_eps), kv

@@ -228,18 +228,21 @@ def unstack_layers(params: dict, shards: int = 1) -> dict:
     return {**params, "layers": per_layer}
 
 
-def fuse_layers(params: dict, table: dict) -> dict:
+def fuse_layers(params: dict, table: dict, shards: int = 1, whole: tuple = ()) -> dict:
     """Per-layer params with each layer's projections of `table` ({fused: parts}) concatenated
     along their output channels where the layer has all the parts, of one kind (dense or
     Fp8Weight): one GEMM reads them where several would each launch (and, at decode sizes,
-    each pay a launch and a partial wave). Consumes the parts."""
+    each pay a launch and a partial wave). Consumes the parts. shards: fused shard by shard
+    for tensor parallelism (`_fuse`), except the names in `whole` (experts kept whole on their
+    device: expert parallelism)."""
     for layer in params["layers"]:
         for fused, parts in table.items():
             if fused in layer or not all(p in layer for p in parts):
                 continue
             kinds = {isinstance(layer[p], Fp8Weight) for p in parts}
             if len(kinds) == 1:
-                layer[fused] = _fuse([layer.pop(p) for p in parts], kinds == {True}, 1)
+                n = 1 if fused in whole else shards
+                layer[fused] = _fuse([layer.pop(p) for p in parts], kinds == {True}, n)
     return params
 
 
