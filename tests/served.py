@@ -13,8 +13,13 @@ import httpx
 
 
 @contextlib.contextmanager
-def served(model: str, *args: str, ready_s: float = 300):
-    """Yields the server's base URL; the process group is killed on exit."""
+def served(model: str, *args: str, ready_s: float = 300, devices: int = 1):
+    """Yields the server's base URL; the process group is killed on exit. devices > 1: the
+    process sees that many simulated CPU devices (XLA_FLAGS, read when jax starts)."""
+    env = dict(os.environ)
+    if devices > 1:
+        flag = f"--xla_force_host_platform_device_count={devices}"
+        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {flag}".strip()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -24,6 +29,7 @@ def served(model: str, *args: str, ready_s: float = 300):
         stderr=subprocess.STDOUT,
         text=True,
         start_new_session=True,
+        env=env,
     )
     base = f"http://127.0.0.1:{port}"
     try:
