@@ -98,17 +98,31 @@ class EngineCore:
         self.kv_scales, scales_from = prepared.kv_scales, prepared.scales_from
         engine_setup.log_weights(params, loaded.prequantized, checked.on_gpu)
         num_blocks = engine_setup.plan_kv_blocks(
-            cfg, checked, loaded.config, tp, draft.config if draft is not None else None, eagle
+            cfg,
+            checked,
+            loaded.config,
+            tp,
+            draft.config if draft is not None else None,
+            eagle,
+            self.spec,
         )
         slots, snapshots = engine_setup.state_slots(cfg, loaded.config)
+        verify = engine_setup.verify_slots(cfg, loaded.config, self.spec)
         self.kv = KVCacheManager(
             num_blocks,
             checked.block_size,
             cfg.enable_prefix_caching,
             num_state_slots=slots,
             num_snapshot_slots=snapshots,
+            num_verify_positions=self.spec.num_speculative_tokens if verify else 0,
         )
         tb, sb = cfg.token_buckets, cfg.seq_buckets
+        # a hybrid's verify steps keep per-position states after the snapshots (verify_slots);
+        # it does not chain them yet: the next step's state slot depends on the accepted count
+        chain = engine_setup.chain_spec(self.spec, cfg.max_num_seqs, tp, max(sb))
+        span = None
+        if verify:
+            chain, span = None, (slots + snapshots, self.spec.num_speculative_tokens + 1)
         self.scheduler = engine_setup.make_scheduler(
             cfg, self.kv, self.max_model_len, self.eos_token_ids, self.spec, tb, max(sb)
         )
@@ -130,8 +144,9 @@ class EngineCore:
             else [f for f in ALL_FLAGS if not f[3]],
             background_compile=cfg.background_compile,
             aux=eagle.aux_hidden(DTYPES[dtype]) if eagle is not None else None,
-            chain=engine_setup.chain_spec(self.spec, cfg.max_num_seqs, tp, max(sb)),
-            num_state_slots=slots + snapshots,
+            chain=chain,
+            num_state_slots=slots + snapshots + verify,
+            verify_span=span,
             prompt_logprobs=True,
         )
         # chained verify steps (n-gram speculation on one device): built while the previous

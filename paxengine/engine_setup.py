@@ -241,7 +241,7 @@ def log_ready(load_seconds: float, runner, store, num_kv_blocks: int, block_size
 
 
 def plan_kv_blocks(
-    cfg: EngineConfig, checked: Checked, model_config, tp, draft_config, eagle
+    cfg: EngineConfig, checked: Checked, model_config, tp, draft_config, eagle, spec=None
 ) -> int:
     """The KV pool's blocks: kv_memory's plan for each device (the target's pages), shared with a
     draft model's pages or an EAGLE-3 head's pages and aux states unless num_kv_blocks gives the
@@ -260,7 +260,7 @@ def plan_kv_blocks(
     if cfg.num_kv_blocks:
         return num_blocks
     dtype = DTYPES[checked.dtype]
-    slots = sum(state_slots(cfg, model_config))
+    slots = sum(state_slots(cfg, model_config)) + verify_slots(cfg, model_config, spec)
     if slots:  # the recurrent layers' state slots and snapshots come out of the same budget
         per_block = kv_bytes_per_block(model_config, checked.block_size, checked.kv_dtype)
         state = slots * registry.family(model_config).state_bytes_per_slot(model_config, dtype)
@@ -273,11 +273,12 @@ def plan_kv_blocks(
         running, snapshots = state_slots(cfg, model_config)
         log.info(
             "%d recurrent state slots (%.1f MiB each): up to %d sequences at once, %d cached "
-            "prefix states",
+            "prefix states, %d for speculative verify steps",
             slots,
             state / slots / 2**20,
             running,
             snapshots,
+            verify_slots(cfg, model_config, spec),
         )
     if draft_config is not None:  # the KV budget holds both models' pages
         from paxengine.spec_decode.draft_model import share_kv_budget
@@ -311,6 +312,20 @@ def state_slots(cfg: EngineConfig, model_config) -> tuple[int, int]:
     return cfg.max_num_seqs, cfg.max_num_seqs if cfg.enable_prefix_caching else 0
 
 
+def verify_slots(cfg: EngineConfig, model_config, spec) -> int:
+    """Speculative decoding on a model with recurrent layers: k more state slots per running
+    sequence, where a verify step leaves the states after its first k positions, so a rejected
+    draft rolls back by reading one (KVCacheManager.position_slot)."""
+    if spec is None or not model_config.recurrent_layers:
+        return 0
+    return cfg.max_num_seqs * spec.num_speculative_tokens
+
+
+# the speculative methods a model with recurrent layers runs: their verify steps roll the state
+# back (verify_slots); a draft model or an EAGLE-3 head would need per-model states of their own
+HYBRID_SPEC_METHODS = ("ngram",)
+
+
 def check_hybrid(cfg: EngineConfig, checked: Checked, model_config, spec) -> None:
     """What a model with recurrent layers (Qwen3.5) or MoE layers (Qwen3-MoE) cannot run yet,
     refused by name (tensor parallelism: the recurrent layers only)."""
@@ -325,13 +340,26 @@ def check_hybrid(cfg: EngineConfig, checked: Checked, model_config, spec) -> Non
     name = model_config.family
     tp_refused = cfg.tensor_parallel_size > 1 and bool(model_config.recurrent_layers)
     for what, unsupported in (
-        ("speculative_config", spec is not None),
+        (_spec_label(model_config, spec), not _spec_runs(model_config, spec)),
         ("tensor_parallel_size > 1", tp_refused),
         ("kv_transfer_config", cfg.kv_transfer_config is not None),
         ("several processes", cfg.num_processes > 1),
     ):
         if unsupported:
             raise ValueError(f"{what} is not implemented for {name} models yet")
+
+
+def _spec_runs(model_config, spec) -> bool:
+    """Qwen3-MoE (no recurrent layers) is not tested with speculation yet."""
+    if spec is None:
+        return True
+    return bool(model_config.recurrent_layers) and spec.method in HYBRID_SPEC_METHODS
+
+
+def _spec_label(model_config, spec) -> str:
+    if spec is None or not model_config.recurrent_layers:
+        return "speculative_config"
+    return f"speculative_config method {spec.method!r} (only {', '.join(HYBRID_SPEC_METHODS)})"
 
 
 @dataclass

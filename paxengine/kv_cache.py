@@ -75,13 +75,17 @@ class KVCacheManager:
         enable_prefix_caching: bool = True,
         num_state_slots: int = 0,
         num_snapshot_slots: int = 0,
+        num_verify_positions: int = 0,
     ):
         """num_state_slots: a hybrid model's recurrent layers keep one fixed-size state per
         request (vLLM's mamba state beside the attention pages): a request holds a slot from
         admission to its end (finish, abort, preemption) as it holds blocks, and is admitted
         only when both are free. 0: the model has no such layers. num_snapshot_slots: with
         prefix caching, slots after those that keep the state at cached prefixes' ends
-        (state_snapshots.py); a hybrid model's cache hits need one."""
+        (state_snapshots.py); a hybrid model's cache hits need one. num_verify_positions:
+        speculative decoding on a hybrid model: k slots per state slot, after the snapshots,
+        that a verify step writes the states after its first k positions into
+        (`position_slot`), so rejected drafts roll back by reading one of them."""
         if num_blocks < 1:
             raise ValueError(f"the KV pool needs at least 1 block, got {num_blocks}")
         self.num_state_slots = num_state_slots
@@ -91,6 +95,8 @@ class KVCacheManager:
             if num_state_slots and num_snapshot_slots and enable_prefix_caching
             else None
         )
+        self.verify_k = num_verify_positions
+        self.first_verify_slot = num_state_slots + num_snapshot_slots
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -198,6 +204,12 @@ class KVCacheManager:
             while found and self.snapshots.of(found[-1]) is None:
                 found.pop()
         return found
+
+    def position_slot(self, req: Request, p: int) -> int:
+        """Where a verify step left the state after position p < k of the request's row (the
+        layout the model's forward writes: models/qwen3_5.verify_slots)."""
+        assert 0 <= p < self.verify_k and req.state_slot >= 0, (p, req.state_slot)
+        return self.first_verify_slot + req.state_slot * self.verify_k + p
 
     def restore_slot(self, cached_blocks: list[int]) -> int:
         """The snapshot slot a hit on these blocks starts its recurrent state from, or -1."""
@@ -333,4 +345,5 @@ class KVCacheManager:
         if req.state_slot >= 0:  # a preempted request starts its state again from zeros
             self.free_slots.append(req.state_slot)
             req.state_slot = -1
+        req.state_restore = -1
         self._tail.pop(req.request_id, None)

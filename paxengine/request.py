@@ -40,6 +40,9 @@ class Request:
     num_published_blocks: int = 0  # full blocks already offered to the prefix cache
     # its recurrent layers' state slot (a hybrid model's, kv_cache.KVCacheManager); -1: none
     state_slot: int = -1
+    # after a verify step that rejected drafts: the slot holding the state at its last accepted
+    # position (KVCacheManager.position_slot), read by its next step instead; -1: none
+    state_restore: int = -1
     _block_array: object = field(default=None, repr=False)  # block_ids as int32 (block_array)
     _token_buf: object = field(default=None, repr=False)  # known tokens as int32 (token_array)
     _token_len: int = field(default=0, repr=False)

@@ -92,6 +92,7 @@ class Runner:
         chain: ChainSpec | None = None,
         num_state_slots: int = 0,
         prompt_logprobs: bool = False,
+        verify_span: tuple[int, int] | None = None,
     ):
         """params: stacked layers (scanned) or a list of per-layer dicts (unrolled), see
         `weights.unstack_layers`; the KV cache takes the same layout. tp: tensor parallelism
@@ -102,9 +103,13 @@ class Runner:
         num_state_slots: the per-request state slots of the model's recurrent layers (its
         family's pools, donated with the KV cache; kv_cache.KVCacheManager hands them out).
         prompt_logprobs: the forward also returns the step's final hidden states, and a
-        prompt-logprob executable per token bucket is built (paxengine/prompt_logprobs.py)."""
+        prompt-logprob executable per token bucket is built (paxengine/prompt_logprobs.py).
+        verify_span: speculative decoding on a model with recurrent layers, (first slot, P):
+        every row of at most P tokens also leaves the state after each position behind
+        (the family's forward_step; kv_cache.KVCacheManager.position_slot)."""
         self.tp = tp
         self.chain = chain
+        self.verify_span = verify_span
         if chain is not None and (tp is not None or aux is not None):
             raise ValueError("chained verify steps run on one device, without EAGLE-3 states")
         self.aux = aux
@@ -197,6 +202,8 @@ class Runner:
         tokens, positions, prev_index = x["tokens"], x["positions"], x["prev_index"]
         # Tokens sampled by the previous step never visit the host before they are used here.
         tokens = jnp.where(prev_index >= 0, prev_tokens[jnp.maximum(prev_index, 0)], tokens)
+        if self.verify_span is not None:  # static: which slots keep the per-position states
+            x = {**x, "verify_span": self.verify_span}
         kv_cache, logits, hidden = self._model(
             params, kv_cache, tokens, positions, md, x["logits_indices"], x
         )
@@ -270,6 +277,8 @@ class Runner:
             static += (("aux_layers", self.aux.layers),)
         if self.plp:  # it also returns the hidden states
             static += ("hidden",)
+        if self.verify_span is not None:  # it also keeps per-position recurrent states
+            static += (("verify_span", self.verify_span),)
         key, opts = self.builder.store_key("forward", static, args, T)
         layout = self.step_layout(T, S)
         return key, lambda: self._forward.lower(*args, layout=layout), opts

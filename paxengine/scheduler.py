@@ -375,6 +375,9 @@ class Scheduler:
                     return budget, True  # it preempted itself: nothing more fits
             out.num_scheduled_tokens[req.request_id] = n
             out.requests.append(req)
+            if req.state_restore >= 0:  # drafts rejected last step: start from the kept state
+                out.restore[req.request_id] = req.state_restore
+                req.state_restore = -1
             budget -= n
         return budget, False
 
@@ -482,6 +485,8 @@ class Scheduler:
         req.num_computed_tokens -= num_drafts - num_accepted
         self.kv.trim(req, req.num_computed_tokens)
         self.spec_stats.record(num_drafts, num_accepted)
+        if num_accepted < num_drafts and self.kv.verify_k:  # a hybrid's recurrent state too
+            req.state_restore = self.kv.position_slot(req, num_accepted)
 
     def _settle_chained(self, req: Request, drafts: list[int], num_accepted: int) -> None:
         """A chained row computed K drafts, the lookup's and -1s: all but the accepted roll back,

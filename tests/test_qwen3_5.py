@@ -141,10 +141,10 @@ def test_the_multimodal_checkpoint_serves_its_text_model(conditional):
 
 def test_what_is_not_implemented_yet_is_refused_by_name(causal_lm):
     path, _ = causal_lm
-    with pytest.raises(ValueError, match="speculative_config is not implemented for qwen3_5"):
+    with pytest.raises(ValueError, match="method 'draft' .* not implemented for qwen3_5"):
         LLM(
             model=str(path),
-            speculative_config={"method": "ngram", "num_speculative_tokens": 2},
+            speculative_config={"model": "default", "num_speculative_tokens": 2},
             **ENGINE,
         )
 

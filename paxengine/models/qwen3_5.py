@@ -406,6 +406,79 @@ def _delta_rule(q, k, v, g, beta, pool, qsl, init, final, snap, layer):
     return gdr.ref_chunk_gated_delta_rule(*args, snapshot_slots=snap, layer=layer)
 
 
+# -- speculative verify steps: per-position states -----------------------------------------------
+# A verify row [t, d1..dk] must leave the state at its last ACCEPTED position, which the host
+# (or the device) learns only after the step. So with step["verify_span"] = (first, P) every
+# row of at most P = k + 1 tokens (decode and verify rows; not a row that writes a prefix-cache
+# snapshot) keeps the state after each position p: p < len - 1 in slot first + home * k + p
+# (kv_cache.KVCacheManager.position_slot), the last one in its home slot as usual. When only
+# a < len - 1 drafts are accepted, the next step reads the state from position a's slot
+# (restore_slots: Scheduler._settle_drafts). These rows' delta rule runs token by token (the recurrent form keeps
+# per-position states; the chunked one does not); the others' chunked, as without speculation.
+def verify_slots(step: dict, first: int, P: int):
+    """-> (position_slots [S, P], is_verify_row [S]) of the step's rows."""
+    qsl, home = step["query_start_loc"], step["state_slots"]
+    lens = (qsl[1:] - qsl[:-1])[:, None]
+    verify = (lens[:, 0] > 0) & (lens[:, 0] <= P) & (step["snapshot_slots"] < 0) & (home >= 0)
+    p = jnp.arange(P, dtype=jnp.int32)[None, :]
+    kept = first + home[:, None] * (P - 1) + p
+    pos = jnp.where(p < lens - 1, kept, jnp.where(p == lens - 1, home[:, None], -1))
+    return jnp.where(verify[:, None], pos, -1).astype(jnp.int32), verify
+
+
+def _delta_net_verify(cfg: ModelConfig, w, x, states, li: int, step):
+    """`_delta_net` for a step that may verify drafts: verify rows (verify_slots) through the
+    recurrent form with per-position states, the other rows as `_delta_net` runs them."""
+    t = x.shape[0]
+    hk, dk = cfg.linear_num_key_heads, cfg.linear_key_head_dim
+    hv, dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
+    qsl, init, final = step["query_start_loc"], step["initial_slots"], step["state_slots"]
+    snap, pos, verify = step["snapshot_slots"], step["position_slots"], step["verify_rows"]
+    layer = jnp.int32(li)
+    mixed, z = _project(x, w, "la_qkvz", (_conv_dim(cfg), hv * dv))
+    b, a = _project(x, w, "la_ba", (hv, hv))
+    dtype = z.dtype
+    rest_final = jnp.where(verify, -1, final)  # verify rows write through position_slots
+    y, conv = gdr.ref_causal_conv1d(
+        mixed, w["la_conv"], None, states["conv"], qsl, init, rest_final, pos,
+        snapshot_slots=snap, layer=layer,
+    )  # fmt: skip
+    q, k, v = gdr.split_qkv(y.astype(dtype), hk, dk, hv, dv)
+    g, beta = gdr.gdn_gating(a, b, w["la_A_log"], w["la_dt_bias"])
+    # the verify rows first: they read their initial slots before anything here writes them
+    # (the chunked call below neither reads nor writes theirs)
+    o_v, dst, ssm = _verify_rows(q, k, v, g, beta, states["ssm"], qsl, init, pos, verify, layer)
+    rest_init = jnp.where(verify, -1, init)
+    o, ssm = _delta_rule(q, k, v, g, beta, ssm, qsl, rest_init, rest_final, snap, layer)
+    o = o.at[dst].set(o_v, mode="drop")
+    o = _gated_norm(o.astype(dtype), z.reshape(t, hv, dv), w["la_norm"], cfg.rms_norm_eps)
+    return o.reshape(t, hv * dv), {"conv": conv, "ssm": ssm}
+
+
+def _verify_rows(q, k, v, g, beta, pool, qsl, init, pos, verify, layer):
+    """The delta rule token by token over every row's first P tokens, gathered as rows of
+    exactly P (those past a row's end come after its own and write nothing), the states after
+    each position to pos. -> (outputs [S * P, Hv, dv], where they go in the step, the pool)."""
+    S, P = pos.shape
+    T = q.shape[0]
+    p = jnp.arange(P, dtype=jnp.int32)[None, :]
+    at = qsl[:-1, None] + p
+    idx = jnp.clip(at, 0, T - 1).reshape(-1)
+    mine = verify[:, None] & (at < qsl[1:, None])
+    dst = jnp.where(mine, at, T).reshape(-1)  # T: dropped
+    qsl_v = jnp.arange(S + 1, dtype=jnp.int32) * P
+    none = jnp.full((S,), -1, jnp.int32)
+    init = jnp.where(verify, init, -1)
+    args = (q[idx], k[idx], v[idx], g[idx], beta[idx], pool, qsl_v, init, none, pos)
+    if jax.default_backend() == "gpu":
+        from kernels_pallas.gated_delta import gated_delta_rule
+
+        o, pool = gated_delta_rule(*args, layer=layer, impl="recurrent")
+    else:
+        o, pool = gdr.ref_gated_delta_rule(*args, layer=layer)
+    return o, dst, pool
+
+
 def forward_step(params, cfg: ModelConfig, tokens, positions, caches, attend, step, tp=None):
     """-> (final hidden states [T, H] (normed), (KV caches, state pools)). caches: the KV pair
     of each attention layer and the state pools; step: the step's unpacked inputs
@@ -418,6 +491,10 @@ def forward_step(params, cfg: ModelConfig, tokens, positions, caches, attend, st
     slots = step["state_slots"]
     own = jnp.where(step["has_state"] > 0, slots, -1)
     step["initial_slots"] = jnp.where(step["restore_slots"] >= 0, step["restore_slots"], own)
+    delta_net = _delta_net
+    if step.get("verify_span") is not None:  # speculative decoding (verify_slots)
+        step["position_slots"], step["verify_rows"] = verify_slots(step, *step["verify_span"])
+        delta_net = _delta_net_verify
     h = params["embed"][tokens]
     rope = _rope(cfg, positions)
     eps = cfg.rms_norm_eps
@@ -434,7 +511,7 @@ def forward_step(params, cfg: ModelConfig, tokens, positions, caches, attend, st
         else:
             into = _weights(w, "la_qkvz") + _weights(w, "la_ba")
             _, x = norm_into(h, None, w["attn_norm"], eps, into)
-            o, states = _delta_net(cfg, w, x, states, lin_index[i], step)
+            o, states = delta_net(cfg, w, x, states, lin_index[i], step)
             out = w["la_out"]
         delta = linear_parts(o.astype(h.dtype), out)
         into = [w["router"]] if "router" in w else _weights(w, "w_gate_up")
