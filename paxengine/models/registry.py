@@ -26,6 +26,7 @@ ARCHITECTURES = {
     "Qwen3_5MoeForCausalLM": "qwen3_5",  # the hybrid with MoE blocks (its `num_experts`)
     "Qwen3_5MoeForConditionalGeneration": "qwen3_5",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
 }
 # config.json's model_type where `architectures` is missing
 MODEL_TYPES = {
@@ -35,6 +36,7 @@ MODEL_TYPES = {
     "qwen3_5_moe": "qwen3_5",
     "qwen3_5_moe_text": "qwen3_5",
     "qwen3_moe": "qwen3_moe",
+    "mixtral": "mixtral",
 }
 
 
