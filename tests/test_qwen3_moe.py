@@ -322,7 +322,9 @@ def test_fp8_kv_cache_calibrates_through_the_family(checkpoint):
 def parallel_runs(checkpoint, tmp_path_factory):
     """In one process of 4 CPU devices: TP 2 (each expert's channels split in two), TP 2 with
     expert parallelism (4 whole experts a device), TP 4 with it (2 experts a device, the 2 KV
-    heads copied to 4). One 32-token bucket: the 150-token prompt prefills in chunks."""
+    heads copied to 4); FP8 experts on one device and under TP 2 with expert parallelism (each
+    expert's scales on its device). One 32-token bucket: the 150-token prompt prefills in
+    chunks."""
     from devices import run_worker
 
     path, _ = checkpoint
@@ -330,10 +332,14 @@ def parallel_runs(checkpoint, tmp_path_factory):
     engine = {k: v for k, v in ENGINE.items() if k != "show_progress"}
     engine.update(model=str(path), max_num_batched_tokens=32, token_buckets=[32])
     engine.update(seq_buckets=[4], compilation_cache_dir=cache)
+    ep = dict(enable_expert_parallel=True)
     runs = [
         {"engine": dict(engine, tensor_parallel_size=2)},
-        {"engine": dict(engine, tensor_parallel_size=2, enable_expert_parallel=True)},
-        {"engine": dict(engine, tensor_parallel_size=4, enable_expert_parallel=True)},
+        {"engine": dict(engine, tensor_parallel_size=2, **ep)},
+        {"engine": dict(engine, tensor_parallel_size=4, **ep)},
+        {"engine": dict(engine, quantization="fp8")},
+        {"engine": dict(engine, quantization="fp8", tensor_parallel_size=2)},
+        {"engine": dict(engine, quantization="fp8", tensor_parallel_size=2, **ep)},
     ]
     for r in runs:
         r.update(prompts=PROMPTS, max_tokens=MAX_TOKENS)
@@ -361,6 +367,16 @@ def test_expert_parallel_equals_hf(checkpoint, parallel_runs):
         assert gate_up["spec"] == ["tp", None, None] and gate_up["shard_shape"] == [8 // n, 64, 64]
         assert down["spec"] == ["tp", None, None] and down["shard_shape"] == [8 // n, 32, 64]
     assert parallel_runs[2]["cache"]["shape"][1] == 4
+
+
+def test_fp8_experts_split_over_devices_generate_what_one_device_does(parallel_runs):
+    """FP8 expert stacks (values [E, out, in], scales [E, out]): split by channel (gate|up's
+    scales with their channels) or by expert, the tokens of the one-device FP8 engine."""
+    one, tp2, ep2 = parallel_runs[3:6]
+    assert tp2["tokens"] == one["tokens"] and ep2["tokens"] == one["tokens"]
+    assert tp2["experts"]["e_gate_up"]["spec"] == [None, "tp", None]  # values [E, 2I, H]
+    assert tp2["experts"]["e_down"]["spec"] == [None, None, "tp"]  # values [E, H, I]
+    assert ep2["experts"]["e_gate_up"]["shard_shape"] == [4, 64, 64]
 
 
 def test_expert_parallel_refusals(checkpoint):
