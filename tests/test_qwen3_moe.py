@@ -95,6 +95,28 @@ def test_grouped_experts_equal_a_dense_oracle(fused):
         np.testing.assert_allclose(np.asarray(got), _oracle(x, weights, ids, w), atol=1e-4)
 
 
+@pytest.mark.parametrize("shards", [2, 4])
+def test_expert_shards_sum_to_the_oracle(shards):
+    """Expert parallelism's local sums (`first_expert`): each shard's experts only, the pairs
+    routed elsewhere adding zero (a one-token step leaves some shards no pair at all); summed
+    over the shards (the all-reduce), the oracle."""
+    rng = np.random.default_rng(3)
+    e, h, i, k = 8, 16, 8, 2
+    w = _experts(rng, e, h, i)
+    jw = {n: jnp.asarray(a, jnp.float32) for n, a in w.items()}
+    per = e // shards
+    for t in (1, 13):
+        x = rng.normal(size=(t, h)) / np.sqrt(h)
+        ids = np.stack([rng.choice(e, size=k, replace=False) for _ in range(t)])
+        weights = rng.random((t, k))
+        args = (jnp.asarray(x, jnp.float32), jnp.asarray(weights, jnp.float32), jnp.asarray(ids))
+        got = sum(
+            moe.grouped_experts(*args, {n: a[f : f + per] for n, a in jw.items()}, first_expert=f)
+            for f in range(0, e, per)
+        )
+        np.testing.assert_allclose(np.asarray(got), _oracle(x, weights, ids, w), atol=1e-4)
+
+
 @pytest.mark.parametrize("norm", [False, True])
 def test_router_and_shared_expert_equal_the_oracle(norm):
     """softmax top-k (renormalised or not) from the router's logits, then the experts and the
