@@ -10,9 +10,11 @@ the ragged batch and the state pools (slots) they share.
         f32; snapshot_slots: a second copy of each final state, for the prefix cache; no
         position_slots) or impl="recurrent" (token by token, f32; position_slots allowed).
     gated_delta_decode(x, conv_weight, conv_bias, g, beta, conv_state, state, initial_slots,
-                       final_slots=None, position_slots=None) -> (o, conv_state, state)
+                       final_slots=None, position_slots=None, *, query_start_loc=None,
+                       snapshot_slots=None, gating=None) -> (o, conv_state, state)
         decode / verify steps: m = T / S tokens a sequence, the conv update (SiLU) fused with
-        the recurrence.
+        the recurrence; with query_start_loc any ragged small step (the model's steps of up
+        to qwen3_5.FUSED_STEP_MAX_TOKENS), with gating the g / beta of the raw a, b too.
     causal_conv1d(...)  the prefill conv with its state: the jnp oracle (gathers and a K-tap
         sum that XLA fuses; no kernel of its own, not measured).
 
@@ -285,6 +287,8 @@ def _recurrent_kernel(
     use_qk_l2norm,
     x_dtype,
     aliased_out,
+    snapshot=False,
+    gating=False,
 ):
     f32 = jnp.float32
     refs = list(refs)
@@ -300,7 +304,11 @@ def _recurrent_kernel(
     if conv:
         cs_ref = refs.pop(0)
     g_ref, b_ref = refs[:2]
-    refs = refs[2 + aliased_out + 1 :]  # past the aliased inputs
+    n_in = 2
+    if gating:  # g_ref / b_ref hold the raw projections a, b; per-head A_log and dt_bias
+        al_ref, dt_ref = refs[2:4]
+        n_in = 4
+    refs = refs[n_in + aliased_out + 1 :]  # past the aliased inputs
     o_ref, st_ref = refs[:2]
     cw_ref = refs[2] if conv else None
 
@@ -382,6 +390,11 @@ def _recurrent_kernel(
             v = v_ref[t, pl.ds(v_col, block_v)].astype(f32)
         g_t = g_ref[t, h].astype(f32)
         b_t = b_ref[t, h].astype(f32)
+        if gating:  # gated_delta_ref.gdn_gating: g = -exp(A_log) softplus(a + dt), sigmoid(b)
+            a_t = g_t + dt_ref[h].astype(f32)
+            softplus = jnp.maximum(a_t, 0.0) + jnp.log(1.0 + jnp.exp(-jnp.abs(a_t)))
+            g_t = -jnp.exp(al_ref[h].astype(f32)) * softplus
+            b_t = 1.0 / (1.0 + jnp.exp(-b_t))
         if use_qk_l2norm:
             q, k = _l2norm(q), _l2norm(k)
         q = q * scale
@@ -402,6 +415,8 @@ def _recurrent_kernel(
     else:
         st, win = lax.fori_loop(0, n, token, (st, win0))
     _store_state(st_ref, slot_out, h, vb, st, n > 0, Hv=Hv, dk=dk, block_v=block_v)
+    if snapshot:  # the prefix cache's copy (its conv window: the wrapper's scatter)
+        _store_state(st_ref, slot_ref[s, 2], h, vb, st, n > 0, Hv=Hv, dk=dk, block_v=block_v)
     if conv:
         store_windows(win, 0, n > 0)
 
@@ -566,6 +581,9 @@ def gated_delta_decode(
     final_slots=None,
     position_slots=None,
     *,
+    query_start_loc=None,
+    snapshot_slots=None,
+    gating=None,
     scale=None,
     use_qk_l2norm=True,
     layer=None,
@@ -575,15 +593,20 @@ def gated_delta_decode(
     interpret=False,
 ):
     """A decode (m = 1) or verify (m = k + 1) step of a Gated DeltaNet layer in one kernel: the
-    depthwise conv update with SiLU, then the gated delta rule, m = T / S tokens per sequence.
+    depthwise conv update with SiLU, then the gated delta rule, m = T / S tokens per sequence;
+    or, with query_start_loc [S + 1], a ragged small step (sequences of any length, token by
+    token: the model's small buckets, where a decode row may sit beside a prefill chunk).
 
-    x [S * m, C] (the in-projection's q | k | v before the conv, C = 2 Hk dk + Hv dv);
-    conv_weight [C, K]; conv_bias [C] or None; g, beta [S * m, Hv]; conv_state [N, C, K-1] and
-    state [N, Hv, dk, dv] pools (or [L, N, ...] with `layer`) sharing initial_slots /
-    final_slots [S] and position_slots [S, P] (the states after each of the first P tokens;
-    positions past m are not written). Every row has m tokens: padding rows pass -1 slots.
-    -> (o [S * m, Hv, dv] in x.dtype, conv_state, state), pools updated in place.
-    Oracle: `ref_gated_delta_decode`."""
+    x [T, C] (the in-projection's q | k | v before the conv, C = 2 Hk dk + Hv dv);
+    conv_weight [C, K]; conv_bias [C] or None; g, beta [T, Hv], or with gating = (A_log,
+    dt_bias) ([Hv] each) the raw projections a, b that `gated_delta_ref.gdn_gating` turns into
+    them (computed in the kernel); conv_state [N, C, K-1] and state [N, Hv, dk, dv] pools (or
+    [L, N, ...] with `layer`) sharing initial_slots / final_slots [S], snapshot_slots [S] (a
+    second copy of each final state and window, for the prefix cache; -1: none) and
+    position_slots [S, P] (the states after each of the first P tokens; positions past a
+    sequence's end are not written). Without query_start_loc every row has m tokens: padding
+    rows pass -1 slots. -> (o [T, Hv, dv] in x.dtype (ragged: 0 past query_start_loc[S]),
+    conv_state, state), pools updated in place. Oracle: `ref_gated_delta_decode`."""
     Hk, dk, Hv, dv = decode_dims(x, g, state, layer)
     T, C_ch = x.shape
     K = conv_weight.shape[1]
@@ -595,11 +618,12 @@ def gated_delta_decode(
     d_block_v, d_warps = decode_tuning(S)
     block_v = _block_v(block_v, dv, d_block_v)
     num_warps = num_warps or d_warps
-    if T % S:
+    ragged = query_start_loc is not None
+    if not ragged and T % S:
         raise ValueError(f"x has {T} tokens, not a multiple of the {S} sequences")
-    m = T // S
-    pool, unflat, init_s, fin_s, pos_s = flat_pool(
-        state, layer, initial_slots, final_slots, position_slots, per_slot_ndim=3
+    m = 0 if ragged else T // S
+    pool, unflat, init_s, fin_s, pos_s, snap_s = flat_pool(
+        state, layer, initial_slots, final_slots, position_slots, snapshot_slots, per_slot_ndim=3
     )
     cpool, cunflat, *_ = flat_pool(conv_state, layer, per_slot_ndim=2)
     _check_pool_size(pool)
@@ -627,12 +651,28 @@ def gated_delta_decode(
         scale=float(dk**-0.5 if scale is None else scale),
         use_qk_l2norm=bool(use_qk_l2norm),
         x_dtype=x.dtype,
-        aliased_out=False,
+        aliased_out=ragged,
+        snapshot=snap_s is not None,
+        gating=gating is not None,
     )
     st2 = pool.reshape(N * Hv * dk, dv)
-    slots = _slots(init_s, fin_s)
-    args = (slots,) + ((pos_s.reshape(-1),) if P else ())
-    args += (x, conv_weight.reshape(-1), conv_bias, cpool.reshape(-1), g, beta, st2)
+    slots = _slots(init_s, fin_s, snap_s)
+    if ragged:
+        qsl = jnp.asarray(query_start_loc, jnp.int32)
+        lens = qsl[1:] - qsl[:-1]
+        args = (qsl, slots)
+    else:
+        lens = jnp.full((S,), m, jnp.int32)
+        args = (slots,)
+    args += (pos_s.reshape(-1),) if P else ()
+    args += (x, conv_weight.reshape(-1), conv_bias, cpool.reshape(-1), g, beta)
+    args += tuple(gating or ())
+    # ragged: tokens no sequence owns are zeros (the output starts zeroed and is aliased in)
+    args += (jnp.zeros((T, Hv * dv), x.dtype),) if ragged else ()
+    args += (st2,)
+    aliases = {len(args) - 1: 1}
+    if ragged:
+        aliases[len(args) - 2] = 0
     o, st2, cw = pl.pallas_call(
         kernel,
         grid=(S, Hv, dv // block_v),
@@ -641,18 +681,23 @@ def gated_delta_decode(
             jax.ShapeDtypeStruct(st2.shape, st2.dtype),
             jax.ShapeDtypeStruct((S * (1 + P) * C_ch * (K - 1),), cpool.dtype),
         ],
-        input_output_aliases={len(args) - 1: 1},
+        input_output_aliases=aliases,
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name=f"gated_delta_decode_m{m}_v{block_v}",
     )(*args)
     # the new conv windows into the pool: one scatter (after the kernel has read the pool)
-    dst = slots[:, 1:]
-    write = jnp.ones((S, 1), bool)
+    cw = cw.reshape(S, 1 + P, C_ch, K - 1)
+    has = lens > 0
+    dst, win, write = [slots[:, 1]], [cw[:, 0]], [has]
+    if snap_s is not None:
+        dst, win, write = dst + [slots[:, 2]], win + [cw[:, 0]], write + [has]
     if P:
-        dst = jnp.concatenate([dst, pos_s], axis=1)
-        write = jnp.concatenate([write, jnp.arange(P)[None, :] < jnp.full((S, 1), m)], axis=1)
-    cpool = scatter_slots(cpool, dst.reshape(-1), cw.reshape(-1, C_ch, K - 1), write.reshape(-1))
+        dst.append(pos_s.reshape(-1))
+        win.append(cw[:, 1:].reshape(S * P, C_ch, K - 1))
+        write.append((jnp.arange(P)[None, :] < lens[:, None]).reshape(-1))
+    cat = functools.partial(jnp.concatenate, axis=0)
+    cpool = scatter_slots(cpool, cat(dst), cat(win), cat(write))
     return o.reshape(T, Hv, dv), cunflat(cpool), unflat(st2.reshape(pool.shape))
 
 

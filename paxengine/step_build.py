@@ -124,6 +124,14 @@ def xla_compile_options() -> dict | None:
     return opts
 
 
+def compile_workers() -> int:
+    """Threads compiling step executables side by side: half the CPUs, at most 8, or
+    PAXENGINE_COMPILE_WORKERS (an A/B knob: XLA autotunes each GEMM on the GPU while it compiles,
+    and compiles side by side time their candidates at the same time)."""
+    raw = os.environ.get("PAXENGINE_COMPILE_WORKERS", "").strip()
+    return int(raw) if raw else min((os.cpu_count() or 1) // 2, 8)
+
+
 def smallest_holding(pairs, n: int) -> tuple[int, int] | None:
     """The smallest (T, S) bucket with n tokens and n sampled rows (a chained step's shape)."""
     return min((p for p in pairs if p[0] >= n and p[1] >= n), default=None)
@@ -283,7 +291,7 @@ class StepBuilder:
 
     def _build(self, jobs, done) -> None:
         store = self.runner.store
-        workers = max(1, min(len(jobs), (os.cpu_count() or 1) // 2, 8))
+        workers = max(1, min(len(jobs), compile_workers()))
         prefix = threading.current_thread().name  # the background's compiles are its own
         no_jax_cache = bypassing_jax_cache() if store is not None else nullcontext()
         with no_jax_cache, ThreadPoolExecutor(workers, thread_name_prefix=prefix) as pool:

@@ -99,6 +99,20 @@ def test_chunked_prefill_and_n_equal_hf(causal_lm):
     assert sorted(llm.engine.kv.free_slots) == list(range(ENGINE["max_num_seqs"]))
 
 
+def test_the_fused_kernel_in_the_model_equals_hf(causal_lm, monkeypatch):
+    """The DeltaNet layers through the Pallas kernel the GPU runs in small steps (interpret
+    mode): conv, gating and recurrence in one kernel over 32-token chunked prefills and decode
+    rows side by side; then the same prompts again, restored from prefix-cache snapshots the
+    kernel wrote."""
+    monkeypatch.setenv("PAXENGINE_KERNEL_GDN", "interpret")
+    path, want = causal_lm
+    llm = LLM(model=str(path), **dict(ENGINE, max_num_batched_tokens=32))
+    assert [o[0] for o in _greedy(llm)] == want
+    hits = llm.engine.kv.prefix_hits
+    assert [o[0] for o in _greedy(llm)] == want
+    assert llm.engine.kv.prefix_hits > hits
+
+
 def test_preemption_recomputes_the_state(causal_lm):
     path, want = causal_lm
     # 14 blocks of 16 tokens cannot hold the three prompts' 229 + 30 tokens at once

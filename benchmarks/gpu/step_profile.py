@@ -45,12 +45,15 @@ def kernel_times(xplane: str) -> tuple[dict, float]:
     return dict(per), max(hi - lo, 0.0)
 
 
-def big_copies(compiled: dict, hlo_dir: str) -> dict:
-    """Each executable's HLO written to hlo_dir; -> {bucket: the copies of over 1 MiB}."""
+def big_copies(compiled: dict, hlo_dir: str) -> tuple[dict, dict]:
+    """Each executable's HLO written to hlo_dir; -> ({bucket: the copies of over 1 MiB},
+    {bucket: its GEMMs by kind, cuBLAS or XLA's Triton})."""
     import os
 
+    from benchmarks.gpu import gemm_probe
+
     os.makedirs(hlo_dir, exist_ok=True)
-    res = {}
+    res, gemms = {}, {}
     for key, exe in compiled.items():
         txt = exe.as_text()
         with open(f"{hlo_dir}/step_{key[0]}_{key[1]}.hlo.txt", "w") as f:
@@ -62,7 +65,8 @@ def big_copies(compiled: dict, hlo_dir: str) -> dict:
             if n * 2 > 1 << 20:
                 found.append(f"{m.group(1)} {m.group(2)}{dims} <- {m.group(4)}")
         res[f"{key[0]}x{key[1]}"] = found[:40]
-    return res
+        gemms[f"{key[0]}x{key[1]}"] = gemm_probe.kinds(txt)
+    return res, gemms
 
 
 def family(op: str) -> str:
@@ -107,7 +111,7 @@ def main(argv=None) -> int:
         sum(a.nbytes for a in jax.tree.leaves(llm.engine.runner.state)) / 2**30, 2
     )
     if a.hlo_dir:
-        out["big_copies"] = big_copies(llm.engine.runner.compiled, a.hlo_dir)
+        out["big_copies"], out["gemm_kinds"] = big_copies(llm.engine.runner.compiled, a.hlo_dir)
     print(json.dumps(out), flush=True)
     rng = np.random.default_rng(0)
 

@@ -19,6 +19,7 @@ with a leading layer axis ([L_linear, slots, ...]), written in place by the kern
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 import jax
@@ -366,6 +367,29 @@ def _gated_norm(o, z, weight, eps):
     return (y * jax.nn.silu(z.astype(jnp.float32))).astype(o.dtype)
 
 
+def gdn_kernels() -> str:
+    """How the DeltaNet layers run: "gpu" (the Pallas kernels), "interpret" (the same kernels
+    in interpret mode, PAXENGINE_KERNEL_GDN=interpret: tests of the model's use of them on a
+    CPU) or "oracle" (gated_delta_ref's jnp, the CPU default)."""
+    mode = os.environ.get("PAXENGINE_KERNEL_GDN", "auto")
+    if mode not in ("auto", "interpret", "oracle"):
+        raise ValueError(f"PAXENGINE_KERNEL_GDN must be auto, interpret or oracle, got {mode!r}")
+    if mode == "auto":
+        return "gpu" if jax.default_backend() == "gpu" else "oracle"
+    return mode
+
+
+def fused_step_max_tokens() -> int:
+    """Steps of up to this many tokens run a DeltaNet layer's conv, gating and recurrence as one
+    kernel, token by token (`gated_delta_decode` ragged): the decode buckets, where the XLA conv
+    and gating cost ~20 launches a layer. PAXENGINE_KERNEL_GDN_FUSED_MAX_TOKENS overrides it
+    (0: never)."""
+    return int(os.environ.get("PAXENGINE_KERNEL_GDN_FUSED_MAX_TOKENS", FUSED_STEP_MAX_TOKENS))
+
+
+FUSED_STEP_MAX_TOKENS = 64
+
+
 def _delta_net(cfg: ModelConfig, w, x, states, li: int, step):
     """One Gated DeltaNet layer over the step's ragged batch; its state pools are read at each
     row's initial slot and written at its final one."""
@@ -378,6 +402,28 @@ def _delta_net(cfg: ModelConfig, w, x, states, li: int, step):
     mixed, z = _project(x, w, "la_qkvz", (_conv_dim(cfg), hv * dv))
     b, a = _project(x, w, "la_ba", (hv, hv))
     dtype = z.dtype
+    kernels = gdn_kernels()
+    if kernels != "oracle" and t <= fused_step_max_tokens():
+        from kernels_pallas.gated_delta import gated_delta_decode
+
+        o, conv, ssm = gated_delta_decode(
+            mixed,
+            w["la_conv"],
+            None,
+            a,
+            b,
+            states["conv"],
+            states["ssm"],
+            init,
+            final,
+            query_start_loc=qsl,
+            snapshot_slots=snap,
+            gating=(w["la_A_log"], w["la_dt_bias"]),
+            layer=layer,
+            interpret=kernels == "interpret",
+        )
+        o = _gated_norm(o, z.reshape(t, hv, dv), w["la_norm"], cfg.rms_norm_eps)
+        return o.reshape(t, hv * dv), {"conv": conv, "ssm": ssm}
     y, conv = gdr.ref_causal_conv1d(
         mixed,
         w["la_conv"],
@@ -399,10 +445,12 @@ def _delta_net(cfg: ModelConfig, w, x, states, li: int, step):
 def _delta_rule(q, k, v, g, beta, pool, qsl, init, final, snap, layer):
     """The chunked gated delta rule: the Pallas kernel on a GPU, its jnp oracle elsewhere."""
     args = (q, k, v, g, beta, pool, qsl, init, final)
-    if jax.default_backend() == "gpu":
+    kernels = gdn_kernels()
+    if kernels != "oracle":
         from kernels_pallas.gated_delta import gated_delta_rule
 
-        return gated_delta_rule(*args, snapshot_slots=snap, layer=layer)
+        interpret = kernels == "interpret"
+        return gated_delta_rule(*args, snapshot_slots=snap, layer=layer, interpret=interpret)
     return gdr.ref_chunk_gated_delta_rule(*args, snapshot_slots=snap, layer=layer)
 
 

@@ -13,9 +13,11 @@ import pytest
 from kernels_pallas.gated_delta import causal_conv1d, gated_delta_decode, gated_delta_rule
 from kernels_pallas.gated_delta_ref import (
     gdn_gating,
+    ref_causal_conv1d,
     ref_chunk_gated_delta_rule,
     ref_gated_delta_decode,
     ref_gated_delta_rule,
+    split_qkv,
 )
 from kernels_pallas.lowering import lower_for_cuda
 
@@ -565,6 +567,56 @@ def test_decode_kernel_against_oracle(case, verify_step):
     _close(got[2], want[2], jnp.float32)
 
 
+def test_ragged_fused_step_against_oracles():
+    """The model's small steps (query_start_loc): rows of 1, 5, 0 and 2 tokens, an empty
+    padding row and padding tokens, the gating computed in the kernel from the raw a, b, a
+    snapshot copy of two rows' final states and windows (one row passes -1, the empty one has a
+    slot: nothing written), a layer of a stacked bf16 pool; against the conv oracle, gdn_gating
+    and the recurrent oracle."""
+    rng = np.random.default_rng(11)
+    lens, T, L = [1, 5, 0, 2], 10, 2
+    Hk, Hv, dk, dv, K = 2, 4, 16, 32, 4
+    C, N = 2 * Hk * dk + Hv * dv, 16
+    qsl = jnp.asarray(np.concatenate([[0], np.cumsum(lens), [sum(lens)]]), jnp.int32)
+    init = jnp.asarray([3, -1, 5, 7, 0], jnp.int32)  # row 1 new, row 4 padding
+    fin = jnp.asarray([3, 9, 5, 7, 0], jnp.int32)
+    snap = jnp.asarray([11, -1, 12, 13, -1], jnp.int32)
+    bf = jnp.bfloat16
+    x = jnp.asarray(rng.standard_normal((T, C)), bf)
+    w = jnp.asarray(rng.standard_normal((C, K)) * 0.5, bf)
+    a, b = (jnp.asarray(rng.standard_normal((T, Hv)), bf) for _ in range(2))
+    A_log = jnp.asarray(np.log(rng.uniform(0.01, 4.0, Hv)), jnp.float32)
+    dt = jnp.asarray(rng.standard_normal(Hv), jnp.float32)
+    conv = jnp.asarray(rng.standard_normal((L, N, C, K - 1)), bf)
+    state = jnp.asarray(rng.standard_normal((L, N, Hv, dk, dv)) * 0.5, bf)
+    layer = jnp.int32(1)
+    slots = dict(snapshot_slots=snap, layer=layer)
+
+    def oracle(x, a, b, conv, state):
+        y, conv = ref_causal_conv1d(x, w, None, conv, qsl, init, fin, **slots)
+        q, k, v = split_qkv(y, Hk, dk, Hv, dv)
+        g, beta = gdn_gating(a, b, A_log, dt)
+        o, state = ref_chunk_gated_delta_rule(q, k, v, g, beta, state, qsl, init, fin, **slots)
+        return o, conv, state
+
+    def kernel(x, a, b, conv, state):
+        kw = dict(query_start_loc=qsl, gating=(A_log, dt), interpret=True, **slots)
+        return gated_delta_decode(x, w, None, a, b, conv, state, init, fin, **kw)
+
+    want = jax.jit(oracle)(x, a, b, conv, state)
+    got = jax.jit(kernel, donate_argnums=(3, 4))(x, a, b, jnp.array(conv), jnp.array(state))
+    o, o_want = _f(got[0]), _f(want[0])
+    assert got[0].dtype == bf and not o[sum(lens) :].any()
+    assert np.linalg.norm(o - o_want) < 1e-2 * np.linalg.norm(o_want)
+    assert (_f(got[1]) == _f(want[1])).all()  # the conv windows: copies of inputs
+    np.testing.assert_allclose(_f(got[2]), _f(want[2]), rtol=2.0**-6, atol=2e-2)
+    written = [3, 9, 7, 11, 13]  # final slots of rows with tokens, their snapshots
+    for new, old in ((got[1], conv), (got[2], state)):
+        assert (_f(new)[0] == _f(old)[0]).all()  # the other layer
+        _untouched(new[1], old[1], written)
+    assert (_f(got[2])[1, 11] == _f(got[2])[1, 3]).all()  # a snapshot equals its final state
+
+
 def test_input_checks():
     b = _batch([3, 1], T=4, S=2)
     a = _args(b)
@@ -612,6 +664,9 @@ LOWER = {
     "decode_b256": dict(kind="decode", T=256, S=256, **QWEN35_9B),
     "verify_b16_m4": dict(kind="decode", T=64, S=16, P=4, **QWEN35_9B),
     "decode_hv48_stacked": dict(kind="decode", T=8, S=8, Hk=16, Hv=48, dk=128, dv=128, L=3),
+    # the model's small ragged steps: gating in the kernel, snapshot copies, a stacked pool
+    "fused_ragged_64x8": dict(kind="fused", T=64, S=8, L=24, **QWEN35_9B),
+    "fused_ragged_1x8": dict(kind="fused", T=1, S=8, L=24, **QWEN35_9B),
 }
 
 
@@ -627,8 +682,14 @@ def test_lowers_for_cuda(name):
     slots = [sd((S,), i32), sd((S,), i32)] + ([sd((S, P), i32)] if P else [])
     gb = [sd((T, Hv), f32), sd((T, Hv), f32)]
     state = sd(lead + (N, Hv, dk, dv), f32)
-    if kind == "decode":
+    if kind in ("decode", "fused"):
         C = 2 * Hk * dk + Hv * dv
+        if kind == "fused":  # raw a, b (bf16), the per-head gating weights, qsl and snapshots
+            gb = [sd((T, Hv), bf16), sd((T, Hv), bf16)]
+            state = sd(lead + (N, Hv, dk, dv), bf16)
+            heads = jnp.zeros((Hv,), f32)
+            c.update(gating=(heads, heads), query_start_loc=jnp.zeros((S + 1,), i32))
+            c["snapshot_slots"] = jnp.zeros((S,), i32)
 
         def fn(x, w, g, beta, conv, st, *sl):
             return gated_delta_decode(x, w, None, g, beta, conv, st, *sl, **layer, **c)

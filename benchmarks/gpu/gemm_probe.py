@@ -1,0 +1,76 @@
+"""Which GEMM XLA picks for the decode step's bf16 projections, and how fast each choice is:
+x [M, K] @ w [K, N] under jit, several distinct weights a call (no L2 reuse), compiled with
+XLA's defaults and with its Triton GEMMs off; prints device-bound us a GEMM, TB/s of weight
+bytes and the kind of kernel in the optimized HLO (cuBLAS custom call or Triton fusion).
+
+    python3 -m benchmarks.gpu.gemm_probe [--json OUT] [--m 1 8]
+
+Shapes: the Qwen3.5-9B decode projections (benchmarks/gpu/models/qwen35_9b.json) and its LM
+head. Issue #54: the step profile showed every projection as an XLA Triton GEMM at ~2.0 TB/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import time
+
+SHAPES = {  # name: (K, N)
+    "gate_up": (4096, 24576),
+    "down": (12288, 4096),
+    "la_qkvz": (4096, 12288),
+    "out": (4096, 4096),
+    "attn_qkv": (4096, 10240),
+    "lm_head": (4096, 248320),
+}
+VARIANTS = {"default": {}, "no_triton_gemm": {"xla_gpu_enable_triton_gemm": False}}
+
+
+def kinds(txt: str) -> dict:
+    return {
+        "cublas": len(re.findall(r'custom_call_target="__cublas', txt)),
+        "triton_gemm": len(re.findall(r"__triton_gemm", txt)),
+        "triton_configs": sorted(set(re.findall(r'"triton_gemm_config":\{[^}]*\}', txt)))[:3],
+    }
+
+
+def probe(K: int, N: int, M: int, opts: dict) -> dict:
+    import jax
+    import jax.numpy as jnp
+
+    n = max(2, min(8, int(1.6e9 // (K * N * 2))))  # ~1.6 GB of weights a call
+    ws = [jax.random.normal(jax.random.key(i), (K, N), jnp.bfloat16) for i in range(n)]
+    x = jnp.ones((M, K), jnp.bfloat16)
+    exe = jax.jit(lambda x, ws: [x @ w for w in ws]).lower(x, ws).compile(opts or None)
+    for _ in range(3):
+        jax.block_until_ready(exe(x, ws))
+    reps = 30
+    t = time.perf_counter()
+    for _ in range(reps):
+        out = exe(x, ws)
+    jax.block_until_ready(out)
+    us = (time.perf_counter() - t) / reps / n * 1e6
+    return {"us": round(us, 1), "tb_s": round(K * N * 2 / us / 1e6, 2), **kinds(exe.as_text())}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--m", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--json")
+    a = p.parse_args(argv)
+    rows = []
+    for name, (K, N) in SHAPES.items():
+        for M in a.m:
+            for v, opts in VARIANTS.items():
+                r = {"shape": name, "K": K, "N": N, "M": M, "variant": v, **probe(K, N, M, opts)}
+                rows.append(r)
+                print(json.dumps(r), flush=True)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
