@@ -323,7 +323,7 @@ def verify_slots(cfg: EngineConfig, model_config, spec) -> int:
 
 # the speculative methods a model with recurrent layers runs: their verify steps roll the state
 # back (verify_slots); a draft model or an EAGLE-3 head would need per-model states of their own
-HYBRID_SPEC_METHODS = ("ngram",)
+HYBRID_SPEC_METHODS = ("ngram", "mtp")
 
 
 def check_hybrid(cfg: EngineConfig, checked: Checked, model_config, spec) -> None:
@@ -350,8 +350,9 @@ def check_hybrid(cfg: EngineConfig, checked: Checked, model_config, spec) -> Non
 
 
 def _spec_runs(model_config, spec) -> bool:
-    """Qwen3-MoE (no recurrent layers) is not tested with speculation yet."""
-    if spec is None:
+    """Qwen3-MoE (no recurrent layers) is not tested with speculation yet; load_mtp refuses
+    MTP for other models by name."""
+    if spec is None or spec.method == "mtp":
         return True
     return bool(model_config.recurrent_layers) and spec.method in HYBRID_SPEC_METHODS
 
@@ -368,7 +369,7 @@ class Models:
     tokenizer: object
     eos_token_ids: list[int]
     draft: object  # speculative_config's draft model, or None
-    eagle: object  # its EAGLE-3 speculator, or None
+    eagle: object  # its EAGLE-3 speculator or MTP layer (mtp.MtpHead), or None
     load_seconds: float
 
 
@@ -402,6 +403,10 @@ def load_models(cfg: EngineConfig, checked: Checked, spec) -> Models:
         from paxengine.spec_decode.eagle3 import load_eagle3
 
         eagle = load_eagle3(cfg, spec, loaded.config)
+    elif spec is not None and spec.method == "mtp":  # the checkpoint's own MTP layer
+        from paxengine.spec_decode.mtp import load_mtp
+
+        eagle = load_mtp(cfg, loaded.config)
     return Models(loaded, tokenizer, eos, draft, eagle, load_seconds)
 
 
@@ -428,14 +433,19 @@ def make_drafter(
         from paxengine.spec_decode.draft_model import DraftProposer
 
         drafter = DraftProposer(draft, spec, layer_loop=cfg.layer_loop, **shared)
+    elif spec.method == "mtp":  # one layer of KV, the target's embedding and LM head
+        from paxengine.spec_decode.mtp import MtpProposer
+
+        drafter = MtpProposer(eagle, runner, spec, **shared)
     else:  # one layer of KV
         from paxengine.spec_decode.eagle3 import Eagle3Proposer
 
         drafter = Eagle3Proposer(eagle, runner, spec, **shared)
+    kind = {"draft": "draft model", "eagle3": "EAGLE-3 speculator", "mtp": "MTP layer of"}
     log.info(
         "%s %s: %d step executables (%d compiled, the rest shared or stored)",
-        "draft model" if draft is not None else "EAGLE-3 speculator",
-        spec.model,
+        kind[spec.method],
+        spec.model or cfg.model,
         drafter.num_executables,
         drafter.compiles,
     )

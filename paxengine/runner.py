@@ -124,7 +124,7 @@ class Runner:
         self.plp_compiled: dict[int, object] = {}  # T -> prompt-logprob executable
         self.hidden_dtype = jnp.dtype(params["final_norm"].dtype)
         self.params = parallel.shard_params(params, tp) if tp is not None else params
-        if aux is not None:
+        if aux is not None and aux.proj is not None:
             self.params = {**self.params, "aux_proj": aux.proj}
         self.block_size = block_size
         self.max_blocks_per_seq = -(-max_model_len // block_size)
@@ -242,7 +242,15 @@ class Runner:
 
     def _model(self, params, kv_cache, tokens, positions, md, logits_indices, step=None):
         attend = PagedAttend(md, self.backend, self.cfg, fused_rope=self.tp is None)
-        if self.aux is not None:  # (KV, aux cache): every token's projected aux states, by slot
+        if self.aux is not None and not self.aux.layers:  # an MTP head's: the final hidden
+            kv_cache, aux_cache = kv_cache
+            hidden, kv_cache = self.family.forward_step(
+                params, self.cfg, tokens, positions, kv_cache, attend, step, tp=self.tp
+            )
+            slots = jnp.where(md.slot_mapping < 0, aux_cache.shape[0], md.slot_mapping)
+            aux_cache = aux_cache.at[slots].set(hidden.astype(aux_cache.dtype), mode="drop")
+            kv_cache = (kv_cache, aux_cache)
+        elif self.aux is not None:  # (KV, aux cache): every token's projected aux states, by slot
             kv_cache, aux_cache = kv_cache
             hidden, kv_cache, aux = forward_hidden(
                 params, self.cfg, tokens, positions, kv_cache, attend, aux_layers=self.aux.layers
@@ -334,14 +342,13 @@ class Runner:
     def _caches(self):
         """What the forward donates and returns: the KV cache, with the aux cache if kept, or
         with the recurrent layers' state pools."""
-        if self.aux is not None:
-            return (self.kv_cache, self.aux_cache)
-        return (self.kv_cache, self.state) if self.state else self.kv_cache
+        base = (self.kv_cache, self.state) if self.state else self.kv_cache
+        return (base, self.aux_cache) if self.aux is not None else base
 
     def _set_caches(self, caches) -> None:
         if self.aux is not None:
-            self.kv_cache, self.aux_cache = caches
-        elif self.state:
+            caches, self.aux_cache = caches
+        if self.state:
             self.kv_cache, self.state = caches
         else:
             self.kv_cache = caches
@@ -457,17 +464,21 @@ class Runner:
 class AuxHidden:
     """What a target runner keeps for an EAGLE-3 speculator (spec_decode/eagle3.py): the
     residual stream entering `layers` for every token of every step, concatenated and projected
-    by `proj` ([len(layers) * H, width], the speculator's fc), written at the token's KV slot
+    by `proj` ([len(layers) * H, width], the speculator's fc), or with no layers (and proj None)
+    the family's final (normed) hidden state, which an MTP head reads (spec_decode/mtp.py),
+    written at the token's KV slot
     into an aux cache [num_slots, width]. It lives beside the KV pages and is as valid as they
     are (prefix-cache hits, rejected drafts and preemption included), so the speculator reads a
     position's input from the slot of that position."""
 
     layers: tuple[int, ...]
-    proj: jax.Array
+    proj: jax.Array | None
     dtype: object
+    width: int = 0  # without proj: the hidden size
 
     def allocate(self, num_slots: int) -> jax.Array:
-        return jnp.zeros((num_slots, self.proj.shape[-1]), self.dtype)
+        width = self.proj.shape[-1] if self.proj is not None else self.width
+        return jnp.zeros((num_slots, width), self.dtype)
 
 
 _APART = ("history", "mask")  # SamplingTensors' arrays the sampler takes unpacked

@@ -3,6 +3,7 @@ state after each verified position, so a rejected draft rolls the state back. Gr
 equal the engine's without speculation on a tiny random checkpoint written by transformers,
 with prompts that repeat (n-gram drafts accepted and rejected)."""
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -23,13 +24,18 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2}
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
+def target(tmp_path_factory):
     torch.manual_seed(0)
     model = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**TEXT)).float()
     _perturb(model)
     path = tmp_path_factory.mktemp("qwen3_5_spec")
     model.save_pretrained(path)
-    return path
+    return path, model.eval()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(target):
+    return target[0]
 
 
 def _greedy(llm, prompts=PROMPTS):
@@ -37,10 +43,75 @@ def _greedy(llm, prompts=PROMPTS):
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
+class _Mtp(torch.nn.Module):
+    """Qwen3.5's MTP layer in torch (vLLM's qwen3_5_mtp.py: its parameter names are the
+    checkpoint's `mtp.*`), over HF's own decoder layer, RMSNorm and RoPE: the reference."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        m = transformers.models.qwen3_5.modeling_qwen3_5
+        h, eps = cfg.hidden_size, cfg.rms_norm_eps
+        one = transformers.Qwen3_5TextConfig(
+            **dict(TEXT, num_hidden_layers=1, layer_types=["full_attention"])
+        )
+        one._attn_implementation = "eager"
+        self.fc = torch.nn.Linear(2 * h, h, bias=False)
+        self.pre_fc_norm_embedding = m.Qwen3_5RMSNorm(h, eps)
+        self.pre_fc_norm_hidden = m.Qwen3_5RMSNorm(h, eps)
+        self.layers = torch.nn.ModuleList([m.Qwen3_5DecoderLayer(one, 0)])
+        self.norm = m.Qwen3_5RMSNorm(h, eps)
+        self._rope = [m.Qwen3_5TextRotaryEmbedding(one)]  # a list: not a checkpoint tensor
+
+    def forward(self, emb, hidden):
+        """emb, hidden [n, H] (token p + 1's embedding, the target's hidden state at p) ->
+        the normed outputs [n, H], positions 0..n-1, causal."""
+        n = emb.shape[0]
+        x = torch.cat([self.pre_fc_norm_embedding(emb), self.pre_fc_norm_hidden(hidden)], -1)
+        x = self.fc(x)[None]
+        pos = torch.arange(n)[None]
+        mask = torch.full((n, n), float("-inf")).triu(1)[None, None]
+        x = self.layers[0](x, self._rope[0](x, pos), attention_mask=mask, position_ids=pos)
+        return self.norm(x)[0]
+
+
+def _write_mtp(src, dst, target, plain_tokens):
+    """A copy of the checkpoint with an MTP layer (`_Mtp`'s weights as mtp.*) crafted to draft
+    well inside the loop the second prompt's answer falls into, so drafts are accepted and
+    rejected: fc reads only the embedding and maps each loop token's to the LM head row of the
+    token after it; attention, MLP and the norms are small random terms that run without
+    deciding the drafts."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    torch.manual_seed(2)
+    mtp = _Mtp(target.config).float()
+    with torch.no_grad():
+        for name, p in mtp.named_parameters():
+            p.copy_(torch.randn_like(p) * (0.1 if "norm" in name else 0.02))
+        loop = plain_tokens[-10:]
+        nxt = {a: b for a, b in zip(loop, loop[1:])}
+        e = mtp.pre_fc_norm_embedding(target.model.embed_tokens.weight[list(nxt)]).T
+        u = target.lm_head.weight[list(nxt.values())].T
+        mtp.fc.weight.zero_()
+        mtp.fc.weight[:, : e.shape[0]] = u @ torch.linalg.pinv(e)
+    shutil.copytree(src, dst)
+    tensors = {"mtp." + k: v.contiguous() for k, v in mtp.state_dict().items()}
+    save_file(tensors, str(dst / "mtp.safetensors"))
+    return dst, mtp
+
+
 @pytest.fixture(scope="module")
 def plain(checkpoint):
     llm = LLM(model=str(checkpoint), **dict(ENGINE, max_num_batched_tokens=64))
     return [_greedy(llm, [p])[0] for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def mtp(target, plain, tmp_path_factory):
+    """(checkpoint with MTP weights, the torch MTP layer)."""
+    path, model = target
+    return _write_mtp(path, tmp_path_factory.mktemp("mtp") / "q35", model, plain[1])
 
 
 def _assert_slots_back(llm):
@@ -77,19 +148,107 @@ def test_ngram_with_preemption_equals_plain(checkpoint, plain):
     _assert_slots_back(llm)
 
 
-def test_serve_with_speculative_config_equals_plain(checkpoint, plain):
+MTP = {"method": "mtp", "num_speculative_tokens": 2}
+
+
+def _reference_round(target, mtp, tokens, k):
+    """The torch MTP layer's k greedy drafts after `tokens` and their logits: position p reads
+    the target's final hidden state at p and token p + 1; later drafts its own output."""
+    with torch.no_grad():
+        hidden = target.model(torch.tensor([tokens])).last_hidden_state[0, :-1]
+        ids, logits = list(tokens[1:]), []
+        for _ in range(k):
+            out = mtp(target.model.embed_tokens(torch.tensor(ids)), hidden)
+            logits.append(target.lm_head(out[-1]).numpy())
+            ids.append(int(np.argmax(logits[-1])))
+            hidden = torch.cat([hidden, out[-1:]])
+    return ids[len(tokens) - 1 :], logits
+
+
+def test_mtp_greedy_equals_plain_and_drafts_equal_torch(target, mtp, plain):
+    """The checkpoint's MTP layer drafts (chained on the device: its KV in the target's
+    blocks, its own output fed back for the second draft): each round's logits and drafts
+    equal the torch layer's over transformers' hidden states (its KV right after rollbacks);
+    greedy tokens equal the plain engine's, one by one and batched."""
+    path, model = target
+    llm = LLM(model=str(mtp[0]), speculative_config=MTP, **dict(ENGINE, max_num_batched_tokens=64))
+    d = llm.engine.drafter
+    assert type(d).__name__ == "MtpProposer"
+    rounds, execute, prepare = [], d.runner.execute, d.prepare
+
+    def record_execute(arrays, st=None):
+        ids, logits = execute(arrays, st)
+        rounds[-1][1].append(np.asarray(logits)[0])
+        return ids, logits
+
+    def record_prepare(scheduler):
+        rounds.append((scheduler.running[0].all_token_ids, []))
+        prepare(scheduler)
+
+    d.runner.execute, d.prepare = record_execute, record_prepare
+    try:
+        assert _greedy(llm, PROMPTS[1:2]) == plain[1:2]
+    finally:
+        del d.runner.execute, d.prepare
+    rounds = [r for r in rounds if r[1]]
+    assert len(rounds) >= 10
+    for tokens, logits in rounds[::4]:  # a few: the reference recomputes the whole sequence
+        want_drafts, want_logits = _reference_round(model, mtp[1], tokens, len(logits))
+        np.testing.assert_allclose(np.stack(logits), np.stack(want_logits), rtol=1e-3, atol=1e-3)
+        assert [int(np.argmax(lg)) for lg in logits] == want_drafts
+    assert [_greedy(llm, [p])[0] for p in PROMPTS] == plain
+    stats = llm.engine.stats()
+    drafted, accepted = (
+        stats["spec_decode_num_draft_tokens"],
+        stats["spec_decode_num_accepted_tokens"],
+    )
+    assert 0 < accepted < drafted, stats
+    assert stats["spec_decode_num_accepted_tokens_per_pos"][1] > 0  # the fed-back second draft
+    assert _greedy(llm) == plain
+    _assert_slots_back(llm)
+
+
+@pytest.mark.parametrize(
+    "spec, match",
+    [
+        (
+            {"method": "mtp", "num_speculative_tokens": 0},
+            r"num_speculative_tokens must be in \[1, 16\]",
+        ),
+        (
+            {"method": "mtp", "num_speculative_tokens": 17},
+            r"num_speculative_tokens must be in \[1, 16\]",
+        ),
+        (
+            {"method": "mtp", "num_speculative_tokens": 2, "model": "x"},
+            "unknown keys \\['model'\\]",
+        ),
+        (MTP, "no MTP weights \\(no mtp.\\* tensors"),
+    ],
+)
+def test_mtp_refusals_name_the_fault(checkpoint, spec, match):
+    with pytest.raises(ValueError, match=match):
+        LLM(model=str(checkpoint), speculative_config=spec, **ENGINE)
+
+
+@pytest.mark.parametrize("spec", [NGRAM, MTP], ids=["ngram", "mtp"])
+def test_serve_with_speculative_config_equals_plain(request, spec, plain):
     """`paxengine serve DIR --speculative-config JSON` as a user starts it (engine process,
-    background compile): a completion's tokens equal the plain engine's."""
+    background compile): a completion's tokens equal the plain engine's, drafts accepted."""
     import json
 
     import httpx
     from served import served
     from test_qwen3_5 import _write_tokenizer
 
-    _write_tokenizer(checkpoint)
+    path = (
+        request.getfixturevalue("mtp")[0] if spec is MTP else request.getfixturevalue("checkpoint")
+    )
+    _write_tokenizer(path)
     args = ["--max-model-len", "256", "--max-num-seqs", "4", "--served-model-name", "q35"]
-    args += ["--speculative-config", json.dumps(NGRAM)]
-    with served(str(checkpoint), *args) as base:
+    args += ["--max-num-batched-tokens", "64"]
+    args += ["--speculative-config", json.dumps(spec)]
+    with served(str(path), *args) as base:
         body = {"model": "q35", "prompt": PROMPTS[1], "max_tokens": MAX_TOKENS}
         body.update(temperature=0, ignore_eos=True, return_token_ids=True)
         r = httpx.post(base + "/v1/completions", json=body, timeout=300)

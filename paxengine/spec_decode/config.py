@@ -47,16 +47,23 @@ def parse_speculative_config(raw) -> SpeculativeConfig | None:
     if method is None:
         # vLLM infers ngram from prompt_lookup_*; a draft model from `model`
         method = "draft" if "model" in raw else "ngram"
-    if method in _NOT_YET or (method not in ("ngram", *_WITH_MODEL) and "model" in raw):
+    if method in _NOT_YET or (method not in ("ngram", "mtp", *_WITH_MODEL) and "model" in raw):
         raise ValueError(
             f"speculative_config: method {method!r} is not implemented yet (only 'ngram', "
-            "prompt lookup, 'draft', a draft model, and 'eagle3', an EAGLE-3 speculator, are)"
+            "prompt lookup, 'draft', a draft model, 'eagle3', an EAGLE-3 speculator, and "
+            "'mtp', Qwen3.5's own MTP layer, are)"
         )
     if method in _WITH_MODEL:
         return _parse_model(raw, method)
+    if method == "mtp":  # the model's own MTP layer (mtp.py): no model of its own
+        unknown = set(raw) - {"num_speculative_tokens", "disable_by_batch_size"}
+        if unknown:
+            raise ValueError(f"speculative_config: unknown keys {sorted(unknown)} for method 'mtp'")
+        return SpeculativeConfig("mtp", _check_ints(raw), 5, 5, _disable(raw))
     if method != "ngram":
         raise ValueError(
-            f"speculative_config: unknown method {method!r} (supported: 'ngram', 'draft', 'eagle3')"
+            f"speculative_config: unknown method {method!r} (supported: 'ngram', 'draft', "
+            "'eagle3', 'mtp')"
         )
     if "model" in raw:
         raise ValueError("speculative_config: 'model' is for method 'draft', not 'ngram'")

@@ -344,28 +344,30 @@ class Eagle3Runner(Runner):
         aux = aux_cache[jnp.maximum(x["slot_mapping"], 0)]
         hidden = jnp.where(from_prev[:, None], prev_hidden[i], aux)
         attend = PagedAttend(md, self.backend, self.cfg, fused_rope=False)
-        out, pre, kv_cache = eagle3_layer(
-            params,
-            self.cfg,
-            self.norm_before_residual,
-            tokens,
-            x["positions"],
-            hidden,
-            kv_cache,
-            attend,
-        )
+        out, pre, kv_cache = self._layer(params, tokens, x["positions"], hidden, kv_cache, attend)
         rows = x["logits_indices"]
-        logits = jnp.dot(out[rows], params["lm_head"], preferred_element_type=jnp.float32)
-        ids = params["draft_to_target"][jnp.argmax(logits, axis=-1)]
+        logits, ids = self._drafts(params, out[rows])
         S = rows.shape[0]
         ids = jnp.zeros(self.max_rows, jnp.int32).at[:S].set(ids)
         hidden = jnp.zeros_like(prev_hidden).at[:S].set(pre[rows].astype(prev_hidden.dtype))
         return kv_cache, ids, hidden, logits
 
+    KIND = "eagle3"  # in the executables' store keys
+
+    def _layer(self, params, tokens, positions, hidden, kv_cache, attend):
+        """-> (normed output for the logits, the next position's hidden state, KV)."""
+        nbr = self.norm_before_residual
+        return eagle3_layer(params, self.cfg, nbr, tokens, positions, hidden, kv_cache, attend)
+
+    def _drafts(self, params, out):
+        """out [S, H] -> (the draft vocabulary's logits, each row's draft as a target id)."""
+        logits = jnp.dot(out, params["lm_head"], preferred_element_type=jnp.float32)
+        return logits, params["draft_to_target"][jnp.argmax(logits, axis=-1)]
+
     def _forward_job(self, T: int, S: int):
         params, kv = jax.tree.map(abstract_of, (self.params, self.kv_cache))
         args = (params, kv, *self._abstract_inputs(T, S))
-        static = ("eagle3", self.norm_before_residual, self.cfg, self.backend)
+        static = (self.KIND, self.norm_before_residual, self.cfg, self.backend)
         static += (self.max_blocks_per_seq, self.max_rows, self.placement)
         key = self.store.key("forward", static, args) if self.store is not None else None
         layout = self.step_layout(T, S)
