@@ -148,6 +148,16 @@ def test_ngram_with_preemption_equals_plain(checkpoint, plain):
     _assert_slots_back(llm)
 
 
+def test_ngram_through_the_kernels_equals_plain(checkpoint, plain, monkeypatch):
+    """The Pallas kernels in interpret mode (the GPU's path): a verify step's rows run in one
+    gated_delta_decode with position_slots, as the plain engine's small steps do."""
+    monkeypatch.setenv("PAXENGINE_KERNEL_GDN", "interpret")
+    engine = dict(ENGINE, max_num_batched_tokens=64)
+    llm = LLM(model=str(checkpoint), speculative_config=NGRAM, **engine)
+    assert _greedy(llm, PROMPTS[1:2]) == plain[1:2]
+    assert 0 < llm.engine.stats()["spec_decode_num_accepted_tokens"]
+
+
 MTP = {"method": "mtp", "num_speculative_tokens": 2}
 
 

@@ -463,6 +463,7 @@ def _delta_rule(q, k, v, g, beta, pool, qsl, init, final, snap, layer):
 # a < len - 1 drafts are accepted, the next step reads the state from position a's slot
 # (restore_slots: Scheduler._settle_drafts). These rows' delta rule runs token by token (the recurrent form keeps
 # per-position states; the chunked one does not); the others' chunked, as without speculation.
+# Small steps on the kernels run the whole layer in `gated_delta_decode`, as `_delta_net` does.
 def verify_slots(step: dict, first: int, P: int):
     """-> (position_slots [S, P], is_verify_row [S]) of the step's rows."""
     qsl, home = step["query_start_loc"], step["state_slots"]
@@ -487,6 +488,18 @@ def _delta_net_verify(cfg: ModelConfig, w, x, states, li: int, step):
     b, a = _project(x, w, "la_ba", (hv, hv))
     dtype = z.dtype
     rest_final = jnp.where(verify, -1, final)  # verify rows write through position_slots
+    kernels = gdn_kernels()
+    if kernels != "oracle" and t <= fused_step_max_tokens():  # one kernel, as `_delta_net`
+        from kernels_pallas.gated_delta import gated_delta_decode
+
+        o, conv, ssm = gated_delta_decode(
+            mixed, w["la_conv"], None, a, b, states["conv"], states["ssm"], init, rest_final,
+            pos, query_start_loc=qsl, snapshot_slots=snap,
+            gating=(w["la_A_log"], w["la_dt_bias"]), layer=layer,
+            interpret=kernels == "interpret",
+        )  # fmt: skip
+        o = _gated_norm(o, z.reshape(t, hv, dv), w["la_norm"], cfg.rms_norm_eps)
+        return o.reshape(t, hv * dv), {"conv": conv, "ssm": ssm}
     y, conv = gdr.ref_causal_conv1d(
         mixed, w["la_conv"], None, states["conv"], qsl, init, rest_final, pos,
         snapshot_slots=snap, layer=layer,
@@ -518,10 +531,12 @@ def _verify_rows(q, k, v, g, beta, pool, qsl, init, pos, verify, layer):
     none = jnp.full((S,), -1, jnp.int32)
     init = jnp.where(verify, init, -1)
     args = (q[idx], k[idx], v[idx], g[idx], beta[idx], pool, qsl_v, init, none, pos)
-    if jax.default_backend() == "gpu":
+    kernels = gdn_kernels()
+    if kernels != "oracle":
         from kernels_pallas.gated_delta import gated_delta_rule
 
-        o, pool = gated_delta_rule(*args, layer=layer, impl="recurrent")
+        interpret = kernels == "interpret"
+        o, pool = gated_delta_rule(*args, layer=layer, impl="recurrent", interpret=interpret)
     else:
         o, pool = gdr.ref_gated_delta_rule(*args, layer=layer)
     return o, dst, pool
