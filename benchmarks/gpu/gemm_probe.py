@@ -35,14 +35,21 @@ def kinds(txt: str) -> dict:
     }
 
 
-def probe(K: int, N: int, M: int, opts: dict) -> dict:
+def probe(K: int, N: int, M: int, opts: dict, layout: str = "kn") -> dict:
+    """layout "kn": w [K, N] (the engine's), x @ w; "nk": w [N, K] (HF's), x @ w.T."""
     import jax
     import jax.numpy as jnp
 
     n = max(2, min(8, int(1.6e9 // (K * N * 2))))  # ~1.6 GB of weights a call
-    ws = [jax.random.normal(jax.random.key(i), (K, N), jnp.bfloat16) for i in range(n)]
+    shape = (K, N) if layout == "kn" else (N, K)
+    ws = [jax.random.normal(jax.random.key(i), shape, jnp.bfloat16) for i in range(n)]
     x = jnp.ones((M, K), jnp.bfloat16)
-    exe = jax.jit(lambda x, ws: [x @ w for w in ws]).lower(x, ws).compile(opts or None)
+    f = (
+        (lambda x, ws: [x @ w for w in ws])
+        if layout == "kn"
+        else (lambda x, ws: [x @ w.T for w in ws])
+    )
+    exe = jax.jit(f).lower(x, ws).compile(opts or None)
     for _ in range(3):
         jax.block_until_ready(exe(x, ws))
     reps = 30
@@ -66,6 +73,16 @@ def main(argv=None) -> int:
                 r = {"shape": name, "K": K, "N": N, "M": M, "variant": v, **probe(K, N, M, opts)}
                 rows.append(r)
                 print(json.dumps(r), flush=True)
+        r = {
+            "shape": name,
+            "K": K,
+            "N": N,
+            "M": 1,
+            "variant": "default_nk",
+            **probe(K, N, 1, {}, "nk"),
+        }
+        rows.append(r)
+        print(json.dumps(r), flush=True)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=1)
