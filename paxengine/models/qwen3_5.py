@@ -13,7 +13,7 @@
 - RMSNorms are zero-centred (scale 1 + w): the loader adds the 1, so the Llama family's norm
   runs them; the gated RMSNorm of the DeltaNet is not (its weight is the scale).
 The layers always run unrolled (they differ in kind); the state pools are one array per kind
-with a leading layer axis ([L_linear, slots, ...]), written in place by the kernels.
+a layer ([slots, ...], `allocate_state`), written in place by the kernels.
 """
 
 from __future__ import annotations
@@ -298,8 +298,13 @@ def state_shapes(cfg: ModelConfig, num_slots: int) -> dict:
 
 
 def allocate_state(cfg: ModelConfig, num_slots: int, dtype) -> dict:
-    """The recurrent layers' state pools, zeros (a new request starts from zeros anyway)."""
-    return {k: jnp.zeros(s, dtype) for k, s in state_shapes(cfg, num_slots).items()}
+    """The recurrent layers' state pools, zeros (a new request starts from zeros anyway): one
+    array a layer, since the kernels address a pool with int32 offsets (the 9B's 24 layers x
+    1,024 slots of [32, 128, 128] are 12.9 G elements; a layer's 537 M)."""
+    return {
+        k: [jnp.zeros(s[1:], dtype) for _ in range(s[0])]
+        for k, s in state_shapes(cfg, num_slots).items()
+    }
 
 
 def state_bytes_per_slot(cfg: ModelConfig, dtype) -> int:
@@ -390,15 +395,15 @@ def fused_step_max_tokens() -> int:
 FUSED_STEP_MAX_TOKENS = 64
 
 
-def _delta_net(cfg: ModelConfig, w, x, states, li: int, step):
-    """One Gated DeltaNet layer over the step's ragged batch; its state pools are read at each
-    row's initial slot and written at its final one."""
+def _delta_net(cfg: ModelConfig, w, x, states, step):
+    """One Gated DeltaNet layer over the step's ragged batch; its state pools (states: the
+    layer's {"conv", "ssm"}) are read at each row's initial slot and written at its final one."""
     t = x.shape[0]
     hk, dk = cfg.linear_num_key_heads, cfg.linear_key_head_dim
     hv, dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
     qsl, init, final = step["query_start_loc"], step["initial_slots"], step["state_slots"]
     snap = step["snapshot_slots"]  # the prefix cache's copy of a row's final state, or -1
-    layer = jnp.int32(li)
+    layer = None  # the layer's own pools
     mixed, z = _project(x, w, "la_qkvz", (_conv_dim(cfg), hv * dv))
     b, a = _project(x, w, "la_ba", (hv, hv))
     dtype = z.dtype
@@ -475,7 +480,7 @@ def verify_slots(step: dict, first: int, P: int):
     return jnp.where(verify[:, None], pos, -1).astype(jnp.int32), verify
 
 
-def _delta_net_verify(cfg: ModelConfig, w, x, states, li: int, step):
+def _delta_net_verify(cfg: ModelConfig, w, x, states, step):
     """`_delta_net` for a step that may verify drafts: verify rows (verify_slots) through the
     recurrent form with per-position states, the other rows as `_delta_net` runs them."""
     t = x.shape[0]
@@ -483,7 +488,7 @@ def _delta_net_verify(cfg: ModelConfig, w, x, states, li: int, step):
     hv, dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
     qsl, init, final = step["query_start_loc"], step["initial_slots"], step["state_slots"]
     snap, pos, verify = step["snapshot_slots"], step["position_slots"], step["verify_rows"]
-    layer = jnp.int32(li)
+    layer = None  # the layer's own pools
     mixed, z = _project(x, w, "la_qkvz", (_conv_dim(cfg), hv * dv))
     b, a = _project(x, w, "la_ba", (hv, hv))
     dtype = z.dtype
@@ -574,7 +579,9 @@ def forward_step(params, cfg: ModelConfig, tokens, positions, caches, attend, st
         else:
             into = _weights(w, "la_qkvz") + _weights(w, "la_ba")
             _, x = norm_into(h, None, w["attn_norm"], eps, into)
-            o, states = delta_net(cfg, w, x, states, lin_index[i], step)
+            j = lin_index[i]
+            o, mine = delta_net(cfg, w, x, {k: v[j] for k, v in states.items()}, step)
+            states = {k: [*v[:j], mine[k], *v[j + 1 :]] for k, v in states.items()}
             out = w["la_out"]
         delta = linear_parts(o.astype(h.dtype), out)
         into = [w["router"]] if "router" in w else _weights(w, "w_gate_up")
