@@ -429,7 +429,10 @@ class StepBuilder:
     def _xla_options(self, T: int) -> dict | None:
         """XLA options for the forward of a T-token bucket: FP8 weights' own (quant.xla_options),
         then PAXENGINE_XLA_OPTIONS."""
-        opts = quant.xla_options(T) if self.runner.fp8 else quant.dense_xla_options(T)
+        if self.runner.fp8:
+            opts = quant.xla_options(T)
+        else:
+            opts = quant.dense_xla_options(T, getattr(self.runner.family, "CUBLAS_MAX_TOKENS", 0))
         return {**opts, **(xla_compile_options() or {})} or None
 
     def _chain_pairs(self, pairs) -> list[tuple[int, int]]:

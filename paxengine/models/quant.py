@@ -142,19 +142,15 @@ def xla_options(rows: int) -> dict:
     return {}
 
 
-# Steps of up to this many tokens with 16-bit weights compile without XLA's Triton GEMMs, so
-# their skinny GEMMs are cuBLAS's. XLA autotunes each GEMM fusion against cuBLAS while it
-# compiles, and which one won varied from run to run (side-by-side compiles time their
-# candidates at once): in one run every Qwen3.5-9B decode projection was a Triton GEMM at ~2 TB/s
-# (a lone GEMM of the same shape: 3.0 TB/s). H100, decode ITL batch 1 / 8: 7.13 / 8.51 ms as
-# XLA chose, 6.55 / 7.32 ms with cuBLAS (benchmarks/results/gpu_2026-12-06b_qwen35_gemm/).
-# 0: never; PAXENGINE_KERNEL_CUBLAS_MAX_TOKENS overrides it (part of the executables' key).
-CUBLAS_MAX_TOKENS = 64
-
-
-def dense_xla_options(rows: int) -> dict:
-    """XLA options for compiling a step of `rows` token rows with 16-bit weights on the GPU."""
-    n = int(os.environ.get("PAXENGINE_KERNEL_CUBLAS_MAX_TOKENS", CUBLAS_MAX_TOKENS))
+def dense_xla_options(rows: int, cublas_max_tokens: int = 0) -> dict:
+    """XLA options for compiling a step of `rows` token rows with 16-bit weights on the GPU:
+    steps of up to `cublas_max_tokens` tokens (a model family's CUBLAS_MAX_TOKENS, or
+    PAXENGINE_KERNEL_CUBLAS_MAX_TOKENS, part of the executables' key) without XLA's Triton
+    GEMMs, so their skinny GEMMs are cuBLAS's. XLA autotunes each GEMM fusion against cuBLAS
+    while it compiles, and its pick varied between two compiles of one program; on the H100 a
+    lone GEMM is as fast either way except [4096, 4096] (cuBLAS 37.5 against 13.4 us)
+    (benchmarks/results/gpu_2026-12-06b_qwen35_gemm/)."""
+    n = int(os.environ.get("PAXENGINE_KERNEL_CUBLAS_MAX_TOKENS", cublas_max_tokens))
     if jax.default_backend() == "gpu" and rows <= n:
         return {"xla_gpu_enable_triton_gemm": False}
     return {}

@@ -393,6 +393,11 @@ def fused_step_max_tokens() -> int:
 
 
 FUSED_STEP_MAX_TOKENS = 64
+# Steps of up to this many tokens compile without XLA's Triton GEMMs (quant.dense_xla_options):
+# H100, decode ITL batch 1 / 8 6.55 / 7.32 ms against 7.13 / 8.51 with XLA's own pick, Triton
+# GEMMs at ~2 TB/s (benchmarks/results/gpu_2026-12-06b_qwen35_gemm/). Not measured on the
+# other families: they keep XLA's pick.
+CUBLAS_MAX_TOKENS = 64
 
 
 def _delta_net(cfg: ModelConfig, w, x, states, step):
