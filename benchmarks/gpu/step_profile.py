@@ -9,7 +9,8 @@ one graph per step instead of its kernels: run it as
 `XLA_FLAGS=--xla_gpu_enable_command_buffer= python3 -m benchmarks.gpu.step_profile ...`.
 Buckets are narrowed (token 1 / 64 / 512, sequences 8 / 64) so the start fits one device call:
 it profiles the model's step, not the engine's defaults. The ITL printed beside each profile is
-the same run's (steps timed from the host, profiler on), not a benchmark number.
+the same run's (steps timed from the host, profiler off), not a benchmark number. Kernel times
+are per decode step: a profiled run of 8 tokens subtracted from one of 8 + --steps.
 """
 
 from __future__ import annotations
@@ -114,9 +115,10 @@ def main(argv=None) -> int:
         out["big_copies"], out["gemm_kinds"] = big_copies(llm.engine.runner.compiled, a.hlo_dir)
     print(json.dumps(out), flush=True)
     rng = np.random.default_rng(0)
+    vocab = llm.engine.model_config.vocab_size
 
     def gen(b, n_out):
-        prompts = [rng.integers(10, 30000, 128).tolist() for _ in range(b)]
+        prompts = [rng.integers(10, min(30000, vocab), 128).tolist() for _ in range(b)]
         sp = SamplingParams(temperature=0, max_tokens=n_out, ignore_eos=True)
         t = time.perf_counter()
         llm.generate(prompts, sp, use_tqdm=False)
@@ -125,25 +127,32 @@ def main(argv=None) -> int:
     for b in a.batch:
         gen(b, 8)  # warm
         itl = (gen(b, 8 + a.steps) - gen(b, 8)) / a.steps
-        d = tempfile.mkdtemp()
-        with jax.profiler.trace(d):
-            gen(b, 8 + a.steps)
-        per, span = kernel_times(glob.glob(f"{d}/**/*.xplane.pb", recursive=True)[0])
-        steps = 8 + a.steps  # prefill steps are in it too: ops are per generated token
+        # two profiled runs, 8 and 8 + steps tokens: their difference is `steps` decode steps
+        # alone (the prefill and the first tokens cancel out)
+        runs = []
+        for n_out in (8, 8 + a.steps):
+            d = tempfile.mkdtemp()
+            with jax.profiler.trace(d):
+                gen(b, n_out)
+            runs.append(kernel_times(glob.glob(f"{d}/**/*.xplane.pb", recursive=True)[0]))
+        (short, short_span), (long, long_span) = runs
+        per = {op: ns - short.get(op, 0.0) for op, ns in long.items()}
+        span = long_span - short_span
+        steps = a.steps
         fams: dict = collections.defaultdict(float)
         for op, ns in per.items():
             fams[family(op)] += ns
-        total = sum(per.values())
+        total = sum(per.values())  # per decode step from here on
         row = {
             "batch": b,
             "itl_ms": round(1e3 * itl, 3),
-            "gpu_busy_ms_per_token": round(total / steps / 1e6, 3),
-            "span_ms_per_token": round(span / steps / 1e6, 3),
-            "top_ops_us_per_token": {
+            "gpu_busy_ms_per_step": round(total / steps / 1e6, 3),
+            "span_ms_per_step": round(span / steps / 1e6, 3),
+            "top_ops_us_per_step": {
                 k: round(v / steps / 1e3, 1)
                 for k, v in sorted(per.items(), key=lambda kv: -kv[1])[: a.top]
             },
-            "families_us_per_token": {
+            "families_us_per_step": {
                 k: round(v / steps / 1e3, 1)
                 for k, v in sorted(fams.items(), key=lambda kv: -kv[1])[: a.top]
             },
