@@ -187,6 +187,38 @@ def test_chunked_prefill_equals_hf(checkpoint):
     assert _greedy(llm) == want
 
 
+def test_the_pallas_grouped_gemm_equals_hf(checkpoint, monkeypatch):
+    """The experts through kernels_pallas.moe_gemm (interpret mode; the GPU's A/B path,
+    PAXENGINE_KERNEL_MOE=pallas): chunked prefill and decode steps, routings that leave
+    experts idle."""
+    monkeypatch.setenv("PAXENGINE_KERNEL_MOE", "interpret")
+    path, want = checkpoint
+    llm = LLM(model=str(path), **dict(ENGINE, max_num_batched_tokens=32))
+    assert _greedy(llm) == want
+
+
+@pytest.mark.parametrize("first_expert", [None, 4])
+def test_the_pallas_grouped_gemm_path_equals_the_oracle(first_expert, monkeypatch):
+    """grouped_experts through the kernel: fused gate|up, one-token and 13-token steps; with
+    first_expert, the shard of experts 4..7 (other pairs add nothing)."""
+    monkeypatch.setenv("PAXENGINE_KERNEL_MOE", "interpret")
+    rng = np.random.default_rng(5)
+    e, h, i, k = 8, 32, 16, 2
+    w = _experts(rng, e, h, i)
+    jw = {n: jnp.asarray(a, jnp.float32) for n, a in w.items()}
+    jw["e_gate_up"] = jnp.concatenate([jw.pop("e_gate"), jw.pop("e_up")], axis=-1)
+    if first_expert is not None:
+        jw = {n: a[first_expert:] for n, a in jw.items()}
+        w = {n: np.where(np.arange(e)[:, None, None] >= first_expert, a, 0) for n, a in w.items()}
+    for t in (1, 13):
+        x = rng.normal(size=(t, h)) / np.sqrt(h)
+        ids = np.stack([rng.choice(e, size=k, replace=False) for _ in range(t)])
+        weights = rng.random((t, k))
+        args = (jnp.asarray(x, jnp.float32), jnp.asarray(weights, jnp.float32), jnp.asarray(ids))
+        got = moe.grouped_experts(*args, jw, first_expert=first_expert)
+        np.testing.assert_allclose(np.asarray(got), _oracle(x, weights, ids, w), atol=1e-4)
+
+
 def test_preemption_and_no_compiles_after_warmup(checkpoint):
     """14 blocks of 16 tokens cannot hold the three prompts' 229 + 30 tokens at once: requests
     are preempted and recomputed; every routing runs in the compiled buckets (0 compiles)."""

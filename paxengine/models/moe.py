@@ -17,6 +17,9 @@ group, and add nothing; the tensor-parallel all-reduce after the MLP sums the de
 
 from __future__ import annotations
 
+import functools
+import os
+
 import jax
 import jax.numpy as jnp
 
@@ -55,6 +58,28 @@ def _grouped(x: jax.Array, w, sizes: jax.Array, row_expert: jax.Array) -> jax.Ar
     ).astype(x.dtype)
 
 
+def moe_kernel() -> str:
+    """How the grouped GEMMs run: "xla" (`jax.lax.ragged_dot`, the default), "pallas"
+    (kernels_pallas.moe_gemm, on a GPU: only the experts a step hits are read; unmeasured,
+    for the A/B) or "interpret" (that kernel in interpret mode, tests on a CPU); from
+    PAXENGINE_KERNEL_MOE (part of the executables' key)."""
+    mode = os.environ.get("PAXENGINE_KERNEL_MOE", "xla")
+    if mode not in ("xla", "pallas", "interpret"):
+        raise ValueError(f"PAXENGINE_KERNEL_MOE must be xla, pallas or interpret, got {mode!r}")
+    return mode
+
+
+def _grouped_kernel(xs, w, sorted_ids, interpret: bool):
+    """_grouped through the Pallas kernel: rows of pairs no local expert takes come back 0."""
+    from kernels_pallas.moe_gemm import grouped_pairs_matmul
+
+    if isinstance(w, Fp8Weight):
+        return grouped_pairs_matmul(
+            xs, w.values, sorted_ids, w_scales=w.scales, interpret=interpret
+        )
+    return grouped_pairs_matmul(xs, w.astype(xs.dtype), sorted_ids, interpret=interpret)
+
+
 def grouped_experts(
     x: jax.Array, weights: jax.Array, ids: jax.Array, w: dict, first_expert=None
 ) -> jax.Array:
@@ -75,12 +100,18 @@ def grouped_experts(
     token = order // k
     sizes = jnp.zeros(num_experts, jnp.int32).at[flat].add(1, mode="drop")
     xs = x[token]
-    if "e_gate_up" in w:
-        gate, up = jnp.split(_grouped(xs, w["e_gate_up"], sizes, row_expert), 2, axis=-1)
+    mode = moe_kernel()
+    if mode == "xla":
+        grouped = functools.partial(_grouped, sizes=sizes, row_expert=row_expert)
     else:
-        gate = _grouped(xs, w["e_gate"], sizes, row_expert)
-        up = _grouped(xs, w["e_up"], sizes, row_expert)
-    y = _grouped(jax.nn.silu(gate) * up, down, sizes, row_expert)
+        grouped = functools.partial(
+            _grouped_kernel, sorted_ids=sorted_ids, interpret=mode == "interpret"
+        )
+    if "e_gate_up" in w:
+        gate, up = jnp.split(grouped(xs, w["e_gate_up"]), 2, axis=-1)
+    else:
+        gate, up = grouped(xs, w["e_gate"]), grouped(xs, w["e_up"])
+    y = grouped(jax.nn.silu(gate) * up, down)
     pair_weight = weights.reshape(-1)[order].astype(jnp.float32)
     if first_expert is not None:  # rows past the groups: ragged_dot leaves them undefined
         y = jnp.where((sorted_ids < num_experts)[:, None], y, 0)

@@ -1,0 +1,163 @@
+"""Grouped expert GEMM for small MoE steps (issue #55), a Pallas kernel (Triton lowering).
+
+    y[p] = x[p] @ W[expert[p]]        for the rows p of a step's (token, expert) pairs
+
+`models/moe.py` sorts a step's T * k pairs by expert; `jax.lax.ragged_dot` then multiplies each
+group by its expert. At decode sizes a step hits a few of the E experts (a Qwen3-30B-A3B token:
+8 of 128), and the weight bytes a step must read are those of the distinct experts hit. This
+kernel reads exactly those: the sorted pairs are laid out in tiles of `block_m` rows that each
+belong to one expert (`tile_layout`, vLLM's moe_align_block_size), and program (tile, n block)
+streams its expert's [K, block_n] weights once, `block_k` rows a step, into an f32 accumulator
+for the tile's rows (Triton's dot: block_m >= 16; a decode tile holds one pair and 15 zero
+rows, and the step is bound by the weight stream anyway). Tiles past the used ones return at
+once. The tile count is static (`max_tiles`): fixed shapes per token bucket, 0 recompiles.
+
+Weights: [E, K, N] in x's dtype (the stacked layout models/moe.py keeps), or FP8 values
+[E, N, K] (e4m3, HF's [out, in]) with per-output-channel scales [E, N], upcast in registers and
+scaled once at the end (`grouped_matmul(..., w_scales=...)`).
+
+Unmeasured on a GPU (2026-12-06): `models/moe.py` takes it only with PAXENGINE_KERNEL_MOE=pallas,
+for the A/B against ragged_dot in the next lease. The oracle is `ref_grouped_matmul`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+BLOCK_M = 16  # Triton's smallest dot; a decode tile holds one pair
+
+
+def max_tiles(num_rows: int, num_experts: int, block_m: int = BLOCK_M) -> int:
+    """Tiles enough for any routing of num_rows sorted pairs: each expert's group rounds up to
+    whole tiles, so at most one partial tile per expert hit beside the full ones."""
+    return -(-num_rows // block_m) + min(num_rows, num_experts)
+
+
+def tile_layout(sorted_ids: jax.Array, num_experts: int, block_m: int = BLOCK_M):
+    """sorted_ids [M] (each pair's expert, ascending; >= num_experts: a pair no local expert
+    takes, sorted last) -> (tile_expert [NT] (-1: an unused tile), row_of [M] (each pair's row in
+    the tiled layout [NT * block_m], or NT * block_m for a pair without a tile), src [NT *
+    block_m] (the pair each tiled row holds, or M for padding))."""
+    M = sorted_ids.shape[0]
+    NT = max_tiles(M, num_experts, block_m)
+    ids = jnp.asarray(sorted_ids, jnp.int32)
+    sizes = jnp.zeros(num_experts, jnp.int32).at[ids].add(1, mode="drop")
+    group_start = jnp.cumsum(sizes) - sizes  # pair index of each group's first row
+    tiles = -(-sizes // block_m)
+    tile_start = jnp.cumsum(tiles) - tiles
+    used = jnp.sum(tiles)
+    t = jnp.arange(NT, dtype=jnp.int32)
+    # the expert of tile t: the last expert with tiles whose first tile is <= t
+    starts = (tiles[None, :] > 0) & (tile_start[None, :] <= t[:, None])  # [NT, E]
+    e_of_t = jnp.max(jnp.where(starts, jnp.arange(num_experts)[None, :], -1), axis=1)
+    tile_expert = jnp.where(t < used, e_of_t, -1).astype(jnp.int32)
+    p = jnp.arange(M, dtype=jnp.int32)
+    local = ids < num_experts
+    e = jnp.minimum(ids, num_experts - 1)
+    within = p - group_start[e]
+    row_of = jnp.where(local, tile_start[e] * block_m + within, NT * block_m)
+    src = jnp.full((NT * block_m,), M, jnp.int32).at[row_of].set(p, mode="drop")
+    return tile_expert, row_of.astype(jnp.int32), src
+
+
+def _kernel(te_ref, x_ref, w_ref, *refs, K, block_m, block_n, block_k, fp8):
+    s_ref, o_ref = refs if fp8 else (None, *refs)
+    t, nb = pl.program_id(0), pl.program_id(1)
+    e = te_ref[t]
+    rows = pl.ds(t * block_m, block_m)
+    n0 = nb * block_n
+
+    @pl.when(e >= 0)
+    def _():
+        def step(i, acc):
+            k0 = i * block_k
+            xb = x_ref[rows, pl.ds(k0, block_k)]
+            if fp8:  # values [E, N, K]: the [block_n, block_k] block, upcast exactly
+                wb = w_ref[e, pl.ds(n0, block_n), pl.ds(k0, block_k)].astype(xb.dtype)
+                prod = jax.lax.dot_general(
+                    xb, wb, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+                )
+            else:
+                wb = w_ref[e, pl.ds(k0, block_k), pl.ds(n0, block_n)]
+                prod = jnp.dot(xb, wb, preferred_element_type=jnp.float32)
+            return acc + prod
+
+        acc = jax.lax.fori_loop(0, K // block_k, step, jnp.zeros((block_m, block_n), jnp.float32))
+        if fp8:
+            acc = acc * s_ref[e, pl.ds(n0, block_n)].astype(jnp.float32)[None, :]
+        o_ref[rows, pl.ds(n0, block_n)] = acc.astype(o_ref.dtype)
+
+
+def _block(size: int, want: int, name: str) -> int:
+    b = min(size, want)
+    if b < 16 or b & (b - 1) or size % b:
+        raise ValueError(f"{name}={size} needs a power-of-two block >= 16 dividing it (tried {b})")
+    return b
+
+
+def grouped_matmul(
+    x,
+    w,
+    tile_expert,
+    *,
+    w_scales=None,
+    block_m=BLOCK_M,
+    block_n=None,
+    block_k=None,
+    num_warps=4,
+    num_stages=3,
+    interpret=False,
+):
+    """x [NT * block_m, K] (tile_layout's tiled rows) @ each tile's expert of w -> [NT *
+    block_m, N] in x's dtype (unused tiles' rows undefined). w: [E, K, N] in x's dtype, or
+    FP8 values [E, N, K] with w_scales [E, N] f32."""
+    fp8 = w_scales is not None
+    E = w.shape[0]
+    K, N = (w.shape[2], w.shape[1]) if fp8 else (w.shape[1], w.shape[2])
+    NT = tile_expert.shape[0]
+    if x.shape != (NT * block_m, K):
+        raise ValueError(f"x must be [{NT} tiles x {block_m}, {K}], got {x.shape}")
+    if fp8 and w_scales.shape != (E, N):
+        raise ValueError(f"w_scales must be [{E}, {N}], got {w_scales.shape}")
+    block_n = _block(N, block_n or 64, "N")
+    block_k = _block(K, block_k or 64, "K")
+    kernel = functools.partial(
+        _kernel, K=K, block_m=block_m, block_n=block_n, block_k=block_k, fp8=fp8
+    )
+    args = (tile_expert, x, w) + ((w_scales,) if fp8 else ())
+    return pl.pallas_call(
+        kernel,
+        grid=(NT, N // block_n),
+        out_shape=jax.ShapeDtypeStruct((NT * block_m, N), x.dtype),
+        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name=f"moe_grouped_matmul_{'fp8' if fp8 else 'w16'}",
+    )(*args)
+
+
+def grouped_pairs_matmul(xs, w, sorted_ids, *, w_scales=None, interpret=False, **tuning):
+    """xs [M, K] (the pairs' rows, sorted by expert) @ each row's expert -> [M, N]: the tiled
+    layout, the kernel, and the rows back in pair order (a pair no local expert takes: 0)."""
+    E = w.shape[0]
+    tile_expert, row_of, src = tile_layout(sorted_ids, E)
+    M = xs.shape[0]
+    tiled = jnp.concatenate([xs, jnp.zeros((1, xs.shape[1]), xs.dtype)])[src]
+    y = grouped_matmul(tiled, w, tile_expert, w_scales=w_scales, interpret=interpret, **tuning)
+    y = jnp.concatenate([y, jnp.zeros((1, y.shape[1]), y.dtype)])
+    return y[jnp.minimum(row_of, y.shape[0] - 1)][:M]
+
+
+def ref_grouped_matmul(xs, w, sorted_ids, w_scales=None):
+    """The oracle: each row times its expert's dense weight (f32), 0 for non-local pairs."""
+    E = w.shape[0]
+    e = jnp.clip(sorted_ids, 0, E - 1)
+    ww = w.astype(jnp.float32)
+    if w_scales is not None:  # values [E, N, K] * scales [E, N] -> [E, K, N]
+        ww = jnp.swapaxes(ww * w_scales[:, :, None], 1, 2)
+    y = jnp.einsum("mk,mkn->mn", xs.astype(jnp.float32), ww[e], precision="highest")
+    return jnp.where((sorted_ids < E)[:, None], y, 0.0).astype(xs.dtype)
