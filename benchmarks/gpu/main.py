@@ -20,7 +20,7 @@ Stages (each in its own process, so each frees the GPU's memory for the next):
                 the offline workloads with FP8 weights and an FP8 KV cache (variant "fp8")
   pax-serve-fp8, vllm-serve-fp8
                 the serve workload with the same FP8 settings
-  pax-offline-qwen35, vllm-offline-qwen35 (-fp8)
+  pax-offline-qwen35, vllm-offline-qwen35 (-fp8), pax-offline-qwen3moe, vllm-offline-qwen3moe
                 the offline workloads on Qwen3.5-9B shapes (the spec's "models": an HF config
                 file, dummy weights; vLLM with what it needs to run it, VLLM-PEER.md)
   pax-offline-tp2, vllm-offline-tp2
@@ -69,6 +69,8 @@ STAGES = {
     "vllm-offline-qwen35": partial(offline.stage_vllm_offline, model="qwen35"),
     "pax-offline-qwen35-fp8": partial(offline.stage_pax_offline, variant="fp8", model="qwen35"),
     "vllm-offline-qwen35-fp8": partial(offline.stage_vllm_offline, variant="fp8", model="qwen35"),
+    "pax-offline-qwen3moe": partial(offline.stage_pax_offline, model="qwen3moe"),
+    "vllm-offline-qwen3moe": partial(offline.stage_vllm_offline, model="qwen3moe"),
     "vllm-serve": serving.stage_vllm_serve,
     "pax-serve-fp8": partial(serving.stage_pax_serve, variant="fp8"),
     "vllm-serve-fp8": partial(serving.stage_vllm_serve, variant="fp8"),

@@ -118,6 +118,7 @@ def summary_rows(merged: dict) -> list[tuple[str, ...]]:
     rows += variant_rows(merged, f, "tp2", "TP=2", {})
     rows += variant_rows(merged, f, "qwen35", "Qwen3.5-9B", {})
     rows += variant_rows(merged, f, "qwen35-fp8", "Qwen3.5-9B FP8", {})
+    rows += variant_rows(merged, f, "qwen3moe", "Qwen3-30B-A3B", {})
     sc = pax_s.get("server_compile_metrics_delta")
     pax_c = f(pax_o.get("jax_compiles_during_timed_runs"), "d") + " offline"
     if sc:
@@ -138,7 +139,7 @@ def summary_rows(merged: dict) -> list[tuple[str, ...]]:
 def variant_rows(merged: dict, f, variant: str, label: str, ref: dict) -> list[tuple[str, ...]]:
     """The rows of a variant's stages (pax-offline-<variant>, vllm-offline-<variant>, and the
     serve ones), when they ran: "fp8" (FP8 weights and KV in both engines), "tp2" (two GPUs),
-    "qwen35" (Qwen3.5-9B shapes), "qwen35-fp8"."""
+    "qwen35" (Qwen3.5-9B shapes), "qwen35-fp8", "qwen3moe" (Qwen3-30B-A3B shapes)."""
     st = merged["stages"]
     pax, vl = st.get(f"pax-offline-{variant}") or {}, st.get(f"vllm-offline-{variant}") or {}
     if not any(st.get(f"{e}-{k}-{variant}") for e in ("pax", "vllm") for k in ("offline", "serve")):

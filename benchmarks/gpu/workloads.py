@@ -42,7 +42,7 @@ def vocab_size(spec: dict) -> int:
     return PRESETS[spec["preset"]].vocab_size
 
 
-# Architectures beside the preset's, by stage suffix (<engine>-offline-qwen35[-fp8]): the HF
+# Architectures beside the preset's, by stage suffix (<engine>-offline-qwen35[-fp8], -qwen3moe): the HF
 # config (dummy weights) and what vLLM needs to run it at all (VLLM-PEER.md: its FlashInfer GDN
 # prefill kernel is missing from the wheel set; text only, as paxengine serves Qwen3.5)
 QWEN35_VLLM = {"language_model_only": True, "additional_config": {"gdn_prefill_backend": "triton"}}
@@ -84,6 +84,7 @@ FULL = {
     },
     "models": {
         "qwen35": {"config": "benchmarks/gpu/models/qwen35_9b.json", "vllm_required": QWEN35_VLLM},
+        "qwen3moe": {"config": "benchmarks/gpu/models/qwen3_30b_a3b.json", "vllm_required": {}},
     },
     "copy_mib": 2048,
     "matmul_n": 8192,
@@ -136,6 +137,7 @@ QUICK = {
             "config": "benchmarks/gpu/models/qwen35_tiny.json",
             "vllm_required": QWEN35_VLLM,
         },
+        "qwen3moe": {"config": "benchmarks/gpu/models/qwen3moe_tiny.json", "vllm_required": {}},
     },
     "copy_mib": 16,
     "matmul_n": 256,
