@@ -167,6 +167,9 @@ def prepare_params(cfg: EngineConfig, checked: Checked, loaded, tokenizer, store
     )
     if tp is not None:
         params = parallel.copy_kv_heads(params, loaded.config, tp)
+        layout = getattr(registry.family(loaded.config), "tp_layout", None)
+        if layout is not None:  # a family's fused channels in per-shard order (Qwen3.5)
+            params = layout(params, loaded.config, tp)
     if jax.process_count() > 1 and store is not None:
         log.info("several processes: the executable store is off (one-process executables)")
         store = None
@@ -262,8 +265,9 @@ def plan_kv_blocks(
     dtype = DTYPES[checked.dtype]
     slots = sum(state_slots(cfg, model_config)) + verify_slots(cfg, model_config, spec)
     if slots:  # the recurrent layers' state slots and snapshots come out of the same budget
-        per_block = kv_bytes_per_block(model_config, checked.block_size, checked.kv_dtype)
-        state = slots * registry.family(model_config).state_bytes_per_slot(model_config, dtype)
+        mine = tp.local_config(model_config) if tp is not None else model_config  # per device
+        per_block = kv_bytes_per_block(mine, checked.block_size, checked.kv_dtype)
+        state = slots * registry.family(model_config).state_bytes_per_slot(mine, dtype)
         num_blocks -= -(-state // per_block)
         if num_blocks < 1:
             raise ValueError(
@@ -328,7 +332,8 @@ HYBRID_SPEC_METHODS = ("ngram", "mtp")
 
 def check_hybrid(cfg: EngineConfig, checked: Checked, model_config, spec) -> None:
     """What a model with recurrent layers (Qwen3.5) or MoE layers (Qwen3-MoE) cannot run yet,
-    refused by name (tensor parallelism: the recurrent layers only)."""
+    refused by name (speculative decoding under tensor parallelism: the recurrent layers only;
+    their verify steps' per-position states are not split over devices yet)."""
     if cfg.enable_expert_parallel and not model_config.moe_layers:
         # vLLM ignores the flag here; a flag that changes nothing is refused instead
         raise ValueError(
@@ -338,10 +343,13 @@ def check_hybrid(cfg: EngineConfig, checked: Checked, model_config, spec) -> Non
     if not model_config.recurrent_layers and not model_config.moe_layers:
         return
     name = model_config.family
-    tp_refused = cfg.tensor_parallel_size > 1 and bool(model_config.recurrent_layers)
+    tp_spec = cfg.tensor_parallel_size > 1 and spec is not None
     for what, unsupported in (
         (_spec_label(model_config, spec), not _spec_runs(model_config, spec)),
-        ("tensor_parallel_size > 1", tp_refused),
+        (
+            "speculative_config with tensor_parallel_size > 1",
+            tp_spec and bool(model_config.recurrent_layers),
+        ),
         ("kv_transfer_config", cfg.kv_transfer_config is not None),
         ("several processes", cfg.num_processes > 1),
     ):

@@ -22,6 +22,11 @@ another device add zero here, and the same all-reduce sums the devices' partial 
 replicated under tensor parallelism), so this dispatch needs no collective of its own; an
 all-to-all of the tokens to their experts' devices (vLLM's EP kernels) is the alternative to
 measure on GPUs, where it moves k rows a token instead of one all-reduce of all of them.
+
+Gated DeltaNet layers (Qwen3.5, as vLLM splits Qwen3-Next's): each device holds 1/N of the key
+heads and of the value heads (q, k by key head; v, z, b, a, the conv's channels, A_log and
+dt_bias by value head; `qwen3_5.tp_layout` orders the fused q|k|v channels shard by shard) and
+its heads' slices of the state pools (STATE_SPEC); the out-projection is row-parallel.
 """
 
 from __future__ import annotations
@@ -42,7 +47,11 @@ AXIS = "tp"
 # output-channel (column) parallel, input (row) parallel, and per-layer names kept whole
 COLUMN = ("wq", "wk", "wv", "w_gate", "w_up", "wqkv", "w_gate_up", "bq", "bk", "bv", "bqkv")
 COLUMN += ("s_gate", "s_up", "s_gate_up", "e_gate", "e_up", "e_gate_up")  # MoE: shared, experts
-ROW = ("wo", "w_down", "s_down", "e_down")
+COLUMN += ("la_qkv", "la_z", "la_b", "la_a", "la_qkvz", "la_ba")  # Gated DeltaNet (Qwen3.5)
+ROW = ("wo", "w_down", "s_down", "e_down", "la_out")
+# per-channel or per-head arrays split on their first axis: the DeltaNet's conv [C, K] (its
+# channels in the per-shard order of its in-projection, qwen3_5.tp_layout), A_log, dt_bias [Hv]
+LEADING = ("la_conv", "la_dt_bias", "la_A_log")
 EXPERTS = ("e_gate", "e_up", "e_gate_up", "e_down")  # [E, ...] stacks: split by expert under EP
 KV_HEADS = ("wk", "wv", "bk", "bv")  # copied per device when kv_heads < N
 
@@ -65,6 +74,8 @@ class TensorParallel:
             num_experts=cfg.num_experts // self.size if ep else cfg.num_experts,
             moe_intermediate_size=cfg.moe_intermediate_size // (1 if ep else self.size),
             shared_expert_intermediate_size=cfg.shared_expert_intermediate_size // self.size,
+            linear_num_key_heads=cfg.linear_num_key_heads // self.size,
+            linear_num_value_heads=cfg.linear_num_value_heads // self.size,
         )
 
     def first_expert(self, cfg: ModelConfig):
@@ -116,6 +127,9 @@ def make_tensor_parallel(
     if size == 1 and first_device == 0:
         return None
     split = [("attention heads", cfg.num_heads), ("intermediate size", cfg.intermediate_size)]
+    if cfg.recurrent_layers:  # Gated DeltaNet: each device its key heads and their value heads
+        split.append(("linear-attention key heads", cfg.linear_num_key_heads))
+        split.append(("linear-attention value heads", cfg.linear_num_value_heads))
     if cfg.moe_layers:
         split.append(("shared expert's intermediate size", cfg.shared_expert_intermediate_size))
         if not expert_parallel:
@@ -189,7 +203,7 @@ def _layer_spec(name: str, leaf: jax.Array, fp8_values: bool = False, ep: bool =
     """The spec of one layer array; a leading layer axis (stacked layout) stays whole. FP8
     values are [out, in]: their channel axes swap places with a dense weight's [in, out]. An
     expert stack [E, ...] under expert parallelism: split by expert, each expert whole."""
-    if ep and name in EXPERTS:
+    if (ep and name in EXPERTS) or name in LEADING:
         return P(AXIS, *(None,) * (leaf.ndim - 1))
     lead = (None,) * (leaf.ndim - (1 if name.startswith("b") else 2))
     if name in COLUMN:
@@ -242,23 +256,30 @@ def shard_params(params: dict, tp: TensorParallel) -> dict:
 
 
 CACHE_SPEC = P(None, AXIS)  # [L or 1, kv_heads, blocks, block_size, head_dim]: split by KV head
+# a recurrent layer's state pool, [slots, channels, K-1] or [slots, Hv, dk, dv]: split by
+# channel / value head (each device's own, in its in-projection's per-shard order)
+STATE_SPEC = P(None, AXIS)
 
 
-def run_sharded(tp: TensorParallel, body, rope, h, layers, kv_cache):
+def run_sharded(tp: TensorParallel, body, rope, h, layers, kv_cache, states=None):
     """body(rope, h, layers, kv_cache) -> (h, kv_cache), the layers of one step, run under one
     shard_map: each device on its shards of `layers` (per layer or stacked) and of the cache
-    (split by KV head), `rope` and the residual stream `h` replicated."""
+    (split by KV head), `rope` and the residual stream `h` replicated. states (a hybrid's
+    {kind: [per-layer pool]}): body takes and returns them last too, each device its heads'."""
     per_layer = isinstance(layers, (list, tuple))
     if per_layer:
         w_spec = [layer_specs(d, tp.expert_parallel) for d in layers]
     else:
         w_spec = layer_specs(layers, tp.expert_parallel)
     pair = (CACHE_SPEC, CACHE_SPEC)
-    c_spec = [pair] * len(layers) if per_layer else pair
+    c_spec = [pair] * len(kv_cache) if per_layer else pair
+    args = (rope, h, list(layers) if per_layer else layers)
+    args += (list(kv_cache) if per_layer else kv_cache,)
+    in_specs, out_specs = ((P(), P()), P(), w_spec, c_spec), (P(), c_spec)
+    if states is not None:
+        s_spec = {k: [STATE_SPEC] * len(v) for k, v in states.items()}
+        args += ({k: list(v) for k, v in states.items()},)
+        in_specs, out_specs = in_specs + (s_spec,), out_specs + (s_spec,)
     return jax.shard_map(
-        body,
-        mesh=tp.mesh,
-        in_specs=((P(), P()), P(), w_spec, c_spec),
-        out_specs=(P(), c_spec),
-        check_vma=False,
-    )(rope, h, list(layers) if per_layer else layers, list(kv_cache) if per_layer else kv_cache)
+        body, mesh=tp.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False
+    )(*args)

@@ -143,6 +143,8 @@ class Runner:
         self.kv_cache = allocate_kv_cache(*self._kv_args)
         self.aux_cache = aux.allocate(num_blocks * block_size) if aux is not None else None
         self._state_args = (cfg, num_state_slots, params["embed"].dtype)
+        if tp is not None and num_state_slots:  # each device its heads' share of the pools
+            self._state_args += (tp,)
         self.state = self.family.allocate_state(*self._state_args) if num_state_slots else {}
         self._forward = jax.jit(self._forward_fn, donate_argnums=(1,), static_argnames=("layout",))
         self.compiled: dict[tuple[int, int], object] = {}  # (T, S) -> forward
@@ -231,13 +233,16 @@ class Runner:
         """A chained verify step: its rows laid out on the device from the previous step's
         samples and drafts (spec_decode/chain.py). -> (KV, logits, key shift, drafts)."""
         x = layout.unpack(packed)
-        tokens, positions, slots, seq_lens, qsl, logits_indices, shift, drafts = chained_inputs(
-            x, prev_tokens, prev_drafts, self.chain, self.block_size, T, S
+        tokens, positions, slots, seq_lens, qsl, logits_indices, shift, drafts, step = (
+            chained_inputs(x, prev_tokens, prev_drafts, self.chain, self.block_size, T, S)
         )
         md = kernels_pallas.AttentionMetadata(
             slots, x["block_tables"], seq_lens, qsl, x["num_seqs"]
         )
-        kv_cache, logits, _ = self._model(params, kv_cache, tokens, positions, md, logits_indices)
+        # step: a hybrid's state slots, each row's from the previous step's accepted count
+        kv_cache, logits, _ = self._model(
+            params, kv_cache, tokens, positions, md, logits_indices, step
+        )
         return kv_cache, logits, shift, drafts
 
     def _model(self, params, kv_cache, tokens, positions, md, logits_indices, step=None):
@@ -439,9 +444,10 @@ class Runner:
         device for the next chained step; `fetch_drafts` reads them."""
         T, S = bucket
         packed = self._layouts[("chn", T, S)].pack(values)
-        self.kv_cache, logits, shift, self.prev_drafts = self.chained[bucket](
-            self.params, self.kv_cache, packed, self.prev_tokens, self.prev_drafts
+        caches, logits, shift, self.prev_drafts = self.chained[bucket](
+            self.params, self._caches(), packed, self.prev_tokens, self.prev_drafts
         )
+        self._set_caches(caches)  # with a hybrid's state pools
         return (*self._sample(logits, st, S, shift), self.prev_drafts)
 
     @staticmethod

@@ -297,14 +297,46 @@ def state_shapes(cfg: ModelConfig, num_slots: int) -> dict:
     }
 
 
-def allocate_state(cfg: ModelConfig, num_slots: int, dtype) -> dict:
+def allocate_state(cfg: ModelConfig, num_slots: int, dtype, tp=None) -> dict:
     """The recurrent layers' state pools, zeros (a new request starts from zeros anyway): one
     array a layer, since the kernels address a pool with int32 offsets (the 9B's 24 layers x
-    1,024 slots of [32, 128, 128] are 12.9 G elements; a layer's 537 M)."""
+    1,024 slots of [32, 128, 128] are 12.9 G elements; a layer's 537 M). tp: each pool split
+    by channel / value head over the mesh (parallel.STATE_SPEC), each device's share in place."""
+
+    def zeros(shape, dt):
+        if tp is None:
+            return jnp.zeros(shape, dt)
+        from paxengine.parallel import STATE_SPEC
+
+        return jax.jit(lambda: jnp.zeros(shape, dt), out_shardings=tp.sharding(STATE_SPEC))()
+
     return {
-        k: [jnp.zeros(s[1:], dtype) for _ in range(s[0])]
+        k: [zeros(s[1:], dtype) for _ in range(s[0])]
         for k, s in state_shapes(cfg, num_slots).items()
     }
+
+
+def tp_layout(params: dict, cfg: ModelConfig, tp) -> dict:
+    """Per-layer params with each DeltaNet's q|k|v channels (in_proj_qkv's outputs, the conv's
+    channels) reordered shard by shard, [q_0 k_0 v_0 | q_1 k_1 v_1 | ...]: a contiguous split
+    into tp.size blocks (parallel.py) then gives each device its key heads' q and k and their
+    value heads' v, in the order split_qkv reads on the local head counts."""
+    n = tp.size
+    qk, vd = cfg.linear_num_key_heads * cfg.linear_key_head_dim, _value_dim(cfg)
+    parts = [np.arange(qk), qk + np.arange(qk), 2 * qk + np.arange(vd)]
+    perm = jnp.asarray(np.concatenate([p.reshape(n, -1) for p in parts], axis=1).reshape(-1))
+    layers = []
+    for w in params["layers"]:
+        w = dict(w)
+        if "la_qkv" in w:
+            qkv = w["la_qkv"]
+            if isinstance(qkv, Fp8Weight):  # values [out, in], scales [out]
+                w["la_qkv"] = Fp8Weight(jnp.take(qkv.values, perm, 0), jnp.take(qkv.scales, perm))
+            else:
+                w["la_qkv"] = jnp.take(qkv, perm, axis=-1)
+            w["la_conv"] = jnp.take(w["la_conv"], perm, axis=0)
+        layers.append(w)
+    return {**params, "layers": layers}
 
 
 def state_bytes_per_slot(cfg: ModelConfig, dtype) -> int:
@@ -555,11 +587,10 @@ def _verify_rows(q, k, v, g, beta, pool, qsl, init, pos, verify, layer):
 def forward_step(params, cfg: ModelConfig, tokens, positions, caches, attend, step, tp=None):
     """-> (final hidden states [T, H] (normed), (KV caches, state pools)). caches: the KV pair
     of each attention layer and the state pools; step: the step's unpacked inputs
-    (query_start_loc, state_slots, has_state)."""
-    if tp is not None:
-        raise NotImplementedError("tensor parallelism for Qwen3.5")
+    (query_start_loc, state_slots, has_state). tp: the layers run under one shard_map
+    (parallel.run_sharded) on a local config, each device its attention heads, its DeltaNet
+    key / value heads with their state pools, its MLP channels or experts."""
     kv, states = caches
-    kv = list(kv)
     step = dict(step)
     slots = step["state_slots"]
     own = jnp.where(step["has_state"] > 0, slots, -1)
@@ -570,10 +601,38 @@ def forward_step(params, cfg: ModelConfig, tokens, positions, caches, attend, st
         delta_net = _delta_net_verify
     h = params["embed"][tokens]
     rope = _rope(cfg, positions)
+
+    def run(cfg, rope, h, ws, kv, states, tp=None):
+        reduce = tp.psum if tp is not None else None
+        first = tp.first_expert(cfg) if tp is not None else None  # (inside the shard_map)
+        return _run_layers(cfg, ws, h, rope, kv, states, step, attend, delta_net, reduce, first)
+
+    if tp is None:
+        h, kv, states = run(cfg, rope, h, params["layers"], kv, states)
+    else:
+        from paxengine.parallel import run_sharded
+
+        local = tp.local_config(cfg)
+        h, kv, states = run_sharded(
+            tp,
+            lambda rope, h, ws, kv, st: run(local, rope, h, ws, kv, st, tp),
+            rope,
+            h,
+            params["layers"],
+            kv,
+            states,
+        )
+    return rms_norm(h, params["final_norm"], cfg.rms_norm_eps), (kv, states)
+
+
+def _run_layers(cfg, layers, h, rope, kv, states, step, attend, delta_net, reduce, first_expert):
+    """The layers, unrolled; under tensor parallelism (`cfg` the device's own) `reduce`
+    all-reduces the out projections' and the MLPs' partial products."""
+    kv = list(kv)
     eps = cfg.rms_norm_eps
     attn_index = {i: j for j, i in enumerate(cfg.attention_layers)}
     lin_index = {i: j for j, i in enumerate(cfg.recurrent_layers)}
-    for i, w in enumerate(params["layers"]):
+    for i, w in enumerate(layers):
         # the residual adds and norms as the Llama family's (models/norm.py): one kernel in
         # small steps, FP8 rows handed to FP8 projections
         if i in attn_index:
@@ -588,14 +647,18 @@ def forward_step(params, cfg: ModelConfig, tokens, positions, caches, attend, st
             o, mine = delta_net(cfg, w, x, {k: v[j] for k, v in states.items()}, step)
             states = {k: [*v[:j], mine[k], *v[j + 1 :]] for k, v in states.items()}
             out = w["la_out"]
-        delta = linear_parts(o.astype(h.dtype), out)
+        if reduce is None:  # one device: the W8A8 product goes unscaled into the add + norm
+            delta = linear_parts(o.astype(h.dtype), out)
+        else:
+            delta = reduce(linear(o.astype(h.dtype), out))
         into = [w["router"]] if "router" in w else _weights(w, "w_gate_up")
         h, x = norm_into(h, delta, w["mlp_norm"], eps, into)
         if "router" in w:  # Qwen3.5-MoE (models/moe.py)
-            h = h + moe_mlp(x, w, cfg.num_experts_per_tok, cfg.norm_topk_prob)
+            mlp = moe_mlp(x, w, cfg.num_experts_per_tok, cfg.norm_topk_prob, first_expert)
         elif "w_gate_up" in w:
-            h = h + gated_mlp(x, w["w_gate_up"], w["w_down"])
+            mlp = gated_mlp(x, w["w_gate_up"], w["w_down"])
         else:
             gate, up = _project(x, w, "w_gate_up", ())
-            h = h + linear(jax.nn.silu(gate) * up, w["w_down"])
-    return rms_norm(h, params["final_norm"], eps), (kv, states)
+            mlp = linear(jax.nn.silu(gate) * up, w["w_down"])
+        h = h + (mlp if reduce is None else reduce(mlp)).astype(h.dtype)
+    return h, kv, states
