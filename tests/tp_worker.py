@@ -1,10 +1,14 @@
 """Run in a subprocess by test_tensor_parallel.py, with XLA_FLAGS giving this process N CPU
 devices (they must be set before jax starts). argv[1]: a JSON list of runs, each
-{"engine": EngineConfig overrides, "prompts": [str | [token ids]], "max_tokens": n}; prints one
-JSON line: per run the greedy tokens, the KV cache's and two weights' shardings (and the first
-layer's expert stacks', an MoE model's)."""
+{"engine": EngineConfig overrides, "prompts": [str | [token ids]], "max_tokens": n, "passes":
+p (default 1: the same prompts again, e.g. through the prefix cache), "env": variables set
+for this run's engine only (read when its steps are traced)}; prints one JSON line:
+per run the greedy tokens (of each pass: "passes"), the KV cache's and two weights' shardings
+(and the first layer's expert stacks', an MoE model's; a hybrid's first-layer DeltaNet
+projections and state pools)."""
 
 import json
+import os
 import sys
 
 
@@ -25,16 +29,24 @@ def main() -> None:
 
     out = []
     for run in json.loads(sys.argv[1]):
+        saved = dict(os.environ)
+        os.environ.update(run.get("env", {}))
         llm = LLM(show_progress=False, **run["engine"])
         r = llm.engine.runner
         layer = (
             r.params["layers"][0] if isinstance(r.params["layers"], list) else r.params["layers"]
         )
         cache = r.kv_cache[0] if isinstance(r.kv_cache, tuple) else r.kv_cache[0][0]
-        qkv = layer.get("wqkv", layer.get("wq"))
+        qkv = next(layer[n] for n in ("wqkv", "wq", "la_qkvz", "la_qkv") if n in layer)
+        wo = next(layer[n] for n in ("wo", "la_out") if n in layer)
         prompts = [p if isinstance(p, str) else {"prompt_token_ids": p} for p in run["prompts"]]
         params = SamplingParams(temperature=0, max_tokens=run["max_tokens"], ignore_eos=True)
-        outs = llm.generate(prompts, params, use_tqdm=False)
+        passes = [llm.generate(prompts, params, use_tqdm=False)]
+        for _ in range(run.get("passes", 1) - 1):
+            passes.append(llm.generate(prompts, params, use_tqdm=False))
+        outs = passes[0]
+        os.environ.clear()
+        os.environ.update(saved)
         store = llm.engine.runner.store
         experts = {
             n: describe(getattr(layer[n], "values", layer[n]))
@@ -47,7 +59,10 @@ def main() -> None:
                 "tokens": [o.outputs[0].token_ids for o in outs],
                 "cache": describe(cache),
                 "qkv": describe(getattr(qkv, "values", qkv)),
-                "wo": describe(getattr(layer["wo"], "values", layer["wo"])),
+                "wo": describe(getattr(wo, "values", wo)),
+                "passes": [[o.outputs[0].token_ids for o in p] for p in passes],
+                "prefix_hits": getattr(llm.engine.kv, "prefix_hits", None),
+                "state": {k: describe(v[0]) for k, v in getattr(r, "state", {}).items()},
                 "store_hits": store.hits if store is not None else None,
                 "devices": jax.device_count(),
             }
