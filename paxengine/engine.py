@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 
 import jax
@@ -118,11 +118,12 @@ class EngineCore:
         )
         tb, sb = cfg.token_buckets, cfg.seq_buckets
         # a hybrid's verify steps keep per-position states after the snapshots (verify_slots);
-        # it does not chain them yet: the next step's state slot depends on the accepted count
+        # its chained steps pick each row's starting slot from the accepted count on the device
         chain = engine_setup.chain_spec(self.spec, cfg.max_num_seqs, tp, max(sb))
         span = None
         if verify:
-            chain, span = None, (slots + snapshots, self.spec.num_speculative_tokens + 1)
+            span = (slots + snapshots, self.spec.num_speculative_tokens + 1)
+            chain = replace(chain, verify_span=span) if chain is not None else None
         self.scheduler = engine_setup.make_scheduler(
             cfg, self.kv, self.max_model_len, self.eos_token_ids, self.spec, tb, max(sb)
         )

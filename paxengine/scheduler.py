@@ -485,8 +485,17 @@ class Scheduler:
         req.num_computed_tokens -= num_drafts - num_accepted
         self.kv.trim(req, req.num_computed_tokens)
         self.spec_stats.record(num_drafts, num_accepted)
-        if num_accepted < num_drafts and self.kv.verify_k:  # a hybrid's recurrent state too
-            req.state_restore = self.kv.position_slot(req, num_accepted)
+        self._settle_state(req, num_drafts, num_accepted)
+
+    def _settle_state(self, req: Request, num_drafts: int, num_accepted: int) -> None:
+        """A hybrid's recurrent state rolls back too: the next unchained step starts from the
+        last accepted position's slot; all accepted, the home slot. Always set: a step read
+        after a chained step on it was dispatched sets a restore that the chained step made
+        on the device already (spec_decode/chain.chained_states), which the chained step's
+        own settle must replace."""
+        if self.kv.verify_k:
+            rejected = num_accepted < num_drafts
+            req.state_restore = self.kv.position_slot(req, num_accepted) if rejected else -1
 
     def _settle_chained(self, req: Request, drafts: list[int], num_accepted: int) -> None:
         """A chained row computed K drafts, the lookup's and -1s: all but the accepted roll back,
@@ -496,6 +505,7 @@ class Scheduler:
         proposed = sum(1 for d in drafts if d >= 0)
         if proposed:
             self.spec_stats.record(proposed, num_accepted)
+        self._settle_state(req, len(drafts), num_accepted)
 
     def _append(self, req: Request, tokens: list[int]) -> None:
         if req.first_token_time is None:

@@ -125,7 +125,8 @@ def test_ngram_greedy_equals_plain_one_by_one_and_batched(checkpoint, plain):
     llm = LLM(
         model=str(checkpoint), speculative_config=NGRAM, **dict(ENGINE, max_num_batched_tokens=64)
     )
-    assert llm.engine.kv.verify_k == 3 and llm.engine.runner.chain is None
+    assert llm.engine.kv.verify_k == 3
+    llm.engine.chain_verify = False  # verify steps read first (chained ones: below)
     assert [_greedy(llm, [p])[0] for p in PROMPTS] == plain
     stats = llm.engine.stats()
     drafted, accepted = (
@@ -145,6 +146,7 @@ def test_ngram_with_preemption_equals_plain(checkpoint, plain):
     llm = LLM(model=str(checkpoint), speculative_config=NGRAM, **engine)
     assert _greedy(llm) == plain
     assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.chained_steps > 0  # while one request runs (a chain of one row)
     _assert_slots_back(llm)
 
 
@@ -156,6 +158,44 @@ def test_ngram_through_the_kernels_equals_plain(checkpoint, plain, monkeypatch):
     llm = LLM(model=str(checkpoint), speculative_config=NGRAM, **engine)
     assert _greedy(llm, PROMPTS[1:2]) == plain[1:2]
     assert 0 < llm.engine.stats()["spec_decode_num_accepted_tokens"]
+    assert llm.engine.chained_steps > 0  # each one's starting slots picked on the device
+
+
+def _spec_counters(llm):
+    return {k: np.asarray(v) for k, v in llm.engine.stats().items() if k.startswith("spec_")}
+
+
+@pytest.fixture(scope="module")
+def wide(checkpoint):
+    """16 sample rows: chained verify steps of up to 4 requests (K = 3)."""
+    engine = dict(ENGINE, max_num_batched_tokens=64, max_num_seqs=16)
+    return LLM(model=str(checkpoint), speculative_config=NGRAM, **engine)
+
+
+def test_chained_ngram_equals_unchained_and_plain(wide, plain):
+    """Chained verify steps (spec_decode/chain.py: built while the previous one runs, each
+    row's starting state slot picked on the device from its accepted count) give the plain
+    engine's tokens and the unchained steps' counters, one by one and batched (up to 4 rows a
+    chained step), the batch after the prompts' prefix-cache hits."""
+    llm, eng = wide, wide.engine
+    assert eng.runner.chain.verify_span == (32, 4) and eng.runner.chain.rows == 4
+    runs = {}
+    for chain in (False, True):
+        eng.chain_verify = chain
+        before, steps, hits = _spec_counters(llm), eng.chained_steps, eng.kv.prefix_hits
+        one = [_greedy(llm, [p])[0] for p in PROMPTS]
+        batched = _greedy(llm)
+        after = _spec_counters(llm)
+        counters = {k: (after[k] - before[k]).tolist() for k in after}
+        runs[chain] = (one, batched, counters, eng.chained_steps - steps)
+        assert eng.kv.prefix_hits > hits
+        assert sorted(eng.kv.free_slots) == list(range(16))
+    assert runs[False][3] == 0 and runs[True][3] > 20
+    for one, batched, _, _ in runs.values():
+        assert one == plain and batched == plain
+    drafted = runs[True][2]["spec_decode_num_draft_tokens"]
+    assert runs[True][2] == runs[False][2]
+    assert 0 < runs[True][2]["spec_decode_num_accepted_tokens"] < drafted
 
 
 MTP = {"method": "mtp", "num_speculative_tokens": 2}
@@ -269,3 +309,20 @@ def test_serve_with_speculative_config_equals_plain(request, spec, plain):
             ln for ln in lines if ln.startswith("paxengine:spec_decode_num_accepted_tokens_total")
         ]
         assert accepted and float(accepted[0].split()[-1]) > 0, accepted
+
+
+def test_abort_during_a_chained_step_gives_every_slot_back(wide):
+    eng = wide.engine
+    eng.chain_verify = True
+    p = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    eng.add_request("c1", PROMPTS[1], p)
+    eng.add_request("c2", PROMPTS[0], SamplingParams(temperature=0, max_tokens=30))
+    for _ in range(60):
+        eng.step()
+        if eng.inflight is not None and eng.inflight.out.chained:
+            break
+    assert eng.inflight.out.chained
+    eng.abort("c1")
+    while eng.has_unfinished():
+        eng.step()
+    assert sorted(eng.kv.free_slots) == list(range(16))

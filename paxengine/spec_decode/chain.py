@@ -12,6 +12,8 @@ the known tokens and N's drafts, and the device, from N's samples (`prev_tokens`
   equal the unchained engine's);
 - lays out the row [c, drafts] at positions L + a ..., its KV slots from the block table, its
   sequence length, and the sampler's key offset a for each of its rows.
+On a model with recurrent layers (Qwen3.5) a row also starts from the state N left after its last
+accepted token (`chained_states`): N's position slot a when N rejected a draft, else its home slot.
 Every chained row has exactly K drafts (fixed shapes): when the lookup finds fewer, the rest are
 -1 (never accepted; token 0 is computed in their place and rolled back like any rejected draft).
 The forward returns the drafts it made, which the host reads with the step's samples, and which
@@ -36,6 +38,9 @@ class ChainSpec:
     rows: int
     min_n: int
     max_n: int
+    # a model with recurrent layers: the runner's verify_span (first per-position state slot,
+    # K + 1), from which each chained row's starting state slot is found (`chained_states`)
+    verify_span: tuple[int, int] | None = None
 
     def rows_in(self, T: int, S: int) -> int:
         """Requests a chained step of bucket (T, S) holds: each takes K + 1 tokens and rows."""
@@ -46,10 +51,12 @@ def chain_layout(chain: ChainSpec, T: int, S: int, P: int, H: int) -> PackedLayo
     """A chained step's host inputs (one int32 vector). Per request r: base_len (its known
     tokens L), src (its first sample row in step N), prev_k (N's drafts: K if N was chained),
     prev_row (its row in N's device drafts when N was chained, else -1: host_drafts holds them),
-    hist (its known tokens, -1 padded)."""
+    hist (its known tokens, -1 padded); with recurrent layers state_slot (its home slot)."""
     R, K = chain.rows_in(T, S), chain.k
+    states = [("state_slot", (R,), np.int32)] if chain.verify_span is not None else []
     return PackedLayout.of(
-        [
+        states
+        + [
             ("block_tables", (S, P), np.int32),
             ("num_seqs", (1,), np.int32),
             ("base_len", (R,), np.int32),
@@ -91,7 +98,8 @@ def ngram_drafts(hist, length, min_n: int, max_n: int, k: int):
 def chained_inputs(x: dict, prev_tokens, prev_drafts, chain: ChainSpec, block_size: int, T, S):
     """The device side of a chained step (see the module's doc). x: chain_layout's arrays.
     -> (tokens [T], positions [T], slots [T], seq_lens [S], query_start_loc [S + 1],
-    logits_indices [S], key shift [S], drafts [chain.rows, K])."""
+    logits_indices [S], key shift [S], drafts [chain.rows, K], the recurrent layers' step
+    inputs or None)."""
     K, R = chain.k, x["base_len"].shape[0]
     rows = x["num_seqs"][0]
     live = jnp.arange(R) < rows
@@ -128,7 +136,32 @@ def chained_inputs(x: dict, prev_tokens, prev_drafts, chain: ChainSpec, block_si
     logits_indices = jnp.where(sampled, s, 0)
     shift = jnp.where(sampled, a[jnp.minimum(s // (K + 1), R - 1)], 0)
     out = jnp.full((chain.rows, K), -1, jnp.int32).at[:R].set(drafts)
-    return tokens, positions, slots, seq_lens, qsl, logits_indices, shift, out
+    step = chained_states(x, a, live, chain, qsl, S) if chain.verify_span is not None else None
+    return tokens, positions, slots, seq_lens, qsl, logits_indices, shift, out, step
+
+
+def chained_states(x: dict, a, live, chain: ChainSpec, qsl, S: int) -> dict:
+    """A hybrid's state inputs of a chained step (models/qwen3_5.forward_step's `step`): each
+    row starts from the state N left after its last accepted token, which is N's position slot
+    a (kv_cache.KVCacheManager.position_slot) when a < N's drafts, else the home slot (all
+    accepted, or none drafted): the slot Scheduler._settle_drafts / _settle_chained have the
+    next unchained step restore. Chained rows decode (a state each) and keep no snapshot."""
+    first, P = chain.verify_span
+    R = a.shape[0]
+    home = x["state_slot"]
+    restore = jnp.where(live & (a < x["prev_k"]), first + home * (P - 1) + a, -1)
+
+    def rows(v, fill):
+        return jnp.full(S, fill, jnp.int32).at[:R].set(v.astype(jnp.int32))
+
+    return {
+        "query_start_loc": qsl,
+        "state_slots": rows(jnp.where(live, home, -1), -1),
+        "has_state": rows(live, 0),
+        "restore_slots": rows(restore, -1),
+        "snapshot_slots": jnp.full(S, -1, jnp.int32),
+        "verify_span": chain.verify_span,
+    }
 
 
 def build_chained(out, prev_out, prev_rows: dict[str, int], chain: ChainSpec, T, S, P, H):
@@ -141,10 +174,12 @@ def build_chained(out, prev_out, prev_rows: dict[str, int], chain: ChainSpec, T,
     host_drafts = np.full((R, K), -1, np.int32)
     hist = np.full((R, H), -1, np.int32)
     prev_index = {r.request_id: i for i, r in enumerate(prev_out.requests)}
+    homes = np.full(R, -1, np.int32)
     for r, req in enumerate(out.requests):
         rid = req.request_id
         blocks, known = req.block_array(), req.token_array()
         tables[r, : len(blocks)] = blocks
+        homes[r] = req.state_slot
         base_len[r] = len(known)
         hist[r, : len(known)] = known
         src[r] = prev_rows[rid]
@@ -154,7 +189,7 @@ def build_chained(out, prev_out, prev_rows: dict[str, int], chain: ChainSpec, T,
             d = prev_out.drafts.get(rid, ())
             prev_k[r] = len(d)
             host_drafts[r, : len(d)] = d
-    return {
+    values = {
         "block_tables": tables,
         "num_seqs": np.asarray([len(out.requests)], np.int32),
         "base_len": base_len,
@@ -164,3 +199,6 @@ def build_chained(out, prev_out, prev_rows: dict[str, int], chain: ChainSpec, T,
         "host_drafts": host_drafts,
         "hist": hist,
     }
+    if chain.verify_span is not None:
+        values["state_slot"] = homes
+    return values
