@@ -14,7 +14,7 @@ the ragged batch and the state pools (slots) they share.
                        snapshot_slots=None, gating=None) -> (o, conv_state, state)
         decode / verify steps: m = T / S tokens a sequence, the conv update (SiLU) fused with
         the recurrence; with query_start_loc any ragged small step (the model's steps of up
-        to qwen3_5.FUSED_STEP_MAX_TOKENS), with gating the g / beta of the raw a, b too.
+        to gated_deltanet.FUSED_STEP_MAX_TOKENS), with gating the g / beta of the raw a, b too.
     causal_conv1d(...)  the prefill conv with its state: the jnp oracle (gathers and a K-tap
         sum that XLA fuses; no kernel of its own, not measured).
 

@@ -207,7 +207,7 @@ class KVCacheManager:
 
     def position_slot(self, req: Request, p: int) -> int:
         """Where a verify step left the state after position p < k of the request's row (the
-        layout the model's forward writes: models/qwen3_5.verify_slots)."""
+        layout the model's forward writes: models/gated_deltanet.verify_slots)."""
         assert 0 <= p < self.verify_k and req.state_slot >= 0, (p, req.state_slot)
         return self.first_verify_slot + req.state_slot * self.verify_k + p
 

@@ -19,15 +19,13 @@ a layer ([slots, ...], `allocate_state`), written in place by the kernels.
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels_pallas import gated_delta_ref as gdr
-from paxengine.models import qwen3_moe
+from paxengine.models import gated_deltanet, qwen3_moe
 from paxengine.models.config import ModelConfig
 from paxengine.models.llama import compute_logits, rms_norm, scaled_attend  # noqa: F401
 from paxengine.models.moe import moe_mlp
@@ -396,35 +394,6 @@ def _full_attention(cfg: ModelConfig, w, x, rope, kv, attend):
     return o, kv
 
 
-def _gated_norm(o, z, weight, eps):
-    """HF's Qwen3_5RMSNormGated: norm(o) scaled by the weight, times silu(z), per value head."""
-    of = o.astype(jnp.float32)
-    of = of * jax.lax.rsqrt(jnp.mean(of * of, axis=-1, keepdims=True) + eps)
-    y = weight * of.astype(o.dtype)
-    return (y * jax.nn.silu(z.astype(jnp.float32))).astype(o.dtype)
-
-
-def gdn_kernels() -> str:
-    """How the DeltaNet layers run: "gpu" (the Pallas kernels), "interpret" (the same kernels
-    in interpret mode, PAXENGINE_KERNEL_GDN=interpret: tests of the model's use of them on a
-    CPU) or "oracle" (gated_delta_ref's jnp, the CPU default)."""
-    mode = os.environ.get("PAXENGINE_KERNEL_GDN", "auto")
-    if mode not in ("auto", "interpret", "oracle"):
-        raise ValueError(f"PAXENGINE_KERNEL_GDN must be auto, interpret or oracle, got {mode!r}")
-    if mode == "auto":
-        return "gpu" if jax.default_backend() == "gpu" else "oracle"
-    return mode
-
-
-def fused_step_max_tokens() -> int:
-    """Steps of up to this many tokens run a DeltaNet layer's conv, gating and recurrence as one
-    kernel, token by token (`gated_delta_decode` ragged): the decode buckets, where the XLA conv
-    and gating cost ~20 launches a layer. PAXENGINE_KERNEL_GDN_FUSED_MAX_TOKENS overrides it
-    (0: never)."""
-    return int(os.environ.get("PAXENGINE_KERNEL_GDN_FUSED_MAX_TOKENS", FUSED_STEP_MAX_TOKENS))
-
-
-FUSED_STEP_MAX_TOKENS = 64
 # Steps of up to this many tokens compile without XLA's Triton GEMMs (quant.dense_xla_options):
 # H100, decode ITL batch 1 / 8 6.55 / 7.32 ms against 7.13 / 8.51 with XLA's own pick, Triton
 # GEMMs at ~2 TB/s (benchmarks/results/gpu_2026-12-06b_qwen35_gemm/). Not measured on the
@@ -433,155 +402,12 @@ CUBLAS_MAX_TOKENS = 64
 
 
 def _delta_net(cfg: ModelConfig, w, x, states, step):
-    """One Gated DeltaNet layer over the step's ragged batch; its state pools (states: the
-    layer's {"conv", "ssm"}) are read at each row's initial slot and written at its final one."""
-    t = x.shape[0]
-    hk, dk = cfg.linear_num_key_heads, cfg.linear_key_head_dim
+    """A Gated DeltaNet layer: its in-projections, then models/gated_deltanet.py's layer over
+    the step (states: the layer's {"conv", "ssm"} pools)."""
     hv, dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
-    qsl, init, final = step["query_start_loc"], step["initial_slots"], step["state_slots"]
-    snap = step["snapshot_slots"]  # the prefix cache's copy of a row's final state, or -1
-    layer = None  # the layer's own pools
     mixed, z = _project(x, w, "la_qkvz", (_conv_dim(cfg), hv * dv))
     b, a = _project(x, w, "la_ba", (hv, hv))
-    dtype = z.dtype
-    kernels = gdn_kernels()
-    if kernels != "oracle" and t <= fused_step_max_tokens():
-        from kernels_pallas.gated_delta import gated_delta_decode
-
-        o, conv, ssm = gated_delta_decode(
-            mixed,
-            w["la_conv"],
-            None,
-            a,
-            b,
-            states["conv"],
-            states["ssm"],
-            init,
-            final,
-            query_start_loc=qsl,
-            snapshot_slots=snap,
-            gating=(w["la_A_log"], w["la_dt_bias"]),
-            layer=layer,
-            interpret=kernels == "interpret",
-        )
-        o = _gated_norm(o, z.reshape(t, hv, dv), w["la_norm"], cfg.rms_norm_eps)
-        return o.reshape(t, hv * dv), {"conv": conv, "ssm": ssm}
-    y, conv = gdr.ref_causal_conv1d(
-        mixed,
-        w["la_conv"],
-        None,
-        states["conv"],
-        qsl,
-        init,
-        final,
-        snapshot_slots=snap,
-        layer=layer,
-    )
-    q, k, v = gdr.split_qkv(y.astype(dtype), hk, dk, hv, dv)
-    g, beta = gdr.gdn_gating(a, b, w["la_A_log"], w["la_dt_bias"])
-    o, ssm = _delta_rule(q, k, v, g, beta, states["ssm"], qsl, init, final, snap, layer)
-    o = _gated_norm(o.astype(dtype), z.reshape(t, hv, dv), w["la_norm"], cfg.rms_norm_eps)
-    return o.reshape(t, hv * dv), {"conv": conv, "ssm": ssm}
-
-
-def _delta_rule(q, k, v, g, beta, pool, qsl, init, final, snap, layer):
-    """The chunked gated delta rule: the Pallas kernel on a GPU, its jnp oracle elsewhere."""
-    args = (q, k, v, g, beta, pool, qsl, init, final)
-    kernels = gdn_kernels()
-    if kernels != "oracle":
-        from kernels_pallas.gated_delta import gated_delta_rule
-
-        interpret = kernels == "interpret"
-        return gated_delta_rule(*args, snapshot_slots=snap, layer=layer, interpret=interpret)
-    return gdr.ref_chunk_gated_delta_rule(*args, snapshot_slots=snap, layer=layer)
-
-
-# -- speculative verify steps: per-position states -----------------------------------------------
-# A verify row [t, d1..dk] must leave the state at its last ACCEPTED position, which the host
-# (or the device) learns only after the step. So with step["verify_span"] = (first, P) every
-# row of at most P = k + 1 tokens (decode and verify rows; not a row that writes a prefix-cache
-# snapshot) keeps the state after each position p: p < len - 1 in slot first + home * k + p
-# (kv_cache.KVCacheManager.position_slot), the last one in its home slot as usual. When only
-# a < len - 1 drafts are accepted, the next step reads the state from position a's slot
-# (restore_slots: Scheduler._settle_drafts). These rows' delta rule runs token by token (the recurrent form keeps
-# per-position states; the chunked one does not); the others' chunked, as without speculation.
-# Small steps on the kernels run the whole layer in `gated_delta_decode`, as `_delta_net` does.
-def verify_slots(step: dict, first: int, P: int):
-    """-> (position_slots [S, P], is_verify_row [S]) of the step's rows."""
-    qsl, home = step["query_start_loc"], step["state_slots"]
-    lens = (qsl[1:] - qsl[:-1])[:, None]
-    verify = (lens[:, 0] > 0) & (lens[:, 0] <= P) & (step["snapshot_slots"] < 0) & (home >= 0)
-    p = jnp.arange(P, dtype=jnp.int32)[None, :]
-    kept = first + home[:, None] * (P - 1) + p
-    pos = jnp.where(p < lens - 1, kept, jnp.where(p == lens - 1, home[:, None], -1))
-    return jnp.where(verify[:, None], pos, -1).astype(jnp.int32), verify
-
-
-def _delta_net_verify(cfg: ModelConfig, w, x, states, step):
-    """`_delta_net` for a step that may verify drafts: verify rows (verify_slots) through the
-    recurrent form with per-position states, the other rows as `_delta_net` runs them."""
-    t = x.shape[0]
-    hk, dk = cfg.linear_num_key_heads, cfg.linear_key_head_dim
-    hv, dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
-    qsl, init, final = step["query_start_loc"], step["initial_slots"], step["state_slots"]
-    snap, pos, verify = step["snapshot_slots"], step["position_slots"], step["verify_rows"]
-    layer = None  # the layer's own pools
-    mixed, z = _project(x, w, "la_qkvz", (_conv_dim(cfg), hv * dv))
-    b, a = _project(x, w, "la_ba", (hv, hv))
-    dtype = z.dtype
-    rest_final = jnp.where(verify, -1, final)  # verify rows write through position_slots
-    kernels = gdn_kernels()
-    if kernels != "oracle" and t <= fused_step_max_tokens():  # one kernel, as `_delta_net`
-        from kernels_pallas.gated_delta import gated_delta_decode
-
-        o, conv, ssm = gated_delta_decode(
-            mixed, w["la_conv"], None, a, b, states["conv"], states["ssm"], init, rest_final,
-            pos, query_start_loc=qsl, snapshot_slots=snap,
-            gating=(w["la_A_log"], w["la_dt_bias"]), layer=layer,
-            interpret=kernels == "interpret",
-        )  # fmt: skip
-        o = _gated_norm(o, z.reshape(t, hv, dv), w["la_norm"], cfg.rms_norm_eps)
-        return o.reshape(t, hv * dv), {"conv": conv, "ssm": ssm}
-    y, conv = gdr.ref_causal_conv1d(
-        mixed, w["la_conv"], None, states["conv"], qsl, init, rest_final, pos,
-        snapshot_slots=snap, layer=layer,
-    )  # fmt: skip
-    q, k, v = gdr.split_qkv(y.astype(dtype), hk, dk, hv, dv)
-    g, beta = gdr.gdn_gating(a, b, w["la_A_log"], w["la_dt_bias"])
-    # the verify rows first: they read their initial slots before anything here writes them
-    # (the chunked call below neither reads nor writes theirs)
-    o_v, dst, ssm = _verify_rows(q, k, v, g, beta, states["ssm"], qsl, init, pos, verify, layer)
-    rest_init = jnp.where(verify, -1, init)
-    o, ssm = _delta_rule(q, k, v, g, beta, ssm, qsl, rest_init, rest_final, snap, layer)
-    o = o.at[dst].set(o_v, mode="drop")
-    o = _gated_norm(o.astype(dtype), z.reshape(t, hv, dv), w["la_norm"], cfg.rms_norm_eps)
-    return o.reshape(t, hv * dv), {"conv": conv, "ssm": ssm}
-
-
-def _verify_rows(q, k, v, g, beta, pool, qsl, init, pos, verify, layer):
-    """The delta rule token by token over every row's first P tokens, gathered as rows of
-    exactly P (those past a row's end come after its own and write nothing), the states after
-    each position to pos. -> (outputs [S * P, Hv, dv], where they go in the step, the pool)."""
-    S, P = pos.shape
-    T = q.shape[0]
-    p = jnp.arange(P, dtype=jnp.int32)[None, :]
-    at = qsl[:-1, None] + p
-    idx = jnp.clip(at, 0, T - 1).reshape(-1)
-    mine = verify[:, None] & (at < qsl[1:, None])
-    dst = jnp.where(mine, at, T).reshape(-1)  # T: dropped
-    qsl_v = jnp.arange(S + 1, dtype=jnp.int32) * P
-    none = jnp.full((S,), -1, jnp.int32)
-    init = jnp.where(verify, init, -1)
-    args = (q[idx], k[idx], v[idx], g[idx], beta[idx], pool, qsl_v, init, none, pos)
-    kernels = gdn_kernels()
-    if kernels != "oracle":
-        from kernels_pallas.gated_delta import gated_delta_rule
-
-        interpret = kernels == "interpret"
-        o, pool = gated_delta_rule(*args, layer=layer, impl="recurrent", interpret=interpret)
-    else:
-        o, pool = gdr.ref_gated_delta_rule(*args, layer=layer)
-    return o, dst, pool
+    return gated_deltanet.layer(cfg, w, mixed, z, a, b, states, step)
 
 
 def forward_step(params, cfg: ModelConfig, tokens, positions, caches, attend, step, tp=None):
@@ -595,17 +421,16 @@ def forward_step(params, cfg: ModelConfig, tokens, positions, caches, attend, st
     slots = step["state_slots"]
     own = jnp.where(step["has_state"] > 0, slots, -1)
     step["initial_slots"] = jnp.where(step["restore_slots"] >= 0, step["restore_slots"], own)
-    delta_net = _delta_net
-    if step.get("verify_span") is not None:  # speculative decoding (verify_slots)
-        step["position_slots"], step["verify_rows"] = verify_slots(step, *step["verify_span"])
-        delta_net = _delta_net_verify
+    if step.get("verify_span") is not None:  # speculative decoding (gated_deltanet.py)
+        span = step["verify_span"]
+        step["position_slots"], step["verify_rows"] = gated_deltanet.verify_slots(step, *span)
     h = params["embed"][tokens]
     rope = _rope(cfg, positions)
 
     def run(cfg, rope, h, ws, kv, states, tp=None):
         reduce = tp.psum if tp is not None else None
         first = tp.first_expert(cfg) if tp is not None else None  # (inside the shard_map)
-        return _run_layers(cfg, ws, h, rope, kv, states, step, attend, delta_net, reduce, first)
+        return _run_layers(cfg, ws, h, rope, kv, states, step, attend, reduce, first)
 
     if tp is None:
         h, kv, states = run(cfg, rope, h, params["layers"], kv, states)
@@ -625,7 +450,7 @@ def forward_step(params, cfg: ModelConfig, tokens, positions, caches, attend, st
     return rms_norm(h, params["final_norm"], cfg.rms_norm_eps), (kv, states)
 
 
-def _run_layers(cfg, layers, h, rope, kv, states, step, attend, delta_net, reduce, first_expert):
+def _run_layers(cfg, layers, h, rope, kv, states, step, attend, reduce, first_expert):
     """The layers, unrolled; under tensor parallelism (`cfg` the device's own) `reduce`
     all-reduces the out projections' and the MLPs' partial products."""
     kv = list(kv)
@@ -644,7 +469,7 @@ def _run_layers(cfg, layers, h, rope, kv, states, step, attend, delta_net, reduc
             into = _weights(w, "la_qkvz") + _weights(w, "la_ba")
             _, x = norm_into(h, None, w["attn_norm"], eps, into)
             j = lin_index[i]
-            o, mine = delta_net(cfg, w, x, {k: v[j] for k, v in states.items()}, step)
+            o, mine = _delta_net(cfg, w, x, {k: v[j] for k, v in states.items()}, step)
             states = {k: [*v[:j], mine[k], *v[j + 1 :]] for k, v in states.items()}
             out = w["la_out"]
         if reduce is None:  # one device: the W8A8 product goes unscaled into the add + norm
