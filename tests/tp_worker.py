@@ -29,8 +29,11 @@ def main() -> None:
 
     out = []
     for run in json.loads(sys.argv[1]):
-        saved = dict(os.environ)
-        os.environ.update(run.get("env", {}))
+        env = run.get("env", {})
+        # restore only these: clearing the whole environment dropped what an engine sets in it,
+        # which its executables' store keys name, and every later engine missed the store
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
         llm = LLM(show_progress=False, **run["engine"])
         r = llm.engine.runner
         layer = (
@@ -45,8 +48,11 @@ def main() -> None:
         for _ in range(run.get("passes", 1) - 1):
             passes.append(llm.generate(prompts, params, use_tqdm=False))
         outs = passes[0]
-        os.environ.clear()
-        os.environ.update(saved)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
         store = llm.engine.runner.store
         experts = {
             n: describe(getattr(layer[n], "values", layer[n]))
