@@ -432,7 +432,11 @@ class StepBuilder:
         if self.runner.fp8:
             opts = quant.xla_options(T)
         else:
-            opts = quant.dense_xla_options(T, getattr(self.runner.family, "CUBLAS_MAX_TOKENS", 0))
+            # a family's cuBLAS choice was measured on its dense models: MoE layers' ragged_dot
+            # keeps XLA's own lowering
+            dense = not self.runner.cfg.moe_layers
+            n = getattr(self.runner.family, "CUBLAS_MAX_TOKENS", 0) if dense else 0
+            opts = quant.dense_xla_options(T, n)
         return {**opts, **(xla_compile_options() or {})} or None
 
     def _chain_pairs(self, pairs) -> list[tuple[int, int]]:

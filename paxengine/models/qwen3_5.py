@@ -397,7 +397,7 @@ def _full_attention(cfg: ModelConfig, w, x, rope, kv, attend):
 # Steps of up to this many tokens compile without XLA's Triton GEMMs (quant.dense_xla_options):
 # H100, decode ITL batch 1 / 8 6.55 / 7.32 ms against 7.13 / 8.51 with XLA's own pick, Triton
 # GEMMs at ~2 TB/s (benchmarks/results/gpu_2026-12-06b_qwen35_gemm/). Not measured on the
-# other families: they keep XLA's pick.
+# other families, nor on Qwen3.5-MoE (its ragged_dot): they keep XLA's pick.
 CUBLAS_MAX_TOKENS = 64
 
 
