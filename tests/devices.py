@@ -59,7 +59,8 @@ def truncated_smollm2(layers: tuple[int, ...] = SMOLLM2_LAYERS) -> str:
     import numpy as np
     from safetensors.numpy import save_file
 
-    from paxengine.models.loader import _HF_LAYER, default_model_path, load_model
+    from paxengine.models.loader import default_model_path, load_model
+    from paxengine.models.weights import HF_LAYER_NAMES
     from paxengine.models.weights_cache import cache_root
 
     gguf = default_model_path()
@@ -77,7 +78,7 @@ def truncated_smollm2(layers: tuple[int, ...] = SMOLLM2_LAYERS) -> str:
         "model.norm.weight": np.asarray(m.params["final_norm"]),
     }
     for j, i in enumerate(layers):
-        for theirs, ours in _HF_LAYER.items():  # the loader's map, read backwards
+        for theirs, ours in HF_LAYER_NAMES.items():  # the loader's map, read backwards
             if ours in p:  # projections: ours [in, out], HF's [out, in]
                 w = p[ours][i]
                 sd[f"model.layers.{j}.{theirs}"] = np.ascontiguousarray(w.T) if w.ndim == 2 else w

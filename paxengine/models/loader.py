@@ -19,7 +19,13 @@ import numpy as np
 from paxengine.models import registry, weights_cache
 from paxengine.models.config import PRESETS, ModelConfig, from_hf_config
 from paxengine.models.quant import LINEAR_WEIGHTS, Fp8Weight, quantize_params
-from paxengine.models.weights import check_shapes, flatten, stack_layers, unflatten
+from paxengine.models.weights import (
+    HF_LAYER_NAMES,
+    check_shapes,
+    flatten,
+    stack_layers,
+    unflatten,
+)
 from paxengine.tokenizer import Tokenizer
 
 log = logging.getLogger("paxengine")
@@ -210,24 +216,6 @@ def _load_tokenizer(path: Path) -> tuple[Tokenizer | None, list[int]]:
     return tok, list(tok.eos_token_ids)
 
 
-_HF_LAYER = {
-    "input_layernorm.weight": "attn_norm",
-    "post_attention_layernorm.weight": "mlp_norm",
-    "self_attn.q_proj.weight": "wq",
-    "self_attn.k_proj.weight": "wk",
-    "self_attn.v_proj.weight": "wv",
-    "self_attn.o_proj.weight": "wo",
-    "self_attn.q_proj.bias": "bq",
-    "self_attn.k_proj.bias": "bk",
-    "self_attn.v_proj.bias": "bv",
-    "self_attn.q_norm.weight": "q_norm",
-    "self_attn.k_norm.weight": "k_norm",
-    "mlp.gate_proj.weight": "w_gate",
-    "mlp.up_proj.weight": "w_up",
-    "mlp.down_proj.weight": "w_down",
-}
-
-
 def _load_hf(path: Path, progress: bool):
     """-> (config, stacked params as numpy arrays, float32 or Fp8Weight for the projections an
     FP8 checkpoint ships quantized, {"kv_scales", "prequantized"})."""
@@ -256,8 +244,8 @@ def _load_hf(path: Path, progress: bool):
             _, idx, rest = name.split(".", 2)
             if int(idx) >= cfg.num_layers:
                 continue
-            if rest in _HF_LAYER:
-                leaf = _HF_LAYER[rest]
+            if rest in HF_LAYER_NAMES:
+                leaf = HF_LAYER_NAMES[rest]
                 per_layer[int(idx)][leaf] = reader.weight(key, leaf in LINEAR_WEIGHTS)
             elif rest in fp8.KV_SCALE_NAMES:
                 v = np.asarray(reader.tensor(key), np.float32)
@@ -296,7 +284,7 @@ def _one_type_per_name(per_layer: list[dict], scheme) -> None:
     from paxengine.models.quant import quantize_fp8
 
     quantize = jax.jit(quantize_fp8)
-    hf_module = {v: k.removesuffix(".weight") for k, v in _HF_LAYER.items()}
+    hf_module = {v: k.removesuffix(".weight") for k, v in HF_LAYER_NAMES.items()}
     done, ignored = [], 0
     for name in LINEAR_WEIGHTS:
         kinds = {isinstance(layer[name], Fp8Weight) for layer in per_layer if name in layer}

@@ -30,7 +30,12 @@ from paxengine.models.llama import (  # noqa: F401 (compute_logits: the family's
 from paxengine.models.moe import moe_mlp
 from paxengine.models.norm import norm_into
 from paxengine.models.quant import LINEAR_WEIGHTS, Fp8Weight, gated_mlp, linear, linear_parts
-from paxengine.models.weights import check_per_layer_shapes, random_per_layer
+from paxengine.models.weights import (
+    HF_LAYER_NAMES,
+    LAYER_LINEAR,
+    check_per_layer_shapes,
+    random_per_layer,
+)
 
 
 # -- config ---------------------------------------------------------------------------------------
@@ -73,24 +78,10 @@ def from_hf_config(raw: dict) -> ModelConfig:
 
 # -- weights --------------------------------------------------------------------------------------
 # HF name (after "model.layers.{i}.") -> (our name, a Linear [out, in] stored transposed)
-_COMMON = {
-    "input_layernorm.weight": ("attn_norm", False),
-    "post_attention_layernorm.weight": ("mlp_norm", False),
-    "self_attn.q_proj.weight": ("wq", True),
-    "self_attn.k_proj.weight": ("wk", True),
-    "self_attn.v_proj.weight": ("wv", True),
-    "self_attn.o_proj.weight": ("wo", True),
-    "self_attn.q_proj.bias": ("bq", False),
-    "self_attn.k_proj.bias": ("bk", False),
-    "self_attn.v_proj.bias": ("bv", False),
-    "self_attn.q_norm.weight": ("q_norm", False),
-    "self_attn.k_norm.weight": ("k_norm", False),
+_COMMON = {  # the Llama layout's attention and norms (biases: Qwen2-MoE's)
+    k: (v, LAYER_LINEAR[v]) for k, v in HF_LAYER_NAMES.items() if not k.startswith("mlp.")
 }
-_DENSE = {
-    "mlp.gate_proj.weight": ("w_gate", True),
-    "mlp.up_proj.weight": ("w_up", True),
-    "mlp.down_proj.weight": ("w_down", True),
-}
+_DENSE = {k: (v, LAYER_LINEAR[v]) for k, v in HF_LAYER_NAMES.items() if k.startswith("mlp.")}
 MOE_NAMES = {  # (Qwen3.5-MoE's layers name their MoE block the same: models/qwen3_5.py)
     "mlp.gate.weight": ("router", True),  # [E, H] -> [H, E]
     "mlp.shared_expert.gate_proj.weight": ("s_gate", True),

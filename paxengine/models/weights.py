@@ -7,6 +7,24 @@ import numpy as np
 from paxengine.models.config import ModelConfig
 from paxengine.models.quant import Fp8Weight, concat_out
 
+# A Llama-layout checkpoint's layer tensors (after "model.layers.{i}.") -> our names
+HF_LAYER_NAMES = {
+    "input_layernorm.weight": "attn_norm",
+    "post_attention_layernorm.weight": "mlp_norm",
+    "self_attn.q_proj.weight": "wq",
+    "self_attn.k_proj.weight": "wk",
+    "self_attn.v_proj.weight": "wv",
+    "self_attn.o_proj.weight": "wo",
+    "self_attn.q_proj.bias": "bq",
+    "self_attn.k_proj.bias": "bk",
+    "self_attn.v_proj.bias": "bv",
+    "self_attn.q_norm.weight": "q_norm",
+    "self_attn.k_norm.weight": "k_norm",
+    "mlp.gate_proj.weight": "w_gate",
+    "mlp.up_proj.weight": "w_up",
+    "mlp.down_proj.weight": "w_down",
+}
+
 # Per-layer parameter name -> whether it is a Linear weight stored [out, in] (transposed on load).
 LAYER_LINEAR = {
     "wq": True,
