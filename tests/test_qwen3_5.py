@@ -113,6 +113,26 @@ def test_the_fused_kernel_in_the_model_equals_hf(causal_lm, monkeypatch):
     assert llm.engine.kv.prefix_hits > hits
 
 
+def test_split_k_out_projections_equal_hf(causal_lm, monkeypatch):
+    """The GPU's cuBLAS steps run the narrow out projections split over K
+    (qwen3_5._out_projection); forced here on the CPU, every step's out projections take that
+    path and the tokens still equal HF's."""
+    from paxengine.models import quant, qwen3_5
+
+    taken = []
+
+    def split(x, w, splits):
+        taken.append(splits)
+        return quant.split_k_linear(x, w, splits)
+
+    monkeypatch.setattr(qwen3_5, "cublas_step", lambda rows, n: rows <= n)
+    monkeypatch.setattr(qwen3_5, "split_k_linear", split)
+    path, want = causal_lm
+    llm = LLM(model=str(path), **dict(ENGINE, max_num_batched_tokens=32))
+    assert [o[0] for o in _greedy(llm)] == want
+    assert taken and set(taken) == {qwen3_5.SPLIT_K}
+
+
 def test_preemption_recomputes_the_state(causal_lm):
     path, want = causal_lm
     # 14 blocks of 16 tokens cannot hold the three prompts' 229 + 30 tokens at once

@@ -36,12 +36,17 @@ def kinds(txt: str) -> dict:
     }
 
 
-def probe(K: int, N: int, M: int, opts: dict, layout: str = "kn", f32_out=False) -> dict:
+def probe(
+    K: int, N: int, M: int, opts: dict, layout: str = "kn", f32_out=False, splits: int = 1
+) -> dict:
     """layout "kn": w [K, N] (the engine's), x @ w; "nk": w [N, K] (HF's), x @ w.T. f32_out:
     the product in f32 (`preferred_element_type`, as llama.compute_logits asks for the LM
-    head; in the step the LM head took 0.9-1.7 ms against 0.65 alone in bf16)."""
+    head; in the step the LM head took 0.9-1.7 ms against 0.65 alone in bf16). splits: the
+    product as quant.split_k_linear's batched GEMM over that many slices of K."""
     import jax
     import jax.numpy as jnp
+
+    from paxengine.models.quant import split_k_linear
 
     n = max(2, min(8, int(1.6e9 // (K * N * 2))))  # ~1.6 GB of weights a call
     shape = (K, N) if layout == "kn" else (N, K)
@@ -50,6 +55,8 @@ def probe(K: int, N: int, M: int, opts: dict, layout: str = "kn", f32_out=False)
     pref = jnp.float32 if f32_out else None
 
     def f(x, ws):
+        if splits > 1:
+            return [split_k_linear(x, w, splits) for w in ws]
         return [jnp.dot(x, w if layout == "kn" else w.T, preferred_element_type=pref) for w in ws]
 
     exe = jax.jit(f).lower(x, ws).compile(opts or None)
@@ -68,9 +75,17 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--m", type=int, nargs="+", default=[1, 8])
     p.add_argument("--json")
+    p.add_argument("--shapes", nargs="+", default=list(SHAPES), help="of " + ", ".join(SHAPES))
+    p.add_argument("--splits", type=int, nargs="*", default=[], help="split-K rows (cuBLAS)")
     a = p.parse_args(argv)
     rows = []
-    for name, (K, N) in SHAPES.items():
+    for name in a.shapes:
+        K, N = SHAPES[name]
+        for M, s in ((M, s) for s in a.splits for M in a.m):
+            r = {"shape": name, "K": K, "N": N, "M": M, "variant": f"no_triton_gemm_split{s}"}
+            r.update(probe(K, N, M, VARIANTS["no_triton_gemm"], splits=s))
+            rows.append(r)
+            print(json.dumps(r), flush=True)
         for M in a.m:
             for v, opts in VARIANTS.items():
                 r = {"shape": name, "K": K, "N": N, "M": M, "variant": v, **probe(K, N, M, opts)}

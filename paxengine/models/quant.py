@@ -150,10 +150,27 @@ def dense_xla_options(rows: int, cublas_max_tokens: int = 0) -> dict:
     while it compiles, and its pick varied between two compiles of one program; on the H100 a
     lone GEMM is as fast either way except [4096, 4096] (cuBLAS 37.5 against 13.4 us)
     (benchmarks/results/gpu_2026-12-06b_qwen35_gemm/)."""
+    return {"xla_gpu_enable_triton_gemm": False} if cublas_step(rows, cublas_max_tokens) else {}
+
+
+def cublas_step(rows: int, cublas_max_tokens: int) -> bool:
+    """Whether a GPU step of `rows` token rows compiles without XLA's Triton GEMMs
+    (dense_xla_options)."""
     n = int(os.environ.get("PAXENGINE_KERNEL_CUBLAS_MAX_TOKENS", cublas_max_tokens))
-    if jax.default_backend() == "gpu" and rows <= n:
-        return {"xla_gpu_enable_triton_gemm": False}
-    return {}
+    return jax.default_backend() == "gpu" and rows <= n
+
+
+def split_k_linear(x: jax.Array, w: jax.Array, splits: int) -> jax.Array:
+    """x [M, K] @ w [K, N] as one batched GEMM over `splits` slices of K, summed in f32. Why:
+    at decode sizes cuBLAS runs a narrow product ([4096, 4096], M = 1) on too few thread
+    blocks to fill the GPU (37.5 us against 13.4 for XLA's Triton GEMM on the H100,
+    benchmarks/results/gpu_2026-12-06b_qwen35_gemm/); each slice is a GEMM of its own blocks.
+    The weight's slices are views (no copy): w [K, N] -> [splits, K / splits, N]."""
+    m, k = x.shape
+    xs = x.reshape(m, splits, k // splits)
+    ws = w.reshape(splits, k // splits, w.shape[1])
+    y = jnp.einsum("msk,skn->smn", xs, ws, preferred_element_type=jnp.float32)
+    return y.sum(axis=0).astype(x.dtype)
 
 
 def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:

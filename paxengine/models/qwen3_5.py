@@ -19,6 +19,7 @@ a layer ([slots, ...], `allocate_state`), written in place by the kernels.
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 import jax
@@ -30,7 +31,15 @@ from paxengine.models.config import ModelConfig
 from paxengine.models.llama import compute_logits, rms_norm, scaled_attend  # noqa: F401
 from paxengine.models.moe import moe_mlp
 from paxengine.models.norm import norm_into
-from paxengine.models.quant import LINEAR_WEIGHTS, Fp8Weight, gated_mlp, linear, linear_parts
+from paxengine.models.quant import (
+    LINEAR_WEIGHTS,
+    Fp8Weight,
+    cublas_step,
+    gated_mlp,
+    linear,
+    linear_parts,
+    split_k_linear,
+)
 from paxengine.models.weights import check_per_layer_shapes, random_per_layer
 
 log = logging.getLogger(__name__)
@@ -399,6 +408,28 @@ def _full_attention(cfg: ModelConfig, w, x, rope, kv, attend):
 # GEMMs at ~2 TB/s (benchmarks/results/gpu_2026-12-06b_qwen35_gemm/). Not measured on the
 # other families, nor on Qwen3.5-MoE (its ragged_dot): they keep XLA's pick.
 CUBLAS_MAX_TOKENS = 64
+# ... and there a 16-bit projection with an output of at most SPLIT_K_MAX_N columns runs split
+# over K (quant.split_k_linear): cuBLAS fills too few of the GPU's SMs with it (the 24 + 8 out
+# projections of the 9B, [4096, 4096]). PAXENGINE_KERNEL_SPLIT_K: the slices (1: off).
+SPLIT_K = 4
+SPLIT_K_MAX_N = 4096
+
+
+def _out_projection(cfg: ModelConfig, x, w):
+    """x @ w as linear_parts' (product, row scales, column scales), split over K in cuBLAS
+    steps where w is narrow (SPLIT_K)."""
+    splits = int(os.environ.get("PAXENGINE_KERNEL_SPLIT_K", SPLIT_K))
+    k = x.shape[-1]
+    if (
+        splits > 1
+        and not isinstance(w, Fp8Weight)
+        and not cfg.moe_layers  # (their steps keep XLA's Triton GEMMs, step_build)
+        and w.shape[1] <= SPLIT_K_MAX_N
+        and k % splits == 0
+        and cublas_step(x.shape[0], CUBLAS_MAX_TOKENS)
+    ):
+        return split_k_linear(x, w, splits), None, None
+    return linear_parts(x, w)
 
 
 def _delta_net(cfg: ModelConfig, w, x, states, step):
@@ -473,7 +504,7 @@ def _run_layers(cfg, layers, h, rope, kv, states, step, attend, reduce, first_ex
             states = {k: [*v[:j], mine[k], *v[j + 1 :]] for k, v in states.items()}
             out = w["la_out"]
         if reduce is None:  # one device: the W8A8 product goes unscaled into the add + norm
-            delta = linear_parts(o.astype(h.dtype), out)
+            delta = _out_projection(cfg, o.astype(h.dtype), out)
         else:
             delta = reduce(linear(o.astype(h.dtype), out))
         into = [w["router"]] if "router" in w else _weights(w, "w_gate_up")
