@@ -168,7 +168,10 @@ def _default_16bit(
         mosaic=mosaic, mosaic_persistent=2 * num_sms, mosaic_schedule=_MOSAIC_SCHEDULE_MIN_BLOCKS
     )
     big_q = max(1, 256 // g_pad)
-    if Hkv * -(-T // big_q) >= num_sms:
+    # (head_dim <= 128 only: at Qwen3.5's 256 the 256-row tile's Q block and 3-stage K / V
+    # buffers ask for 262,400 bytes of shared memory, over the H100's 232,448, and the engine
+    # failed to start; gpu_2026-12-06c_qwen35_defaults/)
+    if D <= 128 and Hkv * -(-T // big_q) >= num_sms:
         return Tuning(
             big_q, max(64, block_size), 1, 8, 3, pv_fp16=True, mixed_split=True, **mosaic_kw
         )

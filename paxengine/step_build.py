@@ -314,7 +314,11 @@ class StepBuilder:
                     self._keep(name, exe)
                     done(1)
             for name, (store_key, fut) in futures.items():
-                exe = fut.result()
+                try:
+                    exe = fut.result()
+                except Exception as e:
+                    e.add_note(f"(compiling the step executable {name})")  # which bucket
+                    raise
                 if store is not None:
                     store.save(store_key, exe, label=str(name))
                 self._keep(name, exe)

@@ -125,12 +125,13 @@ def test_split_k_out_projections_equal_hf(causal_lm, monkeypatch):
         taken.append(splits)
         return quant.split_k_linear(x, w, splits)
 
+    monkeypatch.setenv("PAXENGINE_KERNEL_SPLIT_K", "4")
     monkeypatch.setattr(qwen3_5, "cublas_step", lambda rows, n: rows <= n)
     monkeypatch.setattr(qwen3_5, "split_k_linear", split)
     path, want = causal_lm
     llm = LLM(model=str(path), **dict(ENGINE, max_num_batched_tokens=32))
     assert [o[0] for o in _greedy(llm)] == want
-    assert taken and set(taken) == {qwen3_5.SPLIT_K}
+    assert taken and set(taken) == {4}
 
 
 def test_preemption_recomputes_the_state(causal_lm):

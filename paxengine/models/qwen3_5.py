@@ -411,7 +411,7 @@ CUBLAS_MAX_TOKENS = 64
 # ... and there a 16-bit projection with an output of at most SPLIT_K_MAX_N columns runs split
 # over K (quant.split_k_linear): cuBLAS fills too few of the GPU's SMs with it (the 24 + 8 out
 # projections of the 9B, [4096, 4096]). PAXENGINE_KERNEL_SPLIT_K: the slices (1: off).
-SPLIT_K = 4
+SPLIT_K = 1
 SPLIT_K_MAX_N = 4096
 
 
