@@ -113,25 +113,34 @@ def test_the_fused_kernel_in_the_model_equals_hf(causal_lm, monkeypatch):
     assert llm.engine.kv.prefix_hits > hits
 
 
-def test_split_k_out_projections_equal_hf(causal_lm, monkeypatch):
-    """The GPU's cuBLAS steps run the narrow out projections split over K
-    (qwen3_5._out_projection); forced here on the CPU, every step's out projections take that
-    path and the tokens still equal HF's."""
-    from paxengine.models import quant, qwen3_5
+def test_the_skinny_gemm_out_projections_equal_hf(causal_lm, monkeypatch):
+    """The GPU's small steps run the out projections through the Pallas skinny GEMM
+    (qwen3_5._out_projection); here in interpret mode on a bf16 engine, every step's out
+    projections take it: greedy tokens equal the same engine's with XLA's GEMM, and the
+    kernel ran."""
+    from kernels_pallas import skinny_gemm
 
-    taken = []
+    calls = []
+    real = skinny_gemm.skinny_matmul
 
-    def split(x, w, splits):
-        taken.append(splits)
-        return quant.split_k_linear(x, w, splits)
+    def counted(*a, **k):
+        calls.append(k["tuning"])
+        return real(*a, **k)
 
-    monkeypatch.setenv("PAXENGINE_KERNEL_SPLIT_K", "4")
-    monkeypatch.setattr(qwen3_5, "cublas_step", lambda rows, n: rows <= n)
-    monkeypatch.setattr(qwen3_5, "split_k_linear", split)
-    path, want = causal_lm
-    llm = LLM(model=str(path), **dict(ENGINE, max_num_batched_tokens=32))
-    assert [o[0] for o in _greedy(llm)] == want
-    assert taken and set(taken) == {4}
+    path, _ = causal_lm
+    prompts = PROMPTS[:2]
+    monkeypatch.setenv("PAXENGINE_KERNEL_SKINNY", "off")
+    plain = _greedy(LLM(model=str(path), dtype="bfloat16", **ENGINE), prompts)
+    monkeypatch.setenv("PAXENGINE_KERNEL_SKINNY", "interpret")
+    monkeypatch.setattr(skinny_gemm, "skinny_matmul", counted)
+    monkeypatch.setattr(
+        skinny_gemm,
+        "default_tuning",
+        lambda m, k, n: skinny_gemm.SkinnyTuning(block_n=64, block_k=16, k_splits=2),
+    )
+    got = _greedy(LLM(model=str(path), dtype="bfloat16", **ENGINE), prompts)
+    assert got == plain
+    assert calls  # (every bucket's out projections: 64 x 64 tiles by 16-row K blocks)
 
 
 def test_preemption_recomputes_the_state(causal_lm):

@@ -160,19 +160,6 @@ def cublas_step(rows: int, cublas_max_tokens: int) -> bool:
     return jax.default_backend() == "gpu" and rows <= n
 
 
-def split_k_linear(x: jax.Array, w: jax.Array, splits: int) -> jax.Array:
-    """x [M, K] @ w [K, N] as one batched GEMM over `splits` slices of K, summed in f32. Why:
-    at decode sizes cuBLAS runs a narrow product ([4096, 4096], M = 1) on too few thread
-    blocks to fill the GPU (37.5 us against 13.4 for XLA's Triton GEMM on the H100,
-    benchmarks/results/gpu_2026-12-06b_qwen35_gemm/); each slice is a GEMM of its own blocks.
-    The weight's slices are views (no copy): w [K, N] -> [splits, K / splits, N]."""
-    m, k = x.shape
-    xs = x.reshape(m, splits, k // splits)
-    ws = w.reshape(splits, k // splits, w.shape[1])
-    y = jnp.einsum("msk,skn->smn", xs, ws, preferred_element_type=jnp.float32)
-    return y.sum(axis=0).astype(x.dtype)
-
-
 def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Dynamic per-token activation scales: x [M, K] -> (e4m3 values, [M] f32 scales)."""
     xf = x.astype(jnp.float32)

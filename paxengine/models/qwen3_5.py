@@ -38,7 +38,6 @@ from paxengine.models.quant import (
     gated_mlp,
     linear,
     linear_parts,
-    split_k_linear,
 )
 from paxengine.models.weights import check_per_layer_shapes, random_per_layer
 
@@ -408,27 +407,34 @@ def _full_attention(cfg: ModelConfig, w, x, rope, kv, attend):
 # GEMMs at ~2 TB/s (benchmarks/results/gpu_2026-12-06b_qwen35_gemm/). Not measured on the
 # other families, nor on Qwen3.5-MoE (its ragged_dot): they keep XLA's pick.
 CUBLAS_MAX_TOKENS = 64
-# ... and there a 16-bit projection with an output of at most SPLIT_K_MAX_N columns runs split
-# over K (quant.split_k_linear): cuBLAS fills too few of the GPU's SMs with it (the 24 + 8 out
-# projections of the 9B, [4096, 4096]). PAXENGINE_KERNEL_SPLIT_K: the slices (1: off).
-SPLIT_K = 1
-SPLIT_K_MAX_N = 4096
+# ... and there the 16-bit out projections (the 24 + 8 [4096, 4096] of the 9B, where cuBLAS
+# fills too few SMs: ~1.2 ms of a 6.5 ms batch-1 step) run through the Pallas skinny GEMM
+# (kernels_pallas/skinny_gemm.py). PAXENGINE_KERNEL_SKINNY: auto | off | interpret (CPU tests).
+# K split into a batched cuBLAS GEMM instead measured slower in the step (H100, batch 1 7.72
+# against 6.54 ms: XLA made it a reduction; gpu_2026-12-06c_qwen35_defaults/).
 
 
 def _out_projection(cfg: ModelConfig, x, w):
-    """x @ w as linear_parts' (product, row scales, column scales), split over K in cuBLAS
-    steps where w is narrow (SPLIT_K)."""
-    splits = int(os.environ.get("PAXENGINE_KERNEL_SPLIT_K", SPLIT_K))
-    k = x.shape[-1]
+    """x @ w as linear_parts' (product, row scales, column scales); the skinny GEMM kernel in
+    cuBLAS steps where its tiles fit."""
+    mode = os.environ.get("PAXENGINE_KERNEL_SKINNY", "auto")
+    if mode not in ("auto", "off", "interpret"):
+        raise ValueError(f"PAXENGINE_KERNEL_SKINNY must be auto, off or interpret, got {mode!r}")
     if (
-        splits > 1
+        mode != "off"
         and not isinstance(w, Fp8Weight)
         and not cfg.moe_layers  # (their steps keep XLA's Triton GEMMs, step_build)
-        and w.shape[1] <= SPLIT_K_MAX_N
-        and k % splits == 0
-        and cublas_step(x.shape[0], CUBLAS_MAX_TOKENS)
+        and x.dtype == w.dtype
+        and x.dtype in (jnp.bfloat16, jnp.float16)
+        and (mode == "interpret" or cublas_step(x.shape[0], CUBLAS_MAX_TOKENS))
     ):
-        return split_k_linear(x, w, splits), None, None
+        from kernels_pallas import skinny_gemm  # (the Pallas import only where it runs)
+
+        m, k = x.shape
+        tun = skinny_gemm.default_tuning(m, k, w.shape[1])
+        if skinny_gemm.fits(m, k, w.shape[1], tun):
+            y = skinny_gemm.skinny_matmul(x, w, interpret=mode == "interpret", tuning=tun)
+            return y, None, None
     return linear_parts(x, w)
 
 
