@@ -129,8 +129,9 @@ def test_the_skinny_gemm_out_projections_equal_hf(causal_lm, monkeypatch):
 
     path, _ = causal_lm
     prompts = PROMPTS[:2]
+    engine = dict(ENGINE, max_num_batched_tokens=32, max_num_seqs=2)
     monkeypatch.setenv("PAXENGINE_KERNEL_SKINNY", "off")
-    plain = _greedy(LLM(model=str(path), dtype="bfloat16", **ENGINE), prompts)
+    plain = _greedy(LLM(model=str(path), dtype="bfloat16", **engine), prompts)
     monkeypatch.setenv("PAXENGINE_KERNEL_SKINNY", "interpret")
     monkeypatch.setattr(skinny_gemm, "skinny_matmul", counted)
     monkeypatch.setattr(
@@ -138,7 +139,7 @@ def test_the_skinny_gemm_out_projections_equal_hf(causal_lm, monkeypatch):
         "default_tuning",
         lambda m, k, n: skinny_gemm.SkinnyTuning(block_n=64, block_k=16, k_splits=2),
     )
-    got = _greedy(LLM(model=str(path), dtype="bfloat16", **ENGINE), prompts)
+    got = _greedy(LLM(model=str(path), dtype="bfloat16", **engine), prompts)
     assert got == plain
     assert calls  # (every bucket's out projections: 64 x 64 tiles by 16-row K blocks)
 
