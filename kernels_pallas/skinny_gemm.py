@@ -18,6 +18,9 @@ up to a power of two >= 16, Triton's smallest dot; rows past M load as zeros and
 stored) times w's [block_k, block_n] block on the tensor cores, into an f32 accumulator. With
 k_splits > 1 each program writes f32 partials [k_splits, M, N] that one jnp sum reduces (an
 XLA fusion), so N / block_n x k_splits programs fill the SMs where N / block_n alone cannot.
+Not yet run on a GPU (2026-12-06: the lease's device time went on refused starts), so the
+model takes it only with PAXENGINE_KERNEL_SKINNY=auto (qwen3_5.SKINNY_DEFAULT is "off"); the
+sweep and the step A/B are benchmarks/results/gpu_2026-12-06c_qwen35_defaults/call4.sh.
 Shapes must tile exactly (K % (block_k k_splits) == 0, N % block_n == 0): `fits` says whether
 a shape does, and the model falls back to XLA's GEMM where it does not.
 """

@@ -409,15 +409,21 @@ def _full_attention(cfg: ModelConfig, w, x, rope, kv, attend):
 CUBLAS_MAX_TOKENS = 64
 # ... and there the 16-bit out projections (the 24 + 8 [4096, 4096] of the 9B, where cuBLAS
 # fills too few SMs: ~1.2 ms of a 6.5 ms batch-1 step) run through the Pallas skinny GEMM
-# (kernels_pallas/skinny_gemm.py). PAXENGINE_KERNEL_SKINNY: auto | off | interpret (CPU tests).
+# (kernels_pallas/skinny_gemm.py) with PAXENGINE_KERNEL_SKINNY=auto (off | interpret: CPU
+# tests). Off by default until measured: the device time of the lease that built it went on
+# refused starts, and a kernel not yet run on a GPU must not stop the engine's start-up. The
+# A/B is benchmarks/results/gpu_2026-12-06c_qwen35_defaults/call4.sh.
 # K split into a batched cuBLAS GEMM instead measured slower in the step (H100, batch 1 7.72
 # against 6.54 ms: XLA made it a reduction; gpu_2026-12-06c_qwen35_defaults/).
+
+
+SKINNY_DEFAULT = "off"
 
 
 def _out_projection(cfg: ModelConfig, x, w):
     """x @ w as linear_parts' (product, row scales, column scales); the skinny GEMM kernel in
     cuBLAS steps where its tiles fit."""
-    mode = os.environ.get("PAXENGINE_KERNEL_SKINNY", "auto")
+    mode = os.environ.get("PAXENGINE_KERNEL_SKINNY", SKINNY_DEFAULT)
     if mode not in ("auto", "off", "interpret"):
         raise ValueError(f"PAXENGINE_KERNEL_SKINNY must be auto, off or interpret, got {mode!r}")
     if (
