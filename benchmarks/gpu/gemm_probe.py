@@ -30,6 +30,11 @@ VARIANTS = {"default": {}, "no_triton_gemm": {"xla_gpu_enable_triton_gemm": Fals
 def kinds(txt: str) -> dict:
     return {
         "cublas": len(re.findall(r'custom_call_target="__cublas', txt)),
+        # cuDNN fusions: where XLA (cuDNN >= 9.22) lowers a ragged dot (the MoE experts) to
+        # cuDNN's grouped GEMM; without it its RaggedDotRewriter expands the ragged dot into
+        # dense dots over every expert (each step then reads all E experts' weights)
+        "cudnn": len(re.findall(r'custom_call_target="__cudnn', txt)),
+        "ragged_dot": len(re.findall(r"ragged-dot\(", txt)),
         # XLA's Triton GEMM fusions (their kind string changed between versions: the name)
         "triton_gemm": len(re.findall(r"calls=%?gemm_fusion", txt)),
         "triton_configs": sorted(set(re.findall(r'"triton_gemm_config":\{[^}]*\}', txt)))[:3],
