@@ -14,7 +14,6 @@ jnp paged reference and the Pallas kernel all drop in without touching the model
 from __future__ import annotations
 
 import math
-import os
 from functools import partial
 from typing import Any, Callable
 
@@ -228,10 +227,6 @@ def _run_layers(cfg: ModelConfig, attend: Attend, rope, reduce, h, layers, kv_ca
 
 def compute_logits(params: dict, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
     head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
-    if os.environ.get("PAXENGINE_KERNEL_LOGITS_IN_DTYPE") == "1":
-        # the product in the weights' dtype, then f32 (as vLLM's sampler takes bf16 logits):
-        # an A/B switch for the LM head's GEMM (benchmarks/gpu/gemm_probe.py's f32_out rows)
-        return jnp.dot(hidden, head).astype(jnp.float32)
     return jnp.dot(hidden, head, preferred_element_type=jnp.float32)
 
 
