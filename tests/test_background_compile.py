@@ -191,3 +191,17 @@ def test_exit_drops_the_queued_background_builds(monkeypatch, caplog):
         assert "failed" not in caplog.text  # quietly: the process is exiting
     finally:
         step_build._EXITING.clear()
+
+
+def test_a_failed_compile_names_its_step_executable(monkeypatch):
+    """An executable XLA cannot build (on the GPU: a kernel over the shared memory, only at
+    the default buckets) stops the start-up with the bucket it was compiling named."""
+    from jax import stages
+
+    def fail(self, *args, **kwargs):
+        raise RuntimeError("RESOURCE_EXHAUSTED: Shared memory size limit exceeded")
+
+    monkeypatch.setattr(stages.Lowered, "compile", fail)
+    with pytest.raises(RuntimeError, match="Shared memory") as failed:
+        LLM(**ENGINE)
+    assert any("compiling the step executable" in n for n in failed.value.__notes__)
