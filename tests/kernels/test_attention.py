@@ -404,3 +404,17 @@ def test_fp8_decode_takes_two_warps_from_many_programs():
     # a mixed bucket's decode launch takes the decode defaults of its sequence slots
     main, dec = tu.plan_launches(2048, 512, 32, 8, 128, 64, kv_itemsize=1, v_t=True)
     assert dec is not None and dec.num_warps == 2
+
+
+def test_head_dim_256_keeps_the_64_row_prefill_tiles():
+    """Long prefills take 256-row tiles at head_dim <= 128; at Qwen3.5's 256 those asked for
+    262,400 bytes of shared memory (the H100 has 232,448) and the engine did not start, so
+    head_dim 256 keeps the 64-row tiles at every bucket size."""
+    from kernels_pallas import tuning as tu
+
+    for T in (2048, 4096, 8192):
+        big = tu.default_tuning(T, 8, 16, 4, 128, 16)
+        qwen35 = tu.default_tuning(T, 8, 16, 4, 256, 16)
+        assert qwen35.block_q * 4 == 64 and qwen35.num_stages == 2
+        if T >= 4096:  # (Hkv x tiles >= the SMs: where the big tiles start at head_dim 128)
+            assert big.block_q * 4 == 256

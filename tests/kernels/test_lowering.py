@@ -126,6 +126,10 @@ CONFIGS = {
     "qwen35_27b_fp8_prefill": dict(
         T=2048, S=4, P=32, block_size=64, **dict(QWEN35_9B_FP8, num_heads=24)
     ),
+    # ... and a bf16 cache at the engine's default buckets: head_dim 256 keeps the 64-row
+    # prefill tiles where 128 takes 256-row ones (over the H100's shared memory at 256)
+    "qwen35_9b_decode_b512": dict(T=512, S=512, P=16, num_heads=16, num_kv_heads=4, head_dim=256),
+    "qwen35_9b_prefill_8192": dict(T=8192, S=8, P=512, num_heads=16, num_kv_heads=4, head_dim=256),
 }
 
 
