@@ -6,9 +6,10 @@ the ragged batch and the state pools (slots) they share.
                      final_slots=None, position_slots=None, *, snapshot_slots=None,
                      impl="chunk") -> (o, state)
         prefill / mixed steps: impl="chunk" (WY form, chunks of 16 tokens by default, bf16
-        dot operands; a sequence of fewer than TOKEN_BY_TOKEN_BELOW tokens token by token in
-        f32; snapshot_slots: a second copy of each final state, for the prefix cache; no
-        position_slots) or impl="recurrent" (token by token, f32; position_slots allowed).
+        dot operands, the kernel in gated_delta_chunk.py; a sequence of fewer than its
+        TOKEN_BY_TOKEN_BELOW tokens token by token in f32; snapshot_slots: a second copy of
+        each final state, for the prefix cache; no position_slots) or impl="recurrent"
+        (token by token, f32; position_slots allowed).
     gated_delta_decode(x, conv_weight, conv_bias, g, beta, conv_state, state, initial_slots,
                        final_slots=None, position_slots=None, *, query_start_loc=None,
                        snapshot_slots=None, gating=None) -> (o, conv_state, state)
@@ -105,168 +106,28 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from kernels_pallas.gated_delta_blocks import (
+    PRECISIONS,
+    l2norm,
+    load_state,
+    pow2,
+    store_state,
+)
+from kernels_pallas.gated_delta_chunk import chunk_kernel
 from kernels_pallas.gated_delta_ref import (
-    L2NORM_EPS,
     decode_dims,
     flat_pool,
     ref_causal_conv1d,
     scatter_slots,
 )
 
-_HI = lax.Precision.HIGHEST
 CHUNK = 16  # the chunk kernel's default chunk (the oracle's is FLA's 64: the same math)
 CHUNK_BLOCK_V, CHUNK_WARPS, CHUNK_PRECISION = 64, 4, "bf16"  # measured (module docstring)
-# impl="chunk": a sequence of fewer tokens runs token by token (f32) in the same program. The
-# recurrent kernel took ~1.6 us a token and the chunk one ~6.5 us a 16-token chunk at 4 x 1024
-# (module docstring), so a decode row's single token skips the chunk's solve.
-TOKEN_BY_TOKEN_BELOW = 4
 
 
 def decode_tuning(S: int) -> tuple[int, int]:
     """(block_v, num_warps) of a decode / verify call of S sequences (module docstring)."""
     return (64, 4) if S >= 16 else (32, 2)
-
-
-def _pow2(x: int) -> bool:
-    return x >= 1 and not x & (x - 1)
-
-
-def _l2norm(x):
-    return x * lax.rsqrt(jnp.sum(x * x, axis=-1)[..., None] + L2NORM_EPS)
-
-
-PRECISIONS = ("ieee", "tf32", "bf16")
-
-
-def _dot(a, b, precision="ieee"):
-    """a @ b in f32: IEEE f32 dots, TF32 tensor-core dots, or bf16 operands (as FLA's kernels)."""
-    if precision == "bf16":
-        a, b = a.astype(jnp.bfloat16), b.astype(jnp.bfloat16)
-        return jnp.dot(a, b, preferred_element_type=jnp.float32)
-    p = _HI if precision == "ieee" else lax.Precision.DEFAULT
-    return jnp.dot(a, b, preferred_element_type=jnp.float32, precision=p)
-
-
-def _load_state(st_ref, slot, h, vb, *, Hv, dk, block_v):
-    """The [dk, block_v] f32 block of (slot, value head h) from the flat pool [N Hv dk, dv];
-    zeros where slot < 0."""
-    row = (jnp.maximum(slot, 0) * Hv + h) * dk
-    mask = jnp.broadcast_to(slot >= 0, (dk, block_v))
-    blk = st_ref.at[pl.ds(row, dk), pl.ds(vb * block_v, block_v)]
-    return plt.load(blk, mask=mask, other=0.0).astype(jnp.float32)
-
-
-def _store_state(st_ref, slot, h, vb, value, ok, *, Hv, dk, block_v):
-    row = (jnp.maximum(slot, 0) * Hv + h) * dk
-    mask = jnp.broadcast_to(ok & (slot >= 0), (dk, block_v))
-    blk = st_ref.at[pl.ds(row, dk), pl.ds(vb * block_v, block_v)]
-    plt.store(blk, value.astype(st_ref.dtype), mask=mask)
-
-
-# --- the chunked prefill kernel -----------------------------------------------------------------
-
-
-def _chunk_kernel(
-    qsl_ref,
-    slot_ref,
-    q_ref,
-    k_ref,
-    v_ref,
-    g_ref,
-    b_ref,
-    o_in,
-    st_in,
-    o_ref,
-    st_ref,
-    *,
-    G,
-    Hv,
-    dk,
-    dv,
-    block_v,
-    C,
-    scale,
-    use_qk_l2norm,
-    precision,
-    snapshot,
-):
-    del o_in, st_in  # aliased to o_ref / st_ref
-    f32 = jnp.float32
-    s, h, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    hk = h // G
-    start = qsl_ref[s]
-    end = qsl_ref[s + 1]
-    slot_in = slot_ref[s, 0]
-    slot_out = slot_ref[s, 1]
-    st = _load_state(st_ref, slot_in, h, vb, Hv=Hv, dk=dk, block_v=block_v)
-
-    r = jnp.arange(C, dtype=jnp.int32)
-    strict = r[None, :] < r[:, None]  # [i, j]: j < i
-    incl = r[None, :] <= r[:, None]
-    eye = (r[None, :] == r[:, None]).astype(f32)
-    v_col = h * dv + vb * block_v
-
-    def chunk(c, st):
-        r0 = start + c * C
-        ok = r0 + r < end
-        mk = jnp.broadcast_to(ok[:, None], (C, dk))
-        mv = jnp.broadcast_to(ok[:, None], (C, block_v))
-        q = plt.load(q_ref.at[pl.ds(r0, C), pl.ds(hk * dk, dk)], mask=mk, other=0.0).astype(f32)
-        k = plt.load(k_ref.at[pl.ds(r0, C), pl.ds(hk * dk, dk)], mask=mk, other=0.0).astype(f32)
-        v = plt.load(v_ref.at[pl.ds(r0, C), pl.ds(v_col, block_v)], mask=mv, other=0.0)
-        v = v.astype(f32)
-        g = plt.load(g_ref.at[pl.ds(r0, C), h], mask=ok, other=0.0).astype(f32)
-        beta = plt.load(b_ref.at[pl.ds(r0, C), h], mask=ok, other=0.0).astype(f32)
-        if use_qk_l2norm:
-            q, k = _l2norm(q), _l2norm(k)
-        q = q * scale
-        gc = jnp.sum(jnp.where(incl, g[None, :], 0.0), axis=1)  # in-chunk cumulative decay
-        diff = gc[:, None] - gc[None, :]
-        kb = k * beta[:, None]
-        A = _dot(kb, k.T, precision) * jnp.where(strict, jnp.exp(jnp.where(strict, diff, 0.0)), 0.0)
-
-        def subst(i, X):  # row i of (I + A)^-1: e_i - sum_{j < i} A[i, j] X[j, :]
-            a_i = jnp.sum(jnp.where(r[:, None] == i, A, 0.0), axis=0)
-            x_i = jnp.sum(a_i[:, None] * X, axis=0)
-            return jnp.where(r[:, None] == i, X - x_i[None, :], X)
-
-        Tm = lax.fori_loop(1, C, subst, eye)
-        u = _dot(Tm, v * beta[:, None], precision)  # [C, block_v]
-        w = _dot(Tm, kb * jnp.exp(gc)[:, None], precision)  # [C, dk]
-        v_new = u - _dot(w, st, precision)
-        attn = _dot(q, k.T, precision) * jnp.where(incl, jnp.exp(jnp.where(incl, diff, 0.0)), 0.0)
-        o = _dot(q * jnp.exp(gc)[:, None], st, precision) + _dot(attn, v_new, precision)
-        plt.store(o_ref.at[pl.ds(r0, C), pl.ds(v_col, block_v)], o.astype(o_ref.dtype), mask=mv)
-        g_last = jnp.sum(g)
-        kd = k * jnp.exp(g_last - gc)[:, None]
-        return st * jnp.exp(g_last) + _dot(kd.T, v_new, precision)
-
-    def token(i, st):  # the recurrent form, f32: S = e^g S; S += k (beta (v - S^T k))^T
-        t = start + i
-        q = q_ref[t, pl.ds(hk * dk, dk)].astype(f32)
-        k = k_ref[t, pl.ds(hk * dk, dk)].astype(f32)
-        v = v_ref[t, pl.ds(v_col, block_v)].astype(f32)
-        if use_qk_l2norm:
-            q, k = _l2norm(q), _l2norm(k)
-        st = st * jnp.exp(g_ref[t, h].astype(f32))
-        kv_mem = jnp.sum(st * k[:, None], axis=0)
-        st = st + k[:, None] * ((v - kv_mem) * b_ref[t, h].astype(f32))[None, :]
-        o = jnp.sum(st * (q * scale)[:, None], axis=0)
-        o_ref[t, pl.ds(v_col, block_v)] = o.astype(o_ref.dtype)
-        return st
-
-    # A sequence of a few tokens (a decode row) runs token by token: one chunk would pay the
-    # in-chunk solve of C tokens for them (module docstring: TOKEN_BY_TOKEN_BELOW).
-    n = end - start
-    few = n < TOKEN_BY_TOKEN_BELOW
-    st = lax.fori_loop(0, jnp.where(few, 0, (n + C - 1) // C), chunk, st)
-    st = lax.fori_loop(0, jnp.where(few, n, 0), token, st)
-    _store_state(st_ref, slot_out, h, vb, st, n > 0, Hv=Hv, dk=dk, block_v=block_v)
-    if snapshot:  # the prefix cache's copy of the same state
-        _store_state(st_ref, slot_ref[s, 2], h, vb, st, n > 0, Hv=Hv, dk=dk, block_v=block_v)
-
-
-# --- the recurrent kernel (ragged, or decode with the conv fused) ------------------------------
 
 
 def _recurrent_kernel(
@@ -321,7 +182,7 @@ def _recurrent_kernel(
         n = qsl_ref[s + 1] - start
     slot_in = slot_ref[s, 0]
     slot_out = slot_ref[s, 1]
-    st = _load_state(st_ref, slot_in, h, vb, Hv=Hv, dk=dk, block_v=block_v)
+    st = load_state(st_ref, slot_in, h, vb, Hv=Hv, dk=dk, block_v=block_v)
     v_col = h * dv + vb * block_v
 
     if conv:
@@ -396,7 +257,7 @@ def _recurrent_kernel(
             g_t = -jnp.exp(al_ref[h].astype(f32)) * softplus
             b_t = 1.0 / (1.0 + jnp.exp(-b_t))
         if use_qk_l2norm:
-            q, k = _l2norm(q), _l2norm(k)
+            q, k = l2norm(q), l2norm(k)
         q = q * scale
         st = st * jnp.exp(g_t)
         kv_mem = jnp.sum(st * k[:, None], axis=0)
@@ -405,7 +266,7 @@ def _recurrent_kernel(
         o_ref[t, pl.ds(v_col, block_v)] = o.astype(o_ref.dtype)
         if P:
             ps = pos_ref[s * P + jnp.minimum(i, P - 1)]
-            _store_state(st_ref, ps, h, vb, st, i < P, Hv=Hv, dk=dk, block_v=block_v)
+            store_state(st_ref, ps, h, vb, st, i < P, Hv=Hv, dk=dk, block_v=block_v)
             if conv:
                 store_windows(win, 1 + jnp.minimum(i, P - 1), i < P)
         return st, win
@@ -414,9 +275,9 @@ def _recurrent_kernel(
         st, win = lax.fori_loop(0, m, token, (st, win0))
     else:
         st, win = lax.fori_loop(0, n, token, (st, win0))
-    _store_state(st_ref, slot_out, h, vb, st, n > 0, Hv=Hv, dk=dk, block_v=block_v)
+    store_state(st_ref, slot_out, h, vb, st, n > 0, Hv=Hv, dk=dk, block_v=block_v)
     if snapshot:  # the prefix cache's copy (its conv window: the wrapper's scatter)
-        _store_state(st_ref, slot_ref[s, 2], h, vb, st, n > 0, Hv=Hv, dk=dk, block_v=block_v)
+        store_state(st_ref, slot_ref[s, 2], h, vb, st, n > 0, Hv=Hv, dk=dk, block_v=block_v)
     if conv:
         store_windows(win, 0, n > 0)
 
@@ -442,7 +303,7 @@ def _slots(initial_slots, final_slots, snapshot_slots=None):
 
 def _block_v(block_v, dv, default):
     block_v = block_v or min(dv, default)
-    if not _pow2(block_v) or dv % block_v:
+    if not pow2(block_v) or dv % block_v:
         raise ValueError(f"block_v must be a power of 2 dividing dv = {dv}, got {block_v}")
     return block_v
 
@@ -496,7 +357,7 @@ def gated_delta_rule(
         raise ValueError("position_slots need impl='recurrent' (the chunked form keeps none)")
     if impl != "chunk" and snapshot_slots is not None:
         raise ValueError("snapshot_slots need impl='chunk'")
-    if not _pow2(dk) or (impl == "chunk" and (dk < 16 or not _pow2(chunk_size) or chunk_size < 16)):
+    if not pow2(dk) or (impl == "chunk" and (dk < 16 or not pow2(chunk_size) or chunk_size < 16)):
         raise ValueError(f"dk ({dk}) and chunk_size ({chunk_size}) must be powers of 2 (>= 16)")
     block_v = _block_v(block_v, dv, CHUNK_BLOCK_V if impl == "chunk" else 32)
     if impl == "chunk" and block_v < 16:
@@ -518,7 +379,7 @@ def gated_delta_rule(
     params = plt.CompilerParams(num_warps=num_warps or 4, num_stages=num_stages)
     if impl == "chunk":
         kernel = functools.partial(
-            _chunk_kernel,
+            chunk_kernel,
             C=chunk_size,
             precision=precision,
             snapshot=snap_s is not None,
@@ -612,7 +473,7 @@ def gated_delta_decode(
     K = conv_weight.shape[1]
     if conv_weight.shape != (C_ch, K) or K < 2:
         raise ValueError(f"conv_weight must be [{C_ch}, K >= 2], got {conv_weight.shape}")
-    if not _pow2(dk):
+    if not pow2(dk):
         raise ValueError(f"dk must be a power of 2, got {dk}")
     S = initial_slots.shape[0]
     d_block_v, d_warps = decode_tuning(S)
