@@ -21,20 +21,24 @@ from tests.test_qwen3_5 import (  # noqa: E402
 )
 from tests.test_qwen3_5_moe import checkpoint  # noqa: E402, F401 (a fixture)
 
+# One 32-token bucket: the 70- and 150-token prompts prefill in chunks, the state carried
+# between them.
+CHUNKED = dict(ENGINE, max_num_batched_tokens=32, token_buckets=[32], seq_buckets=[4])
+
 
 @pytest.fixture(scope="module")
 def tp_runs(causal_lm, checkpoint, tmp_path_factory):  # noqa: F811
     """One worker of 2 CPU devices: the dense model under TP 2 (each prompt twice: the second
     pass restores the cached prefixes' states), on the jnp oracle (the CPU default) and through
-    the GPU's Pallas kernels in interpret mode; FP8 weights on one device and under TP 2 (the
-    q|k|v channels reordered with their scales); Qwen3.5-MoE under TP 2 with each expert's
-    channels split and with expert parallelism (4 whole experts a device). One 32-token bucket:
-    the 70- and 150-token prompts prefill in chunks, the state carried between them."""
+    the GPU's Pallas kernels in interpret mode; FP8 weights under TP 2 (the q|k|v channels
+    reordered with their scales; the one-device FP8 engine they are compared with runs in this
+    process: in the worker it cost a second device placement's step and samplers, compiled
+    afresh); Qwen3.5-MoE under TP 2 with each expert's channels split and with expert
+    parallelism (4 whole experts a device)."""
     from devices import run_worker
 
     cache = str(tmp_path_factory.mktemp("qwen35_tp") / "jax")
-    engine = {k: v for k, v in ENGINE.items() if k != "show_progress"}
-    engine.update(max_num_batched_tokens=32, token_buckets=[32], seq_buckets=[4])
+    engine = {k: v for k, v in CHUNKED.items() if k != "show_progress"}
     engine.update(compilation_cache_dir=cache, tensor_parallel_size=2)
     dense, moe = str(causal_lm[0]), str(checkpoint[0])
     runs = [
@@ -44,7 +48,6 @@ def tp_runs(causal_lm, checkpoint, tmp_path_factory):  # noqa: F811
             "passes": 2,
             "env": {"PAXENGINE_KERNEL_GDN": "interpret"},
         },
-        {"engine": dict(engine, model=dense, quantization="fp8", tensor_parallel_size=1)},
         {"engine": dict(engine, model=dense, quantization="fp8")},
         {"engine": dict(engine, model=moe)},
         {"engine": dict(engine, model=moe, enable_expert_parallel=True)},
@@ -68,14 +71,21 @@ def test_dense_tp2_equals_hf_through_chunks_and_the_prefix_cache(causal_lm, tp_r
     assert run["cache"]["spec"] == [None, "tp"] and run["cache"]["shard_shape"][1] == 1
 
 
-def test_fp8_weights_under_tp2_generate_what_one_device_does(tp_runs):
-    one, tp2 = tp_runs[2:4]
-    assert tp2["tokens"] == one["tokens"] and tp2["qkv"]["spec"] == ["tp", None]  # [out, in]
+def test_fp8_weights_under_tp2_generate_what_one_device_does(causal_lm, tp_runs):  # noqa: F811
+    """The worker's engine configuration on one device, in this process."""
+    from paxengine import SamplingParams
+
+    path, _ = causal_lm
+    llm = LLM(model=str(path), quantization="fp8", **CHUNKED)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    one = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    tp2 = tp_runs[2]
+    assert tp2["tokens"] == one and tp2["qkv"]["spec"] == ["tp", None]  # [out, in]
 
 
 def test_moe_tp2_and_expert_parallel_equal_hf(checkpoint, tp_runs):  # noqa: F811
     _, want = checkpoint
-    split, ep = tp_runs[4:6]
+    split, ep = tp_runs[3:5]
     assert split["tokens"] == want and ep["tokens"] == want
     assert split["experts"]["e_gate_up"]["spec"] == [None, None, "tp"]
     assert ep["experts"]["e_gate_up"]["spec"] == ["tp", None, None]

@@ -372,26 +372,29 @@ def test_fp8_kv_cache_calibrates_through_the_family(checkpoint):
 
 
 # -- tensor and expert parallelism on simulated CPU devices (tests/devices.py) ---------------------
+# One 32-token bucket: the 150-token prompt prefills in chunks.
+PARALLEL = dict(ENGINE, max_num_batched_tokens=32, token_buckets=[32], seq_buckets=[4])
+
+
 @pytest.fixture(scope="module")
 def parallel_runs(checkpoint, tmp_path_factory):
     """In one process of 4 CPU devices: TP 2 (each expert's channels split in two), TP 2 with
     expert parallelism (4 whole experts a device), TP 4 with it (2 experts a device, the 2 KV
-    heads copied to 4); FP8 experts on one device and under TP 2 with expert parallelism (each
-    expert's scales on its device). One 32-token bucket: the 150-token prompt prefills in
-    chunks."""
+    heads copied to 4); FP8 experts under TP 2 and under TP 2 with expert parallelism (each
+    expert's scales on its device). The one-device FP8 engine they are compared with runs in
+    this process (test_fp8_experts_split_over_devices_generate_what_one_device_does): in the
+    worker it cost a third device placement's step and samplers, compiled afresh."""
     from devices import run_worker
 
     path, _ = checkpoint
     cache = str(tmp_path_factory.mktemp("moe_tp") / "jax")
-    engine = {k: v for k, v in ENGINE.items() if k != "show_progress"}
-    engine.update(model=str(path), max_num_batched_tokens=32, token_buckets=[32])
-    engine.update(seq_buckets=[4], compilation_cache_dir=cache)
+    engine = {k: v for k, v in PARALLEL.items() if k != "show_progress"}
+    engine.update(model=str(path), compilation_cache_dir=cache)
     ep = dict(enable_expert_parallel=True)
     runs = [
         {"engine": dict(engine, tensor_parallel_size=2)},
         {"engine": dict(engine, tensor_parallel_size=2, **ep)},
         {"engine": dict(engine, tensor_parallel_size=4, **ep)},
-        {"engine": dict(engine, quantization="fp8")},
         {"engine": dict(engine, quantization="fp8", tensor_parallel_size=2)},
         {"engine": dict(engine, quantization="fp8", tensor_parallel_size=2, **ep)},
     ]
@@ -423,11 +426,14 @@ def test_expert_parallel_equals_hf(checkpoint, parallel_runs):
     assert parallel_runs[2]["cache"]["shape"][1] == 4
 
 
-def test_fp8_experts_split_over_devices_generate_what_one_device_does(parallel_runs):
+def test_fp8_experts_split_over_devices_generate_what_one_device_does(checkpoint, parallel_runs):
     """FP8 expert stacks (values [E, out, in], scales [E, out]): split by channel (gate|up's
-    scales with their channels) or by expert, the tokens of the one-device FP8 engine."""
-    one, tp2, ep2 = parallel_runs[3:6]
-    assert tp2["tokens"] == one["tokens"] and ep2["tokens"] == one["tokens"]
+    scales with their channels) or by expert, the tokens of the one-device FP8 engine (the
+    workers' engine configuration, in this process)."""
+    path, _ = checkpoint
+    one = _greedy(LLM(model=str(path), quantization="fp8", **PARALLEL))
+    tp2, ep2 = parallel_runs[3:5]
+    assert tp2["tokens"] == one and ep2["tokens"] == one
     assert tp2["experts"]["e_gate_up"]["spec"] == [None, "tp", None]  # values [E, 2I, H]
     assert tp2["experts"]["e_down"]["spec"] == [None, None, "tp"]  # values [E, H, I]
     assert ep2["experts"]["e_gate_up"]["shard_shape"] == [4, 64, 64]
