@@ -436,9 +436,18 @@ def test_abort_mid_speculation_frees_every_block(spec):
 
 
 @pytest.fixture(scope="module")
-def wide(smollm):
-    """16 sample rows: chained verify steps of up to 3 requests (K = 4)."""
-    return _llm(speculative_config=NGRAM, max_num_seqs=16)
+def short_plain(short_smollm):
+    """Four of SmolLM2's layers (conftest.short_smollm) without speculation: the chained verify
+    steps' reference. Chaining is the scheduler's and the sampler's, alike for every layer;
+    each 16-row step of the 30-layer model cost ~3x these."""
+    return _llm(model=short_smollm.source)
+
+
+@pytest.fixture(scope="module")
+def wide(short_smollm):
+    """16 sample rows: chained verify steps of up to 3 requests (K = 4); four of SmolLM2's
+    layers (`short_plain`)."""
+    return _llm(model=short_smollm.source, speculative_config=NGRAM, max_num_seqs=16)
 
 
 def _counters(llm, before=None):
@@ -448,13 +457,14 @@ def _counters(llm, before=None):
     return now if before is None else {k: (now[k] - before[k]).tolist() for k in keys}
 
 
-def test_chained_verify_steps_equal_unchained_ones(plain, wide):
+def test_chained_verify_steps_equal_unchained_ones(short_plain, wide):
     """Verify steps built while the previous one runs (the device counts its accepted drafts
     and drafts the next ones) give the texts, logprobs and counters of verify steps read first,
     which are the plain engine's texts; a penalty in the batch reads first again."""
     eng = wide.engine
     prompts = [COPY[0], COPY[1], COPY[2]]
-    # 40 tokens: 17 chained steps here (60 gave 30); each token is a step of the 16-row engine
+    # 40 tokens: 20 chained steps here (17 on the 30 layers; 60 gave 30); each token is a step
+    # of the 16-row engine
     greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=1)
     seeded = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=40, seed=5, ignore_eos=True)
     runs = {}
@@ -466,7 +476,7 @@ def test_chained_verify_steps_equal_unchained_ones(plain, wide):
         _assert_pool_empty(wide)
     assert runs[False][2] == 0 and runs[True][2] > 10
     assert runs[True][1] == runs[False][1] and runs[True][1]["spec_decode_num_accepted_tokens"] > 0
-    ref = plain.generate(prompts, [greedy, seeded, greedy], use_tqdm=False)
+    ref = short_plain.generate(prompts, [greedy, seeded, greedy], use_tqdm=False)
     for a, b, c in zip(ref, runs[False][0], runs[True][0]):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids == c.outputs[0].token_ids
         for x, y in zip(b.outputs[0].logprobs or [], c.outputs[0].logprobs or []):
@@ -477,7 +487,7 @@ def test_chained_verify_steps_equal_unchained_ones(plain, wide):
     steps = eng.chained_steps
     outs = wide.generate(prompts, [greedy, pen, greedy], use_tqdm=False)
     assert eng.chained_steps == steps
-    ref = plain.generate(prompts, [greedy, pen, greedy], use_tqdm=False)
+    ref = short_plain.generate(prompts, [greedy, pen, greedy], use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
     assert eng.stats()["xla_compiles_after_warmup"] == 0
 
