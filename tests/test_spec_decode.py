@@ -508,13 +508,19 @@ def test_abort_during_a_chained_step_frees_every_block(wide):
     _assert_pool_empty(wide)
 
 
-def test_preemption_under_speculation_matches_plain(plain, smollm):
+def test_preemption_under_speculation_matches_plain(short_plain, short_smollm):
     """A pool too small for every request: drafts never preempt, but decodes do; the outputs
-    stay those of the plain engine and the pool comes back whole."""
-    tight = _llm(speculative_config=NGRAM, num_kv_blocks=14, enable_prefix_caching=False)
+    stay those of the plain engine and the pool comes back whole (four of SmolLM2's layers:
+    the blocks a request holds are its tokens', whatever the layers)."""
+    tight = _llm(
+        model=short_smollm.source,
+        speculative_config=NGRAM,
+        num_kv_blocks=14,
+        enable_prefix_caching=False,
+    )
     prompts = COPY + COPY[:1]
     p = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    ref = plain.generate(prompts, p, use_tqdm=False)
+    ref = short_plain.generate(prompts, p, use_tqdm=False)
     out = tight.generate(prompts, p, use_tqdm=False)
     assert tight.engine.scheduler.num_preemptions > 0
     assert tight.engine.stats()["spec_decode_num_accepted_tokens"] > 0
