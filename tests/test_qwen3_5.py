@@ -113,35 +113,51 @@ def test_the_fused_kernel_in_the_model_equals_hf(causal_lm, monkeypatch):
     assert llm.engine.kv.prefix_hits > hits
 
 
-def test_the_skinny_gemm_out_projections_equal_hf(causal_lm, monkeypatch):
-    """The GPU's small steps run the out projections through the Pallas skinny GEMM
-    (qwen3_5._out_projection); here in interpret mode on a bf16 engine, every step's out
-    projections take it: greedy tokens equal the same engine's with XLA's GEMM, and the
-    kernel ran."""
+def test_the_model_takes_it_for_16_bit_out_projections_only(monkeypatch):
+    """qwen3_5._out_projection: the kernel (interpret mode here; "auto" in the GPU's cuBLAS
+    steps) for a 16-bit weight whose shape tiles, XLA's GEMM for FP8 weights, MoE models, shapes
+    that do not tile, or with the switch off; an unknown mode is refused."""
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
     from kernels_pallas import skinny_gemm
+    from paxengine.models import qwen3_5
+    from paxengine.models.config import ModelConfig
+    from paxengine.models.quant import quantize_fp8
 
     calls = []
     real = skinny_gemm.skinny_matmul
-
-    def counted(*a, **k):
-        calls.append(k["tuning"])
-        return real(*a, **k)
-
-    path, _ = causal_lm
-    prompts = PROMPTS[:2]
-    engine = dict(ENGINE, max_num_batched_tokens=32, max_num_seqs=2)
-    monkeypatch.setenv("PAXENGINE_KERNEL_SKINNY", "off")
-    plain = _greedy(LLM(model=str(path), dtype="bfloat16", **engine), prompts)
-    monkeypatch.setenv("PAXENGINE_KERNEL_SKINNY", "interpret")
-    monkeypatch.setattr(skinny_gemm, "skinny_matmul", counted)
     monkeypatch.setattr(
-        skinny_gemm,
-        "default_tuning",
-        lambda m, k, n: skinny_gemm.SkinnyTuning(block_n=64, block_k=16, k_splits=2),
+        skinny_gemm, "skinny_matmul", lambda *a, **k: calls.append(k) or real(*a, **k)
     )
-    got = _greedy(LLM(model=str(path), dtype="bfloat16", **engine), prompts)
-    assert got == plain
-    assert calls  # (every bucket's out projections: 64 x 64 tiles by 16-row K blocks)
+    cfg = ModelConfig(
+        arch="Qwen3_5ForCausalLM", vocab_size=16, hidden_size=128, intermediate_size=256, num_layers=1, num_heads=2,
+        num_kv_heads=1, head_dim=64,
+    )  # fmt: skip
+    kx, kw = jax.random.split(jax.random.key(0))
+    x = jax.random.normal(kx, (3, 512), jnp.float32).astype(jnp.bfloat16)
+    w = (jax.random.normal(kw, (512, 128), jnp.float32) / 23).astype(jnp.bfloat16)
+    want = np.asarray(jnp.dot(x, w, preferred_element_type=jnp.float32))
+
+    def project(mode, x=x, w=w, cfg=cfg):
+        monkeypatch.setenv("PAXENGINE_KERNEL_SKINNY", mode)
+        y, rows, cols = qwen3_5._out_projection(cfg, x, w)
+        assert rows is None and cols is None
+        return np.asarray(y, np.float32)
+
+    np.testing.assert_allclose(project("interpret"), want, rtol=2e-2, atol=2e-2)
+    assert len(calls) == 1 and calls[0]["interpret"]
+    np.testing.assert_allclose(project("off"), want, rtol=2e-2, atol=2e-2)
+    project("auto")  # on a CPU: no cuBLAS steps, XLA's GEMM
+    project("interpret", w=w[:, :100])  # columns that do not tile
+    project("interpret", cfg=dataclasses.replace(cfg, moe_layers=(0,)))
+    qwen3_5._out_projection(cfg, x, quantize_fp8(w.astype(jnp.float32)))  # FP8: its own path
+    assert len(calls) == 1
+    with pytest.raises(ValueError, match="PAXENGINE_KERNEL_SKINNY"):
+        project("on")
 
 
 def test_preemption_recomputes_the_state(causal_lm):
