@@ -10,3 +10,12 @@ TINY = dict(
     token_buckets=[16, 32],
     seq_buckets=[4],
 )
+
+
+def step_until_chained(eng, steps: int = 60) -> None:
+    """EngineCore.step until a chained verify step is in flight (fails if none comes)."""
+    for _ in range(steps):
+        eng.step()
+        if eng.inflight is not None and eng.inflight.out.chained:
+            return
+    raise AssertionError(f"no chained step in flight after {steps} steps")

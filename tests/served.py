@@ -47,3 +47,13 @@ def served(model: str, *args: str, ready_s: float = 300, devices: int = 1):
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+
+
+def greedy_token_ids(base: str, model: str, prompt: list[int], max_tokens: int) -> list[int]:
+    """A greedy /v1/completions of a token-id prompt (ignore_eos): its token ids; a non-200
+    answer fails the test with its body."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+    body.update(ignore_eos=True, return_token_ids=True)
+    r = httpx.post(base + "/v1/completions", json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["token_ids"]

@@ -258,18 +258,14 @@ def test_the_server_serves_it_as_a_user_starts_it(causal_lm):
     tokens equal HF's; a streamed chat answers; an image part is a 400 naming it."""
 
     import httpx
-    from served import served
+    from served import greedy_token_ids, served
 
     path, want = causal_lm
     _write_tokenizer(path)
     args = ["--max-model-len", "256", "--max-num-seqs", "4"]
     args += ["--max-num-batched-tokens", "64", "--served-model-name", "q35"]
     with served(str(path), *args) as base:
-        body = {"model": "q35", "prompt": PROMPTS[2], "max_tokens": MAX_TOKENS}
-        body.update(temperature=0, ignore_eos=True, return_token_ids=True)
-        r = httpx.post(base + "/v1/completions", json=body, timeout=300)
-        assert r.status_code == 200, r.text
-        assert r.json()["choices"][0]["token_ids"] == want[2]
+        assert greedy_token_ids(base, "q35", PROMPTS[2], MAX_TOKENS) == want[2]
         chat = {"model": "q35", "messages": [{"role": "user", "content": "the cat"}]}
         chat.update(max_tokens=6, stream=True, temperature=0)
         with httpx.stream("POST", base + "/v1/chat/completions", json=chat, timeout=300) as s:

@@ -9,6 +9,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from engines import step_until_chained  # noqa: E402
 from test_qwen3_5 import ENGINE, TEXT, _perturb  # noqa: E402
 
 from paxengine import LLM, SamplingParams  # noqa: E402
@@ -288,7 +289,7 @@ def test_serve_with_speculative_config_equals_plain(request, spec, plain):
     import json
 
     import httpx
-    from served import served
+    from served import greedy_token_ids, served
     from test_qwen3_5 import _write_tokenizer
 
     path = (
@@ -299,11 +300,7 @@ def test_serve_with_speculative_config_equals_plain(request, spec, plain):
     args += ["--max-num-batched-tokens", "64"]
     args += ["--speculative-config", json.dumps(spec)]
     with served(str(path), *args) as base:
-        body = {"model": "q35", "prompt": PROMPTS[1], "max_tokens": MAX_TOKENS}
-        body.update(temperature=0, ignore_eos=True, return_token_ids=True)
-        r = httpx.post(base + "/v1/completions", json=body, timeout=300)
-        assert r.status_code == 200, r.text
-        assert r.json()["choices"][0]["token_ids"] == plain[1]
+        assert greedy_token_ids(base, "q35", PROMPTS[1], MAX_TOKENS) == plain[1]
         lines = httpx.get(base + "/metrics").text.splitlines()
         accepted = [
             ln for ln in lines if ln.startswith("paxengine:spec_decode_num_accepted_tokens_total")
@@ -317,11 +314,7 @@ def test_abort_during_a_chained_step_gives_every_slot_back(wide):
     p = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
     eng.add_request("c1", PROMPTS[1], p)
     eng.add_request("c2", PROMPTS[0], SamplingParams(temperature=0, max_tokens=30))
-    for _ in range(60):
-        eng.step()
-        if eng.inflight is not None and eng.inflight.out.chained:
-            break
-    assert eng.inflight.out.chained
+    step_until_chained(eng)
     eng.abort("c1")
     while eng.has_unfinished():
         eng.step()

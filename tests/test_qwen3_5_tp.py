@@ -109,16 +109,11 @@ def test_speculation_under_tp_is_refused_by_name(causal_lm):  # noqa: F811
 def test_the_server_serves_it_over_two_devices(causal_lm):  # noqa: F811
     """`paxengine serve DIR -tp 2` as a user starts it, on 2 simulated CPU devices: the
     completion's tokens equal HF's (and so the one-device server's)."""
-    import httpx
-    from served import served
+    from served import greedy_token_ids, served
 
     path, want = causal_lm
     _write_tokenizer(path)
     args = ["--max-model-len", "256", "--max-num-seqs", "4", "--max-num-batched-tokens", "64"]
     args += ["--served-model-name", "q35", "-tp", "2"]
     with served(str(path), *args, devices=2) as base:
-        body = {"model": "q35", "prompt": PROMPTS[2], "max_tokens": MAX_TOKENS}
-        body.update(temperature=0, ignore_eos=True, return_token_ids=True)
-        r = httpx.post(base + "/v1/completions", json=body, timeout=300)
-        assert r.status_code == 200, r.text
-        assert r.json()["choices"][0]["token_ids"] == want[2]
+        assert greedy_token_ids(base, "q35", PROMPTS[2], MAX_TOKENS) == want[2]

@@ -289,35 +289,25 @@ def test_the_server_serves_it(checkpoint):
     """`paxengine serve DIR` with its defaults (engine process, background compile): the
     greedy tokens of a prompt of ten blocks equal HF's."""
 
-    import httpx
-    from served import served
+    from served import greedy_token_ids, served
 
     path, want = checkpoint
     args = ["--max-model-len", "256", "--max-num-seqs", "4"]
     args += ["--max-num-batched-tokens", "64", "--served-model-name", "moe"]
     with served(str(path), *args) as base:
-        body = {"model": "moe", "prompt": PROMPTS[2], "max_tokens": MAX_TOKENS}
-        body.update(temperature=0, ignore_eos=True, return_token_ids=True)
-        r = httpx.post(base + "/v1/completions", json=body, timeout=300)
-        assert r.status_code == 200, r.text
-        assert r.json()["choices"][0]["token_ids"] == want[2]
+        assert greedy_token_ids(base, "moe", PROMPTS[2], MAX_TOKENS) == want[2]
 
 
 def test_the_server_serves_it_with_expert_parallelism(checkpoint):
     """`paxengine serve DIR -tp 2 --enable-expert-parallel` on 2 simulated CPU devices."""
 
-    import httpx
-    from served import served
+    from served import greedy_token_ids, served
 
     path, want = checkpoint
     args = ["--max-model-len", "256", "--max-num-seqs", "4", "--max-num-batched-tokens", "64"]
     args += ["--served-model-name", "moe", "-tp", "2", "--enable-expert-parallel"]
     with served(str(path), *args, devices=2) as base:
-        body = {"model": "moe", "prompt": PROMPTS[1], "max_tokens": MAX_TOKENS}
-        body.update(temperature=0, ignore_eos=True, return_token_ids=True)
-        r = httpx.post(base + "/v1/completions", json=body, timeout=300)
-        assert r.status_code == 200, r.text
-        assert r.json()["choices"][0]["token_ids"] == want[1]
+        assert greedy_token_ids(base, "moe", PROMPTS[1], MAX_TOKENS) == want[1]
 
 
 def test_fused_expert_tensors_load_as_the_per_expert_ones():

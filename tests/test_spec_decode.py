@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from engines import step_until_chained
 from scipy.stats import chisquare
 
 from paxengine import LLM, SamplingParams
@@ -497,11 +498,7 @@ def test_abort_during_a_chained_step_frees_every_block(wide):
     p = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
     eng.add_request("c1", COPY[0], p)
     eng.add_request("c2", COPY[2], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
-    for _ in range(60):
-        eng.step()
-        if eng.inflight is not None and eng.inflight.out.chained:
-            break
-    assert eng.inflight.out.chained
+    step_until_chained(eng)
     eng.abort("c1")
     while eng.has_unfinished():
         eng.step()
