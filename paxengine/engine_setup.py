@@ -149,7 +149,9 @@ class Prepared:
 def prepare_params(cfg: EngineConfig, checked: Checked, loaded, tokenizer, store) -> Prepared:
     """The loaded params as the runner takes them: an fp8 cache's per-layer scales beside the
     layers, KV heads copied for tensor parallelism, the per-layer split where the layers are
-    unrolled (before the KV pool is sized: no stacked copy may stay behind)."""
+    unrolled (before the KV pool is sized: no stacked copy may stay behind). On a mesh the
+    params arrive on the host, are laid out there, and each device takes only its shards
+    (parallel.shard_params), before the KV plan reads what the weights left free."""
     params = loaded.params
     scales, scales_from = kv_scales.choose(
         cfg.kv_cache_scales,
@@ -180,6 +182,8 @@ def prepare_params(cfg: EngineConfig, checked: Checked, loaded, tokenizer, store
         shards = tp.size if tp is not None else 1
         whole = parallel.EXPERTS if tp is not None and tp.expert_parallel else ()
         params = fuse_layers(params, fused, shards, whole)
+    if tp is not None:
+        params = parallel.shard_params(params, tp)
     return Prepared(params, scales, scales_from, tp, store)
 
 
@@ -393,6 +397,9 @@ def load_models(cfg: EngineConfig, checked: Checked, spec) -> Models:
         progress=cfg.show_progress,
         seed=cfg.seed,
         quantization=checked.quantization,
+        # a mesh (tensor parallelism, or a data-parallel replica's device): the weights stay
+        # on the host until each device takes its own shards (prepare_params)
+        on_device=cfg.tensor_parallel_size == 1 and cfg.first_device == 0,
     )
     load_seconds = time.perf_counter() - t0
     check_hybrid(cfg, checked, loaded.config, spec)

@@ -5,8 +5,14 @@ copied to the N / kv_heads devices that share it when there are fewer KV heads t
 1/N of the MLP's intermediate channels, and the KV cache pages of its own KV heads. The layers
 run under one `shard_map`: each device computes its heads' attention with the same kernels as
 one GPU (a local config with its head counts), and the two row-parallel projections (O and
-down) end in one all-reduce each. Embedding, norms and the LM head are replicated, so the
-logits and the sampler see every vocabulary entry on every device.
+down) end in one all-reduce each. Norms are replicated. The embedding table and the LM head are
+vocabulary-parallel, as vLLM's: each device holds 1/N of the vocabulary's rows (the vocabulary
+padded to a multiple of N, `pad_vocab`; padded rows are never looked up and their logits are cut
+off by `gathered_logits`). They stay outside the shard_map, where XLA's partitioner turns the
+lookup into a masked local gather plus an all-reduce of [T, H]; `gathered_logits` pins the LM
+head to each device's slice of the logits plus one all-gather of [rows, V] (left to itself,
+XLA gathered the whole table instead): the sampler sees every vocabulary entry on every
+device, and no device holds the whole table.
 
 Column-parallel weights are split along their output channels into N contiguous blocks, so the
 fused projections are fused per shard ([q_0 k_0 v_0 | q_1 k_1 v_1 | ...], see
@@ -176,7 +182,8 @@ def _copy_kv_heads_axis(a: jax.Array, copies: int, head_dim: int, axis: int) -> 
     axis = axis % a.ndim
     n = a.shape[axis] // head_dim
     split = a.reshape(*a.shape[:axis], n, head_dim, *a.shape[axis + 1 :])
-    return jnp.repeat(split, copies, axis=axis).reshape(
+    xp = np if isinstance(a, np.ndarray) else jnp  # host weights stay on the host
+    return xp.repeat(split, copies, axis=axis).reshape(
         *a.shape[:axis], n * copies * head_dim, *a.shape[axis + 1 :]
     )
 
@@ -232,9 +239,44 @@ def layer_specs(layer: dict, expert_parallel: bool = False) -> dict:
     return specs
 
 
+# vocabulary-parallel: the embedding [V, H] by rows, an untied LM head [H, V] by columns
+VOCAB = {"embed": P(AXIS, None), "lm_head": P(None, AXIS)}
+
+
+def pad_vocab(params: dict, n: int) -> dict:
+    """The embedding's rows and the LM head's columns padded with zeros to a multiple of n
+    (device_put splits only evenly). Host arrays stay on the host (numpy), device ones on their
+    device."""
+    V = params["embed"].shape[0]
+    pad = -V % n
+    if not pad:
+        return params
+
+    def padded(a, axis: int):
+        xp = np if isinstance(a, np.ndarray) else jnp
+        widths = [(0, 0)] * a.ndim
+        widths[axis] = (0, pad)
+        return xp.pad(a, widths)
+
+    out = {**params, "embed": padded(params["embed"], 0)}
+    if "lm_head" in params:
+        out["lm_head"] = padded(params["lm_head"], 1)
+    return out
+
+
+def gathered_logits(tp: TensorParallel, logits: jax.Array, vocab_size: int) -> jax.Array:
+    """The LM head's [rows, V (padded)] logits: each device's vocabulary slice computed where
+    its rows of the head lie, then gathered whole on every device (the sampler's view), the
+    padding cut off."""
+    sliced = P(*(None,) * (logits.ndim - 1), AXIS)
+    logits = jax.lax.with_sharding_constraint(logits, tp.sharding(sliced))
+    logits = jax.lax.with_sharding_constraint(logits, tp.sharding(P()))
+    return logits[..., :vocab_size]
+
+
 def param_specs(params: dict, expert_parallel: bool = False) -> dict:
     layers = params["layers"]
-    out = {k: P() for k in params if k != "layers"}
+    out = {k: VOCAB.get(k, P()) for k in params if k != "layers"}
     if isinstance(layers, list):
         out["layers"] = [layer_specs(d, expert_parallel) for d in layers]
     else:
@@ -243,16 +285,20 @@ def param_specs(params: dict, expert_parallel: bool = False) -> dict:
 
 
 def shard_params(params: dict, tp: TensorParallel) -> dict:
-    """The params placed on the mesh by their specs. Across processes each one places the same
-    host copy (every process loaded the same checkpoint), keeping its own shards."""
+    """The params placed on the mesh by their specs: from host arrays (the loader's, under a mesh)
+    each device receives only its shards. Across processes each one places the same host copy
+    (every process loaded the same checkpoint), keeping its own shards."""
+    params = pad_vocab(params, tp.size)
     specs = param_specs(params, tp.expert_parallel)
     host = jax.process_count() > 1
-    return jax.tree_util.tree_map(
-        lambda a, s: jax.device_put(np.asarray(a) if host else a, tp.sharding(s)),
-        params,
-        specs,
-        is_leaf=lambda x: isinstance(x, P),
-    )
+
+    def place(a, spec: P):
+        where = tp.sharding(spec)
+        if isinstance(a, jax.Array) and a.sharding.is_equivalent_to(where, a.ndim):
+            return a  # placed already (engine_setup.prepare_params, then the Runner)
+        return jax.device_put(np.asarray(a) if host else a, where)
+
+    return jax.tree_util.tree_map(place, params, specs, is_leaf=lambda x: isinstance(x, P))
 
 
 CACHE_SPEC = P(None, AXIS)  # [L or 1, kv_heads, blocks, block_size, head_dim]: split by KV head

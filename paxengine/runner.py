@@ -219,7 +219,7 @@ class Runner:
         def logits_fn(h):
             logits = self.family.compute_logits(params, self.cfg, h)
             if self.tp is not None:
-                logits = jax.lax.with_sharding_constraint(logits, self.tp.sharding(P()))
+                logits = parallel.gathered_logits(self.tp, logits, self.cfg.vocab_size)
             return logits
 
         V = self.cfg.vocab_size
@@ -270,7 +270,7 @@ class Runner:
             )
         logits = self.family.compute_logits(params, self.cfg, hidden[logits_indices])
         if self.tp is not None:  # every device samples from all of them (StepBuilder's sampler)
-            logits = jax.lax.with_sharding_constraint(logits, self.tp.sharding(P()))
+            logits = parallel.gathered_logits(self.tp, logits, self.cfg.vocab_size)
         return kv_cache, logits, hidden
 
     # -- each bucket's forward as a job for the builder: (store key, lowering, XLA options) -----

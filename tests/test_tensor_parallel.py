@@ -83,6 +83,13 @@ def test_tp3_splits_weights_and_cache_over_the_devices(smollm_runs):
     assert tp["qkv"]["shard_shape"] == [576, 15 * 64 // 3]
     assert tp["qkv"]["spec"] == [None, "tp"] and tp["wo"]["spec"] == ["tp", None]
     assert tp["wo"]["shard_shape"] == [576 // 3, 576]
+    # the tied embedding [49152, 576], vocabulary-parallel: a third of its rows a device, and no
+    # step gathers it whole (the lookup all-reduces [T, H]; the logits gather [rows, V])
+    assert tp["embed"]["spec"] == ["tp", None] and tp["embed"]["shard_shape"] == [16384, 576]
+    assert 0 < tp["largest_all_gather"] <= 32 * 49152 < 49152 * 576
+    # the weights went from the host straight into each device's shards: no device array
+    # (a whole copy on the first device) was handed to the placement
+    assert tp["placed_from_device_bytes"] == 0 and one["placed_from_device_bytes"] is None
 
 
 def test_tp3_with_fp8_weights_and_kv(smollm_runs):
@@ -94,13 +101,14 @@ def test_tp3_with_fp8_weights_and_kv(smollm_runs):
 
 @pytest.fixture(scope="module")
 def tiny_config(tmp_path_factory):
-    """A tiny random Llama: 8 query heads, `kv` KV heads."""
+    """A tiny random Llama: 8 query heads, `kv` KV heads, an untied LM head over 250 tokens
+    (4 devices split them as 252, padded: parallel.pad_vocab)."""
 
     def write(kv: int) -> str:
         d = tmp_path_factory.mktemp(f"tiny_kv{kv}")
         cfg = {
             "architectures": ["LlamaForCausalLM"],
-            "vocab_size": 256,
+            "vocab_size": 250,
             "hidden_size": 64,
             "intermediate_size": 128,
             "num_hidden_layers": 2,
@@ -135,6 +143,40 @@ def test_tp2_with_4_kv_heads_and_tp4_with_fewer_kv_heads_than_devices(tiny_confi
     assert kv2_tp4["tokens"] == want[1]
     # 2 KV heads copied to 4 (one a device): the cache holds 4 heads, one per shard
     assert kv2_tp4["cache"]["shape"][1] == 4 and kv2_tp4["cache"]["shard_shape"][1] == 1
+    # the untied LM head [64, 250] by vocabulary columns: 125 a device; 252 (padded) over 4
+    head = kv4_tp2["lm_head"]
+    assert head["shard_shape"] == [64, 125] and head["spec"] == [None, "tp"]
+    assert kv2_tp4["lm_head"]["shape"] == [64, 252] and kv2_tp4["embed"]["shard_shape"] == [63, 64]
+
+
+def test_a_mesh_loads_the_weights_on_the_host(short_smollm):
+    """Under a mesh the loader leaves the weights on the host, in the model dtype (FP8 values
+    as e4m3 bytes): the same numbers the one-device load puts on its device."""
+    import ml_dtypes
+    import numpy as np
+
+    from paxengine.models.loader import load_model
+    from paxengine.models.quant import Fp8Weight
+
+    src = short_smollm.source
+    host = load_model(src, "bfloat16", progress=False, quantization="fp8", on_device=False)
+    dev = load_model(src, "bfloat16", progress=False, quantization="fp8")
+    assert host.params["embed"].dtype == ml_dtypes.bfloat16
+    wq = host.params["layers"]["wq"]
+    assert isinstance(wq, Fp8Weight) and wq.values.dtype == ml_dtypes.float8_e4m3fn
+    for name, a in flatten_leaves(host.params).items():
+        assert isinstance(a, np.ndarray), name
+        assert np.array_equal(a, np.asarray(flatten_leaves(dev.params)[name])), name
+
+
+def flatten_leaves(params) -> dict:
+    from paxengine.models.weights import flatten
+
+    flat = {}
+    for k, v in flatten(params).items():
+        parts = (("values", v.values), ("scales", v.scales)) if hasattr(v, "scales") else ()
+        flat.update({f"{k}.{n}": a for n, a in parts} if parts else {k: v})
+    return flat
 
 
 def test_clear_errors(tiny_config):

@@ -5,10 +5,13 @@ p (default 1: the same prompts again, e.g. through the prefix cache), "env": var
 for this run's engine only (read when its steps are traced)}; prints one JSON line:
 per run the greedy tokens (of each pass: "passes"), the KV cache's and two weights' shardings
 (and the first layer's expert stacks', an MoE model's; a hybrid's first-layer DeltaNet
-projections and state pools)."""
+projections and state pools), the vocabulary-parallel embedding and LM head, and where the
+weights were placed from."""
 
 import json
+import math
 import os
+import re
 import sys
 
 
@@ -22,13 +25,44 @@ def describe(arr) -> dict:
     }
 
 
+def largest_all_gather(runner) -> int:
+    """The most elements any all-gather of the compiled forwards produces (0: none seen)."""
+    sizes = [0]
+    for exe in runner.compiled.values():
+        for line in exe.as_text().splitlines():
+            m = re.search(r"= \w+\[([\d,]*)\]\S* all-gather\(", line)
+            if m:
+                dims = [int(d) for d in m.group(1).split(",") if d]
+                sizes.append(math.prod(dims))
+    return max(sizes)
+
+
+def record_placements(calls: list) -> None:
+    """Each parallel.shard_params call appends the bytes of device arrays it was handed (0: the
+    weights came from the host, each device receiving only its shards)."""
+    import jax
+
+    from paxengine import parallel
+
+    place = parallel.shard_params
+
+    def recorded(params, tp):
+        leaves = jax.tree_util.tree_leaves(params)
+        calls.append(sum(x.nbytes for x in leaves if isinstance(x, jax.Array)))
+        return place(params, tp)
+
+    parallel.shard_params = recorded
+
+
 def main() -> None:
     import jax
 
     from paxengine import LLM, SamplingParams
 
-    out = []
+    out, placements = [], []
+    record_placements(placements)
     for run in json.loads(sys.argv[1]):
+        placements.clear()
         env = run.get("env", {})
         # restore only these: clearing the whole environment dropped what an engine sets in it,
         # which its executables' store keys name, and every later engine missed the store
@@ -71,6 +105,10 @@ def main() -> None:
                 "state": {k: describe(v[0]) for k, v in getattr(r, "state", {}).items()},
                 "store_hits": store.hits if store is not None else None,
                 "devices": jax.device_count(),
+                "embed": describe(r.params["embed"]),
+                "lm_head": describe(r.params["lm_head"]) if "lm_head" in r.params else None,
+                "largest_all_gather": largest_all_gather(r) if r.tp is not None else None,
+                "placed_from_device_bytes": placements[0] if placements else None,
             }
         )
     print("RESULT " + json.dumps(out), flush=True)

@@ -101,6 +101,27 @@ def _to_device(params: dict, dtype: str) -> dict:
     return put("", params)
 
 
+def _to_host(params: dict, dtype: str) -> dict:
+    """_to_device's arrays as numpy on the host (ml_dtypes for bfloat16 and e4m3): for a mesh
+    whose devices each take only their shards (parallel.shard_params), no device ever holds the
+    whole model."""
+    import ml_dtypes
+
+    dt = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}[dtype]
+
+    def put(name, a):
+        if isinstance(a, Fp8Weight):
+            values = np.asarray(a.values).astype(ml_dtypes.float8_e4m3fn, copy=False)
+            return Fp8Weight(values, np.asarray(a.scales, np.float32))
+        if isinstance(a, dict):
+            return {k: put(k, v) for k, v in a.items()}
+        if isinstance(a, (list, tuple)):
+            return type(a)(put(name, v) for v in a)
+        return np.asarray(a).astype(np.float32 if name in _KEEP_F32 else dt, copy=False)
+
+    return put("", params)
+
+
 def _dense_linear(params: dict) -> list[str]:
     """The projections that are not FP8 yet (by name; any layer of a per-layer list)."""
     layers = params["layers"]
@@ -118,6 +139,7 @@ def load_model(
     progress: bool = True,
     seed: int = 0,
     quantization: str | None = None,
+    on_device: bool = True,
 ) -> LoadedModel:
     """Load weights, config and tokenizer from a source:
 
@@ -130,13 +152,20 @@ def load_model(
 
     quantization="fp8": the projection weights as Fp8Weight (e4m3, per-output-channel scales),
     quantized at load.
+
+    on_device=False: the params as numpy arrays on the host, in `dtype` (tensor parallelism:
+    each device then takes only its shards, parallel.shard_params).
     """
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization {quantization!r} is not supported: none or fp8")
+    place = _to_device if on_device else _to_host
     quantization = None if quantization == "none" else quantization
     src = resolve_source(source)
     if src.startswith("dummy:"):
-        return _load_dummy(src[len("dummy:") :], dtype, seed, quantization)
+        loaded = _load_dummy(src[len("dummy:") :], dtype, seed, quantization)
+        if not on_device:  # random weights are drawn on the device (fast); then to the host
+            loaded.params = _to_host(loaded.params, dtype)
+        return loaded
     path = Path(src).expanduser()
     if not path.exists():
         raise FileNotFoundError(
@@ -150,9 +179,7 @@ def load_model(
         try:
             cfg, params, meta = weights_cache.read(cached)
             tokenizer, eos = weights_cache.read_tokenizer(cached) or _load_tokenizer(path)
-            return LoadedModel(
-                cfg, _to_device(params, dtype), tokenizer, str(path), eos, True, **meta
-            )
+            return LoadedModel(cfg, place(params, dtype), tokenizer, str(path), eos, True, **meta)
         except Exception:
             pass  # a broken cache entry is rebuilt below
     tokenizer, eos = _load_tokenizer(path)
@@ -168,7 +195,7 @@ def load_model(
             params = quantize_params(params)
         if cached is not None:
             weights_cache.write(cached, cfg, params, tokenizer, eos, meta)
-        return LoadedModel(cfg, _to_device(params, dtype), tokenizer, str(path), eos, False, **meta)
+        return LoadedModel(cfg, place(params, dtype), tokenizer, str(path), eos, False, **meta)
     dense = _dense_linear(params)
     if (quantization == "fp8" or meta["prequantized"]) and dense:
         log.info("fp8: quantizing %s online (per output channel)", ", ".join(dense))
@@ -176,7 +203,7 @@ def load_model(
     check_shapes(params, cfg)
     if cached is not None:
         weights_cache.write(cached, cfg, params, tokenizer, eos, meta)
-    return LoadedModel(cfg, _to_device(params, dtype), tokenizer, str(path), eos, False, **meta)
+    return LoadedModel(cfg, place(params, dtype), tokenizer, str(path), eos, False, **meta)
 
 
 load_model.__doc__ %= ", ".join(sorted(PRESETS))

@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 FP8_DTYPE = jnp.float8_e4m3fn
 FP8_MAX = float(jnp.finfo(FP8_DTYPE).max)  # 448
@@ -69,10 +70,12 @@ def dequantize(w: Fp8Weight, dtype=jnp.float32) -> jax.Array:
 
 
 def concat_out(parts: list[Fp8Weight]) -> Fp8Weight:
-    """Projections fused along their output channels (wqkv, w_gate_up), scales kept per slice."""
+    """Projections fused along their output channels (wqkv, w_gate_up), scales kept per slice;
+    host parts (numpy) stay on the host."""
+    xp = np if isinstance(parts[0].values, np.ndarray) else jnp
     return Fp8Weight(
-        jnp.concatenate([p.values for p in parts], axis=-2),
-        jnp.concatenate([p.scales for p in parts], axis=-1),
+        xp.concatenate([p.values for p in parts], axis=-2),
+        xp.concatenate([p.scales for p in parts], axis=-1),
     )
 
 

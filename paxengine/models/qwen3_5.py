@@ -39,7 +39,7 @@ from paxengine.models.quant import (
     linear,
     linear_parts,
 )
-from paxengine.models.weights import check_per_layer_shapes, random_per_layer
+from paxengine.models.weights import array_module, check_per_layer_shapes, random_per_layer
 
 log = logging.getLogger(__name__)
 
@@ -330,17 +330,18 @@ def tp_layout(params: dict, cfg: ModelConfig, tp) -> dict:
     n = tp.size
     qk, vd = cfg.linear_num_key_heads * cfg.linear_key_head_dim, _value_dim(cfg)
     parts = [np.arange(qk), qk + np.arange(qk), 2 * qk + np.arange(vd)]
-    perm = jnp.asarray(np.concatenate([p.reshape(n, -1) for p in parts], axis=1).reshape(-1))
+    perm = np.concatenate([p.reshape(n, -1) for p in parts], axis=1).reshape(-1)
+    take = lambda a, axis: array_module(a).take(a, perm, axis=axis)  # noqa: E731 (host or device)
     layers = []
     for w in params["layers"]:
         w = dict(w)
         if "la_qkv" in w:
             qkv = w["la_qkv"]
             if isinstance(qkv, Fp8Weight):  # values [out, in], scales [out]
-                w["la_qkv"] = Fp8Weight(jnp.take(qkv.values, perm, 0), jnp.take(qkv.scales, perm))
+                w["la_qkv"] = Fp8Weight(take(qkv.values, 0), take(qkv.scales, 0))
             else:
-                w["la_qkv"] = jnp.take(qkv, perm, axis=-1)
-            w["la_conv"] = jnp.take(w["la_conv"], perm, axis=0)
+                w["la_qkv"] = take(qkv, -1)
+            w["la_conv"] = take(w["la_conv"], 0)
         layers.append(w)
     return {**params, "layers": layers}
 

@@ -188,27 +188,33 @@ def _layer_slice(w, i: int):
     return w[i]
 
 
+def array_module(a):
+    """numpy for host arrays, jax.numpy for device ones: the layout changes below run on either
+    (under tensor parallelism the weights stay on the host until each device takes its shards,
+    parallel.shard_params)."""
+    import jax.numpy as jnp
+
+    return np if isinstance(a, np.ndarray) else jnp
+
+
 def _fuse(slices: list, fp8: bool, shards: int):
     """Parts concatenated along their output channels; with shards > 1, shard by shard
     ([q_0 k_0 v_0 | q_1 k_1 v_1 | ...]) so a tensor-parallel split of the fused weight into
     `shards` contiguous blocks gives each device its own q, k and v (parallel.py)."""
-    import jax.numpy as jnp
-
     if shards > 1:
         blocks = [_split_out(a, shards, fp8) for a in slices]
         slices = [b[s] for s in range(shards) for b in blocks]
-    return concat_out(slices) if fp8 else jnp.concatenate(slices, axis=-1)
+    return concat_out(slices) if fp8 else array_module(slices[0]).concatenate(slices, axis=-1)
 
 
 def _split_out(a, n: int, fp8: bool) -> list:
-    import jax.numpy as jnp
-
     if fp8:
+        xp = array_module(a.values)
         return [
             Fp8Weight(v, s)
-            for v, s in zip(jnp.split(a.values, n, axis=-2), jnp.split(a.scales, n, axis=-1))
+            for v, s in zip(xp.split(a.values, n, axis=-2), xp.split(a.scales, n, axis=-1))
         ]
-    return jnp.split(a, n, axis=-1)
+    return array_module(a).split(a, n, axis=-1)
 
 
 def unstack_layers(params: dict, shards: int = 1) -> dict:
