@@ -332,6 +332,9 @@ def verify_slots(cfg: EngineConfig, model_config, spec) -> int:
 # the speculative methods a model with recurrent layers runs: their verify steps roll the state
 # back (verify_slots); a draft model or an EAGLE-3 head would need per-model states of their own
 HYBRID_SPEC_METHODS = ("ngram", "mtp")
+# an MoE model of attention layers only (Qwen3-MoE): n-gram drafts, verified by its own forward
+# (EAGLE-3 reads the Llama layout's auxiliary hidden states; a draft model is untested on it)
+MOE_SPEC_METHODS = ("ngram",)
 
 
 def check_hybrid(cfg: EngineConfig, checked: Checked, model_config, spec) -> None:
@@ -361,18 +364,22 @@ def check_hybrid(cfg: EngineConfig, checked: Checked, model_config, spec) -> Non
             raise ValueError(f"{what} is not implemented for {name} models yet")
 
 
+def _spec_methods(model_config) -> tuple[str, ...]:
+    return HYBRID_SPEC_METHODS if model_config.recurrent_layers else MOE_SPEC_METHODS
+
+
 def _spec_runs(model_config, spec) -> bool:
-    """Qwen3-MoE (no recurrent layers) is not tested with speculation yet; load_mtp refuses
-    MTP for other models by name."""
+    """load_mtp refuses MTP for models without an MTP layer by name."""
     if spec is None or spec.method == "mtp":
         return True
-    return bool(model_config.recurrent_layers) and spec.method in HYBRID_SPEC_METHODS
+    return spec.method in _spec_methods(model_config)
 
 
 def _spec_label(model_config, spec) -> str:
-    if spec is None or not model_config.recurrent_layers:
+    if spec is None:
         return "speculative_config"
-    return f"speculative_config method {spec.method!r} (only {', '.join(HYBRID_SPEC_METHODS)})"
+    only = ", ".join(_spec_methods(model_config))
+    return f"speculative_config method {spec.method!r} (only {only})"
 
 
 @dataclass

@@ -5,6 +5,7 @@ prefill, whole prefills, prefix caching, the converted-weights cache, the server
 simulated CPU devices: tensor parallelism, with and without expert parallelism."""
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -248,12 +249,22 @@ def test_whole_prefills_prefix_caching_and_the_weights_cache(checkpoint, tmp_pat
     assert cached.params["layers"][0]["e_down"].shape == (8, 32, 64)
 
 
-def test_what_is_not_implemented_yet_is_refused_by_name(checkpoint):
-    path, _ = checkpoint
-    with pytest.raises(ValueError, match="speculative_config is not implemented for qwen3_moe"):
+def test_ngram_speculation_equals_hf(checkpoint):
+    """n-gram drafts (1- to 3-token matches, so the random model's answers give some) verified
+    by the MoE forward, some accepted and some not: HF's greedy tokens; a draft model is refused
+    by name."""
+    path, want = checkpoint
+    ngram = {"method": "ngram", "num_speculative_tokens": 3}
+    ngram |= {"prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    llm = LLM(model=str(path), speculative_config=ngram, **ENGINE)
+    assert _greedy(llm) == want  # together: verify rows beside the others' rows
+    assert [_greedy(llm, [p])[0] for p in PROMPTS] == want  # one at a time
+    stats = llm.engine.stats()
+    assert 0 < stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"]
+    with pytest.raises(ValueError, match="method 'draft' .only ngram. is not implemented for"):
         LLM(
             model=str(path),
-            speculative_config={"method": "ngram", "num_speculative_tokens": 2},
+            speculative_config={"model": str(path), "num_speculative_tokens": 2},
             **ENGINE,
         )
 
@@ -285,17 +296,29 @@ def test_fp8_experts_agree_with_fp32_teacher_forced(checkpoint, tmp_path):
     assert agree >= 0.9, agree
 
 
-def test_the_server_serves_it(checkpoint):
-    """`paxengine serve DIR` with its defaults (engine process, background compile): the
-    greedy tokens of a prompt of ten blocks equal HF's."""
+NGRAM_SERVE = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}'
+
+
+@pytest.mark.parametrize("spec", [None, NGRAM_SERVE], ids=["plain", "ngram"])
+def test_the_server_serves_it(checkpoint, spec):
+    """`paxengine serve DIR` with its defaults (engine process, background compile), and with
+    n-gram speculation: the greedy tokens of a prompt of ten blocks equal HF's."""
 
     from served import greedy_token_ids, served
 
     path, want = checkpoint
     args = ["--max-model-len", "256", "--max-num-seqs", "4"]
     args += ["--max-num-batched-tokens", "64", "--served-model-name", "moe"]
+    args += ["--speculative-config", spec] if spec else []
     with served(str(path), *args) as base:
         assert greedy_token_ids(base, "moe", PROMPTS[2], MAX_TOKENS) == want[2]
+        if spec:  # the answer repeats tokens: 1-token matches drafted
+            import httpx
+
+            page = httpx.get(f"{base}/metrics").text
+            name = "paxengine:spec_decode_num_draft_tokens_total"
+            drafted = re.search(rf"^{name}{{[^}}]*}} (\S+)$", page, re.M)
+            assert drafted and float(drafted.group(1)) > 0, page[-2000:]
 
 
 def test_the_server_serves_it_with_expert_parallelism(checkpoint):
