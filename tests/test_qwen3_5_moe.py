@@ -15,7 +15,8 @@ MOE.update(shared_expert_intermediate_size=48)
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
+def target(tmp_path_factory):
+    """(checkpoint directory, the transformers model)."""
     torch.manual_seed(3)
     text = {k: v for k, v in TEXT.items() if k != "intermediate_size"}
     cfg = transformers.Qwen3_5MoeTextConfig(**text, **MOE)
@@ -29,6 +30,12 @@ def checkpoint(tmp_path_factory):
                 p.normal_(0, (2 if name.endswith("mlp.gate.weight") else 1) / p.shape[-1] ** 0.5)
     path = tmp_path_factory.mktemp("qwen3_5_moe")
     model.save_pretrained(path)
+    return path, model
+
+
+@pytest.fixture(scope="module")
+def checkpoint(target):
+    path, model = target
     return path, _hf_greedy(model, PROMPTS)
 
 
@@ -46,3 +53,87 @@ def test_greedy_equals_hf(checkpoint, chunk):
     layer = llm.engine.runner.params["layers"][0]
     assert {"router", "e_gate_up", "e_down", "s_gate_up", "s_router"} <= set(layer)
     assert _greedy(llm) == want
+
+
+@pytest.fixture(scope="module")
+def mtp(target, tmp_path_factory):
+    """(a copy of the checkpoint with an MoE MTP layer, that torch layer): random experts of
+    1/sqrt(fan-in) and a decisive router, so the routing decides the drafts; HF's fused expert
+    stacks as the checkpoint's tensors."""
+    import shutil
+
+    from safetensors.torch import save_file
+    from test_qwen3_5_spec import _Mtp
+
+    path, model = target
+    torch.manual_seed(4)
+    layer = _Mtp(model.config, MOE).float().eval()
+    with torch.no_grad():
+        for name, p in layer.named_parameters():
+            scale = 2 if name.endswith("mlp.gate.weight") else 1
+            p.copy_(torch.randn_like(p) * (0.1 if "norm" in name else scale / p.shape[-1] ** 0.5))
+    dst = tmp_path_factory.mktemp("mtp") / "q35moe"
+    shutil.copytree(path, dst)
+    tensors = {"mtp." + k: v.contiguous() for k, v in layer.state_dict().items()}
+    assert "mtp.layers.0.mlp.experts.gate_up_proj" in tensors
+    save_file(tensors, str(dst / "mtp.safetensors"))
+    return dst, layer
+
+
+def test_mtp_layer_of_experts_drafts_as_torch_does(target, checkpoint, mtp):
+    """Qwen3.5-MoE's MTP layer is an MoE decoder layer (routed experts, the shared expert): each
+    draft round's logits equal the torch layer's over transformers' hidden states, and the
+    greedy tokens stay HF's."""
+    import numpy as np
+    from test_qwen3_5_spec import MTP, _reference_round
+
+    model, want = target[1], checkpoint[1]
+    llm = LLM(model=str(mtp[0]), speculative_config=MTP, **ENGINE)
+    d = llm.engine.drafter
+    assert type(d).__name__ == "MtpProposer" and "router" in d.runner.params["layers"]
+    rounds, execute, prepare = [], d.runner.execute, d.prepare
+
+    def record_execute(arrays, st=None):
+        ids, logits = execute(arrays, st)
+        rounds[-1][1].append(np.asarray(logits)[0])
+        return ids, logits
+
+    def record_prepare(scheduler):
+        rounds.append((scheduler.running[0].all_token_ids, []))
+        prepare(scheduler)
+
+    d.runner.execute, d.prepare = record_execute, record_prepare
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    try:
+        out = llm.generate([PROMPTS[1]], params, use_tqdm=False)
+    finally:
+        del d.runner.execute, d.prepare
+    assert out[0].outputs[0].token_ids == want[1]
+    rounds = [r for r in rounds if r[1]]
+    assert len(rounds) >= 3
+    for tokens, logits in rounds[::3]:
+        want_drafts, want_logits = _reference_round(model, mtp[1], tokens, len(logits))
+        np.testing.assert_allclose(np.stack(logits), np.stack(want_logits), rtol=1e-3, atol=1e-3)
+        assert [int(np.argmax(lg)) for lg in logits] == want_drafts
+    assert _greedy(llm) == want
+
+
+def test_serve_with_the_mtp_layer_of_experts(checkpoint, mtp):
+    """`paxengine serve DIR --speculative-config '{"method": "mtp", ...}'` as a user starts it:
+    HF's greedy tokens, drafts proposed."""
+    import json
+
+    import httpx
+    from served import greedy_token_ids, served
+    from test_qwen3_5 import _write_tokenizer
+    from test_qwen3_5_spec import MTP
+
+    _write_tokenizer(mtp[0])
+    args = ["--max-model-len", "256", "--max-num-seqs", "4", "--served-model-name", "q35moe"]
+    args += ["--max-num-batched-tokens", "64", "--speculative-config", json.dumps(MTP)]
+    with served(str(mtp[0]), *args) as base:
+        assert greedy_token_ids(base, "q35moe", PROMPTS[2], MAX_TOKENS) == checkpoint[1][2]
+        lines = httpx.get(base + "/metrics").text.splitlines()
+        name = "paxengine:spec_decode_num_draft_tokens_total"
+        drafted = [ln for ln in lines if ln.startswith(name)]
+        assert drafted and float(drafted[0].split()[-1]) > 0, drafted

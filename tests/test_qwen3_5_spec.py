@@ -48,20 +48,26 @@ class _Mtp(torch.nn.Module):
     """Qwen3.5's MTP layer in torch (vLLM's qwen3_5_mtp.py: its parameter names are the
     checkpoint's `mtp.*`), over HF's own decoder layer, RMSNorm and RoPE: the reference."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, moe: dict | None = None):
+        """moe: Qwen3.5-MoE's expert sizes (its MTP layer is an MoE decoder layer)."""
         super().__init__()
-        m = transformers.models.qwen3_5.modeling_qwen3_5
         h, eps = cfg.hidden_size, cfg.rms_norm_eps
-        one = transformers.Qwen3_5TextConfig(
-            **dict(TEXT, num_hidden_layers=1, layer_types=["full_attention"])
-        )
+        one = dict(TEXT, num_hidden_layers=1, layer_types=["full_attention"])
+        if moe is None:
+            m, kind = transformers.models.qwen3_5.modeling_qwen3_5, "Qwen3_5"
+            one = transformers.Qwen3_5TextConfig(**one)
+        else:
+            m, kind = transformers.models.qwen3_5_moe.modeling_qwen3_5_moe, "Qwen3_5Moe"
+            one.pop("intermediate_size")
+            one = transformers.Qwen3_5MoeTextConfig(**one, **moe)
         one._attn_implementation = "eager"
+        norm = getattr(m, f"{kind}RMSNorm")
         self.fc = torch.nn.Linear(2 * h, h, bias=False)
-        self.pre_fc_norm_embedding = m.Qwen3_5RMSNorm(h, eps)
-        self.pre_fc_norm_hidden = m.Qwen3_5RMSNorm(h, eps)
-        self.layers = torch.nn.ModuleList([m.Qwen3_5DecoderLayer(one, 0)])
-        self.norm = m.Qwen3_5RMSNorm(h, eps)
-        self._rope = [m.Qwen3_5TextRotaryEmbedding(one)]  # a list: not a checkpoint tensor
+        self.pre_fc_norm_embedding = norm(h, eps)
+        self.pre_fc_norm_hidden = norm(h, eps)
+        self.layers = torch.nn.ModuleList([getattr(m, f"{kind}DecoderLayer")(one, 0)])
+        self.norm = norm(h, eps)
+        self._rope = [getattr(m, f"{kind}TextRotaryEmbedding")(one)]  # a list: no tensor
 
     def forward(self, emb, hidden):
         """emb, hidden [n, H] (token p + 1's embedding, the target's hidden state at p) ->

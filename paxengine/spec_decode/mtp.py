@@ -5,7 +5,8 @@ The checkpoint's `mtp.*` tensors (vLLM's qwen3_5_mtp.py layout): at position p t
 the target's final (normed) hidden state h_p and the embedding of the token at p + 1 (the
 target's table), x = fc([pre_fc_norm_embedding(emb) ; pre_fc_norm_hidden(h_p)]), then one
 full-attention decoder layer of the target's kind (gated attention with QK norms and partial
-RoPE, a SwiGLU MLP), `norm`, and the target's LM head: the draft for position p + 2. Its normed
+RoPE, a SwiGLU MLP, or Qwen3.5-MoE's routed experts and shared expert), `norm`, and the
+target's LM head: the draft for position p + 2. Its normed
 output is the hidden state the 2nd..k-th drafts feed back (as vLLM's proposer does). The
 norms are zero-centred (scale 1 + w) like the target's.
 
@@ -27,9 +28,10 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from paxengine.models import qwen3_5
+from paxengine.models import qwen3_5, qwen3_moe
 from paxengine.models.config import ModelConfig
 from paxengine.models.llama import rms_norm
+from paxengine.models.moe import moe_mlp
 from paxengine.models.quant import linear
 from paxengine.runner import AuxHidden
 from paxengine.spec_decode.eagle3 import Eagle3Proposer, Eagle3Runner
@@ -75,10 +77,10 @@ def _err(path, msg: str) -> ValueError:
 def load_mtp(cfg, target_config: ModelConfig) -> MtpHead:
     """The MTP layer of the model's own checkpoint, checked against the target before anything
     compiles: every failure names the model, tensor or size at fault."""
-    if target_config.family != "qwen3_5" or target_config.moe_layers:
+    if target_config.family != "qwen3_5":
         raise ValueError(
-            "speculative_config: method 'mtp' is implemented for dense Qwen3.5 checkpoints only, "
-            f"not {target_config.arch}" + (" with MoE layers" if target_config.moe_layers else "")
+            "speculative_config: method 'mtp' is implemented for Qwen3.5 checkpoints only "
+            f"(dense and MoE), not {target_config.arch}"
         )
     if cfg.tensor_parallel_size != 1:
         raise ValueError("speculative_config: MTP with tensor_parallel_size > 1 is not implemented")
@@ -100,14 +102,30 @@ def load_mtp(cfg, target_config: ModelConfig) -> MtpHead:
             "the checkpoint has no MTP weights (no mtp.* tensors, e.g. mtp.fc.weight): use a "
             "checkpoint that ships its MTP layer, or method 'ngram'",
         )
+    moe = (0,) if target_config.moe_layers else ()  # Qwen3.5-MoE's MTP layer is an MoE one
     mc = dataclasses.replace(
-        target_config, num_layers=1, layer_types=("full_attention",), name="mtp"
+        target_config, num_layers=1, layer_types=("full_attention",), moe_layers=moe, name="mtp"
     )
     shapes = qwen3_5.param_shapes(mc)["layers"][0]
     h = mc.hidden_size
     shapes.update(fc=(2 * h, h), norm_embed=(h,), norm_hidden=(h,), final_norm=(h,))
     names = {**_HEAD, **{"layers.0." + k: v for k, v in qwen3_5.layer_names(mc, 0).items()}}
-    layer, head = {}, {}
+    layer, head, experts = {}, {}, {}
+    expert_keys = [k for k in keys if k.startswith("mtp.layers.0.mlp.experts.")]
+    for k in expert_keys if moe else ():  # per expert, or fused [E, ...] stacks
+        a = reader.weight(keys[k], False)
+        qwen3_moe.expert_tensor(experts, k.removeprefix("mtp.layers.0.mlp.experts."), a)
+    try:
+        qwen3_moe.stack_experts([layer], [experts], mc)
+    except ValueError as e:
+        raise _err(path, f"mtp.{e}") from None
+    for ours in ("e_gate", "e_up", "e_down") if moe else ():
+        if ours not in layer:
+            raise _err(path, f"the checkpoint lacks the MTP layer's experts ({ours})")
+        if tuple(layer[ours].shape) != tuple(shapes[ours]):
+            raise _err(
+                path, f"the MTP layer's {ours} stack is {layer[ours].shape}, not {shapes[ours]}"
+            )
     for name, (ours, transpose) in names.items():
         key = keys.get("mtp." + name)
         if key is None:
@@ -140,7 +158,10 @@ def mtp_layer(params, cfg: ModelConfig, tokens, positions, hidden, kv_cache, att
     )
     x = x + linear(o.astype(x.dtype), w["wo"])
     y = rms_norm(x, w["mlp_norm"], eps)
-    x = x + linear(jax.nn.silu(linear(y, w["w_gate"])) * linear(y, w["w_up"]), w["w_down"])
+    if "router" in w:  # Qwen3.5-MoE's: routed experts and the shared expert
+        x = x + moe_mlp(y, w, cfg.num_experts_per_tok, cfg.norm_topk_prob).astype(x.dtype)
+    else:
+        x = x + linear(jax.nn.silu(linear(y, w["w_gate"])) * linear(y, w["w_up"]), w["w_down"])
     out = rms_norm(x, params["final_norm"], eps)
     return out, out, kv_cache
 
