@@ -339,8 +339,9 @@ MOE_SPEC_METHODS = ("ngram",)
 
 def check_hybrid(cfg: EngineConfig, checked: Checked, model_config, spec) -> None:
     """What a model with recurrent layers (Qwen3.5) or MoE layers (Qwen3-MoE) cannot run yet,
-    refused by name (speculative decoding under tensor parallelism: the recurrent layers only;
-    their verify steps' per-position states are not split over devices yet)."""
+    refused by name. n-gram speculation runs under tensor parallelism (a hybrid's verify steps
+    keep each device's heads of the per-position states in its shard of the pools); the MTP
+    layer runs on one device only."""
     if cfg.enable_expert_parallel and not model_config.moe_layers:
         # vLLM ignores the flag here; a flag that changes nothing is refused instead
         raise ValueError(
@@ -354,8 +355,8 @@ def check_hybrid(cfg: EngineConfig, checked: Checked, model_config, spec) -> Non
     for what, unsupported in (
         (_spec_label(model_config, spec), not _spec_runs(model_config, spec)),
         (
-            "speculative_config with tensor_parallel_size > 1",
-            tp_spec and bool(model_config.recurrent_layers),
+            "speculative_config method 'mtp' with tensor_parallel_size > 1",
+            tp_spec and spec.method == "mtp",
         ),
         ("kv_transfer_config", cfg.kv_transfer_config is not None),
         ("several processes", cfg.num_processes > 1),

@@ -19,11 +19,15 @@ from tests.test_qwen3_5 import (  # noqa: E402
     _write_tokenizer,
     causal_lm,  # noqa: F401 (a fixture)
 )
-from tests.test_qwen3_5_moe import checkpoint  # noqa: E402, F401 (a fixture)
+from tests.test_qwen3_5_moe import checkpoint, target  # noqa: E402, F401 (fixtures)
 
 # One 32-token bucket: the 70- and 150-token prompts prefill in chunks, the state carried
 # between them.
 CHUNKED = dict(ENGINE, max_num_batched_tokens=32, token_buckets=[32], seq_buckets=[4])
+# n-gram speculation on prompts that repeat (test_qwen3_5_spec's): drafts accepted and rejected
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2}
+SPEC_PROMPTS = [[5, 9, 13, 200, 3] * 4, [7, 8, 9, 10, 11, 12] * 3 + [7, 8]]
+SPEC_TOKENS = 40
 
 
 @pytest.fixture(scope="module")
@@ -54,6 +58,9 @@ def tp_runs(causal_lm, checkpoint, tmp_path_factory):  # noqa: F811
     ]
     for r in runs:
         r.update(prompts=PROMPTS, max_tokens=MAX_TOKENS)
+    spec = dict(engine, model=dense, speculative_config=NGRAM, max_num_batched_tokens=64)
+    spec.update(token_buckets=[32, 64])  # a verify row of 4 beside a 32-token chunk
+    runs.append({"engine": spec, "prompts": SPEC_PROMPTS, "max_tokens": SPEC_TOKENS})
     return run_worker("tp_worker.py", [json.dumps(runs)], 2)
 
 
@@ -99,21 +106,46 @@ def test_heads_that_do_not_divide_are_refused_by_number(causal_lm):  # noqa: F81
         LLM(model=str(path), tensor_parallel_size=4, **ENGINE)
 
 
-def test_speculation_under_tp_is_refused_by_name(causal_lm):  # noqa: F811
+def test_ngram_speculation_under_tp2_generates_what_one_device_does(causal_lm, tp_runs):  # noqa: F811
+    """Verify steps under TP 2 (each device its heads' per-position states, rolled back on a
+    rejected draft) give the one-device plain engine's tokens (run in this process)."""
+    from paxengine import SamplingParams
+
     path, _ = causal_lm
-    spec = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}
-    with pytest.raises(ValueError, match="speculative_config with tensor_parallel_size > 1"):
+    llm = LLM(model=str(path), **dict(CHUNKED, max_num_batched_tokens=64, token_buckets=[32, 64]))
+    params = SamplingParams(temperature=0, max_tokens=SPEC_TOKENS, ignore_eos=True)
+    one = [o.outputs[0].token_ids for o in llm.generate(SPEC_PROMPTS, params, use_tqdm=False)]
+    run = tp_runs[5]
+    assert run["tokens"] == one
+    drafted, accepted = (
+        run["spec"][k] for k in ("spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")
+    )
+    assert 0 < accepted < drafted, run["spec"]
+
+
+def test_mtp_under_tp_is_refused_by_name(causal_lm):  # noqa: F811
+    path, _ = causal_lm
+    spec = {"method": "mtp", "num_speculative_tokens": 2}
+    with pytest.raises(ValueError, match="method 'mtp' with tensor_parallel_size > 1"):
         LLM(model=str(path), tensor_parallel_size=2, speculative_config=spec, **ENGINE)
 
 
-def test_the_server_serves_it_over_two_devices(causal_lm):  # noqa: F811
-    """`paxengine serve DIR -tp 2` as a user starts it, on 2 simulated CPU devices: the
-    completion's tokens equal HF's (and so the one-device server's)."""
+def test_the_server_serves_it_over_two_devices(causal_lm, tp_runs):  # noqa: F811
+    """`paxengine serve DIR -tp 2 --speculative-config ngram` as a user starts it, on 2
+    simulated CPU devices: a completion's tokens equal HF's (and so the one-device server's);
+    a prompt that repeats gets the tokens the worker's TP 2 engine gave it, drafts proposed."""
+    import httpx
     from served import greedy_token_ids, served
 
     path, want = causal_lm
     _write_tokenizer(path)
     args = ["--max-model-len", "256", "--max-num-seqs", "4", "--max-num-batched-tokens", "64"]
-    args += ["--served-model-name", "q35", "-tp", "2"]
+    args += ["--served-model-name", "q35", "-tp", "2", "--speculative-config", json.dumps(NGRAM)]
     with served(str(path), *args, devices=2) as base:
         assert greedy_token_ids(base, "q35", PROMPTS[2], MAX_TOKENS) == want[2]
+        got = greedy_token_ids(base, "q35", SPEC_PROMPTS[1], SPEC_TOKENS)
+        assert got == tp_runs[5]["tokens"][1]
+        lines = httpx.get(base + "/metrics").text.splitlines()
+        name = "paxengine:spec_decode_num_draft_tokens_total"
+        drafted = [ln for ln in lines if ln.startswith(name)]
+        assert drafted and float(drafted[0].split()[-1]) > 0, drafted

@@ -109,6 +109,11 @@ def main() -> None:
                 "lm_head": describe(r.params["lm_head"]) if "lm_head" in r.params else None,
                 "largest_all_gather": largest_all_gather(r) if r.tp is not None else None,
                 "placed_from_device_bytes": placements[0] if placements else None,
+                "spec": {
+                    k: v
+                    for k, v in llm.engine.stats().items()
+                    if k in ("spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")
+                },
             }
         )
     print("RESULT " + json.dumps(out), flush=True)
