@@ -84,37 +84,18 @@ def test_mtp_layer_of_experts_drafts_as_torch_does(target, checkpoint, mtp):
     """Qwen3.5-MoE's MTP layer is an MoE decoder layer (routed experts, the shared expert): each
     draft round's logits equal the torch layer's over transformers' hidden states, and the
     greedy tokens stay HF's."""
-    import numpy as np
-    from test_qwen3_5_spec import MTP, _reference_round
+    from test_qwen3_5_spec import MTP, check_rounds, recorded_rounds
 
     model, want = target[1], checkpoint[1]
     llm = LLM(model=str(mtp[0]), speculative_config=MTP, **ENGINE)
     d = llm.engine.drafter
     assert type(d).__name__ == "MtpProposer" and "router" in d.runner.params["layers"]
-    rounds, execute, prepare = [], d.runner.execute, d.prepare
-
-    def record_execute(arrays, st=None):
-        ids, logits = execute(arrays, st)
-        rounds[-1][1].append(np.asarray(logits)[0])
-        return ids, logits
-
-    def record_prepare(scheduler):
-        rounds.append((scheduler.running[0].all_token_ids, []))
-        prepare(scheduler)
-
-    d.runner.execute, d.prepare = record_execute, record_prepare
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    try:
+    with recorded_rounds(d) as rounds:
         out = llm.generate([PROMPTS[1]], params, use_tqdm=False)
-    finally:
-        del d.runner.execute, d.prepare
     assert out[0].outputs[0].token_ids == want[1]
-    rounds = [r for r in rounds if r[1]]
     assert len(rounds) >= 3
-    for tokens, logits in rounds[::3]:
-        want_drafts, want_logits = _reference_round(model, mtp[1], tokens, len(logits))
-        np.testing.assert_allclose(np.stack(logits), np.stack(want_logits), rtol=1e-3, atol=1e-3)
-        assert [int(np.argmax(lg)) for lg in logits] == want_drafts
+    check_rounds(model, mtp[1], rounds[::3])
     assert _greedy(llm) == want
 
 

@@ -3,6 +3,8 @@ state after each verified position, so a rejected draft rolls the state back. Gr
 equal the engine's without speculation on a tiny random checkpoint written by transformers,
 with prompts that repeat (n-gram drafts accepted and rejected)."""
 
+import contextlib
+
 import numpy as np
 import pytest
 
@@ -222,16 +224,11 @@ def _reference_round(target, mtp, tokens, k):
     return ids[len(tokens) - 1 :], logits
 
 
-def test_mtp_greedy_equals_plain_and_drafts_equal_torch(target, mtp, plain):
-    """The checkpoint's MTP layer drafts (chained on the device: its KV in the target's
-    blocks, its own output fed back for the second draft): each round's logits and drafts
-    equal the torch layer's over transformers' hidden states (its KV right after rollbacks);
-    greedy tokens equal the plain engine's, one by one and batched."""
-    path, model = target
-    llm = LLM(model=str(mtp[0]), speculative_config=MTP, **dict(ENGINE, max_num_batched_tokens=64))
-    d = llm.engine.drafter
-    assert type(d).__name__ == "MtpProposer"
-    rounds, execute, prepare = [], d.runner.execute, d.prepare
+@contextlib.contextmanager
+def recorded_rounds(drafter):
+    """Yields a list that fills with the MTP proposer's draft rounds of one running request:
+    (its tokens when the round began, the logits of each draft)."""
+    rounds, execute, prepare = [], drafter.runner.execute, drafter.prepare
 
     def record_execute(arrays, st=None):
         ids, logits = execute(arrays, st)
@@ -242,17 +239,35 @@ def test_mtp_greedy_equals_plain_and_drafts_equal_torch(target, mtp, plain):
         rounds.append((scheduler.running[0].all_token_ids, []))
         prepare(scheduler)
 
-    d.runner.execute, d.prepare = record_execute, record_prepare
+    drafter.runner.execute, drafter.prepare = record_execute, record_prepare
+    kept = []
     try:
-        assert _greedy(llm, PROMPTS[1:2]) == plain[1:2]
+        yield kept
     finally:
-        del d.runner.execute, d.prepare
-    rounds = [r for r in rounds if r[1]]
-    assert len(rounds) >= 10
-    for tokens, logits in rounds[::4]:  # a few: the reference recomputes the whole sequence
-        want_drafts, want_logits = _reference_round(model, mtp[1], tokens, len(logits))
+        del drafter.runner.execute, drafter.prepare
+        kept.extend(r for r in rounds if r[1])
+
+
+def check_rounds(target, mtp, rounds) -> None:
+    """Each round's draft logits and drafts equal the torch MTP layer's (`_reference_round`)."""
+    for tokens, logits in rounds:
+        want_drafts, want_logits = _reference_round(target, mtp, tokens, len(logits))
         np.testing.assert_allclose(np.stack(logits), np.stack(want_logits), rtol=1e-3, atol=1e-3)
         assert [int(np.argmax(lg)) for lg in logits] == want_drafts
+
+
+def test_mtp_greedy_equals_plain_and_drafts_equal_torch(target, mtp, plain):
+    """The checkpoint's MTP layer drafts (chained on the device: its KV in the target's
+    blocks, its own output fed back for the second draft): each round's logits and drafts
+    equal the torch layer's over transformers' hidden states (its KV right after rollbacks);
+    greedy tokens equal the plain engine's, one by one and batched."""
+    path, model = target
+    llm = LLM(model=str(mtp[0]), speculative_config=MTP, **dict(ENGINE, max_num_batched_tokens=64))
+    assert type(llm.engine.drafter).__name__ == "MtpProposer"
+    with recorded_rounds(llm.engine.drafter) as rounds:
+        assert _greedy(llm, PROMPTS[1:2]) == plain[1:2]
+    assert len(rounds) >= 10
+    check_rounds(model, mtp[1], rounds[::4])  # a few: the reference recomputes the sequence
     assert [_greedy(llm, [p])[0] for p in PROMPTS] == plain
     stats = llm.engine.stats()
     drafted, accepted = (
