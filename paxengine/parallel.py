@@ -41,13 +41,12 @@ import dataclasses
 from dataclasses import dataclass
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from paxengine.models.config import ModelConfig
-from paxengine.models.quant import Fp8Weight
+from paxengine.models.quant import Fp8Weight, array_module
 
 AXIS = "tp"
 # output-channel (column) parallel, input (row) parallel, and per-layer names kept whole
@@ -182,9 +181,10 @@ def _copy_kv_heads_axis(a: jax.Array, copies: int, head_dim: int, axis: int) -> 
     axis = axis % a.ndim
     n = a.shape[axis] // head_dim
     split = a.reshape(*a.shape[:axis], n, head_dim, *a.shape[axis + 1 :])
-    xp = np if isinstance(a, np.ndarray) else jnp  # host weights stay on the host
-    return xp.repeat(split, copies, axis=axis).reshape(
-        *a.shape[:axis], n * copies * head_dim, *a.shape[axis + 1 :]
+    return (
+        array_module(a)
+        .repeat(split, copies, axis=axis)
+        .reshape(*a.shape[:axis], n * copies * head_dim, *a.shape[axis + 1 :])
     )
 
 
@@ -253,10 +253,9 @@ def pad_vocab(params: dict, n: int) -> dict:
         return params
 
     def padded(a, axis: int):
-        xp = np if isinstance(a, np.ndarray) else jnp
         widths = [(0, 0)] * a.ndim
         widths[axis] = (0, pad)
-        return xp.pad(a, widths)
+        return array_module(a).pad(a, widths)
 
     out = {**params, "embed": padded(params["embed"], 0)}
     if "lm_head" in params:

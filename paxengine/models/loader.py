@@ -80,46 +80,29 @@ def _jnp_dtype(dtype: str):
     return {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}[dtype]
 
 
-def _to_device(params: dict, dtype: str) -> dict:
+def _place(params: dict, dtype: str, on_device: bool = True) -> dict:
     """Dense arrays in the model dtype; an Fp8Weight keeps its e4m3 values and float32 scales
-    (as do the float32 per-layer entries in _KEEP_F32)."""
+    (as do the float32 per-layer entries in _KEEP_F32). On the default device, or with
+    on_device=False as numpy on the host (ml_dtypes for bfloat16 and e4m3): for a mesh whose
+    devices each take only their shards (parallel.shard_params), no device holds the whole
+    model."""
     import jax.numpy as jnp
 
     from paxengine.models.quant import FP8_DTYPE
 
+    put = jnp.asarray if on_device else lambda a, dt: np.asarray(a).astype(dt, copy=False)
     dt = _jnp_dtype(dtype)
 
-    def put(name, a):
+    def place(name, a):
         if isinstance(a, Fp8Weight):
-            return Fp8Weight(jnp.asarray(a.values, FP8_DTYPE), jnp.asarray(a.scales, jnp.float32))
+            return Fp8Weight(put(a.values, FP8_DTYPE), put(a.scales, jnp.float32))
         if isinstance(a, dict):
-            return {k: put(k, v) for k, v in a.items()}
+            return {k: place(k, v) for k, v in a.items()}
         if isinstance(a, (list, tuple)):
-            return type(a)(put(name, v) for v in a)
-        return jnp.asarray(a, dtype=jnp.float32 if name in _KEEP_F32 else dt)
+            return type(a)(place(name, v) for v in a)
+        return put(a, jnp.float32 if name in _KEEP_F32 else dt)
 
-    return put("", params)
-
-
-def _to_host(params: dict, dtype: str) -> dict:
-    """_to_device's arrays as numpy on the host (ml_dtypes for bfloat16 and e4m3): for a mesh
-    whose devices each take only their shards (parallel.shard_params), no device ever holds the
-    whole model."""
-    import ml_dtypes
-
-    dt = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}[dtype]
-
-    def put(name, a):
-        if isinstance(a, Fp8Weight):
-            values = np.asarray(a.values).astype(ml_dtypes.float8_e4m3fn, copy=False)
-            return Fp8Weight(values, np.asarray(a.scales, np.float32))
-        if isinstance(a, dict):
-            return {k: put(k, v) for k, v in a.items()}
-        if isinstance(a, (list, tuple)):
-            return type(a)(put(name, v) for v in a)
-        return np.asarray(a).astype(np.float32 if name in _KEEP_F32 else dt, copy=False)
-
-    return put("", params)
+    return place("", params)
 
 
 def _dense_linear(params: dict) -> list[str]:
@@ -158,13 +141,12 @@ def load_model(
     """
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization {quantization!r} is not supported: none or fp8")
-    place = _to_device if on_device else _to_host
     quantization = None if quantization == "none" else quantization
     src = resolve_source(source)
     if src.startswith("dummy:"):
         loaded = _load_dummy(src[len("dummy:") :], dtype, seed, quantization)
         if not on_device:  # random weights are drawn on the device (fast); then to the host
-            loaded.params = _to_host(loaded.params, dtype)
+            loaded.params = _place(loaded.params, dtype, on_device=False)
         return loaded
     path = Path(src).expanduser()
     if not path.exists():
@@ -179,7 +161,9 @@ def load_model(
         try:
             cfg, params, meta = weights_cache.read(cached)
             tokenizer, eos = weights_cache.read_tokenizer(cached) or _load_tokenizer(path)
-            return LoadedModel(cfg, place(params, dtype), tokenizer, str(path), eos, True, **meta)
+            return LoadedModel(
+                cfg, _place(params, dtype, on_device), tokenizer, str(path), eos, True, **meta
+            )
         except Exception:
             pass  # a broken cache entry is rebuilt below
     tokenizer, eos = _load_tokenizer(path)
@@ -195,7 +179,9 @@ def load_model(
             params = quantize_params(params)
         if cached is not None:
             weights_cache.write(cached, cfg, params, tokenizer, eos, meta)
-        return LoadedModel(cfg, place(params, dtype), tokenizer, str(path), eos, False, **meta)
+        return LoadedModel(
+            cfg, _place(params, dtype, on_device), tokenizer, str(path), eos, False, **meta
+        )
     dense = _dense_linear(params)
     if (quantization == "fp8" or meta["prequantized"]) and dense:
         log.info("fp8: quantizing %s online (per output channel)", ", ".join(dense))
@@ -203,7 +189,9 @@ def load_model(
     check_shapes(params, cfg)
     if cached is not None:
         weights_cache.write(cached, cfg, params, tokenizer, eos, meta)
-    return LoadedModel(cfg, place(params, dtype), tokenizer, str(path), eos, False, **meta)
+    return LoadedModel(
+        cfg, _place(params, dtype, on_device), tokenizer, str(path), eos, False, **meta
+    )
 
 
 load_model.__doc__ %= ", ".join(sorted(PRESETS))

@@ -69,10 +69,17 @@ def dequantize(w: Fp8Weight, dtype=jnp.float32) -> jax.Array:
     return jnp.swapaxes(dense, -1, -2).astype(dtype)
 
 
+def array_module(a):
+    """numpy for host arrays, jax.numpy for device ones: the weight layout changes (fusions,
+    KV-head copies, channel orders, vocabulary padding) run on either; under tensor parallelism
+    the weights stay on the host until each device takes its shards (parallel.shard_params)."""
+    return np if isinstance(a, np.ndarray) else jnp
+
+
 def concat_out(parts: list[Fp8Weight]) -> Fp8Weight:
     """Projections fused along their output channels (wqkv, w_gate_up), scales kept per slice;
     host parts (numpy) stay on the host."""
-    xp = np if isinstance(parts[0].values, np.ndarray) else jnp
+    xp = array_module(parts[0].values)
     return Fp8Weight(
         xp.concatenate([p.values for p in parts], axis=-2),
         xp.concatenate([p.scales for p in parts], axis=-1),

@@ -34,12 +34,13 @@ from paxengine.models.norm import norm_into
 from paxengine.models.quant import (
     LINEAR_WEIGHTS,
     Fp8Weight,
+    array_module,
     cublas_step,
     gated_mlp,
     linear,
     linear_parts,
 )
-from paxengine.models.weights import array_module, check_per_layer_shapes, random_per_layer
+from paxengine.models.weights import check_per_layer_shapes, random_per_layer
 
 log = logging.getLogger(__name__)
 
@@ -370,6 +371,17 @@ def _apply_rope(x, rope):
     return jnp.concatenate([(xr * cos + rotated * sin).astype(x.dtype), xp], axis=-1)
 
 
+def mlp(cfg: ModelConfig, w: dict, x, first_expert=None):
+    """A layer's MLP block on its normed input: the SwiGLU MLP (gate|up fused or apart), or
+    Qwen3.5-MoE's routed experts and shared expert (models/moe.py). Also the MTP layer's."""
+    if "router" in w:
+        return moe_mlp(x, w, cfg.num_experts_per_tok, cfg.norm_topk_prob, first_expert)
+    if "w_gate_up" in w:
+        return gated_mlp(x, w["w_gate_up"], w["w_down"])
+    gate, up = _project(x, w, "w_gate_up", ())
+    return linear(jax.nn.silu(gate) * up, w["w_down"])
+
+
 def _project(x, w: dict, fused: str, sizes: tuple) -> list:
     """x @ each part of FUSED[fused] (output widths `sizes`): one GEMM over the fused weight,
     split, or one GEMM a part where the layer keeps them apart."""
@@ -522,12 +534,6 @@ def _run_layers(cfg, layers, h, rope, kv, states, step, attend, reduce, first_ex
             delta = reduce(linear(o.astype(h.dtype), out))
         into = [w["router"]] if "router" in w else _weights(w, "w_gate_up")
         h, x = norm_into(h, delta, w["mlp_norm"], eps, into)
-        if "router" in w:  # Qwen3.5-MoE (models/moe.py)
-            mlp = moe_mlp(x, w, cfg.num_experts_per_tok, cfg.norm_topk_prob, first_expert)
-        elif "w_gate_up" in w:
-            mlp = gated_mlp(x, w["w_gate_up"], w["w_down"])
-        else:
-            gate, up = _project(x, w, "w_gate_up", ())
-            mlp = linear(jax.nn.silu(gate) * up, w["w_down"])
-        h = h + (mlp if reduce is None else reduce(mlp)).astype(h.dtype)
+        out = mlp(cfg, w, x, first_expert)
+        h = h + (out if reduce is None else reduce(out)).astype(h.dtype)
     return h, kv, states

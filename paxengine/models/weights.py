@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from paxengine.models.config import ModelConfig
-from paxengine.models.quant import Fp8Weight, concat_out
+from paxengine.models.quant import Fp8Weight, array_module, concat_out
 
 # A Llama-layout checkpoint's layer tensors (after "model.layers.{i}.") -> our names
 HF_LAYER_NAMES = {
@@ -186,15 +186,6 @@ def _layer_slice(w, i: int):
     if isinstance(w, Fp8Weight):
         return Fp8Weight(w.values[i], w.scales[i])
     return w[i]
-
-
-def array_module(a):
-    """numpy for host arrays, jax.numpy for device ones: the layout changes below run on either
-    (under tensor parallelism the weights stay on the host until each device takes its shards,
-    parallel.shard_params)."""
-    import jax.numpy as jnp
-
-    return np if isinstance(a, np.ndarray) else jnp
 
 
 def _fuse(slices: list, fp8: bool, shards: int):

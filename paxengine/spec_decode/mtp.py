@@ -25,13 +25,11 @@ import json
 import logging
 from pathlib import Path
 
-import jax
 import jax.numpy as jnp
 
 from paxengine.models import qwen3_5, qwen3_moe
 from paxengine.models.config import ModelConfig
 from paxengine.models.llama import rms_norm
-from paxengine.models.moe import moe_mlp
 from paxengine.models.quant import linear
 from paxengine.runner import AuxHidden
 from paxengine.spec_decode.eagle3 import Eagle3Proposer, Eagle3Runner
@@ -110,22 +108,8 @@ def load_mtp(cfg, target_config: ModelConfig) -> MtpHead:
     h = mc.hidden_size
     shapes.update(fc=(2 * h, h), norm_embed=(h,), norm_hidden=(h,), final_norm=(h,))
     names = {**_HEAD, **{"layers.0." + k: v for k, v in qwen3_5.layer_names(mc, 0).items()}}
-    layer, head, experts = {}, {}, {}
-    expert_keys = [k for k in keys if k.startswith("mtp.layers.0.mlp.experts.")]
-    for k in expert_keys if moe else ():  # per expert, or fused [E, ...] stacks
-        a = reader.weight(keys[k], False)
-        qwen3_moe.expert_tensor(experts, k.removeprefix("mtp.layers.0.mlp.experts."), a)
-    try:
-        qwen3_moe.stack_experts([layer], [experts], mc)
-    except ValueError as e:
-        raise _err(path, f"mtp.{e}") from None
-    for ours in ("e_gate", "e_up", "e_down") if moe else ():
-        if ours not in layer:
-            raise _err(path, f"the checkpoint lacks the MTP layer's experts ({ours})")
-        if tuple(layer[ours].shape) != tuple(shapes[ours]):
-            raise _err(
-                path, f"the MTP layer's {ours} stack is {layer[ours].shape}, not {shapes[ours]}"
-            )
+    layer = _experts(reader, keys, mc, shapes, path) if moe else {}
+    head = {}
     for name, (ours, transpose) in names.items():
         key = keys.get("mtp." + name)
         if key is None:
@@ -144,6 +128,27 @@ def load_mtp(cfg, target_config: ModelConfig) -> MtpHead:
     return MtpHead(mc, {**head, "layers": layer}, str(path))
 
 
+def _experts(reader, keys: dict, mc: ModelConfig, shapes: dict, path) -> dict:
+    """An MoE MTP layer's expert stacks {e_gate, e_up, e_down: [E, in, out]}, from per-expert
+    tensors or fused [E, ...] ones (qwen3_moe.expert_tensor), checked against `shapes`."""
+    prefix = "mtp.layers.0.mlp.experts."
+    experts, layer = {}, {}
+    for k in (k for k in keys if k.startswith(prefix)):
+        qwen3_moe.expert_tensor(experts, k.removeprefix(prefix), reader.weight(keys[k], False))
+    try:
+        qwen3_moe.stack_experts([layer], [experts], mc)
+    except ValueError as e:
+        raise _err(path, f"mtp.{e}") from None
+    for ours in ("e_gate", "e_up", "e_down"):
+        if ours not in layer:
+            raise _err(path, f"the checkpoint lacks the MTP layer's experts ({ours})")
+        if tuple(layer[ours].shape) != tuple(shapes[ours]):
+            raise _err(
+                path, f"the MTP layer's {ours} stack is {layer[ours].shape}, not {shapes[ours]}"
+            )
+    return layer
+
+
 def mtp_layer(params, cfg: ModelConfig, tokens, positions, hidden, kv_cache, attend):
     """tokens [T] (each the token after its row's position), hidden [T, H] (the target's final
     hidden state there, or the layer's own output) -> (normed output [T, H] for the LM head and
@@ -157,11 +162,7 @@ def mtp_layer(params, cfg: ModelConfig, tokens, positions, hidden, kv_cache, att
         cfg, w, rms_norm(x, w["attn_norm"], eps), rope, kv_cache, attend
     )
     x = x + linear(o.astype(x.dtype), w["wo"])
-    y = rms_norm(x, w["mlp_norm"], eps)
-    if "router" in w:  # Qwen3.5-MoE's: routed experts and the shared expert
-        x = x + moe_mlp(y, w, cfg.num_experts_per_tok, cfg.norm_topk_prob).astype(x.dtype)
-    else:
-        x = x + linear(jax.nn.silu(linear(y, w["w_gate"])) * linear(y, w["w_up"]), w["w_down"])
+    x = x + qwen3_5.mlp(cfg, w, rms_norm(x, w["mlp_norm"], eps)).astype(x.dtype)
     out = rms_norm(x, params["final_norm"], eps)
     return out, out, kv_cache
 
