@@ -262,6 +262,7 @@ def plan_kv_blocks(
         gpu_memory_utilization=cfg.gpu_memory_utilization,
         device=tp.local_device if tp is not None else None,
         step_tokens=cfg.max_num_batched_tokens,
+        sample_rows=max(cfg.seq_buckets),
     )
     num_blocks = agree_across_processes(num_blocks)
     if cfg.num_kv_blocks:
@@ -477,18 +478,31 @@ def make_drafter(
 
 def prime_and_report(runner, num_blocks: int, dev, step_tokens: int) -> None:
     """Run each step executable once before serving, then log the device memory's peak against
-    the pool and the largest step's temporaries against the activation reserve (the KV plan's
-    margin, measured)."""
+    the pool. Before that, the largest temporaries of each kind of executable against the
+    activation reserve (the KV plan's margin), so a start-up that runs out of memory says which."""
+    reserve = activation_reserve(step_tokens, runner.max_rows, runner.cfg.vocab_size)
+    for kind, exes in step_executables(runner).items():
+        if (temp := largest_temporaries(exes)) is not None:
+            log.info(
+                "largest %s temporaries: %.2f GB (%s; activation reserve %.2f GB)",
+                kind,
+                temp[0] / 1e9,
+                temp[1],
+                reserve / 1e9,
+            )
     log.info("ran each step executable once in %.1f s", prime_or_explain(runner, num_blocks))
     if (peak := pool_peak(dev)) is not None:
         log.info("device memory: %s", peak)
-    if (temp := largest_temporaries(runner.compiled)) is not None:
-        log.info(
-            "largest step temporaries: %.2f GB (bucket %s; activation reserve %.2f GB)",
-            temp[0] / 1e9,
-            temp[1],
-            activation_reserve(step_tokens) / 1e9,
-        )
+
+
+def step_executables(runner) -> dict[str, dict]:
+    """The runner's compiled executables by kind (name -> {key: compiled})."""
+    return {
+        "forward": runner.compiled,
+        "chained verify": runner.chained,
+        "prompt-logprob": runner.plp_compiled,
+        "sampler": runner.samplers,
+    }
 
 
 def log_pool_not_claimed(why: str, utilization: float) -> None:

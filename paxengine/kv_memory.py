@@ -33,13 +33,22 @@ HEADROOM = 0.02
 # The step executables' temporaries grow with the step's tokens: 4 GiB holds those of 8,192-token
 # steps of an 8B model (the peak above), twice that 16,384-token steps.
 RESERVE_STEP_TOKENS = 8192
+# The sampler's temporaries grow with its rows times the vocabulary: a full sort for top-k /
+# top-p, the softmax, the CDF, the logprobs. On an H100 the 512-row sampler over Qwen3.5's
+# 248,320-token vocabulary asked for 3.76 GiB (31.8 bytes a logit) and the start-up ran out of
+# memory under the 4 GiB reserve (benchmarks/results/gpu_2026-12-07_qwen35_lease/); 36 counts
+# those and the float32 logits it reads. Llama-3.1-8B's 128,256 tokens stay under 4 GiB.
+SAMPLER_BYTES_PER_LOGIT = 36
 
 
-def activation_reserve(step_tokens: int) -> int:
-    """Bytes kept free for the steps' temporaries (PAXENGINE_ACTIVATION_RESERVE overrides)."""
+def activation_reserve(step_tokens: int, sample_rows: int = 0, vocab_size: int = 0) -> int:
+    """Bytes kept free for the steps' temporaries (PAXENGINE_ACTIVATION_RESERVE overrides): the
+    forward's, or the sampler's over `sample_rows` x `vocab_size` logits where that is more
+    (they run one after the other)."""
     if os.environ.get("PAXENGINE_ACTIVATION_RESERVE"):
         return int(os.environ["PAXENGINE_ACTIVATION_RESERVE"])
-    return int((4 << 30) * max(1.0, step_tokens / RESERVE_STEP_TOKENS))
+    forward = int((4 << 30) * max(1.0, step_tokens / RESERVE_STEP_TOKENS))
+    return max(forward, SAMPLER_BYTES_PER_LOGIT * sample_rows * vocab_size)
 
 
 def pool_fraction() -> float:
@@ -113,9 +122,11 @@ def plan_num_blocks(
     gpu_memory_utilization: float,
     device=None,
     step_tokens: int = RESERVE_STEP_TOKENS,
+    sample_rows: int = 0,
 ) -> int:
     """The pool size: explicit, from a byte budget, or from free memory of `device` (default
-    the first). `step_tokens` (max_num_batched_tokens) scales the activation reserve."""
+    the first). `step_tokens` (max_num_batched_tokens) and `sample_rows` (the sampler's most
+    rows) size the activation reserve."""
     if num_kv_blocks:
         return int(num_kv_blocks)
     per_block = kv_bytes_per_block(cfg, block_size, kv_dtype)
@@ -124,7 +135,7 @@ def plan_num_blocks(
     dev = device if device is not None else jax.devices()[0]
     stats = dev.memory_stats() if hasattr(dev, "memory_stats") else None
     if dev.platform == "gpu" and stats and "bytes_limit" in stats:
-        reserve = activation_reserve(step_tokens)
+        reserve = activation_reserve(step_tokens, sample_rows, cfg.vocab_size)
         # the engine's share of the device: the pool (claim_device_memory made it that share),
         # or the share's part of a larger pool someone else chose
         budget = stats["bytes_limit"] * min(1.0, gpu_memory_utilization / pool_fraction())

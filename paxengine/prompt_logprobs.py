@@ -32,24 +32,30 @@ def device_values(logits_fn, hidden: jax.Array, targets: jax.Array, vocab_size: 
     """hidden [T, H] (the model's final normed states), targets [T] int32 (-1: not asked) ->
     one int32 vector: the target's logprob [T] (bits), its rank [T] (1 + the number of tokens
     with a larger logit), the top n_top ids [T, n_top] and their logprobs (bits). Rows without a
-    target carry the values of token 0 (nobody reads them). Static chunks: no loop on the
-    device (a while loop's predicate would be read by the host on a GPU)."""
+    target carry the values of token 0 (nobody reads them). The chunks run in a scan: as
+    unrolled slices XLA kept every chunk's logits alive at once (a 4,096-token step over a
+    49,152 vocabulary: 1.6 GB of temporaries on the CPU, 0.19 GB in a scan; on an H100, 7.9 GiB
+    at 8,192 tokens over Qwen3.5's 248,320, and the start-up ran out of memory)."""
     T = hidden.shape[0]
     rows = max(1, min(T, CHUNK_ELEMENTS // vocab_size))
-    lps, ranks, top_ids, top_lps = [], [], [], []
-    for a in range(0, T, rows):
-        logits = logits_fn(hidden[a : a + rows]).astype(jnp.float32)  # [c, V]
+    n = -(-T // rows)
+    pad = n * rows - T
+    hidden = jnp.pad(hidden, ((0, pad), (0, 0))).reshape(n, rows, hidden.shape[-1])
+    targets = jnp.pad(targets, (0, pad)).reshape(n, rows)
+
+    def chunk(_, xs):
+        h, tgt = xs
+        logits = logits_fn(h).astype(jnp.float32)  # [rows, V]
         lse = jax.nn.logsumexp(logits, axis=-1)
-        tgt = jnp.maximum(targets[a : a + rows], 0)
-        t_logit = jnp.take_along_axis(logits, tgt[:, None], axis=-1)[:, 0]
-        lps.append(t_logit - lse)
-        ranks.append(jnp.sum(logits > t_logit[:, None], axis=-1).astype(jnp.int32) + 1)
+        t_logit = jnp.take_along_axis(logits, jnp.maximum(tgt, 0)[:, None], axis=-1)[:, 0]
+        rank = jnp.sum(logits > t_logit[:, None], axis=-1).astype(jnp.int32) + 1
         vals, ids = jax.lax.top_k(logits, n_top)
-        top_ids.append(ids.astype(jnp.int32))
-        top_lps.append(vals - lse[:, None])
-    bits = lambda x: jax.lax.bitcast_convert_type(x, jnp.int32).reshape(-1)  # noqa: E731
-    cat = jnp.concatenate
-    return cat([bits(cat(lps)), cat(ranks), cat(top_ids).reshape(-1), bits(cat(top_lps))])
+        return None, (t_logit - lse, rank, ids.astype(jnp.int32), vals - lse[:, None])
+
+    _, (lps, ranks, top_ids, top_lps) = jax.lax.scan(chunk, None, (hidden, targets))
+    flat = lambda x: x.reshape(T + pad, -1)[:T].reshape(-1)  # noqa: E731  (the real rows)
+    bits = lambda x: jax.lax.bitcast_convert_type(flat(x), jnp.int32)  # noqa: E731
+    return jnp.concatenate([bits(lps), flat(ranks), flat(top_ids), bits(top_lps)])
 
 
 def unpack(v: np.ndarray, T: int, n_top: int) -> tuple[np.ndarray, ...]:

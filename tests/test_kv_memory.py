@@ -213,6 +213,36 @@ def test_the_activation_reserve_grows_with_the_steps_tokens(monkeypatch):
     assert (plan(8192) - default) * per_block == 2 * GiB
 
 
+def test_reserve_holds_the_sampler_of_a_large_vocabulary(monkeypatch):
+    """The sampler's temporaries grow with its rows times the vocabulary: 512 rows over
+    Qwen3.5's 248,320 tokens need more than the forward's 4 GiB (the H100 start-up ran out of
+    memory there), 512 over Llama's 128,256 do not, and the KV plan keeps the difference free."""
+    from dataclasses import replace
+
+    for var in kv_memory.POOL_FRACTION_VARS:
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.delenv("PAXENGINE_ACTIVATION_RESERVE", raising=False)
+    monkeypatch.setattr(kv_memory, "live_bytes", lambda dev: 16 * GiB)
+    llama = PRESETS["llama-3.1-8b"]
+    big_vocab = replace(llama, vocab_size=248320)
+    forward = kv_memory.activation_reserve(8192)
+    assert kv_memory.activation_reserve(8192, 512, llama.vocab_size) == forward
+    sampler = kv_memory.activation_reserve(8192, 512, big_vocab.vocab_size)
+    assert sampler > 3.76 * GiB + 512 * 248320 * 4 and sampler > forward
+    per_block = kv_memory.kv_bytes_per_block(llama, 16, jnp.bfloat16)
+    dev = _FakeGpu(100 * GiB, 0)
+
+    def plan(cfg, rows):
+        return kv_memory.plan_num_blocks(
+            cfg, 16, jnp.bfloat16, num_kv_blocks=None, kv_cache_memory_bytes=None,
+            gpu_memory_utilization=0.75, device=dev, sample_rows=rows,
+        )  # fmt: skip
+
+    assert plan(llama, 512) == plan(llama, 0)
+    kept = (plan(big_vocab, 0) - plan(big_vocab, 512)) * per_block
+    assert sampler - forward - GiB <= kept <= sampler - forward + GiB  # the plan's whole GiB
+
+
 def test_largest_temporaries_names_the_executable_with_the_most():
     """The start-up log's measure of what the activation reserve must hold: XLA's temporary bytes
     of each compiled step, the largest and its bucket; an executable without the analysis is

@@ -85,10 +85,12 @@ def test_primed_engine_gives_the_same_tokens(unprimed, caplog):
         primed = LLM(**ENGINE, prime_steps=True)
     assert primed.engine.runner.builder.num_primed > 0
     assert _run(primed) == _run(unprimed)
-    # after priming, the start-up log measures the KV plan's margin: the largest step's
-    # temporaries (XLA's buffer assignment, on the CPU too) against the activation reserve
-    said = [r.getMessage() for r in caplog.records if "largest step temporaries" in r.getMessage()]
-    assert len(said) == 1 and "activation reserve 4.29 GB" in said[0], said
+    # before priming, the start-up log measures the KV plan's margin: the largest temporaries
+    # of each kind of executable (XLA's buffer assignment, on the CPU too) against the reserve
+    said = [r.getMessage() for r in caplog.records if "temporaries" in r.getMessage()]
+    kinds = [m.split(" temporaries")[0].removeprefix("largest ") for m in said]
+    assert kinds == ["forward", "prompt-logprob", "sampler"], said
+    assert all("activation reserve 4.29 GB" in m for m in said), said
 
 
 def test_default_is_on_only_on_a_gpu(unprimed):

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import shlex
 import subprocess
@@ -243,6 +244,11 @@ def launch_stage(name: str, spec: dict, work: Path, env: dict, limit: float) -> 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     p, args = parse_args(argv)
+    # the engine's start-up lines (its KV plan, state slots, temporaries) in the stage's log
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("[paxengine %(asctime)s] %(message)s", "%H:%M:%S"))
+    logging.getLogger("paxengine").addHandler(handler)
+    logging.getLogger("paxengine").setLevel(logging.INFO)
     t_start = time.perf_counter()
     out_dir = Path(args.out).resolve()
     work = Path(args.work).resolve()

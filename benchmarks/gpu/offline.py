@@ -112,6 +112,7 @@ def stage_pax_offline(
     from benchmarks.measure import CompileCounter
     from paxengine import LLM
     from paxengine.config import EngineConfig
+    from paxengine.engine_setup import step_executables
     from paxengine.kv_memory import largest_temporaries
 
     spec = with_model(spec, model)
@@ -146,9 +147,10 @@ def stage_pax_offline(
     res["offline"] = offline(gen, spec, vocab, llm.engine.stats)
     res["jax_compiles_during_timed_runs"] = compiles.n
     res.update(device_memory())  # the KV plan's margin after every workload ran
-    temp = largest_temporaries(llm.engine.runner.compiled)
-    if temp is not None:  # what the activation reserve must hold, by XLA's buffer assignment
-        res["step_temp_bytes"], res["step_temp_bucket"] = temp[0], list(temp[1])
+    # what the activation reserve must hold, by XLA's buffer assignment, per kind of executable
+    for kind, exes in step_executables(llm.engine.runner).items():
+        if (temp := largest_temporaries(exes)) is not None:
+            res.setdefault("step_temp", {})[kind] = [temp[0], str(temp[1])]
     return res
 
 
