@@ -17,9 +17,9 @@ from paxengine import device_defaults, kv_scales, parallel
 from paxengine.client import ModelInfo
 from paxengine.config import EngineConfig
 from paxengine.kv_memory import (
-    activation_reserve,
     kv_bytes_per_block,
     largest_temporaries,
+    model_activation_reserve,
     plan_num_blocks,
     pool_fraction,
     pool_peak,
@@ -480,7 +480,7 @@ def prime_and_report(runner, num_blocks: int, dev, step_tokens: int) -> None:
     """Run each step executable once before serving, then log the device memory's peak against
     the pool. Before that, the largest temporaries of each kind of executable against the
     activation reserve (the KV plan's margin), so a start-up that runs out of memory says which."""
-    reserve = activation_reserve(step_tokens, runner.max_rows, runner.cfg.vocab_size)
+    reserve = model_activation_reserve(runner.cfg, step_tokens, runner.max_rows)
     for kind, exes in step_executables(runner).items():
         if (temp := largest_temporaries(exes)) is not None:
             log.info(

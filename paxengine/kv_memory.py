@@ -11,6 +11,7 @@ import jax.numpy as jnp
 
 import kernels_pallas
 from paxengine import parallel
+from paxengine.models import registry
 from paxengine.models.config import ModelConfig
 
 # gpu_memory_utilization is, as in vLLM, the share of each GPU's memory the engine may take. JAX's
@@ -31,24 +32,37 @@ HEADROOM = 0.02
 
 
 # The step executables' temporaries grow with the step's tokens: 4 GiB holds those of 8,192-token
-# steps of an 8B model (the peak above), twice that 16,384-token steps.
+# steps of an 8B model (the peak above), twice that 16,384-token steps. A family whose forward
+# needs more says so (`STEP_TEMP_BYTES`: an 8,192-token step's; models/registry.py).
 RESERVE_STEP_TOKENS = 8192
+FORWARD_TEMP_BYTES = 4 << 30
 # The sampler's temporaries grow with its rows times the vocabulary: a full sort for top-k /
 # top-p, the softmax, the CDF, the logprobs. On an H100 the 512-row sampler over Qwen3.5's
-# 248,320-token vocabulary asked for 3.76 GiB (31.8 bytes a logit) and the start-up ran out of
-# memory under the 4 GiB reserve (benchmarks/results/gpu_2026-12-07_qwen35_lease/); 36 counts
-# those and the float32 logits it reads. Llama-3.1-8B's 128,256 tokens stay under 4 GiB.
-SAMPLER_BYTES_PER_LOGIT = 36
+# 248,320-token vocabulary took 5.14 GiB (43.4 bytes a logit; XLA's analysis said 4.58 GB, the
+# sort's scratch is beside it) and the start-up ran out of memory under the 4 GiB reserve
+# (benchmarks/results/gpu_2026-12-07_qwen35_lease/); 48 counts it and the float32 logits it
+# reads. Llama-3.1-8B's 128,256 tokens x 512 rows stay under 4 GiB.
+SAMPLER_BYTES_PER_LOGIT = 48
 
 
-def activation_reserve(step_tokens: int, sample_rows: int = 0, vocab_size: int = 0) -> int:
+def activation_reserve(
+    step_tokens: int, sample_rows: int = 0, vocab_size: int = 0, forward_bytes: int = 0
+) -> int:
     """Bytes kept free for the steps' temporaries (PAXENGINE_ACTIVATION_RESERVE overrides): the
-    forward's, or the sampler's over `sample_rows` x `vocab_size` logits where that is more
+    forward's (`forward_bytes` for an 8,192-token step, FORWARD_TEMP_BYTES by default, scaled by
+    `step_tokens`), or the sampler's over `sample_rows` x `vocab_size` logits where that is more
     (they run one after the other)."""
     if os.environ.get("PAXENGINE_ACTIVATION_RESERVE"):
         return int(os.environ["PAXENGINE_ACTIVATION_RESERVE"])
-    forward = int((4 << 30) * max(1.0, step_tokens / RESERVE_STEP_TOKENS))
+    per_8k = forward_bytes or FORWARD_TEMP_BYTES
+    forward = int(per_8k * max(1.0, step_tokens / RESERVE_STEP_TOKENS))
     return max(forward, SAMPLER_BYTES_PER_LOGIT * sample_rows * vocab_size)
+
+
+def model_activation_reserve(cfg: ModelConfig, step_tokens: int, sample_rows: int) -> int:
+    """activation_reserve for a model: its family's forward temporaries, its vocabulary."""
+    forward = getattr(registry.family(cfg), "STEP_TEMP_BYTES", 0)
+    return activation_reserve(step_tokens, sample_rows, cfg.vocab_size, forward)
 
 
 def pool_fraction() -> float:
@@ -135,7 +149,7 @@ def plan_num_blocks(
     dev = device if device is not None else jax.devices()[0]
     stats = dev.memory_stats() if hasattr(dev, "memory_stats") else None
     if dev.platform == "gpu" and stats and "bytes_limit" in stats:
-        reserve = activation_reserve(step_tokens, sample_rows, cfg.vocab_size)
+        reserve = model_activation_reserve(cfg, step_tokens, sample_rows)
         # the engine's share of the device: the pool (claim_device_memory made it that share),
         # or the share's part of a larger pool someone else chose
         budget = stats["bytes_limit"] * min(1.0, gpu_memory_utilization / pool_fraction())

@@ -228,7 +228,7 @@ def test_reserve_holds_the_sampler_of_a_large_vocabulary(monkeypatch):
     forward = kv_memory.activation_reserve(8192)
     assert kv_memory.activation_reserve(8192, 512, llama.vocab_size) == forward
     sampler = kv_memory.activation_reserve(8192, 512, big_vocab.vocab_size)
-    assert sampler > 3.76 * GiB + 512 * 248320 * 4 and sampler > forward
+    assert sampler > 5.14 * GiB + 512 * 248320 * 4 and sampler > forward
     per_block = kv_memory.kv_bytes_per_block(llama, 16, jnp.bfloat16)
     dev = _FakeGpu(100 * GiB, 0)
 
@@ -241,6 +241,25 @@ def test_reserve_holds_the_sampler_of_a_large_vocabulary(monkeypatch):
     assert plan(llama, 512) == plan(llama, 0)
     kept = (plan(big_vocab, 0) - plan(big_vocab, 512)) * per_block
     assert sampler - forward - GiB <= kept <= sampler - forward + GiB  # the plan's whole GiB
+
+
+def test_a_family_with_larger_step_temporaries_keeps_more_free(monkeypatch):
+    """Qwen3.5's 8,192-token forward needs more than a Llama-sized 4 GiB (6.46 GB on an H100):
+    its family's STEP_TEMP_BYTES, scaled by the step's tokens like the default."""
+    import json
+    from pathlib import Path
+
+    from paxengine.models import qwen3_5
+    from paxengine.models.registry import config_from_hf
+
+    monkeypatch.delenv("PAXENGINE_ACTIVATION_RESERVE", raising=False)
+    path = Path(__file__).parents[1] / "benchmarks/gpu/models/qwen35_9b.json"
+    cfg = config_from_hf(json.loads(path.read_text()))
+    assert cfg.family == "qwen3_5"
+    assert kv_memory.model_activation_reserve(cfg, 8192, 512) == qwen3_5.STEP_TEMP_BYTES > 4 * GiB
+    assert kv_memory.model_activation_reserve(cfg, 16384, 512) == 2 * qwen3_5.STEP_TEMP_BYTES
+    llama = PRESETS["llama-3.1-8b"]
+    assert kv_memory.model_activation_reserve(llama, 8192, 512) == 4 * GiB
 
 
 def test_largest_temporaries_names_the_executable_with_the_most():

@@ -415,6 +415,13 @@ def _full_attention(cfg: ModelConfig, w, x, rope, kv, attend):
     return o, kv
 
 
+# The temporaries of an 8,192-token step (kv_memory's activation reserve): XLA's analysis of the
+# 9B's (8192, 512) forward said 6.46 GB on an H100 (benchmarks/results/gpu_2026-12-07_qwen35_lease/),
+# past the 4 GiB of a Llama-sized step, and the start-up ran out of memory priming; 8 GiB holds
+# it with the margin the sampler's scratch showed (its allocation 1.2x its analysis).
+STEP_TEMP_BYTES = 8 << 30
+
+
 # Steps of up to this many tokens compile without XLA's Triton GEMMs (quant.dense_xla_options):
 # H100, decode ITL batch 1 / 8 6.55 / 7.32 ms against 7.13 / 8.51 with XLA's own pick, Triton
 # GEMMs at ~2 TB/s (benchmarks/results/gpu_2026-12-06b_qwen35_gemm/). Not measured on the

@@ -9,7 +9,9 @@ A family is a module of `paxengine/models/` that provides
 - `allocate_state(cfg, num_slots, dtype)` and `state_bytes_per_slot(cfg, dtype)`: what its
   recurrent layers keep per request (an empty dict and 0 for a family without any);
 - optionally `CUBLAS_MAX_TOKENS`: its steps of up to that many tokens compile with cuBLAS's
-  GEMMs, not XLA's Triton ones (quant.dense_xla_options; where measured faster).
+  GEMMs, not XLA's Triton ones (quant.dense_xla_options; where measured faster);
+- optionally `STEP_TEMP_BYTES`: the temporaries of its 8,192-token step where they exceed the
+  4 GiB kv_memory keeps free for a Llama-sized one (the KV plan's activation reserve).
 The runner, the scheduler and the KV manager never branch on a family's name: they ask the
 config (`attention_layers`, `recurrent_layers`) and call the module this table names.
 """
