@@ -11,7 +11,7 @@ from functools import partial
 import jax
 import numpy as np
 
-from paxengine import device_defaults, engine_setup, parallel
+from paxengine import device_defaults, engine_setup, memory_plan, parallel
 from paxengine.batch import build_step
 from paxengine.client import served_name
 from paxengine.config import EngineConfig
@@ -73,7 +73,7 @@ class EngineCore:
         cfg = self.config = device_defaults.resolve(cfg, jax.default_backend() == "gpu")
         checked = engine_setup.check_config(cfg, jax.default_backend() == "gpu")
         if checked.on_gpu and pool_not_claimed:
-            engine_setup.log_pool_not_claimed(pool_not_claimed, cfg.gpu_memory_utilization)
+            memory_plan.log_pool_not_claimed(pool_not_claimed, cfg.gpu_memory_utilization)
         dtype, kv_dtype = checked.dtype, checked.kv_dtype
         self.spec = parse_speculative_config(cfg.speculative_config)
         self.dtype = dtype
@@ -97,7 +97,7 @@ class EngineCore:
         params, tp, store = prepared.params, prepared.tp, prepared.store
         self.kv_scales, scales_from = prepared.kv_scales, prepared.scales_from
         engine_setup.log_weights(params, loaded.prequantized, checked.on_gpu)
-        num_blocks = engine_setup.plan_kv_blocks(
+        num_blocks = memory_plan.plan_kv_blocks(
             cfg,
             checked,
             loaded.config,
@@ -106,8 +106,8 @@ class EngineCore:
             eagle,
             self.spec,
         )
-        slots, snapshots = engine_setup.state_slots(cfg, loaded.config)
-        verify = engine_setup.verify_slots(cfg, loaded.config, self.spec)
+        slots, snapshots = memory_plan.state_slots(cfg, loaded.config)
+        verify = memory_plan.verify_slots(cfg, loaded.config, self.spec)
         self.kv = KVCacheManager(
             num_blocks,
             checked.block_size,
@@ -168,7 +168,7 @@ class EngineCore:
         )
         if self.primes:
             dev = tp.local_device if tp is not None else jax.devices()[0]
-            engine_setup.prime_and_report(self.runner, num_blocks, dev, cfg.max_num_batched_tokens)
+            memory_plan.prime_and_report(self.runner, num_blocks, dev, cfg.max_num_batched_tokens)
         self.grammars = GrammarCompiler(
             self.tokenizer, loaded.config.vocab_size, self.eos_token_ids
         )

@@ -112,8 +112,8 @@ def stage_pax_offline(
     from benchmarks.measure import CompileCounter
     from paxengine import LLM
     from paxengine.config import EngineConfig
-    from paxengine.engine_setup import step_executables
     from paxengine.kv_memory import largest_temporaries
+    from paxengine.memory_plan import step_executables
 
     spec = with_model(spec, model)
     args = engine_args(spec, variant)
