@@ -114,6 +114,7 @@ def prime_and_report(runner, num_blocks: int, dev, step_tokens: int) -> None:
     the pool. Before that, the largest temporaries of each kind of executable against the
     activation reserve (the KV plan's margin), so a start-up that runs out of memory says which."""
     reserve = model_activation_reserve(runner.cfg, step_tokens, runner.max_rows)
+    largest = None  # (bytes, "kind key") of all kinds
     for kind, exes in step_executables(runner).items():
         if (temp := largest_temporaries(exes)) is not None:
             log.info(
@@ -123,7 +124,12 @@ def prime_and_report(runner, num_blocks: int, dev, step_tokens: int) -> None:
                 temp[1],
                 reserve / 1e9,
             )
-    log.info("ran each step executable once in %.1f s", prime_or_explain(runner, num_blocks))
+            if largest is None or temp[0] > largest[0]:
+                largest = (temp[0], f"{kind} {temp[1]}")
+    log.info(
+        "ran each step executable once in %.1f s",
+        prime_or_explain(runner, num_blocks, largest, reserve),
+    )
     if (peak := pool_peak(dev)) is not None:
         log.info("device memory: %s", peak)
 

@@ -5,6 +5,7 @@ previous-step samples behind, and change no output."""
 
 import asyncio
 import logging
+import re
 import threading
 import time
 
@@ -14,7 +15,7 @@ import pytest
 from test_background_compile import ENGINE as BACKGROUND_ENGINE
 from test_background_compile import PROMPTS
 
-from paxengine import LLM, AsyncEngine, SamplingParams
+from paxengine import LLM, AsyncEngine, SamplingParams, kv_memory
 from paxengine.step_build import StepBuilder
 
 # the background-compile tests' engine, with the grammar samplers (structured outputs) on
@@ -165,6 +166,12 @@ def test_running_out_of_memory_while_priming_says_what_to_change(monkeypatch):
     with pytest.raises(RuntimeError, match="PAXENGINE_ACTIVATION_RESERVE") as info:
         LLM(**ENGINE, prime_steps=True)
     assert "KV blocks" in str(info.value) and "RESOURCE_EXHAUSTED" in str(info.value.__cause__)
+    # what the compiled steps' temporaries measured, and a reserve above them and the plan's
+    said = re.search(
+        r"largest temporaries are ([\d.]+) GB \((\w+).*ACTIVATION_RESERVE=(\d+)", str(info.value)
+    )
+    assert said and said[2] in ("forward", "sampler", "prompt"), str(info.value)
+    assert int(said[3]) >= max(1.25 * float(said[1]) * 1e9, kv_memory.activation_reserve(64))
 
     def other(self, limit=None):
         raise jax.errors.JaxRuntimeError("INTERNAL: something else")
