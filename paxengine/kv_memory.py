@@ -169,11 +169,12 @@ def plan_num_blocks(
 ALLOCATION_MARGIN = 1.25
 
 
-def prime_or_explain(runner, num_blocks: int, largest=None, reserve: int | None = None) -> float:
+def prime_or_explain(runner, num_blocks: int, largest: tuple | None, reserve: int) -> float:
     """Runs every step executable once (StepBuilder.prime); returns the seconds. If the device
     runs out of memory there, the KV plan left too little for the steps' temporaries: say so, and
     what to change, instead of XLA's allocator message alone. largest: (bytes, which) of the
-    executables' temporaries, reserve: the plan's activation reserve, for a reserve to set."""
+    executables' temporaries (None where none reports them), reserve: the plan's activation
+    reserve, for a reserve to set."""
     try:
         return runner.builder.prime()[1]
     except jax.errors.JaxRuntimeError as e:
@@ -181,10 +182,10 @@ def prime_or_explain(runner, num_blocks: int, largest=None, reserve: int | None 
             raise
         measured = ""
         if largest is not None:
-            suggest = max(int(ALLOCATION_MARGIN * largest[0]), (reserve or 0) + (1 << 30))
+            suggest = max(int(ALLOCATION_MARGIN * largest[0]), reserve + (1 << 30))
             measured = (
                 f"; the largest temporaries are {largest[0] / 1e9:.2f} GB ({largest[1]}) against "
-                f"an activation reserve of {(reserve or 0) / 1e9:.2f} GB: try "
+                f"an activation reserve of {reserve / 1e9:.2f} GB: try "
                 f"PAXENGINE_ACTIVATION_RESERVE={suggest}"
             )
         raise RuntimeError(

@@ -47,7 +47,9 @@ def plan_kv_blocks(
     if cfg.num_kv_blocks:
         return num_blocks
     dtype = DTYPES[checked.dtype]
-    slots = sum(state_slots(cfg, model_config)) + verify_slots(cfg, model_config, spec)
+    running, snapshots = state_slots(cfg, model_config)
+    verify = verify_slots(cfg, model_config, spec)
+    slots = running + snapshots + verify
     if slots:  # the recurrent layers' state slots and snapshots come out of the same budget
         mine = tp.local_config(model_config) if tp is not None else model_config  # per device
         per_block = kv_bytes_per_block(mine, checked.block_size, checked.kv_dtype)
@@ -58,7 +60,6 @@ def plan_kv_blocks(
                 f"no memory left for KV pages beside {slots} recurrent state slots "
                 f"({state / 2**20:.0f} MiB): lower max_num_seqs"
             )
-        running, snapshots = state_slots(cfg, model_config)
         log.info(
             "%d recurrent state slots (%.1f MiB each): up to %d sequences at once, %d cached "
             "prefix states, %d for speculative verify steps",
@@ -66,7 +67,7 @@ def plan_kv_blocks(
             state / slots / 2**20,
             running,
             snapshots,
-            verify_slots(cfg, model_config, spec),
+            verify,
         )
     if draft_config is not None:  # the KV budget holds both models' pages
         from paxengine.spec_decode.draft_model import share_kv_budget
@@ -114,18 +115,17 @@ def prime_and_report(runner, num_blocks: int, dev, step_tokens: int) -> None:
     the pool. Before that, the largest temporaries of each kind of executable against the
     activation reserve (the KV plan's margin), so a start-up that runs out of memory says which."""
     reserve = model_activation_reserve(runner.cfg, step_tokens, runner.max_rows)
-    largest = None  # (bytes, "kind key") of all kinds
-    for kind, exes in step_executables(runner).items():
-        if (temp := largest_temporaries(exes)) is not None:
-            log.info(
-                "largest %s temporaries: %.2f GB (%s; activation reserve %.2f GB)",
-                kind,
-                temp[0] / 1e9,
-                temp[1],
-                reserve / 1e9,
-            )
-            if largest is None or temp[0] > largest[0]:
-                largest = (temp[0], f"{kind} {temp[1]}")
+    temps = temporaries_by_kind(runner)
+    for kind, (size, key) in temps.items():
+        log.info(
+            "largest %s temporaries: %.2f GB (%s; activation reserve %.2f GB)",
+            kind,
+            size / 1e9,
+            key,
+            reserve / 1e9,
+        )
+    kind = max(temps, key=lambda k: temps[k][0], default=None)
+    largest = (temps[kind][0], f"{kind} {temps[kind][1]}") if kind is not None else None
     log.info(
         "ran each step executable once in %.1f s",
         prime_or_explain(runner, num_blocks, largest, reserve),
@@ -142,6 +142,13 @@ def step_executables(runner) -> dict[str, dict]:
         "prompt-logprob": runner.plp_compiled,
         "sampler": runner.samplers,
     }
+
+
+def temporaries_by_kind(runner) -> dict[str, tuple[int, object]]:
+    """Each kind of step executable's largest temporaries by XLA's buffer assignment, (bytes,
+    key), for the kinds that report them: what the activation reserve must hold."""
+    temps = {kind: largest_temporaries(exes) for kind, exes in step_executables(runner).items()}
+    return {kind: t for kind, t in temps.items() if t is not None}
 
 
 def log_pool_not_claimed(why: str, utilization: float) -> None:

@@ -112,8 +112,7 @@ def stage_pax_offline(
     from benchmarks.measure import CompileCounter
     from paxengine import LLM
     from paxengine.config import EngineConfig
-    from paxengine.kv_memory import largest_temporaries
-    from paxengine.memory_plan import step_executables
+    from paxengine.memory_plan import temporaries_by_kind
 
     spec = with_model(spec, model)
     args = engine_args(spec, variant)
@@ -148,9 +147,9 @@ def stage_pax_offline(
     res["jax_compiles_during_timed_runs"] = compiles.n
     res.update(device_memory())  # the KV plan's margin after every workload ran
     # what the activation reserve must hold, by XLA's buffer assignment, per kind of executable
-    for kind, exes in step_executables(llm.engine.runner).items():
-        if (temp := largest_temporaries(exes)) is not None:
-            res.setdefault("step_temp", {})[kind] = [temp[0], str(temp[1])]
+    temps = temporaries_by_kind(llm.engine.runner)
+    if temps:
+        res["step_temp"] = {kind: [size, str(key)] for kind, (size, key) in temps.items()}
     return res
 
 
