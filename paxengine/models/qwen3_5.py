@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+from functools import partial
 from pathlib import Path
 
 import jax
@@ -517,30 +518,46 @@ def _run_layers(cfg, layers, h, rope, kv, states, step, attend, reduce, first_ex
     """The layers, unrolled; under tensor parallelism (`cfg` the device's own) `reduce`
     all-reduces the out projections' and the MLPs' partial products."""
     kv = list(kv)
-    eps = cfg.rms_norm_eps
     attn_index = {i: j for j, i in enumerate(cfg.attention_layers)}
     lin_index = {i: j for j, i in enumerate(cfg.recurrent_layers)}
+    # One jitted function for the layers: traced and lowered once per kind of layer (the
+    # structure of its weights and caches), not once per layer: tracing the 32 layers of the 9B
+    # and their Pallas kernels in each of ~80 step executables was most of a cold start-up.
+    # XLA inlines the calls, so the compiled step is the same.
+    step = {k: v for k, v in step.items() if k != "verify_span"}  # (arrays only: jit args)
+    layer = jax.jit(partial(_layer, cfg, attend, reduce, first_expert))
     for i, w in enumerate(layers):
-        # the residual adds and norms as the Llama family's (models/norm.py): one kernel in
-        # small steps, FP8 rows handed to FP8 projections
         if i in attn_index:
-            _, x = norm_into(h, None, w["attn_norm"], eps, _weights(w, "wqkv"))
             j = attn_index[i]
-            o, kv[j] = _full_attention(cfg, w, x, rope, kv[j], attend)
-            out = w["wo"]
+            h, kv[j], _ = layer(h, w, rope, kv[j], None, step)
         else:
-            into = _weights(w, "la_qkvz") + _weights(w, "la_ba")
-            _, x = norm_into(h, None, w["attn_norm"], eps, into)
             j = lin_index[i]
-            o, mine = _delta_net(cfg, w, x, {k: v[j] for k, v in states.items()}, step)
+            h, _, mine = layer(h, w, rope, None, {k: v[j] for k, v in states.items()}, step)
             states = {k: [*v[:j], mine[k], *v[j + 1 :]] for k, v in states.items()}
-            out = w["la_out"]
-        if reduce is None:  # one device: the W8A8 product goes unscaled into the add + norm
-            delta = _out_projection(cfg, o.astype(h.dtype), out)
-        else:
-            delta = reduce(linear(o.astype(h.dtype), out))
-        into = [w["router"]] if "router" in w else _weights(w, "w_gate_up")
-        h, x = norm_into(h, delta, w["mlp_norm"], eps, into)
-        out = mlp(cfg, w, x, first_expert)
-        h = h + (out if reduce is None else reduce(out)).astype(h.dtype)
     return h, kv, states
+
+
+def _layer(cfg, attend, reduce, first_expert, h, w, rope, kv, state, step):
+    """One layer: gated attention over its KV pair `kv`, or (kv None) a Gated DeltaNet over its
+    `state` pools. -> (h, kv, state)."""
+    eps = cfg.rms_norm_eps
+    # the residual adds and norms as the Llama family's (models/norm.py): one kernel in
+    # small steps, FP8 rows handed to FP8 projections
+    if kv is not None:
+        _, x = norm_into(h, None, w["attn_norm"], eps, _weights(w, "wqkv"))
+        o, kv = _full_attention(cfg, w, x, rope, kv, attend)
+        out = w["wo"]
+    else:
+        into = _weights(w, "la_qkvz") + _weights(w, "la_ba")
+        _, x = norm_into(h, None, w["attn_norm"], eps, into)
+        o, state = _delta_net(cfg, w, x, state, step)
+        out = w["la_out"]
+    if reduce is None:  # one device: the W8A8 product goes unscaled into the add + norm
+        delta = _out_projection(cfg, o.astype(h.dtype), out)
+    else:
+        delta = reduce(linear(o.astype(h.dtype), out))
+    into = [w["router"]] if "router" in w else _weights(w, "w_gate_up")
+    h, x = norm_into(h, delta, w["mlp_norm"], eps, into)
+    out = mlp(cfg, w, x, first_expert)
+    h = h + (out if reduce is None else reduce(out)).astype(h.dtype)
+    return h, kv, state
