@@ -252,12 +252,15 @@ def _layer(cfg: ModelConfig, attend, rope, h, w, kv, reduce=None, first_expert=N
 
 
 def _run_layers(cfg: ModelConfig, attend, rope, h, layers, kv, tp=None):
-    """The layers, unrolled (they differ in kind); `cfg` the device's own under tp."""
+    """The layers, unrolled (they may differ in kind: dense or MoE MLP); `cfg` the device's
+    own under tp. One jitted function, traced and lowered once per kind of layer, not once per
+    layer (XLA inlines the calls: the compiled step is the same)."""
     kv = list(kv)
     reduce = tp.psum if tp is not None else None
     first = tp.first_expert(cfg) if tp is not None else None
+    layer = jax.jit(lambda h, w, kv: _layer(cfg, attend, rope, h, w, kv, reduce, first))
     for i, w in enumerate(layers):
-        h, kv[i] = _layer(cfg, attend, rope, h, w, kv[i], reduce, first)
+        h, kv[i] = layer(h, w, kv[i])
     return h, kv
 
 
