@@ -66,25 +66,41 @@ def write_dummy_model_dir(preset: str, path: Path, tokenizer: str = "word") -> P
                 }
             )
         )
-    if not (path / "tokenizer.json").is_file():
-        from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-        vocab = {f"t{i}": i for i in range(cfg.vocab_size)}
-        tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
-        tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-        tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
-        tok.save(str(path / "tokenizer.json"))
-        (path / "tokenizer_config.json").write_text(
-            json.dumps(
-                {
-                    "tokenizer_class": "PreTrainedTokenizerFast",
-                    "bos_token": "t0",
-                    "eos_token": "t1",
-                    "model_max_length": cfg.max_position_embeddings,
-                }
-            )
-        )
+    write_word_tokenizer(path, cfg.vocab_size, cfg.max_position_embeddings)
     return path
+
+
+def write_model_dir(config: str, path: Path) -> Path:
+    """write_config_dir, and the word tokenizer of the config's vocabulary: a model of another
+    architecture than the presets' (a stage's "models"), servable by both engines."""
+    write_config_dir(config, path)
+    raw = json.loads(Path(config).read_text())
+    text = raw.get("text_config") or raw
+    write_word_tokenizer(path, text["vocab_size"], text.get("max_position_embeddings", 4096))
+    return path
+
+
+def write_word_tokenizer(path: Path, vocab_size: int, max_len: int) -> None:
+    """The words "t0".."t{V-1}", each one token: any id round-trips (unless one is there)."""
+    if (path / "tokenizer.json").is_file():
+        return
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {f"t{i}": i for i in range(vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": "t0",
+                "eos_token": "t1",
+                "model_max_length": max_len,
+            }
+        )
+    )
 
 
 # a plain template, so the chat route works on the dummy model (the soak sends chat requests)

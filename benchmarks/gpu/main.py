@@ -23,6 +23,9 @@ Stages (each in its own process, so each frees the GPU's memory for the next):
   pax-offline-qwen35, vllm-offline-qwen35 (-fp8), pax-offline-qwen3moe, vllm-offline-qwen3moe
                 the offline workloads on Qwen3.5-9B shapes (the spec's "models": an HF config
                 file, dummy weights; vLLM with what it needs to run it, VLLM-PEER.md)
+  pax-serve-qwen35, vllm-serve-qwen35, pax-serve-qwen3moe, vllm-serve-qwen3moe
+                the serve workload on those models (their config and a word tokenizer of
+                their vocabulary)
   pax-offline-tp2, vllm-offline-tp2
                 the offline workloads with the model split over two GPUs (variant "tp2";
                 run on the nvidia-h200-x2 kind)
@@ -72,6 +75,10 @@ STAGES = {
     "vllm-offline-qwen35-fp8": partial(offline.stage_vllm_offline, variant="fp8", model="qwen35"),
     "pax-offline-qwen3moe": partial(offline.stage_pax_offline, model="qwen3moe"),
     "vllm-offline-qwen3moe": partial(offline.stage_vllm_offline, model="qwen3moe"),
+    "pax-serve-qwen35": partial(serving.stage_pax_serve, model="qwen35"),
+    "vllm-serve-qwen35": partial(serving.stage_vllm_serve, model="qwen35"),
+    "pax-serve-qwen3moe": partial(serving.stage_pax_serve, model="qwen3moe"),
+    "vllm-serve-qwen3moe": partial(serving.stage_vllm_serve, model="qwen3moe"),
     "vllm-serve": serving.stage_vllm_serve,
     "pax-serve-fp8": partial(serving.stage_pax_serve, variant="fp8"),
     "vllm-serve-fp8": partial(serving.stage_vllm_serve, variant="fp8"),

@@ -16,9 +16,9 @@ from pathlib import Path
 
 from benchmarks.bench import plots, serve
 from benchmarks.gpu import REPO_ROOT
-from benchmarks.gpu.dummy_model import write_dummy_model_dir
+from benchmarks.gpu.dummy_model import write_dummy_model_dir, write_model_dir
 from benchmarks.gpu.stage import log, save_partial, seconds_left
-from benchmarks.gpu.workloads import engine_args
+from benchmarks.gpu.workloads import engine_args, pax_model, vocab_size, with_model
 
 
 def _free_port() -> int:
@@ -98,9 +98,7 @@ def serve_stage(
         if all_built is None or all_built > startup + 1:
             log(f"{label} every step executable built at {all_built} s (after that: timed runs)")
         sv = spec[workload]
-        from paxengine.models.config import PRESETS
-
-        vocab = PRESETS[spec["preset"]].vocab_size
+        vocab = vocab_size(spec)
         combined_file = out.parent / f"{label}_{workload}.json"
         compiles_before = _scrape_compiles(base)
         combined, runs, rcs = None, {}, []
@@ -244,20 +242,42 @@ def _scrape(base: str, part: str) -> dict:
 
 
 def stage_pax_serve(
-    spec: dict, out: Path, workload: str = "serve", variant: str | None = None
+    spec: dict,
+    out: Path,
+    workload: str = "serve",
+    variant: str | None = None,
+    model: str | None = None,
 ) -> dict:
-    """`paxengine serve` (serving.cli) at its defaults; variant: one of the spec's "variants"."""
-    d = write_dummy_model_dir(spec["preset"], out.parent / "dummy_model")
+    """`paxengine serve` (serving.cli) at its defaults; variant: one of the spec's "variants";
+    model: one of its "models" ("qwen35") instead of the preset."""
+    spec = with_model(spec, model)
+    d = _model_dir(spec, out)
     cmd = pax_serve_cmd(spec, d, _free_port(), engine_args(spec, variant))
-    return serve_stage(spec, out, cmd, _label("pax", variant), dict(os.environ), workload)
+    return serve_stage(spec, out, cmd, _label("pax", variant, model), dict(os.environ), workload)
 
 
-def _label(engine: str, variant: str | None) -> str:
-    return f"{engine}_{variant}" if variant else engine
+def _model_dir(spec: dict, out: Path) -> Path:
+    """The dummy model's directory: its config (vLLM's load_format=dummy) and tokenizer."""
+    if spec.get("model"):
+        return write_model_dir(spec["config"], out.parent / f"dummy_{spec['model']}")
+    return write_dummy_model_dir(spec["preset"], out.parent / "dummy_model")
+
+
+def _label(engine: str, variant: str | None, model: str | None = None) -> str:
+    return "_".join(x for x in (engine, model, variant) if x)
 
 
 def _flags(args: dict) -> list[str]:
-    return [x for key, value in args.items() for x in (f"--{key.replace('_', '-')}", str(value))]
+    """Engine settings as a server's flags: True as the bare flag (vLLM's booleans), a dict as
+    JSON (vLLM's --additional-config)."""
+    out = []
+    for key, value in args.items():
+        flag = f"--{key.replace('_', '-')}"
+        if value is True:
+            out.append(flag)
+        else:
+            out += [flag, json.dumps(value) if isinstance(value, dict) else str(value)]
+    return out
 
 
 def pax_serve_cmd(spec: dict, model_dir: Path, port: int, args: dict) -> list[str]:
@@ -265,23 +285,30 @@ def pax_serve_cmd(spec: dict, model_dir: Path, port: int, args: dict) -> list[st
     `args` (engine_args) as flags."""
     exe = [sys.executable, "-m", "serving.cli"]
     return [
-        *(*exe, "--model", f"dummy:{spec['preset']}", "--tokenizer", str(model_dir)),
+        *(*exe, "--model", pax_model(spec), "--tokenizer", str(model_dir)),
         *("--dtype", spec["dtype"], "--served-model-name", "dummy", "--log-level", "warning"),
         *("--port", str(port), "--host", "127.0.0.1", *_flags(args)),
     ]
 
 
 def stage_vllm_serve(
-    spec: dict, out: Path, workload: str = "serve", variant: str | None = None
+    spec: dict,
+    out: Path,
+    workload: str = "serve",
+    variant: str | None = None,
+    model: str | None = None,
 ) -> dict:
-    """`vllm serve` on the dummy model directory at its defaults, given what paxengine is."""
-    d = write_dummy_model_dir(spec["preset"], out.parent / "dummy_model")
+    """`vllm serve` on the dummy model directory at its defaults, given what paxengine is (and,
+    for a model, what vLLM needs to run it at all: its "vllm_required")."""
+    spec = with_model(spec, model)
+    d = _model_dir(spec, out)
     exe = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(d)]
+    args = {**engine_args(spec, variant), **spec.get("vllm_required", {})}
     cmd = [
         *(*exe, "--load-format", "dummy", "--dtype", spec["dtype"], "--served-model-name", "dummy"),
-        *("--port", str(_free_port()), "--host", "127.0.0.1", *_flags(engine_args(spec, variant))),
+        *("--port", str(_free_port()), "--host", "127.0.0.1", *_flags(args)),
     ]
-    return serve_stage(spec, out, cmd, _label("vllm", variant), dict(os.environ), workload)
+    return serve_stage(spec, out, cmd, _label("vllm", variant, model), dict(os.environ), workload)
 
 
 def stage_pax_poisson(spec: dict, out: Path) -> dict:

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from benchmarks.gpu import hf, offline, report, roofline, serving
-from benchmarks.gpu.dummy_model import write_dummy_model_dir
-from benchmarks.gpu.workloads import FULL, QUICK, engine_args
+from benchmarks.gpu.dummy_model import write_dummy_model_dir, write_model_dir
+from benchmarks.gpu.workloads import FULL, QUICK, engine_args, vocab_size
 from paxengine.config import EngineConfig
 from paxengine.models.config import PRESETS, from_hf_config
 
@@ -70,6 +70,21 @@ def test_dummy_model_dir(tmp_path):
         )
     )
     assert llama.rope_scaling == PRESETS["llama-3.1-8b"].rope_scaling
+
+
+def test_model_dir_of_another_architecture(tmp_path):
+    """A stage's "models" entry (Qwen3.5-9B's multimodal config): its config as is, and a word
+    tokenizer of its text model's vocabulary (248,320), which the served stages' random prompts
+    and both servers need."""
+    from tokenizers import Tokenizer
+
+    config = FULL["models"]["qwen35"]["config"]
+    d = write_model_dir(str(ROOT / config), tmp_path / "q")
+    assert json.loads((d / "config.json").read_text()) == json.loads((ROOT / config).read_text())
+    tok = Tokenizer.from_file(str(d / "tokenizer.json"))
+    assert tok.get_vocab_size() == vocab_size({"config": str(ROOT / config)}) == 248_320
+    ids = [248_319, 7, 0]
+    assert tok.encode(tok.decode(ids)).ids == ids
 
 
 def test_report_table():
@@ -235,6 +250,7 @@ def test_stages_run_both_engines_at_their_defaults(spec, tmp_path, monkeypatch):
     monkeypatch.setattr(offline, "write_dummy_model_dir", lambda *a: tmp_path)
     monkeypatch.setattr(offline, "write_config_dir", lambda *a: tmp_path)
     monkeypatch.setattr(serving, "write_dummy_model_dir", lambda *a: tmp_path)
+    monkeypatch.setattr(serving, "write_model_dir", lambda *a: tmp_path)
     monkeypatch.setattr(serving, "serve_stage", lambda spec, out, cmd, *a: cmd)
     out = tmp_path / "stage.json"
     for variant in (None, *spec["variants"]):
@@ -286,3 +302,14 @@ def test_stages_run_both_engines_at_their_defaults(spec, tmp_path, monkeypatch):
             assert {x for x in cmd if x.startswith("--")} == own | flags, cmd
             for k, v in args.items():
                 assert cmd[cmd.index("--" + k.replace("_", "-")) + 1] == str(v)
+        for model, m in spec["models"].items():  # served: the same, and vLLM what it needs
+            pax_cmd = serving.stage_pax_serve(spec, out, "serve", variant, model)
+            assert {x for x in pax_cmd if x.startswith("--")} == SERVER | {"--log-level"} | flags
+            assert pax_cmd[pax_cmd.index("--model") + 1] == f"dummy:{m['config']}"
+            vl_cmd = serving.stage_vllm_serve(spec, out, "serve", variant, model)
+            required = {"--" + k.replace("_", "-"): v for k, v in m["vllm_required"].items()}
+            own = SERVER - {"--model", "--tokenizer"} | {"--load-format"}
+            assert {x for x in vl_cmd if x.startswith("--")} == own | flags | set(required)
+            for flag, v in required.items():  # a boolean bare, a dict as JSON
+                if v is not True:
+                    assert json.loads(vl_cmd[vl_cmd.index(flag) + 1]) == v
