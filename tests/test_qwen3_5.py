@@ -113,6 +113,36 @@ def test_the_fused_kernel_in_the_model_equals_hf(causal_lm, monkeypatch):
     assert llm.engine.kv.prefix_hits > hits
 
 
+def test_decode_buckets_through_the_fused_kernel_equal_hf(causal_lm, monkeypatch):
+    """PAXENGINE_KERNEL_GDN_FUSED_DECODE=1 (interpret mode): buckets of more tokens than the
+    fused limit (2 here) take the fused kernel when they are decode buckets (T <= S), the others
+    the chunked path; tokens equal HF's either way."""
+    from kernels_pallas import gated_delta
+    from paxengine.models import gated_deltanet
+
+    monkeypatch.setenv("PAXENGINE_KERNEL_GDN", "interpret")
+    monkeypatch.setenv("PAXENGINE_KERNEL_GDN_FUSED_MAX_TOKENS", "2")
+    monkeypatch.setenv("PAXENGINE_KERNEL_GDN_FUSED_DECODE", "1")
+    shapes = []
+    decode = gated_delta.gated_delta_decode
+
+    def spy(x, *a, query_start_loc=None, **k):  # (traced once per bucket)
+        shapes.append((x.shape[0], query_start_loc.shape[0] - 1))
+        return decode(x, *a, query_start_loc=query_start_loc, **k)
+
+    monkeypatch.setattr(gated_delta, "gated_delta_decode", spy)
+    path, want = causal_lm
+    llm = LLM(model=str(path), **dict(ENGINE, max_num_batched_tokens=32, token_buckets=[4, 32]))
+    assert [o[0] for o in _greedy(llm)] == want
+    assert any(t > 2 and t <= s for t, s in shapes), shapes  # a decode bucket past the limit
+    assert all(t <= 2 or t <= s for t, s in shapes), shapes
+    assert gated_deltanet.fused_step(4, 4) and not gated_deltanet.fused_step(32, 4)
+    monkeypatch.setenv("PAXENGINE_KERNEL_GDN_FUSED_DECODE", "0")
+    assert not gated_deltanet.fused_step(4, 4) and gated_deltanet.fused_step(2, 1)
+    monkeypatch.setenv("PAXENGINE_KERNEL_GDN_FUSED_MAX_TOKENS", "0")
+    assert not gated_deltanet.fused_step(1, 4)
+
+
 def test_the_model_takes_it_for_16_bit_out_projections_only(monkeypatch):
     """qwen3_5._out_projection: the kernel (interpret mode here; "auto" in the GPU's cuBLAS
     steps) for a 16-bit weight whose shape tiles, XLA's GEMM for FP8 weights, MoE models, shapes

@@ -83,6 +83,7 @@ def main(argv=None) -> int:
     p.add_argument("--top", type=int, default=30)
     p.add_argument("--json")
     p.add_argument("--gpu-memory-utilization", type=float, default=None)
+    p.add_argument("--max-seqs", type=int, default=64, help="the largest sequence bucket")
     p.add_argument("--hlo-dir", help="write each step executable's optimized HLO here")
     a = p.parse_args(argv)
     import jax
@@ -93,10 +94,10 @@ def main(argv=None) -> int:
     llm = LLM(
         model=a.model,
         max_model_len=4096,
-        max_num_seqs=64,
-        max_num_batched_tokens=512,
-        token_buckets=[1, 64, 512],
-        seq_buckets=[8, 64],
+        max_num_seqs=a.max_seqs,
+        max_num_batched_tokens=max(512, a.max_seqs),
+        token_buckets=sorted({1, 64, 512, a.max_seqs}),
+        seq_buckets=sorted({8, a.max_seqs}),
         show_progress=False,
         **(
             {"gpu_memory_utilization": a.gpu_memory_utilization} if a.gpu_memory_utilization else {}

@@ -5,9 +5,9 @@ slots are `kernels_pallas/gated_delta_ref.py`'s.
 
 How it runs (`gdn_kernels`): on a GPU the Pallas kernels, elsewhere their jnp oracles (tests
 run the kernels in interpret mode with PAXENGINE_KERNEL_GDN=interpret). Steps of up to
-`FUSED_STEP_MAX_TOKENS` tokens (the decode buckets) run conv, gating and recurrence as one kernel
-(`gated_delta_decode` over the ragged batch), where XLA launched ~20 small kernels a layer;
-larger ones XLA's conv and gating, then the chunked kernel.
+`FUSED_STEP_MAX_TOKENS` tokens (the small decode buckets; `fused_step`) run conv, gating and
+recurrence as one kernel (`gated_delta_decode` over the ragged batch), where XLA launched ~20
+small kernels a layer; larger ones XLA's conv and gating, then the chunked kernel.
 
 Speculative verify steps (step["position_slots"], step["verify_rows"] from `verify_slots`): a
 verify row [t, d1..dk] must leave the state at its last ACCEPTED position, which the host (or
@@ -32,6 +32,12 @@ from kernels_pallas import gated_delta_ref as gdr
 from paxengine.models.config import ModelConfig
 
 FUSED_STEP_MAX_TOKENS = 64
+# Decode buckets of more sequences (T <= S tokens: a token a row, a short chunk here and there)
+# could run the fused kernel too: on an H100 a 256-sequence decode step of the 9B ran each layer
+# through XLA's conv and gating (2.5 ms of transposes and 1.8 ms of scatters a step, of 27.3)
+# and the chunked kernel (~340 us a layer) (benchmarks/results/gpu_2026-12-07b_qwen35_defaults/).
+# Off until the A/B in the step says it wins (PAXENGINE_KERNEL_GDN_FUSED_DECODE=1 turns it on).
+FUSED_DECODE_BUCKETS = False
 
 
 def gdn_kernels() -> str:
@@ -51,6 +57,19 @@ def fused_step_max_tokens() -> int:
     (`gated_delta_decode` ragged); PAXENGINE_KERNEL_GDN_FUSED_MAX_TOKENS overrides it (0:
     never)."""
     return int(os.environ.get("PAXENGINE_KERNEL_GDN_FUSED_MAX_TOKENS", FUSED_STEP_MAX_TOKENS))
+
+
+def fused_step(t: int, s: int) -> bool:
+    """Whether a step bucket of t tokens over s sequence slots runs the layer as one kernel:
+    up to fused_step_max_tokens() tokens, or (FUSED_DECODE_BUCKETS) a decode bucket, t <= s."""
+    limit = fused_step_max_tokens()
+    if limit <= 0 or t <= limit:
+        return limit > 0
+    default = "1" if FUSED_DECODE_BUCKETS else "0"
+    mode = os.environ.get("PAXENGINE_KERNEL_GDN_FUSED_DECODE", default)
+    if mode not in ("0", "1"):
+        raise ValueError(f"PAXENGINE_KERNEL_GDN_FUSED_DECODE must be 0 or 1, got {mode!r}")
+    return mode == "1" and t <= s
 
 
 def gated_norm(o, z, weight, eps):
@@ -88,7 +107,7 @@ def layer(cfg: ModelConfig, w, mixed, z, a, b, states, step):
     dtype = z.dtype
     z = z.reshape(t, hv, dv)
     kernels = gdn_kernels()
-    if kernels != "oracle" and t <= fused_step_max_tokens():
+    if kernels != "oracle" and fused_step(t, qsl.shape[0] - 1):
         from kernels_pallas.gated_delta import gated_delta_decode
 
         o, conv, ssm = gated_delta_decode(
