@@ -70,6 +70,14 @@ def write_dummy_model_dir(preset: str, path: Path, tokenizer: str = "word") -> P
     return path
 
 
+def stage_model_dir(spec: dict, parent: Path) -> Path:
+    """The dummy model directory of a stage's spec (workloads.with_model): one of its "models"
+    (config and word tokenizer), or the preset's."""
+    if spec.get("model"):
+        return write_model_dir(spec["config"], parent / f"dummy_{spec['model']}")
+    return write_dummy_model_dir(spec["preset"], parent / "dummy_model")
+
+
 def write_model_dir(config: str, path: Path) -> Path:
     """write_config_dir, and the word tokenizer of the config's vocabulary: a model of another
     architecture than the presets' (a stage's "models"), servable by both engines."""

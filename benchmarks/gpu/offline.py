@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from benchmarks.bench.datasets import random_dataset
-from benchmarks.gpu.dummy_model import write_config_dir, write_dummy_model_dir
+from benchmarks.gpu.dummy_model import stage_model_dir
 from benchmarks.gpu.stage import log, save_partial, seconds_left
 from benchmarks.gpu.workloads import engine_args, pax_model, vocab_size, with_model
 
@@ -184,10 +184,7 @@ def stage_vllm_offline(
     from vllm import LLM, SamplingParams
 
     spec = with_model(spec, model)
-    if model:
-        d = write_config_dir(spec["config"], out.parent / f"dummy_{model}")
-    else:
-        d = write_dummy_model_dir(spec["preset"], out.parent / "dummy_model")
+    d = stage_model_dir(spec, out.parent)
     args = engine_args(spec, variant)
     t = time.perf_counter()
     llm = LLM(

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from benchmarks.bench import plots, serve
 from benchmarks.gpu import REPO_ROOT
-from benchmarks.gpu.dummy_model import write_dummy_model_dir, write_model_dir
+from benchmarks.gpu.dummy_model import stage_model_dir
 from benchmarks.gpu.stage import log, save_partial, seconds_left
 from benchmarks.gpu.workloads import engine_args, pax_model, vocab_size, with_model
 
@@ -251,16 +251,9 @@ def stage_pax_serve(
     """`paxengine serve` (serving.cli) at its defaults; variant: one of the spec's "variants";
     model: one of its "models" ("qwen35") instead of the preset."""
     spec = with_model(spec, model)
-    d = _model_dir(spec, out)
+    d = stage_model_dir(spec, out.parent)
     cmd = pax_serve_cmd(spec, d, _free_port(), engine_args(spec, variant))
     return serve_stage(spec, out, cmd, _label("pax", variant, model), dict(os.environ), workload)
-
-
-def _model_dir(spec: dict, out: Path) -> Path:
-    """The dummy model's directory: its config (vLLM's load_format=dummy) and tokenizer."""
-    if spec.get("model"):
-        return write_model_dir(spec["config"], out.parent / f"dummy_{spec['model']}")
-    return write_dummy_model_dir(spec["preset"], out.parent / "dummy_model")
 
 
 def _label(engine: str, variant: str | None, model: str | None = None) -> str:
@@ -301,7 +294,7 @@ def stage_vllm_serve(
     """`vllm serve` on the dummy model directory at its defaults, given what paxengine is (and,
     for a model, what vLLM needs to run it at all: its "vllm_required")."""
     spec = with_model(spec, model)
-    d = _model_dir(spec, out)
+    d = stage_model_dir(spec, out.parent)
     exe = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(d)]
     args = {**engine_args(spec, variant), **spec.get("vllm_required", {})}
     cmd = [

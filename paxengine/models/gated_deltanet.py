@@ -52,19 +52,16 @@ def gdn_kernels() -> str:
     return mode
 
 
-def fused_step_max_tokens() -> int:
-    """Steps of up to this many tokens run the layer as one kernel, token by token
-    (`gated_delta_decode` ragged); PAXENGINE_KERNEL_GDN_FUSED_MAX_TOKENS overrides it (0:
-    never)."""
-    return int(os.environ.get("PAXENGINE_KERNEL_GDN_FUSED_MAX_TOKENS", FUSED_STEP_MAX_TOKENS))
-
-
 def fused_step(t: int, s: int) -> bool:
-    """Whether a step bucket of t tokens over s sequence slots runs the layer as one kernel:
-    up to fused_step_max_tokens() tokens, or (FUSED_DECODE_BUCKETS) a decode bucket, t <= s."""
-    limit = fused_step_max_tokens()
-    if limit <= 0 or t <= limit:
-        return limit > 0
+    """Whether a step bucket of t tokens over s sequence slots runs the layer as one kernel,
+    token by token (`gated_delta_decode` ragged): up to FUSED_STEP_MAX_TOKENS tokens
+    (PAXENGINE_KERNEL_GDN_FUSED_MAX_TOKENS overrides it, 0: never), or (FUSED_DECODE_BUCKETS)
+    a decode bucket, t <= s."""
+    limit = int(os.environ.get("PAXENGINE_KERNEL_GDN_FUSED_MAX_TOKENS", FUSED_STEP_MAX_TOKENS))
+    if limit <= 0:
+        return False
+    if t <= limit:
+        return True
     default = "1" if FUSED_DECODE_BUCKETS else "0"
     mode = os.environ.get("PAXENGINE_KERNEL_GDN_FUSED_DECODE", default)
     if mode not in ("0", "1"):

@@ -485,8 +485,8 @@ def forward_step(params, cfg: ModelConfig, tokens, positions, caches, attend, st
     slots = step["state_slots"]
     own = jnp.where(step["has_state"] > 0, slots, -1)
     step["initial_slots"] = jnp.where(step["restore_slots"] >= 0, step["restore_slots"], own)
-    if step.get("verify_span") is not None:  # speculative decoding (gated_deltanet.py)
-        span = step["verify_span"]
+    span = step.pop("verify_span", None)  # (static ints: not an argument of the layers' jit)
+    if span is not None:  # speculative decoding (gated_deltanet.py)
         step["position_slots"], step["verify_rows"] = gated_deltanet.verify_slots(step, *span)
     h = params["embed"][tokens]
     rope = _rope(cfg, positions)
@@ -524,7 +524,6 @@ def _run_layers(cfg, layers, h, rope, kv, states, step, attend, reduce, first_ex
     # structure of its weights and caches), not once per layer: tracing the 32 layers of the 9B
     # and their Pallas kernels in each of ~80 step executables was most of a cold start-up.
     # XLA inlines the calls, so the compiled step is the same.
-    step = {k: v for k, v in step.items() if k != "verify_span"}  # (arrays only: jit args)
     layer = jax.jit(partial(_layer, cfg, attend, reduce, first_expert))
     for i, w in enumerate(layers):
         if i in attn_index:

@@ -247,10 +247,8 @@ def test_stages_run_both_engines_at_their_defaults(spec, tmp_path, monkeypatch):
     monkeypatch.setattr(paxengine, "LLM", fake_llm)
     fake_vllm = types.SimpleNamespace(LLM=fake_llm, SamplingParams=None, __version__="0")
     monkeypatch.setitem(sys.modules, "vllm", fake_vllm)
-    monkeypatch.setattr(offline, "write_dummy_model_dir", lambda *a: tmp_path)
-    monkeypatch.setattr(offline, "write_config_dir", lambda *a: tmp_path)
-    monkeypatch.setattr(serving, "write_dummy_model_dir", lambda *a: tmp_path)
-    monkeypatch.setattr(serving, "write_model_dir", lambda *a: tmp_path)
+    monkeypatch.setattr(offline, "stage_model_dir", lambda *a: tmp_path)
+    monkeypatch.setattr(serving, "stage_model_dir", lambda *a: tmp_path)
     monkeypatch.setattr(serving, "serve_stage", lambda spec, out, cmd, *a: cmd)
     out = tmp_path / "stage.json"
     for variant in (None, *spec["variants"]):
