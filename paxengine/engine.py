@@ -15,6 +15,7 @@ from paxengine import device_defaults, engine_setup, memory_plan, parallel
 from paxengine.batch import build_step
 from paxengine.client import served_name
 from paxengine.config import EngineConfig
+from paxengine.device_turns import TURNS
 from paxengine.engine_setup import DTYPES
 from paxengine.errors import InvalidRequest, StepFailed
 from paxengine.executables import ExecutableStore
@@ -168,7 +169,10 @@ class EngineCore:
         )
         if self.primes:
             dev = tp.local_device if tp is not None else jax.devices()[0]
-            memory_plan.prime_and_report(self.runner, num_blocks, dev, cfg.max_num_batched_tokens)
+            with TURNS.step():  # all of them before the background compiles another
+                memory_plan.prime_and_report(
+                    self.runner, num_blocks, dev, cfg.max_num_batched_tokens
+                )
         self.grammars = GrammarCompiler(
             self.tokenizer, loaded.config.vocab_size, self.eos_token_ids
         )

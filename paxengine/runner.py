@@ -21,6 +21,7 @@ from paxengine import parallel
 from paxengine import prompt_logprobs as plp_mod
 from paxengine.attention import PagedAttend
 from paxengine.batch import StepArrays, pick
+from paxengine.device_turns import TURNS
 from paxengine.executables import ExecutableStore
 from paxengine.kv_memory import allocate_kv_cache
 from paxengine.models import quant, registry
@@ -405,14 +406,16 @@ class Runner:
         prev = self.prev_tokens
         if _STABLE_INPUTS:
             packed, prev = self._stable(("fwd", T, S), packed), self._stable("prev", prev)
-        out = self.compiled[(T, S)](self.params, self._caches(), packed, prev)
-        caches, logits = out[:2]
-        self._set_caches(caches)
-        result = self._sample(logits, st, S, self._no_shift(S))
-        if plp_targets is None:
-            return result
-        plp = self.plp_compiled[T](self.params, out[2], plp_targets)
-        return (*result, None, (plp, T))
+        with TURNS.step():  # not beside a background compile's autotuning (device_turns)
+            out = self.compiled[(T, S)](self.params, self._caches(), packed, prev)
+            caches, logits = out[:2]
+            self._set_caches(caches)
+            result = self._sample(logits, st, S, self._no_shift(S))
+            if plp_targets is not None:
+                plp = self.plp_compiled[T](self.params, out[2], plp_targets)
+                result = (*result, None, (plp, T))
+            TURNS.dispatched(self.prev_tokens)
+        return result
 
     def fetch_prompt_logprobs(self, result) -> tuple[np.ndarray, ...] | None:
         """A step's prompt logprobs on the host (prompt_logprobs.unpack), or None."""
@@ -444,11 +447,14 @@ class Runner:
         device for the next chained step; `fetch_drafts` reads them."""
         T, S = bucket
         packed = self._layouts[("chn", T, S)].pack(values)
-        caches, logits, shift, self.prev_drafts = self.chained[bucket](
-            self.params, self._caches(), packed, self.prev_tokens, self.prev_drafts
-        )
-        self._set_caches(caches)  # with a hybrid's state pools
-        return (*self._sample(logits, st, S, shift), self.prev_drafts)
+        with TURNS.step():
+            caches, logits, shift, self.prev_drafts = self.chained[bucket](
+                self.params, self._caches(), packed, self.prev_tokens, self.prev_drafts
+            )
+            self._set_caches(caches)  # with a hybrid's state pools
+            result = (*self._sample(logits, st, S, shift), self.prev_drafts)
+            TURNS.dispatched(self.prev_tokens)
+        return result
 
     @staticmethod
     def fetch_drafts(result) -> np.ndarray:

@@ -27,6 +27,7 @@ from tqdm import tqdm
 
 import kernels_pallas
 from paxengine.batch import StepArrays, bucket_pairs, pick
+from paxengine.device_turns import TURNS
 from paxengine.executables import ExecutableStore, bypassing_jax_cache
 from paxengine.models import quant
 from paxengine.models.config import ModelConfig
@@ -130,6 +131,16 @@ def compile_workers() -> int:
     and compiles side by side time their candidates at the same time)."""
     raw = os.environ.get("PAXENGINE_COMPILE_WORKERS", "").strip()
     return int(raw) if raw else min((os.cpu_count() or 1) // 2, 8)
+
+
+def _compile(lowered, opts):
+    return lowered.compile(opts)
+
+
+def _compile_in_turn(lowered, opts):
+    """A background compile: XLA autotunes on the device, between the steps (device_turns)."""
+    with TURNS.compile():
+        return lowered.compile(opts)
 
 
 def smallest_holding(pairs, n: int) -> tuple[int, int] | None:
@@ -293,9 +304,10 @@ class StepBuilder:
         store = self.runner.store
         workers = max(1, min(len(jobs), compile_workers()))
         prefix = threading.current_thread().name  # the background's compiles are its own
+        behind = prefix.startswith(BACKGROUND_THREAD)
         no_jax_cache = bypassing_jax_cache() if store is not None else nullcontext()
         with no_jax_cache, ThreadPoolExecutor(workers, thread_name_prefix=prefix) as pool:
-            if prefix.startswith(BACKGROUND_THREAD):
+            if behind:
                 _BACKGROUND_POOLS.add(pool)
             # stored executables load side by side (a GPU executable loads its kernels)
             stored = {}
@@ -309,7 +321,8 @@ class StepBuilder:
                     t = time.perf_counter()
                     lowered = lower()
                     self.trace_seconds += time.perf_counter() - t
-                    futures[name] = (store_key, pool.submit(lowered.compile, opts))
+                    compile_ = _compile_in_turn if behind else _compile
+                    futures[name] = (store_key, pool.submit(compile_, lowered, opts))
                 else:
                     self._keep(name, exe)
                     done(1)

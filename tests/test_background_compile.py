@@ -205,3 +205,51 @@ def test_a_failed_compile_names_its_step_executable(monkeypatch):
     with pytest.raises(RuntimeError, match="Shared memory") as failed:
         LLM(**ENGINE)
     assert any("compiling the step executable" in n for n in failed.value.__notes__)
+
+
+def test_background_compiles_never_run_beside_a_step(monkeypatch):
+    """Every background compile takes its turn on the device (device_turns): XLA's autotuning
+    beside a step's temporaries ran a GPU out of memory at a server's cold start."""
+    from contextlib import contextmanager
+
+    from paxengine import device_turns, engine, runner
+
+    class Recording(device_turns.DeviceTurns):
+        def __init__(self):
+            super().__init__()
+            self.lock = threading.Lock()
+            self.now = {"step": 0, "compile": 0}
+            self.entered = {"step": 0, "compile": 0}
+            self.overlaps = 0
+
+        @contextmanager
+        def _watch(self, kind, other, ctx):
+            with ctx:
+                with self.lock:
+                    self.now[kind] += 1
+                    self.entered[kind] += 1
+                    self.overlaps += self.now[other] > 0
+                try:
+                    yield
+                finally:
+                    with self.lock:
+                        self.now[kind] -= 1
+
+        def step(self):
+            return self._watch("step", "compile", super().step())
+
+        def compile(self):
+            return self._watch("compile", "step", super().compile())
+
+    turns = Recording()
+    for module in (runner, step_build, engine):
+        monkeypatch.setattr(module, "TURNS", turns)
+    monkeypatch.setattr(step_build, "_SAMPLERS", {})
+    llm = LLM(**ENGINE, background_compile=True, prime_steps=True)
+    r = llm.engine.runner
+    pending = r.builder.pending
+    assert pending > 0
+    _run(llm)  # steps while the background compiles
+    assert r.builder.wait_background(300)
+    assert turns.entered["compile"] == pending  # each background compile took its turn
+    assert turns.entered["step"] > 0 and turns.overlaps == 0
