@@ -33,11 +33,12 @@ from paxengine.models.config import ModelConfig
 
 FUSED_STEP_MAX_TOKENS = 64
 # Decode buckets of more sequences (T <= S tokens: a token a row, a short chunk here and there)
-# could run the fused kernel too: on an H100 a 256-sequence decode step of the 9B ran each layer
-# through XLA's conv and gating (2.5 ms of transposes and 1.8 ms of scatters a step, of 27.3)
-# and the chunked kernel (~340 us a layer) (benchmarks/results/gpu_2026-12-07b_qwen35_defaults/).
-# Off until the A/B in the step says it wins (PAXENGINE_KERNEL_GDN_FUSED_DECODE=1 turns it on).
-FUSED_DECODE_BUCKETS = False
+# run the fused kernel too: through XLA's conv and gating and the chunked kernel a 256-sequence
+# decode step of the 9B spent 2.5 ms in transposes and 1.8 ms in scatters of 27.3, the chunked
+# kernel ~340 us a layer (benchmarks/results/gpu_2026-12-07b_qwen35_defaults/). The A/B on one
+# H100 (benchmarks/results/gpu_2026-12-07c_qwen35_ratio/): 300 x (1000, 1000) 8,412 vs 7,198
+# output tok/s, 256 x (1024, 128) 3,155 vs 3,010. PAXENGINE_KERNEL_GDN_FUSED_DECODE=0 turns it off.
+FUSED_DECODE_BUCKETS = True
 
 
 def gdn_kernels() -> str:
