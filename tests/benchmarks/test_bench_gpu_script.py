@@ -311,3 +311,18 @@ def test_stages_run_both_engines_at_their_defaults(spec, tmp_path, monkeypatch):
             for flag, v in required.items():  # a boolean bare, a dict as JSON
                 if v is not True:
                     assert json.loads(vl_cmd[vl_cmd.index(flag) + 1]) == v
+
+
+def test_moe_probe_runs_its_variants_on_cpu(tmp_path, monkeypatch):
+    """The grouped-GEMM probe the next lease runs first for the MoE (#55), at tiny shapes with
+    the Pallas kernel interpreted: every row timed, the kernel's products the same as XLA's."""
+    from benchmarks.gpu import moe_probe
+
+    monkeypatch.setenv("PAXENGINE_KERNEL_MOE", "xla")  # the probe sets it per variant
+    out = tmp_path / "moe.json"
+    assert moe_probe.main(["--tiny", "--variants", "xla", "pallas", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert [(r["T"], r["variant"]) for r in rows] == [(8, "xla"), (8, "pallas")]
+    for r in rows:
+        assert "error" not in r and r["us"] > 0 and r["experts_hit"] >= 1, r
+    assert all(r["max_abs_diff_vs_xla"] < 1e-5 for r in rows if r["variant"] == "pallas")
