@@ -133,10 +133,6 @@ def compile_workers() -> int:
     return int(raw) if raw else min((os.cpu_count() or 1) // 2, 8)
 
 
-def _compile(lowered, opts):
-    return lowered.compile(opts)
-
-
 def _compile_in_turn(lowered, opts):
     """A background compile: XLA autotunes on the device, between the steps (device_turns)."""
     with TURNS.compile():
@@ -321,8 +317,11 @@ class StepBuilder:
                     t = time.perf_counter()
                     lowered = lower()
                     self.trace_seconds += time.perf_counter() - t
-                    compile_ = _compile_in_turn if behind else _compile
-                    futures[name] = (store_key, pool.submit(compile_, lowered, opts))
+                    if behind:
+                        fut = pool.submit(_compile_in_turn, lowered, opts)
+                    else:
+                        fut = pool.submit(lowered.compile, opts)
+                    futures[name] = (store_key, fut)
                 else:
                     self._keep(name, exe)
                     done(1)

@@ -5,9 +5,9 @@ slots are `kernels_pallas/gated_delta_ref.py`'s.
 
 How it runs (`gdn_kernels`): on a GPU the Pallas kernels, elsewhere their jnp oracles (tests
 run the kernels in interpret mode with PAXENGINE_KERNEL_GDN=interpret). Steps of up to
-`FUSED_STEP_MAX_TOKENS` tokens (the small decode buckets; `fused_step`) run conv, gating and
-recurrence as one kernel (`gated_delta_decode` over the ragged batch), where XLA launched ~20
-small kernels a layer; larger ones XLA's conv and gating, then the chunked kernel.
+`FUSED_STEP_MAX_TOKENS` tokens and every decode bucket (T <= S; `fused_step`) run conv, gating
+and recurrence as one kernel (`gated_delta_decode` over the ragged batch), where XLA launched
+~20 small kernels a layer; larger prefill buckets XLA's conv and gating, then the chunked kernel.
 
 Speculative verify steps (step["position_slots"], step["verify_rows"] from `verify_slots`): a
 verify row [t, d1..dk] must leave the state at its last ACCEPTED position, which the host (or
