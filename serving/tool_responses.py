@@ -1,12 +1,13 @@
 """Tool calls in a chat response: a finished choice's content, calls and finish reason
 (`finished_calls`), and a streamed choice's OpenAI tool-call deltas (`ToolDeltas`). The formats
-themselves (parsing, forced-call grammars, the template's view) are in `serving/tools.py`."""
+themselves are in `serving/tools.py` (forced-call grammars, the template's view) and
+`serving/tool_parsers.py` (parsing)."""
 
 from __future__ import annotations
 
 from typing import Optional
 
-from serving import tools
+from serving import tool_parsers, tools
 from serving.protocol import DeltaFunctionCall, DeltaMessage, DeltaToolCall
 
 
@@ -24,7 +25,7 @@ def finished_calls(
     if mode is None:
         return text, [], finish
     if mode == "auto":
-        content, calls = tools.parse_tool_calls(text, fmt, tool_defs)
+        content, calls = tool_parsers.parse_tool_calls(text, fmt, tool_defs)
         calls = calls if parallel else calls[:1]
         return content, calls, ("tool_calls" if calls and finish == "stop" else finish)
     calls = tools.forced_calls(text, mode) if finish == "stop" else None
@@ -58,7 +59,7 @@ class ToolDeltas:
         tool_defs: Optional[list[dict]] = None,
     ):
         self.mode, self.n_calls, self.parallel = mode, 0, parallel
-        self.auto = tools.call_stream(fmt, tool_defs) if mode == "auto" else None
+        self.auto = tool_parsers.call_stream(fmt, tool_defs) if mode == "auto" else None
         self.text = ""  # a forced call's output so far
         self.named_id = None
         self.piece_index: dict[int, int] = {}  # a streamed call's number -> its delta index
@@ -66,7 +67,7 @@ class ToolDeltas:
     def _call_deltas(self, items) -> list[DeltaToolCall]:
         out = []
         for c in items:
-            if isinstance(c, tools.CallPiece):  # a call streaming piece by piece
+            if isinstance(c, tool_parsers.CallPiece):  # a call streaming piece by piece
                 if c.name is not None:
                     if not self.parallel and self.n_calls >= 1:
                         continue

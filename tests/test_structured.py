@@ -19,7 +19,7 @@ from paxengine.sampling import (
 )
 from paxengine.sampling_params import SamplingParams
 from paxengine.structured import GrammarCompiler, StructuredOutputs, allowed_tokens
-from serving import tools
+from serving import tool_parsers, tools
 
 SCHEMA = {
     "type": "object",
@@ -213,30 +213,30 @@ CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</
 
 
 def test_parse_hermes_tool_calls():
-    content, calls = tools.parse_tool_calls("Let me check.\n" + CALL + "\n" + CALL)
+    content, calls = tool_parsers.parse_tool_calls("Let me check.\n" + CALL + "\n" + CALL)
     assert content == "Let me check."
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [
         ("get_weather", {"city": "Paris"})
     ] * 2
     assert calls[0].id != calls[1].id and calls[0].id.startswith("call_")
-    assert tools.parse_tool_calls("no calls here") == ("no calls here", [])
+    assert tool_parsers.parse_tool_calls("no calls here") == ("no calls here", [])
     # not JSON: stays text; an unclosed last block with whole JSON counts
-    assert tools.parse_tool_calls("<tool_call>oops</tool_call>")[1] == []
-    content, calls = tools.parse_tool_calls('<tool_call>{"name": "f", "arguments": {}}')
+    assert tool_parsers.parse_tool_calls("<tool_call>oops</tool_call>")[1] == []
+    content, calls = tool_parsers.parse_tool_calls('<tool_call>{"name": "f", "arguments": {}}')
     assert content is None and calls[0].name == "f" and calls[0].arguments == "{}"
 
 
 @pytest.mark.parametrize("size", [1, 3, 7, 50])
 def test_streamed_tool_calls_equal_parsed(size):
     text = "Sure <b>.\n" + CALL + " then " + CALL.replace("Paris", "Rome")
-    stream = tools.ToolCallStream()
+    stream = tool_parsers.ToolCallStream()
     content, calls = "", []
     for i in range(0, len(text), size):
         c, k = stream.feed(text[i : i + size])
         content, calls = content + c, calls + k
     c, k = stream.finish()
     content, calls = content + c, calls + k
-    want_content, want = tools.parse_tool_calls(text)
+    want_content, want = tool_parsers.parse_tool_calls(text)
     assert content.split() == want_content.split()
     assert [(c.name, c.arguments) for c in calls] == [(c.name, c.arguments) for c in want]
 
@@ -250,15 +250,15 @@ def test_parse_llama3_json_tool_calls():
     fmt = tools.LLAMA3_JSON
     one = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
     for text in (one, "<|python_tag|>" + one, "\n " + one + "\n"):
-        content, calls = tools.parse_tool_calls(text, fmt)
+        content, calls = tool_parsers.parse_tool_calls(text, fmt)
         assert content is None and [(c.name, json.loads(c.arguments)) for c in calls] == [
             ("get_weather", {"city": "Paris"})
         ]
-    content, calls = tools.parse_tool_calls(one + "; " + one.replace("Paris", "Rome"), fmt)
+    content, calls = tool_parsers.parse_tool_calls(one + "; " + one.replace("Paris", "Rome"), fmt)
     assert content is None and [json.loads(c.arguments)["city"] for c in calls] == ["Paris", "Rome"]
     # not calls: the text as the model wrote it
     for text in ("It is sunny.", '{"city": "Paris"}', one[:-3], one + " and more"):
-        assert tools.parse_tool_calls(text, fmt) == (text.strip(), [])
+        assert tool_parsers.parse_tool_calls(text, fmt) == (text.strip(), [])
 
 
 @pytest.mark.parametrize("size", [1, 4, 50])
@@ -268,13 +268,13 @@ def test_streamed_llama3_calls_equal_parsed(size):
         "<|pyth but not a call",
         "Plain {text}",
     ):
-        stream, content, calls = tools.call_stream(tools.LLAMA3_JSON), "", []
+        stream, content, calls = tool_parsers.call_stream(tools.LLAMA3_JSON), "", []
         for i in range(0, len(text), size):
             c, k = stream.feed(text[i : i + size])
             content, calls = content + c, calls + k
         c, k = stream.finish()
         content, calls = content + c, calls + k
-        want_content, want = tools.parse_tool_calls(text, tools.LLAMA3_JSON)
+        want_content, want = tool_parsers.parse_tool_calls(text, tools.LLAMA3_JSON)
         assert (content or None) == want_content
         assert [(c.name, c.arguments) for c in calls] == [(c.name, c.arguments) for c in want]
 

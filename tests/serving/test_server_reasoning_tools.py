@@ -16,7 +16,7 @@ from fastapi.testclient import TestClient
 
 from paxengine.config import EngineConfig
 from paxengine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from serving import tools
+from serving import tool_parsers, tools
 from serving.app import build_app
 from serving.config import ServerConfig
 from serving.reasoning import ReasoningSplitter, prompt_block, split_reasoning
@@ -107,19 +107,21 @@ SHORT = "<tool_call>\n<function=get_time>\n</function>\n</tool_call>"
 
 @pytest.mark.parametrize("fmt", [tools.QWEN3_CODER, tools.QWEN3_XML])
 def test_qwen3_xml_calls_typed_by_the_schema(fmt):
-    content, calls = tools.parse_tool_calls("Let me look.\n" + XML_CALL + SHORT, fmt, [WEATHER])
+    content, calls = tool_parsers.parse_tool_calls(
+        "Let me look.\n" + XML_CALL + SHORT, fmt, [WEATHER]
+    )
     assert content == "Let me look."
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [
         ("get_weather", XML_ARGS),
         ("get_time", {}),
     ]
     # not a call: stays the text; cut inside a call: closed with what it has
-    assert tools.parse_tool_calls("<tool_call>oops</tool_call>", fmt) == (
+    assert tool_parsers.parse_tool_calls("<tool_call>oops</tool_call>", fmt) == (
         "<tool_call>oops</tool_call>",
         [],
     )
     cut = XML_CALL[: XML_CALL.index("<parameter=days>")] + "<parameter=days>\n4"
-    _, (call,) = tools.parse_tool_calls(cut, fmt, [WEATHER])
+    _, (call,) = tool_parsers.parse_tool_calls(cut, fmt, [WEATHER])
     assert json.loads(call.arguments) == {"city": "Paris", "days": 4}
 
 
