@@ -13,6 +13,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from paxengine import LLM, SamplingParams  # noqa: E402
@@ -218,6 +219,23 @@ def test_the_pallas_grouped_gemm_path_equals_the_oracle(first_expert, monkeypatc
         args = (jnp.asarray(x, jnp.float32), jnp.asarray(weights, jnp.float32), jnp.asarray(ids))
         got = moe.grouped_experts(*args, jw, first_expert=first_expert)
         np.testing.assert_allclose(np.asarray(got), _oracle(x, weights, ids, w), atol=1e-4)
+
+
+def test_steps_past_the_kernels_token_limit_take_ragged_dot(monkeypatch):
+    """PAXENGINE_KERNEL_MOE_MAX_TOKENS=4: a 4-token step runs the Pallas kernel, a 5-token
+    step jax.lax.ragged_dot (the kernel's 16-row tiles suit decode-sized steps only)."""
+    monkeypatch.setenv("PAXENGINE_KERNEL_MOE", "interpret")
+    monkeypatch.setenv("PAXENGINE_KERNEL_MOE_MAX_TOKENS", "4")
+    e, h, i, k = 8, 32, 16, 2
+    w = {"e_gate_up": jnp.zeros((e, h, 2 * i)), "e_down": jnp.zeros((e, i, h))}
+
+    def prims(t):
+        ids = jnp.zeros((t, k), jnp.int32).at[:, 1].set(1)
+        jaxpr = jax.make_jaxpr(moe.grouped_experts)(jnp.zeros((t, h)), jnp.ones((t, k)), ids, w)
+        return {str(eq.primitive) for eq in jaxpr.jaxpr.eqns}
+
+    assert "pallas_call" in prims(4) and "ragged_dot_general" not in prims(4)
+    assert "ragged_dot_general" in prims(5) and "pallas_call" not in prims(5)
 
 
 def test_preemption_and_no_compiles_after_warmup(checkpoint):

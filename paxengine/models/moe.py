@@ -58,14 +58,19 @@ def _grouped(x: jax.Array, w, sizes: jax.Array, row_expert: jax.Array) -> jax.Ar
     ).astype(x.dtype)
 
 
-def moe_kernel() -> str:
-    """How the grouped GEMMs run: "xla" (`jax.lax.ragged_dot`, the default), "pallas"
-    (kernels_pallas.moe_gemm, on a GPU: only the experts a step hits are read; unmeasured,
-    for the A/B) or "interpret" (that kernel in interpret mode, tests on a CPU); from
-    PAXENGINE_KERNEL_MOE (part of the executables' key)."""
+def moe_kernel(num_tokens: int) -> str:
+    """How a step of num_tokens tokens runs its grouped GEMMs: "xla" (`jax.lax.ragged_dot`, the
+    default), "pallas" (kernels_pallas.moe_gemm, on a GPU: only the experts a step hits are
+    read) or "interpret" (that kernel in interpret mode, tests on a CPU); from
+    PAXENGINE_KERNEL_MOE. The kernel's tiles suit small steps: a step of more tokens than
+    PAXENGINE_KERNEL_MOE_MAX_TOKENS (no limit when unset) takes ragged_dot. Both variables are
+    part of the executables' key."""
     mode = os.environ.get("PAXENGINE_KERNEL_MOE", "xla")
     if mode not in ("xla", "pallas", "interpret"):
         raise ValueError(f"PAXENGINE_KERNEL_MOE must be xla, pallas or interpret, got {mode!r}")
+    limit = os.environ.get("PAXENGINE_KERNEL_MOE_MAX_TOKENS", "")
+    if mode != "xla" and limit and num_tokens > int(limit):
+        return "xla"
     return mode
 
 
@@ -100,7 +105,7 @@ def grouped_experts(
     token = order // k
     sizes = jnp.zeros(num_experts, jnp.int32).at[flat].add(1, mode="drop")
     xs = x[token]
-    mode = moe_kernel()
+    mode = moe_kernel(t)
     if mode == "xla":
         grouped = functools.partial(_grouped, sizes=sizes, row_expert=row_expert)
     else:
