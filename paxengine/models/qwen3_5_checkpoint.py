@@ -221,7 +221,7 @@ def load_hf(path: Path, raw: dict, progress: bool):
                 for j in fp8.KV_SCALE_NAMES[rest]:
                     kv[(i, j)] = float(v.reshape(-1)[0])
             if rest.startswith("mlp.experts.") and i in cfg.moe_layers:
-                a = reader.weight(key, False)
+                a = reader.weight(key, True)  # an FP8 checkpoint's experts stay FP8
                 qwen3_moe.expert_tensor(experts[i], rest[len("mlp.experts.") :], a)
                 continue
             if rest not in layer_names(cfg, i):

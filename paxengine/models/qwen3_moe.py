@@ -163,7 +163,8 @@ def read_checkpoint(path: Path, raw: dict, cfg: ModelConfig, progress: bool, ren
                 a = reader.weight(key, ours in LINEAR_WEIGHTS)
                 layers[i][ours] = a.T if transpose and not isinstance(a, Fp8Weight) else a
             elif rest.startswith("mlp.experts.") and i in cfg.moe_layers:
-                expert_tensor(experts[i], rest[len("mlp.experts.") :], reader.weight(key, False))
+                a = reader.weight(key, True)  # an FP8 checkpoint's experts stay FP8
+                expert_tensor(experts[i], rest[len("mlp.experts.") :], a)
         elif name == "embed_tokens.weight":
             params["embed"] = reader.weight(key, False)
         elif name == "norm.weight":
@@ -178,20 +179,34 @@ def read_checkpoint(path: Path, raw: dict, cfg: ModelConfig, progress: bool, ren
 
 
 def stack_experts(layers: list[dict], experts: list[dict], cfg: ModelConfig) -> None:
-    """Each MoE layer's expert slices (`expert_tensor`) stacked [E, in, out] into its dict."""
+    """Each MoE layer's expert slices (`expert_tensor`) stacked [E, in, out] into its dict (an
+    FP8 checkpoint's: an Fp8Weight of values [E, out, in] and scales [E, out])."""
     for i in cfg.moe_layers:
         for ours, parts in experts[i].items():
             if isinstance(parts, dict):
                 missing = set(range(cfg.num_experts)) - set(parts)
                 if missing:
                     raise ValueError(f"layers.{i}: no {ours} weights of experts {sorted(missing)}")
-                parts = np.stack([parts[e] for e in range(cfg.num_experts)])
+                parts = [parts[e] for e in range(cfg.num_experts)]
+                fp8 = [isinstance(p, Fp8Weight) for p in parts]
+                if all(fp8):
+                    parts = Fp8Weight(
+                        np.stack([p.values for p in parts]), np.stack([p.scales for p in parts])
+                    )
+                elif any(fp8):
+                    raise ValueError(
+                        f"layers.{i}: experts {[e for e, f in enumerate(fp8) if not f]} of "
+                        f"{ours} are not FP8 where the others are: paxengine stacks one kind"
+                    )
+                else:
+                    parts = np.stack(parts)
             layers[i][ours] = parts
 
 
 def expert_tensor(into: dict, rest: str, a: np.ndarray) -> None:
     """One expert tensor ("{e}.gate_proj.weight" [I, H], ...) as the [in, out] slice of its
-    stack, or a fused 3-D one ("gate_up_proj" [E, 2I, H], "down_proj" [E, H, I]) whole."""
+    stack (an Fp8Weight: as it is), or a fused 3-D one ("gate_up_proj" [E, 2I, H], "down_proj"
+    [E, H, I]) whole."""
     if rest == "gate_up_proj":
         gate, up = np.split(a, 2, axis=1)
         into["e_gate"], into["e_up"] = gate.swapaxes(1, 2), up.swapaxes(1, 2)
@@ -199,8 +214,8 @@ def expert_tensor(into: dict, rest: str, a: np.ndarray) -> None:
         into["e_down"] = a.swapaxes(1, 2)
     else:
         e, proj = rest.split(".", 1)
-        if proj in _EXPERT:
-            into.setdefault(_EXPERT[proj], {})[int(e)] = a.T
+        if proj in _EXPERT:  # an Fp8Weight is [out, in] already
+            into.setdefault(_EXPERT[proj], {})[int(e)] = a if isinstance(a, Fp8Weight) else a.T
 
 
 def check_shapes(params: dict, cfg: ModelConfig) -> None:
