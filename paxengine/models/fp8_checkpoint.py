@@ -338,15 +338,28 @@ def scale_key(module: str, keys) -> str | None:
     return next((f"{module}.{s}" for s in SCALE_NAMES if f"{module}.{s}" in keys), None)
 
 
+def np_dtype(dtype: str) -> np.dtype:
+    """A model dtype's name ("bfloat16", "float16", "float32") as a numpy dtype."""
+    if dtype == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(dtype)
+
+
 class CheckpointReader:
     """A Hugging Face model directory's *.safetensors by tensor name, read the way every
-    family's loader wants them: `weight(key, projection)` is float32, or for an FP8 tensor an
-    `Fp8Weight` (projections) or its dequantized float32 form (anything else: an FP8 lm_head,
-    embedding or small gate). The quantization_config (or compression_config) is parsed here:
-    a method or scheme paxengine cannot load is a ValueError naming it."""
+    family's loader wants them: `weight(key, projection)` is a numpy array, or for an FP8
+    tensor an `Fp8Weight` (projections) or its dequantized form (anything else: an FP8 lm_head,
+    embedding or small gate). Matrices come in `dtype` (the model's: a bfloat16 checkpoint's
+    tensors are then views of the mapped file, and a 30B model is not 120 GB of float32 on the
+    host before it reaches the device), vectors (norms, biases, gates' constants) in float32.
+    The quantization_config (or compression_config) is parsed here: a method or scheme
+    paxengine cannot load is a ValueError naming it."""
 
-    def __init__(self, path: Path, raw_cfg: dict):
+    def __init__(self, path: Path, raw_cfg: dict, dtype: str = "float32"):
         self.path = Path(path)
+        self.matrix_dtype = np_dtype(dtype)
         self.scheme = parse_quantization_config(
             raw_cfg.get("quantization_config") or raw_cfg.get("compression_config")
         )
@@ -372,10 +385,11 @@ class CheckpointReader:
             raise ValueError(f"{st.path}: corrupt tensor {key} ({e})") from e
 
     def weight(self, key: str, projection: bool):
-        """float32 numpy, or an Fp8Weight ([out, in] values) for an FP8 projection."""
+        """numpy (a matrix in the model dtype, else float32), or an Fp8Weight ([out, in]
+        values) for an FP8 projection."""
         w, kind = self.tensor(key), self.where[key].dtype(key)
         if not kind.startswith("F8_"):
-            return np.asarray(w, dtype=np.float32)
+            return np.asarray(w, dtype=self.matrix_dtype if w.ndim >= 2 else np.float32)
         if kind != "F8_E4M3":
             raise ValueError(
                 f"{self.where[key].path}: tensor {key} is {kind}: paxengine loads FP8 weights "
@@ -395,7 +409,7 @@ class CheckpointReader:
             )
         scale = self.tensor(skey)
         if not projection:
-            return dequantize_np(w, scale, self.block, skey)
+            return dequantize_np(w, scale, self.block, skey).astype(self.matrix_dtype)
         q, exact = to_fp8_weight(w, scale, self.block, skey)
         self.fp8_projections += 1
         if not exact:

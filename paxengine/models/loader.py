@@ -171,7 +171,7 @@ def load_model(
         cfg, params = _load_gguf(path, progress)
         meta = {"kv_scales": None, "prequantized": None}
     else:
-        cfg, params, meta = _load_hf(path, progress)
+        cfg, params, meta = _load_hf(path, progress, dtype)
     if cfg.family != "llama":  # its own layout: loaded, checked and cached as it is
         dense = _dense_linear(params)
         if (quantization == "fp8" or meta["prequantized"]) and dense:
@@ -231,9 +231,10 @@ def _load_tokenizer(path: Path) -> tuple[Tokenizer | None, list[int]]:
     return tok, list(tok.eos_token_ids)
 
 
-def _load_hf(path: Path, progress: bool):
-    """-> (config, stacked params as numpy arrays, float32 or Fp8Weight for the projections an
-    FP8 checkpoint ships quantized, {"kv_scales", "prequantized"})."""
+def _load_hf(path: Path, progress: bool, dtype: str = "float32"):
+    """-> (config, stacked params as numpy arrays, matrices in `dtype` (vectors float32) or
+    Fp8Weight for the projections an FP8 checkpoint ships quantized, {"kv_scales",
+    "prequantized"})."""
     from tqdm import tqdm
 
     from paxengine.models import fp8_checkpoint as fp8
@@ -244,9 +245,9 @@ def _load_hf(path: Path, progress: bool):
     raw_cfg = json.loads(cfg_file.read_text())
     family = registry.family(registry.family_name(raw_cfg))
     if family.load_hf is not None:  # a layout of its own (e.g. the hybrid Qwen3.5)
-        return family.load_hf(path, raw_cfg, progress)
+        return family.load_hf(path, raw_cfg, progress, dtype)
     cfg = from_hf_config(raw_cfg)
-    reader = fp8.CheckpointReader(path, raw_cfg)
+    reader = fp8.CheckpointReader(path, raw_cfg, dtype)
     per_layer = [dict() for _ in range(cfg.num_layers)]
     params: dict = {}
     kv: dict[tuple[int, int], float] = {}

@@ -180,8 +180,8 @@ def param_shapes(cfg: ModelConfig) -> dict:
     return shapes
 
 
-def load_hf(path: Path, raw: dict, progress: bool):
-    """-> (config, params as float32 numpy, per layer, meta). Vision and MTP weights are
+def load_hf(path: Path, raw: dict, progress: bool, dtype: str = "float32"):
+    """-> (config, params as numpy (matrices in `dtype`, vectors float32), per layer, meta). Vision and MTP weights are
     skipped (said once in the log). An FP8 checkpoint (quant_method "fp8" with 128 x 128 block
     scales, as Qwen ships, or compressed-tensors) keeps its projections FP8 (Fp8Weight, per
     output channel: fp8_checkpoint.py); FP8 tensors of anything else (the per-head b / a gates,
@@ -192,7 +192,7 @@ def load_hf(path: Path, raw: dict, progress: bool):
     from paxengine.models import fp8_checkpoint as fp8
 
     cfg = from_hf_config(raw)
-    reader = fp8.CheckpointReader(path, raw)
+    reader = fp8.CheckpointReader(path, raw, dtype)
     layers: list[dict] = [{} for _ in range(cfg.num_layers)]
     experts: list[dict] = [{} for _ in range(cfg.num_layers)]  # MoE layers' expert slices
     params: dict = {}

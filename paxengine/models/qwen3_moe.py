@@ -130,20 +130,22 @@ def param_shapes(cfg: ModelConfig) -> dict:
     return shapes
 
 
-def load_hf(path: Path, raw: dict, progress: bool):
-    """-> (config, params as float32 numpy, per layer, meta). Each expert's projections are
-    read one tensor at a time into the layer's stacked [E, in, out] arrays."""
-    return read_checkpoint(path, raw, from_hf_config(raw), progress)
+def load_hf(path: Path, raw: dict, progress: bool, dtype: str = "float32"):
+    """-> (config, params as numpy (matrices in `dtype`), per layer, meta). Each expert's
+    projections are read one tensor at a time into the layer's stacked [E, in, out] arrays."""
+    return read_checkpoint(path, raw, from_hf_config(raw), progress, dtype=dtype)
 
 
-def read_checkpoint(path: Path, raw: dict, cfg: ModelConfig, progress: bool, rename=None):
+def read_checkpoint(
+    path: Path, raw: dict, cfg: ModelConfig, progress: bool, rename=None, dtype: str = "float32"
+):
     """load_hf of a family of this layout: `rename` maps a layer's tensor name (after
     "layers.{i}.") to the names above where its checkpoint spells them otherwise (Mixtral)."""
     from tqdm import tqdm
 
     from paxengine.models import fp8_checkpoint as fp8
 
-    reader = fp8.CheckpointReader(path, raw)
+    reader = fp8.CheckpointReader(path, raw, dtype)
     layers: list[dict] = [{} for _ in range(cfg.num_layers)]
     experts: list[dict] = [{} for _ in range(cfg.num_layers)]
     params: dict = {}

@@ -2,7 +2,8 @@
 
 A family is a module of `paxengine/models/` that provides
 - `from_hf_config(raw: dict) -> ModelConfig` (its `family` field names the module),
-- `load_hf(path, raw, progress) -> (ModelConfig, params, meta)` where its weights need a map of
+- `load_hf(path, raw, progress, dtype) -> (ModelConfig, params, meta)` (matrices as numpy in
+  the model dtype) where its weights need a map of
   their own (else the loader's Llama-layout path reads them),
 - `forward_step(params, cfg, tokens, positions, caches, attend, step, tp) -> (hidden, caches)`
   and `compute_logits(params, cfg, hidden)`,

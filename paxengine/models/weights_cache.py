@@ -69,15 +69,16 @@ def write(
                 )
             )
         tmp = dst / f"params.safetensors.tmp{os.getpid()}"  # processes may race
-        # Dense weights float32 on disk (exact for every source format; the dtype cast happens
-        # on load); FP8 weights as they are: e4m3 values as bytes, float32 scales.
+        # Dense weights as loaded (matrices in the model dtype, which is part of the key, so
+        # nothing the engine uses is lost; vectors float32); FP8 weights as they are: e4m3
+        # values as bytes, float32 scales.
         tensors = {}
         for k, v in flatten(params).items():
             if isinstance(v, Fp8Weight):
                 tensors[k + _FP8_VALUES] = np.ascontiguousarray(np.asarray(v.values)).view(np.uint8)
                 tensors[k + _FP8_SCALES] = np.ascontiguousarray(v.scales, dtype=np.float32)
             else:
-                tensors[k] = np.ascontiguousarray(v, dtype=np.float32)
+                tensors[k] = np.ascontiguousarray(v)
         save_file(tensors, str(tmp))
         del tensors
         (dst / "model_config.json").write_text(json.dumps(dataclasses.asdict(cfg)))
@@ -108,7 +109,7 @@ def read_tokenizer(dst: Path) -> tuple[Tokenizer, list[int]] | None:
 
 
 def read(dst: Path) -> tuple[ModelConfig, dict, dict]:
-    """(config, params as stored: dense float32, FP8 as e4m3 + scales, the load's meta)."""
+    """(config, params as stored: dense numpy as written, FP8 as e4m3 + scales, the load's meta)."""
     import ml_dtypes
     from safetensors.numpy import load_file
 
