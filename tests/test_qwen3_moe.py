@@ -238,6 +238,20 @@ def test_steps_past_the_kernels_token_limit_take_ragged_dot(monkeypatch):
     assert "ragged_dot_general" in prims(5) and "pallas_call" not in prims(5)
 
 
+def test_the_gpus_default_is_the_kernel(monkeypatch):
+    """On a GPU every step takes the Pallas kernel unless PAXENGINE_KERNEL_MOE says otherwise
+    (XLA's ragged_dot there read all experts: moe_kernel's docstring); elsewhere ragged_dot."""
+    monkeypatch.delenv("PAXENGINE_KERNEL_MOE", raising=False)
+    monkeypatch.delenv("PAXENGINE_KERNEL_MOE_MAX_TOKENS", raising=False)
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert moe.moe_kernel(1) == moe.moe_kernel(8192) == "pallas"
+    monkeypatch.setenv("PAXENGINE_KERNEL_MOE", "xla")
+    assert moe.moe_kernel(1) == "xla"
+    monkeypatch.delenv("PAXENGINE_KERNEL_MOE")
+    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
+    assert moe.moe_kernel(1) == "xla"
+
+
 def test_preemption_and_no_compiles_after_warmup(checkpoint):
     """14 blocks of 16 tokens cannot hold the three prompts' 229 + 30 tokens at once: requests
     are preempted and recomputed; every routing runs in the compiled buckets (0 compiles)."""

@@ -59,13 +59,20 @@ def _grouped(x: jax.Array, w, sizes: jax.Array, row_expert: jax.Array) -> jax.Ar
 
 
 def moe_kernel(num_tokens: int) -> str:
-    """How a step of num_tokens tokens runs its grouped GEMMs: "xla" (`jax.lax.ragged_dot`, the
-    default), "pallas" (kernels_pallas.moe_gemm, on a GPU: only the experts a step hits are
-    read) or "interpret" (that kernel in interpret mode, tests on a CPU); from
-    PAXENGINE_KERNEL_MOE. The kernel's tiles suit small steps: a step of more tokens than
+    """How a step of num_tokens tokens runs its grouped GEMMs: "pallas" (kernels_pallas.
+    moe_gemm: only the experts a step hits are read; the GPU's default), "xla"
+    (`jax.lax.ragged_dot`, elsewhere) or "interpret" (the kernel in interpret mode, tests on a
+    CPU); PAXENGINE_KERNEL_MOE overrides it, and a step of more tokens than
     PAXENGINE_KERNEL_MOE_MAX_TOKENS (no limit when unset) takes ragged_dot. Both variables are
-    part of the executables' key."""
-    mode = os.environ.get("PAXENGINE_KERNEL_MOE", "xla")
+    part of the executables' key.
+
+    Why the kernel on the GPU (one H100, jax 0.11.2, Qwen3-30B-A3B's experts, one layer's
+    gate_up + down; benchmarks/results/gpu_2026-12-07d_moe/): XLA compiles ragged_dot into
+    dense GEMMs over all 128 experts, 406 / 451 / 792 / 3,189 / 6,428 / 25,443 us at 1 / 8 /
+    64 / 256 / 512 / 2,048 tokens against the kernel's 49 / 200 / 495 / 552 / 713 / 1,652;
+    with it the engine's 4,096-token step did not compile (its autotuning ran out of memory)."""
+    default = "pallas" if jax.default_backend() == "gpu" else "xla"
+    mode = os.environ.get("PAXENGINE_KERNEL_MOE", default)
     if mode not in ("xla", "pallas", "interpret"):
         raise ValueError(f"PAXENGINE_KERNEL_MOE must be xla, pallas or interpret, got {mode!r}")
     limit = os.environ.get("PAXENGINE_KERNEL_MOE_MAX_TOKENS", "")
