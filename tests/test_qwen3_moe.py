@@ -199,20 +199,28 @@ def test_the_pallas_grouped_gemm_equals_hf(checkpoint, monkeypatch):
     assert _greedy(llm) == want
 
 
-@pytest.mark.parametrize("first_expert", [None, 4])
-def test_the_pallas_grouped_gemm_path_equals_the_oracle(first_expert, monkeypatch):
-    """grouped_experts through the kernel: fused gate|up, one-token and 13-token steps; with
-    first_expert, the shard of experts 4..7 (other pairs add nothing)."""
+@pytest.mark.parametrize("first_expert,fp8", [(None, False), (4, False), (None, True), (4, True)])
+def test_the_pallas_grouped_gemm_path_equals_the_oracle(first_expert, fp8, monkeypatch):
+    """grouped_experts through the kernel: fused gate|up, one-token and 13-token steps (and
+    32: a full tile beside partial ones); with first_expert, the shard of experts 4..7 (other
+    pairs add nothing); FP8 stacks against the oracle of their dequantized weights."""
+    from paxengine.models.quant import dequantize, quantize_fp8
+
     monkeypatch.setenv("PAXENGINE_KERNEL_MOE", "interpret")
     rng = np.random.default_rng(5)
     e, h, i, k = 8, 32, 16, 2
     w = _experts(rng, e, h, i)
     jw = {n: jnp.asarray(a, jnp.float32) for n, a in w.items()}
     jw["e_gate_up"] = jnp.concatenate([jw.pop("e_gate"), jw.pop("e_up")], axis=-1)
+    if fp8:
+        jw = {n: quantize_fp8(a) for n, a in jw.items()}
+        dense = {n: np.asarray(dequantize(a)) for n, a in jw.items()}
+        w = {"e_gate": dense["e_gate_up"][..., :i], "e_up": dense["e_gate_up"][..., i:]}
+        w["e_down"] = dense["e_down"]
     if first_expert is not None:
-        jw = {n: a[first_expert:] for n, a in jw.items()}
+        jw = {n: jax.tree.map(lambda a: a[first_expert:], a) for n, a in jw.items()}
         w = {n: np.where(np.arange(e)[:, None, None] >= first_expert, a, 0) for n, a in w.items()}
-    for t in (1, 13):
+    for t in (1, 13, 32):
         x = rng.normal(size=(t, h)) / np.sqrt(h)
         ids = np.stack([rng.choice(e, size=k, replace=False) for _ in range(t)])
         weights = rng.random((t, k))
