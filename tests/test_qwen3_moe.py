@@ -199,14 +199,21 @@ def test_the_pallas_grouped_gemm_equals_hf(checkpoint, monkeypatch):
     assert _greedy(llm) == want
 
 
-@pytest.mark.parametrize("first_expert,fp8", [(None, False), (4, False), (None, True), (4, True)])
-def test_the_pallas_grouped_gemm_path_equals_the_oracle(first_expert, fp8, monkeypatch):
+@pytest.mark.parametrize(
+    "first_expert,fp8,big_tiles",
+    [(None, False, False), (4, False, False), (None, True, False), (4, True, True)],
+)
+def test_the_pallas_grouped_gemm_path_equals_the_oracle(first_expert, fp8, big_tiles, monkeypatch):
     """grouped_experts through the kernel: fused gate|up, one-token and 13-token steps (and
     32: a full tile beside partial ones); with first_expert, the shard of experts 4..7 (other
-    pairs add nothing); FP8 stacks against the oracle of their dequantized weights."""
+    pairs add nothing); FP8 stacks against the oracle of their dequantized weights; 64-row
+    tiles for steps of more than 8 pairs."""
     from paxengine.models.quant import dequantize, quantize_fp8
 
     monkeypatch.setenv("PAXENGINE_KERNEL_MOE", "interpret")
+    if big_tiles:
+        monkeypatch.setenv("PAXENGINE_KERNEL_MOE_BIG_TILE_PAIRS", "8")
+        assert (moe.tile_rows(8), moe.tile_rows(9)) == (16, 64)
     rng = np.random.default_rng(5)
     e, h, i, k = 8, 32, 16, 2
     w = _experts(rng, e, h, i)

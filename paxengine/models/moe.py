@@ -81,13 +81,24 @@ def moe_kernel(num_tokens: int) -> str:
     return mode
 
 
-def _tiled_matmul(xt, w, tile_expert, interpret: bool):
-    """xt [NT * 16, in] (tile_layout's rows) @ each tile's expert of w, in xt's dtype."""
+def tile_rows(num_pairs: int) -> int:
+    """The kernel's rows a tile: 16 (Triton's smallest dot; a decode step's expert has a pair
+    or two), or 64 for steps of more than PAXENGINE_KERNEL_MOE_BIG_TILE_PAIRS (token, expert)
+    pairs (unset: never), where 16-row tiles read each expert's weights once per 16 of its
+    pairs (at 2,048 tokens the kernel moved 0.73 TB/s of useful bytes on the H100). An A/B
+    knob until measured; part of the executables' key."""
+    limit = os.environ.get("PAXENGINE_KERNEL_MOE_BIG_TILE_PAIRS", "")
+    return 64 if limit and num_pairs > int(limit) else 16
+
+
+def _tiled_matmul(xt, w, tile_expert, block_m: int, interpret: bool):
+    """xt [NT * block_m, in] (tile_layout's rows) @ each tile's expert of w, in xt's dtype."""
     from kernels_pallas.moe_gemm import grouped_matmul
 
+    kw = dict(block_m=block_m, interpret=interpret)
     if isinstance(w, Fp8Weight):
-        return grouped_matmul(xt, w.values, tile_expert, w_scales=w.scales, interpret=interpret)
-    return grouped_matmul(xt, w.astype(xt.dtype), tile_expert, interpret=interpret)
+        return grouped_matmul(xt, w.values, tile_expert, w_scales=w.scales, **kw)
+    return grouped_matmul(xt, w.astype(xt.dtype), tile_expert, **kw)
 
 
 def _experts_tiled(x, weights, w, order, sorted_ids, interpret: bool):
@@ -101,13 +112,16 @@ def _experts_tiled(x, weights, w, order, sorted_ids, interpret: bool):
     t, h = x.shape
     k = weights.shape[1]
     num_experts = w["e_down"].shape[0]
-    tile_expert, _, src = tile_layout(sorted_ids, num_experts)  # src: a row's pair, M: none
     m = sorted_ids.shape[0]
+    block_m = tile_rows(m)
+    tile_expert, _, src = tile_layout(sorted_ids, num_experts, block_m)  # src: pair, or m
     real = src < m  # rows of a pair (not padding, not an unused tile's)
     pair = order[jnp.minimum(src, m - 1)]  # the pair's index in the unsorted [T * k]
     token = jnp.where(real, pair // k, t)  # t: a zero row in, dropped out
     xt = jnp.concatenate([x, jnp.zeros((1, h), x.dtype)])[token]
-    mm = functools.partial(_tiled_matmul, tile_expert=tile_expert, interpret=interpret)
+    mm = functools.partial(
+        _tiled_matmul, tile_expert=tile_expert, block_m=block_m, interpret=interpret
+    )
     if "e_gate_up" in w:
         gate, up = jnp.split(mm(xt, w["e_gate_up"]), 2, axis=-1)
     else:

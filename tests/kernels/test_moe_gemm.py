@@ -80,21 +80,21 @@ def test_input_checks():
         grouped_matmul(jnp.zeros((32, 64), jnp.bfloat16), w, te, interpret=True)
 
 
-@pytest.mark.parametrize("fp8", [False, True])
-def test_lowers_for_cuda(fp8):
+@pytest.mark.parametrize("fp8,block_m", [(False, BLOCK_M), (True, BLOCK_M), (False, 64)])
+def test_lowers_for_cuda(fp8, block_m):
     """Qwen3-30B-A3B: 128 experts, hidden 2048, 768 a expert; a 64-token step's 512 pairs
-    through the fused gate|up [2048 -> 1536]."""
+    through the fused gate|up [2048 -> 1536] (and in 64-row tiles, models/moe.tile_rows)."""
     E, K, N, M = 128, 2048, 1536, 512
     sd = jax.ShapeDtypeStruct
-    NT = max_tiles(M, E)
+    NT = max_tiles(M, E, block_m)
     if fp8:
         args = (sd((E, N, K), jnp.float8_e4m3fn), sd((E, N), jnp.float32))
     else:
         args = (sd((E, K, N), jnp.bfloat16),)
 
     def fn(x, te, w, *s):
-        return grouped_matmul(x, w, te, w_scales=s[0] if s else None)
+        return grouped_matmul(x, w, te, w_scales=s[0] if s else None, block_m=block_m)
 
-    x = sd((NT * BLOCK_M, K), jnp.bfloat16)
+    x = sd((NT * block_m, K), jnp.bfloat16)
     txt = lower_for_cuda(fn, x, sd((NT,), jnp.int32), *args).mlir_module()
     assert "triton" in txt
