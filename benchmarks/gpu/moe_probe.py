@@ -10,6 +10,12 @@ each step), or the error a variant met (an unknown option, out of memory).
 
     python3 -m benchmarks.gpu.moe_probe [--tokens 1 8 64 512] [--json OUT]
     python3 -m benchmarks.gpu.moe_probe --tiny   (CPU smoke: tiny shapes, the kernel interpreted)
+    python3 -m benchmarks.gpu.moe_probe --sweep [--tokens 1 8 64]   (the kernel's tunings)
+
+--sweep times the Pallas kernel alone (`moe_gemm.grouped_matmul`) on each projection (gate_up,
+down) at each step size over SWEEP's grid of (block_m, block_n, block_k, num_warps, num_stages),
+and prints the fastest beside the default (16, 64, 64, 4, 3): what `grouped_matmul`'s defaults
+by step size should be.
 
 Issue #55: `pax-offline-qwen3moe` has not run on a GPU yet; this says which lowering to take first.
 """
@@ -78,15 +84,78 @@ def probe(shape: dict, T: int, variant: str, interpret: bool = False, layers: in
     return {**row, **kinds(exe.as_text())}
 
 
+# 36 tunings a projection and step size (~1 s each to compile on the GPU); 16-row tiles (the
+# 64-row ones are models/moe.tile_rows' A/B, the probe's main mode)
+SWEEP = dict(block_m=(16,), block_n=(32, 64, 128), block_k=(64, 128, 256), num_warps=(4, 8),
+             num_stages=(3, 4))  # fmt: skip
+TINY_SWEEP = dict(block_m=(16,), block_n=(16, 32), block_k=(32,), num_warps=(4,), num_stages=(3,))
+
+
+def sweep(shape: dict, T: int, grid: dict, interpret: bool = False, layers: int = 4) -> list:
+    """-> a row per (projection, tuning): us per call (several layers' distinct weights a
+    timed call, no L2 reuse), or the error that tuning met."""
+    import itertools
+
+    import jax
+    import jax.numpy as jnp
+
+    from kernels_pallas.moe_gemm import grouped_matmul, max_tiles, tile_layout
+
+    E, k, H, I = shape["E"], shape["k"], shape["H"], shape["I"]
+    dt = jnp.float32 if interpret else jnp.bfloat16
+    key = jax.random.key(1)
+    ids = jnp.sort(jax.random.randint(key, (T * k,), 0, E))  # (random routing; pairs sorted)
+    rows = []
+    for proj, (K, N) in {"gate_up": (H, 2 * I), "down": (I, H)}.items():
+        ws = [jax.random.normal(jax.random.fold_in(key, i), (E, K, N), dt) for i in range(layers)]
+        for combo in itertools.product(*grid.values()):
+            tune = dict(zip(grid, combo))
+            bm = tune["block_m"]
+            row = {"T": T, "proj": proj, **tune}
+            try:
+                te, _, _ = tile_layout(ids, E, bm)
+                x = jnp.ones((max_tiles(T * k, E, bm) * bm, K), dt)
+
+                def f(x, te, ws, tune=tune):
+                    return [grouped_matmul(x, w, te, interpret=interpret, **tune) for w in ws]
+
+                exe = jax.jit(f).lower(x, te, ws).compile()
+                jax.block_until_ready(exe(x, te, ws))
+                reps = 2 if interpret else 20
+                t = time.perf_counter()
+                for _ in range(reps):
+                    out = exe(x, te, ws)
+                jax.block_until_ready(out)
+                row["us"] = round((time.perf_counter() - t) / reps / layers * 1e6, 1)
+            except Exception as e:  # a tiling Triton cannot take, out of shared memory
+                row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+            rows.append(row)
+    return rows
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 64, 512, 2048])
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), help=", ".join(VARIANTS))
     p.add_argument("--tiny", action="store_true", help="CPU smoke run: tiny shapes, interpreted")
+    p.add_argument("--sweep", action="store_true", help="the kernel's tunings (module doc)")
     p.add_argument("--json")
     a = p.parse_args(argv)
     name = "tiny" if a.tiny else "qwen3_30b_a3b"
     rows = []
+    if a.sweep:
+        for T in [8] if a.tiny else a.tokens:
+            got = sweep(SHAPES[name], T, TINY_SWEEP if a.tiny else SWEEP, interpret=a.tiny)
+            rows += got
+            for proj in ("gate_up", "down"):
+                timed = [r for r in got if r["proj"] == proj and "us" in r]
+                best = min(timed, key=lambda r: r["us"], default=None)
+                default = next((r for r in timed if _is_default(r)), None)
+                print(json.dumps({"T": T, "proj": proj, "best": best, "default": default}))
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(rows, f, indent=1)
+        return 0
     for T in [8] if a.tiny else a.tokens:
         for v in a.variants:
             r = {"shape": name, "T": T, "variant": v}
@@ -100,6 +169,16 @@ def main(argv=None) -> int:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=1)
     return 0
+
+
+def _is_default(r: dict) -> bool:
+    return (r["block_m"], r["block_n"], r["block_k"], r["num_warps"], r["num_stages"]) == (
+        16,
+        64,
+        64,
+        4,
+        3,
+    )
 
 
 if __name__ == "__main__":

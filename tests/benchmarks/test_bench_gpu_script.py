@@ -326,3 +326,17 @@ def test_moe_probe_runs_its_variants_on_cpu(tmp_path, monkeypatch):
     for r in rows:
         assert "error" not in r and r["us"] > 0 and r["experts_hit"] >= 1, r
     assert all(r["max_abs_diff_vs_xla"] < 1e-5 for r in rows if r["variant"] == "pallas")
+
+
+def test_moe_probe_sweeps_the_kernels_tunings_on_cpu(tmp_path):
+    """--sweep at tiny shapes (interpreted): a timed row per projection and tuning of the grid,
+    the fastest of each projection printed."""
+    from benchmarks.gpu import moe_probe
+
+    out = tmp_path / "sweep.json"
+    assert moe_probe.main(["--tiny", "--sweep", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert {(r["proj"], r["block_n"]) for r in rows} == {
+        (p, n) for p in ("gate_up", "down") for n in moe_probe.TINY_SWEEP["block_n"]
+    }
+    assert all("error" not in r and r["us"] > 0 for r in rows), rows

@@ -9,6 +9,8 @@ for big in "" 1; do
 done
 #    pick the smallest token count from which 64-row tiles win: PAXENGINE_KERNEL_MOE_BIG_TILE_PAIRS
 #    = 8 x (the largest count where 16 still wins); if they win, it becomes tile_rows' default.
+#    and the kernel's tunings at decode sizes (~3 min; grouped_matmul's defaults by step size):
+timeout 300 python3 -m benchmarks.gpu.moe_probe --sweep --tokens 1 8 64 --json $OUT/sweep.json | cut -c1-400
 # 2. Same machine, one call each: pax-offline-qwen3moe at the defaults (and with the knob if
 #    it won), then vLLM's parts (.vp0 .. .vp7: `mkdir -p /tmp/vparts && cp .vpK/* /tmp/vparts/`),
 #    the last with `GPU_BENCH_BUDGET_S=580 bash benchmarks/gpu/gpu_run.sh vllm-offline-qwen3moe`:
