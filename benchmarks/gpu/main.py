@@ -20,7 +20,7 @@ Stages (each in its own process, so each frees the GPU's memory for the next):
                 the offline workloads with FP8 weights and an FP8 KV cache (variant "fp8")
   pax-serve-fp8, vllm-serve-fp8
                 the serve workload with the same FP8 settings
-  pax-offline-qwen35, vllm-offline-qwen35 (-fp8), pax-offline-qwen3moe, vllm-offline-qwen3moe
+  pax-offline-qwen35, vllm-offline-qwen35 (-fp8), pax-offline-qwen3moe, vllm-offline-qwen3moe (-fp8)
                 the offline workloads on Qwen3.5-9B shapes (the spec's "models": an HF config
                 file, dummy weights; vLLM with what it needs to run it, VLLM-PEER.md)
   pax-serve-qwen35, vllm-serve-qwen35, pax-serve-qwen3moe, vllm-serve-qwen3moe
@@ -75,6 +75,10 @@ STAGES = {
     "vllm-offline-qwen35-fp8": partial(offline.stage_vllm_offline, variant="fp8", model="qwen35"),
     "pax-offline-qwen3moe": partial(offline.stage_pax_offline, model="qwen3moe"),
     "vllm-offline-qwen3moe": partial(offline.stage_vllm_offline, model="qwen3moe"),
+    "pax-offline-qwen3moe-fp8": partial(offline.stage_pax_offline, variant="fp8", model="qwen3moe"),
+    "vllm-offline-qwen3moe-fp8": partial(
+        offline.stage_vllm_offline, variant="fp8", model="qwen3moe"
+    ),
     "pax-serve-qwen35": partial(serving.stage_pax_serve, model="qwen35"),
     "vllm-serve-qwen35": partial(serving.stage_vllm_serve, model="qwen35"),
     "pax-serve-qwen3moe": partial(serving.stage_pax_serve, model="qwen3moe"),

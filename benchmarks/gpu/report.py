@@ -119,6 +119,7 @@ def summary_rows(merged: dict) -> list[tuple[str, ...]]:
     rows += variant_rows(merged, f, "qwen35", "Qwen3.5-9B", {})
     rows += variant_rows(merged, f, "qwen35-fp8", "Qwen3.5-9B FP8", {})
     rows += variant_rows(merged, f, "qwen3moe", "Qwen3-30B-A3B", {})
+    rows += variant_rows(merged, f, "qwen3moe-fp8", "Qwen3-30B-A3B FP8", {})
     sc = pax_s.get("server_compile_metrics_delta")
     pax_c = f(pax_o.get("jax_compiles_during_timed_runs"), "d") + " offline"
     if sc:

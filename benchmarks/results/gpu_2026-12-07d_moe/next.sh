@@ -14,6 +14,7 @@ timeout 300 python3 -m benchmarks.gpu.moe_probe --sweep --tokens 1 8 64 --json $
 # 2. Same machine, one call each: pax-offline-qwen3moe at the defaults (and with the knob if
 #    it won), then vLLM's parts (.vp0 .. .vp7: `mkdir -p /tmp/vparts && cp .vpK/* /tmp/vparts/`),
 #    the last with `GPU_BENCH_BUDGET_S=580 bash benchmarks/gpu/gpu_run.sh vllm-offline-qwen3moe`:
-#    #55's first same-lease ratio.
+#    #55's first same-lease ratio; then pax-offline-qwen3moe-fp8 / vllm-offline-qwen3moe-fp8
+#    (FP8 weights + KV: the experts' bytes halve) if the device time lasts.
 # 3. Qwen3.5 (#54): gpu_2026-12-07c_qwen35_ratio/next.sh (the 300-row decode step's profile,
 #    cuBLAS past 64 tokens vs 512).
