@@ -244,13 +244,24 @@ def test_steps_past_the_kernels_token_limit_take_ragged_dot(monkeypatch):
     e, h, i, k = 8, 32, 16, 2
     w = {"e_gate_up": jnp.zeros((e, h, 2 * i)), "e_down": jnp.zeros((e, i, h))}
 
+    def walk(jaxpr):  # the primitives of a jaxpr and of those nested in it (argsort's, ...)
+        for eq in jaxpr.eqns:
+            yield str(eq.primitive)
+            for v in eq.params.values():
+                inner = getattr(v, "jaxpr", v)
+                if hasattr(inner, "eqns"):
+                    yield from walk(inner)
+
     def prims(t):
         ids = jnp.zeros((t, k), jnp.int32).at[:, 1].set(1)
         jaxpr = jax.make_jaxpr(moe.grouped_experts)(jnp.zeros((t, h)), jnp.ones((t, k)), ids, w)
-        return {str(eq.primitive) for eq in jaxpr.jaxpr.eqns}
+        return set(walk(jaxpr.jaxpr))
 
     assert "pallas_call" in prims(4) and "ragged_dot_general" not in prims(4)
     assert "ragged_dot_general" in prims(5) and "pallas_call" not in prims(5)
+    # a one-token step: each pair a tile of its own, no sort, no scatter (_experts_one_token)
+    assert "pallas_call" in prims(1) and not {"sort", "scatter-add", "scatter"} & prims(1)
+    assert {"sort", "scatter-add"} <= prims(2)
 
 
 def test_the_gpus_default_is_the_kernel(monkeypatch):

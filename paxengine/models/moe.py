@@ -133,6 +133,31 @@ def _experts_tiled(x, weights, w, order, sorted_ids, interpret: bool):
     return out[:t].astype(x.dtype)
 
 
+def _experts_one_token(x, weights, flat, w, interpret: bool):
+    """A one-token step (batch-1 decode) through the kernel: its k experts are distinct, so each
+    (token, expert) pair is a tile of its own in routing order, the token in its first row:
+    no sort, no tile layout, no scatter (the kernel reads the same k experts), and the k
+    products are summed in place. flat [k]: the experts, >= E for another device's."""
+    from kernels_pallas.moe_gemm import BLOCK_M
+
+    k, h = flat.shape[0], x.shape[1]
+    local = flat < w["e_down"].shape[0]
+    tile_expert = jnp.where(local, flat, -1).astype(jnp.int32)  # -1: the kernel skips it
+    xt = jnp.pad(jnp.broadcast_to(x, (k, 1, h)), ((0, 0), (0, BLOCK_M - 1), (0, 0)))
+    mm = functools.partial(
+        _tiled_matmul, tile_expert=tile_expert, block_m=BLOCK_M, interpret=interpret
+    )
+    xt = xt.reshape(k * BLOCK_M, h)
+    if "e_gate_up" in w:
+        gate, up = jnp.split(mm(xt, w["e_gate_up"]), 2, axis=-1)
+    else:
+        gate, up = mm(xt, w["e_gate"]), mm(xt, w["e_up"])
+    y = mm(jax.nn.silu(gate) * up, w["e_down"]).reshape(k, BLOCK_M, h)[:, 0]
+    y = y.astype(jnp.float32) * weights.reshape(k, 1).astype(jnp.float32)
+    y = jnp.where(local[:, None], y, 0.0)  # a skipped tile's rows are undefined
+    return jnp.sum(y, axis=0, keepdims=True).astype(x.dtype)
+
+
 def grouped_experts(
     x: jax.Array, weights: jax.Array, ids: jax.Array, w: dict, first_expert=None
 ) -> jax.Array:
@@ -147,9 +172,11 @@ def grouped_experts(
     if first_expert is not None:  # another device's expert: group `num_experts`, past the last
         flat = flat - first_expert
         flat = jnp.where((flat >= 0) & (flat < num_experts), flat, num_experts)
+    mode = moe_kernel(t)
+    if mode != "xla" and t == 1:
+        return _experts_one_token(x, weights, flat, w, mode == "interpret")
     order = jnp.argsort(flat, stable=True)  # the (token, expert) pairs, grouped by expert
     sorted_ids = flat[order]
-    mode = moe_kernel(t)
     if mode != "xla":  # (pairs with another device's experts get no tile)
         return _experts_tiled(x, weights, w, order, sorted_ids, mode == "interpret")
     row_expert = jnp.minimum(sorted_ids, num_experts - 1)  # (FP8 scales of local rows only)
