@@ -236,6 +236,26 @@ def test_the_pallas_grouped_gemm_path_equals_the_oracle(first_expert, fp8, big_t
         np.testing.assert_allclose(np.asarray(got), _oracle(x, weights, ids, w), atol=1e-4)
 
 
+@pytest.mark.parametrize("mode", ["xla", "interpret"])
+def test_padding_tokens_route_to_no_expert(mode, monkeypatch):
+    """real=False rows (a bucket's padding: no KV slot) come out 0 and take no expert (in the
+    kernel's layout no tile: their routing reads no weights); the real rows are the oracle's.
+    One-token steps too (the kernel's tile-per-pair path)."""
+    monkeypatch.setenv("PAXENGINE_KERNEL_MOE", mode)
+    rng = np.random.default_rng(7)
+    e, h, i, k = 8, 32, 16, 2
+    w = _experts(rng, e, h, i)
+    jw = {n: jnp.asarray(a, jnp.float32) for n, a in w.items()}
+    for t, real in ((5, [True, False, True, False, True]), (1, [True]), (1, [False])):
+        x = rng.normal(size=(t, h)) / np.sqrt(h)
+        ids = np.stack([rng.choice(e, size=k, replace=False) for _ in range(t)])
+        weights = rng.random((t, k))
+        args = (jnp.asarray(x, jnp.float32), jnp.asarray(weights, jnp.float32), jnp.asarray(ids))
+        got = np.asarray(moe.grouped_experts(*args, jw, real=jnp.asarray(real)))
+        want = _oracle(x, weights, ids, w) * np.asarray(real)[:, None]
+        np.testing.assert_allclose(got, want, atol=1e-4)
+
+
 def test_steps_past_the_kernels_token_limit_take_ragged_dot(monkeypatch):
     """PAXENGINE_KERNEL_MOE_MAX_TOKENS=4: a 4-token step runs the Pallas kernel, a 5-token
     step jax.lax.ragged_dot (the kernel's 16-row tiles suit decode-sized steps only)."""

@@ -159,12 +159,13 @@ def _experts_one_token(x, weights, flat, w, interpret: bool):
 
 
 def grouped_experts(
-    x: jax.Array, weights: jax.Array, ids: jax.Array, w: dict, first_expert=None
+    x: jax.Array, weights: jax.Array, ids: jax.Array, w: dict, first_expert=None, real=None
 ) -> jax.Array:
     """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]): x [T, H], weights / ids [T, k], w the
     layer's expert weights (`e_gate_up` or `e_gate` and `e_up`, `e_down`) -> [T, H].
     first_expert (expert parallelism): w holds experts first_expert.. only; the sum is over
-    the pairs with those."""
+    the pairs with those. real [T] (optional): the bucket's real tokens; a padding token's
+    pairs go to no expert (its row is 0), so its routing reads no weights."""
     t, k = ids.shape
     down = w["e_down"]
     num_experts = down.shape[0]
@@ -172,6 +173,8 @@ def grouped_experts(
     if first_expert is not None:  # another device's expert: group `num_experts`, past the last
         flat = flat - first_expert
         flat = jnp.where((flat >= 0) & (flat < num_experts), flat, num_experts)
+    if real is not None:
+        flat = jnp.where(jnp.repeat(real, k), flat, num_experts)
     mode = moe_kernel(t)
     if mode != "xla" and t == 1:
         return _experts_one_token(x, weights, flat, w, mode == "interpret")
@@ -190,20 +193,28 @@ def grouped_experts(
         gate, up = grouped(xs, w["e_gate"]), grouped(xs, w["e_up"])
     y = grouped(jax.nn.silu(gate) * up, down)
     pair_weight = weights.reshape(-1)[order].astype(jnp.float32)
-    if first_expert is not None:  # rows past the groups: ragged_dot leaves them undefined
+    if first_expert is not None or real is not None:  # rows past the groups: undefined
         y = jnp.where((sorted_ids < num_experts)[:, None], y, 0)
     y = y.astype(jnp.float32) * pair_weight[:, None]
     return jnp.zeros((t, x.shape[1]), jnp.float32).at[token].add(y).astype(x.dtype)
 
 
+def real_tokens(attend):
+    """The step's real tokens [T] (not the bucket's padding: no KV slot), from the attention's
+    metadata where it has one, else None (every token routed)."""
+    md = getattr(attend, "md", None)
+    return None if md is None else md.slot_mapping >= 0
+
+
 def moe_mlp(
-    x: jax.Array, w: dict, top_k: int, norm_topk_prob: bool, first_expert=None
+    x: jax.Array, w: dict, top_k: int, norm_topk_prob: bool, first_expert=None, real=None
 ) -> jax.Array:
     """The MoE block of one layer: routed experts, plus the shared expert where the layer has
     one (`s_gate_up` or `s_gate` / `s_up`, `s_down`, its gate `s_router` [H, 1]). Under tensor
-    parallelism the result is this device's partial sum (the caller all-reduces it)."""
+    parallelism the result is this device's partial sum (the caller all-reduces it). real: the
+    bucket's real tokens (`real_tokens`), or None."""
     weights, ids = route(x, w["router"], top_k, norm_topk_prob)
-    out = grouped_experts(x, weights, ids, w, first_expert)
+    out = grouped_experts(x, weights, ids, w, first_expert, real)
     if "s_down" in w:
         if "s_gate_up" in w:
             shared = gated_mlp(x, w["s_gate_up"], w["s_down"])

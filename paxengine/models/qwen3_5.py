@@ -29,7 +29,7 @@ import numpy as np
 from paxengine.models import gated_deltanet
 from paxengine.models.config import ModelConfig
 from paxengine.models.llama import compute_logits, rms_norm, scaled_attend  # noqa: F401
-from paxengine.models.moe import moe_mlp
+from paxengine.models.moe import moe_mlp, real_tokens
 from paxengine.models.norm import norm_into
 from paxengine.models.quant import (
     Fp8Weight,
@@ -131,11 +131,12 @@ def _apply_rope(x, rope):
     return jnp.concatenate([(xr * cos + rotated * sin).astype(x.dtype), xp], axis=-1)
 
 
-def mlp(cfg: ModelConfig, w: dict, x, first_expert=None):
+def mlp(cfg: ModelConfig, w: dict, x, first_expert=None, real=None):
     """A layer's MLP block on its normed input: the SwiGLU MLP (gate|up fused or apart), or
-    Qwen3.5-MoE's routed experts and shared expert (models/moe.py). Also the MTP layer's."""
+    Qwen3.5-MoE's routed experts and shared expert (models/moe.py; real: the step's real
+    tokens, `moe.real_tokens`). Also the MTP layer's."""
     if "router" in w:
-        return moe_mlp(x, w, cfg.num_experts_per_tok, cfg.norm_topk_prob, first_expert)
+        return moe_mlp(x, w, cfg.num_experts_per_tok, cfg.norm_topk_prob, first_expert, real)
     if "w_gate_up" in w:
         return gated_mlp(x, w["w_gate_up"], w["w_down"])
     gate, up = _project(x, w, "w_gate_up", ())
@@ -316,6 +317,6 @@ def _layer(cfg, attend, reduce, first_expert, h, w, rope, kv, state, step):
         delta = reduce(linear(o.astype(h.dtype), out))
     into = [w["router"]] if "router" in w else _weights(w, "w_gate_up")
     h, x = norm_into(h, delta, w["mlp_norm"], eps, into)
-    out = mlp(cfg, w, x, first_expert)
+    out = mlp(cfg, w, x, first_expert, real_tokens(attend))
     h = h + (out if reduce is None else reduce(out)).astype(h.dtype)
     return h, kv, state

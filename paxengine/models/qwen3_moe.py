@@ -27,7 +27,7 @@ from paxengine.models.llama import (  # noqa: F401 (compute_logits: the family's
     rope_inv_freq,
     rope_tables,
 )
-from paxengine.models.moe import moe_mlp
+from paxengine.models.moe import moe_mlp, real_tokens
 from paxengine.models.norm import norm_into
 from paxengine.models.quant import LINEAR_WEIGHTS, Fp8Weight, gated_mlp, linear, linear_parts
 from paxengine.models.weights import (
@@ -239,9 +239,9 @@ def state_bytes_per_slot(cfg: ModelConfig, dtype) -> int:
 
 
 # -- forward --------------------------------------------------------------------------------------
-def _mlp(cfg: ModelConfig, w: dict, x, first_expert):
+def _mlp(cfg: ModelConfig, w: dict, x, first_expert, real=None):
     if "router" in w:
-        return moe_mlp(x, w, cfg.num_experts_per_tok, cfg.norm_topk_prob, first_expert)
+        return moe_mlp(x, w, cfg.num_experts_per_tok, cfg.norm_topk_prob, first_expert, real)
     if "w_gate_up" in w:
         return gated_mlp(x, w["w_gate_up"], w["w_down"])
     return linear(jax.nn.silu(linear(x, w["w_gate"])) * linear(x, w["w_up"]), w["w_down"])
@@ -264,7 +264,7 @@ def _layer(cfg: ModelConfig, attend, rope, h, w, kv, reduce=None, first_expert=N
     else:
         into = [w["w_gate_up"]] if "w_gate_up" in w else [w["w_gate"], w["w_up"]]
     h, x = norm_into(h, delta, w["mlp_norm"], eps, into)
-    mlp = _mlp(cfg, w, x, first_expert)
+    mlp = _mlp(cfg, w, x, first_expert, real_tokens(attend))
     return h + (mlp if reduce is None else reduce(mlp)).astype(h.dtype), kv
 
 
