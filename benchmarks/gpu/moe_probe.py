@@ -143,8 +143,8 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     name = "tiny" if a.tiny else "qwen3_30b_a3b"
     rows = []
-    if a.sweep:
-        for T in [8] if a.tiny else a.tokens:
+    for T in [8] if a.tiny else a.tokens:
+        if a.sweep:
             got = sweep(SHAPES[name], T, TINY_SWEEP if a.tiny else SWEEP, interpret=a.tiny)
             rows += got
             for proj in ("gate_up", "down"):
@@ -152,11 +152,7 @@ def main(argv=None) -> int:
                 best = min(timed, key=lambda r: r["us"], default=None)
                 default = next((r for r in timed if _is_default(r)), None)
                 print(json.dumps({"T": T, "proj": proj, "best": best, "default": default}))
-        if a.json:
-            with open(a.json, "w") as f:
-                json.dump(rows, f, indent=1)
-        return 0
-    for T in [8] if a.tiny else a.tokens:
+            continue
         for v in a.variants:
             r = {"shape": name, "T": T, "variant": v}
             try:

@@ -91,6 +91,16 @@ def tile_rows(num_pairs: int) -> int:
     return 64 if limit and num_pairs > int(limit) else 16
 
 
+def _swiglu(matmul, rows, w: dict):
+    """The experts' SwiGLU on rows laid out for `matmul(rows, stack)` (ragged_dot's groups or
+    the kernel's tiles): gate|up fused (`e_gate_up`) or apart, then `e_down`."""
+    if "e_gate_up" in w:
+        gate, up = jnp.split(matmul(rows, w["e_gate_up"]), 2, axis=-1)
+    else:
+        gate, up = matmul(rows, w["e_gate"]), matmul(rows, w["e_up"])
+    return matmul(jax.nn.silu(gate) * up, w["e_down"])
+
+
 def _tiled_matmul(xt, w, tile_expert, block_m: int, interpret: bool):
     """xt [NT * block_m, in] (tile_layout's rows) @ each tile's expert of w, in xt's dtype."""
     from kernels_pallas.moe_gemm import grouped_matmul
@@ -122,11 +132,7 @@ def _experts_tiled(x, weights, w, order, sorted_ids, interpret: bool):
     mm = functools.partial(
         _tiled_matmul, tile_expert=tile_expert, block_m=block_m, interpret=interpret
     )
-    if "e_gate_up" in w:
-        gate, up = jnp.split(mm(xt, w["e_gate_up"]), 2, axis=-1)
-    else:
-        gate, up = mm(xt, w["e_gate"]), mm(xt, w["e_up"])
-    y = mm(jax.nn.silu(gate) * up, w["e_down"]).astype(jnp.float32)
+    y = _swiglu(mm, xt, w).astype(jnp.float32)
     pair_weight = weights.reshape(-1)[pair].astype(jnp.float32)
     y = jnp.where(real[:, None], y * pair_weight[:, None], 0.0)  # unused tiles: undefined rows
     out = jnp.zeros((t + 1, h), jnp.float32).at[token].add(y)
@@ -148,11 +154,7 @@ def _experts_one_token(x, weights, flat, w, interpret: bool):
         _tiled_matmul, tile_expert=tile_expert, block_m=BLOCK_M, interpret=interpret
     )
     xt = xt.reshape(k * BLOCK_M, h)
-    if "e_gate_up" in w:
-        gate, up = jnp.split(mm(xt, w["e_gate_up"]), 2, axis=-1)
-    else:
-        gate, up = mm(xt, w["e_gate"]), mm(xt, w["e_up"])
-    y = mm(jax.nn.silu(gate) * up, w["e_down"]).reshape(k, BLOCK_M, h)[:, 0]
+    y = _swiglu(mm, xt, w).reshape(k, BLOCK_M, h)[:, 0]
     y = y.astype(jnp.float32) * weights.reshape(k, 1).astype(jnp.float32)
     y = jnp.where(local[:, None], y, 0.0)  # a skipped tile's rows are undefined
     return jnp.sum(y, axis=0, keepdims=True).astype(x.dtype)
@@ -167,8 +169,7 @@ def grouped_experts(
     the pairs with those. real [T] (optional): the bucket's real tokens; a padding token's
     pairs go to no expert (its row is 0), so its routing reads no weights."""
     t, k = ids.shape
-    down = w["e_down"]
-    num_experts = down.shape[0]
+    num_experts = w["e_down"].shape[0]
     flat = ids.reshape(-1)
     if first_expert is not None:  # another device's expert: group `num_experts`, past the last
         flat = flat - first_expert
@@ -187,11 +188,7 @@ def grouped_experts(
     sizes = jnp.zeros(num_experts, jnp.int32).at[flat].add(1, mode="drop")
     xs = x[token]
     grouped = functools.partial(_grouped, sizes=sizes, row_expert=row_expert)
-    if "e_gate_up" in w:
-        gate, up = jnp.split(grouped(xs, w["e_gate_up"]), 2, axis=-1)
-    else:
-        gate, up = grouped(xs, w["e_gate"]), grouped(xs, w["e_up"])
-    y = grouped(jax.nn.silu(gate) * up, down)
+    y = _swiglu(grouped, xs, w)
     pair_weight = weights.reshape(-1)[order].astype(jnp.float32)
     if first_expert is not None or real is not None:  # rows past the groups: undefined
         y = jnp.where((sorted_ids < num_experts)[:, None], y, 0)
