@@ -66,32 +66,41 @@ def tile_layout(sorted_ids: jax.Array, num_experts: int, block_m: int = BLOCK_M)
     return tile_expert, row_of.astype(jnp.int32), src
 
 
-def _kernel(te_ref, x_ref, w_ref, *refs, K, block_m, block_n, block_k, fp8):
+def _kernel(te_ref, x_ref, w_ref, *refs, K, block_m, block_n, block_k, fp8, glu, half, shared_x):
     s_ref, o_ref = refs if fp8 else (None, *refs)
     t, nb = pl.program_id(0), pl.program_id(1)
     e = te_ref[t]
     rows = pl.ds(t * block_m, block_m)
+    x_rows = pl.ds(0, block_m) if shared_x else rows
     n0 = nb * block_n
+    cols = (n0, n0 + half) if glu else (n0,)  # glu: the gate's columns and the up's
+
+    def weights(k0, c):
+        if fp8:  # values [E, N, K]: the [block_n, block_k] block, upcast exactly
+            return w_ref[e, pl.ds(c, block_n), pl.ds(k0, block_k)]
+        return w_ref[e, pl.ds(k0, block_k), pl.ds(c, block_n)]
+
+    def dot(xb, wb):
+        wb = wb.astype(xb.dtype)
+        dims = (((1,), (1,)), ((), ())) if fp8 else (((1,), (0,)), ((), ()))
+        return jax.lax.dot_general(xb, wb, dims, preferred_element_type=jnp.float32)
 
     @pl.when(e >= 0)
     def _():
-        def step(i, acc):
+        def step(i, accs):
             k0 = i * block_k
-            xb = x_ref[rows, pl.ds(k0, block_k)]
-            if fp8:  # values [E, N, K]: the [block_n, block_k] block, upcast exactly
-                wb = w_ref[e, pl.ds(n0, block_n), pl.ds(k0, block_k)].astype(xb.dtype)
-                prod = jax.lax.dot_general(
-                    xb, wb, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
-                )
-            else:
-                wb = w_ref[e, pl.ds(k0, block_k), pl.ds(n0, block_n)]
-                prod = jnp.dot(xb, wb, preferred_element_type=jnp.float32)
-            return acc + prod
+            xb = x_ref[x_rows, pl.ds(k0, block_k)]
+            return tuple(a + dot(xb, weights(k0, c)) for a, c in zip(accs, cols))
 
-        acc = jax.lax.fori_loop(0, K // block_k, step, jnp.zeros((block_m, block_n), jnp.float32))
+        zero = jnp.zeros((block_m, block_n), jnp.float32)
+        accs = jax.lax.fori_loop(0, K // block_k, step, tuple(zero for _ in cols))
         if fp8:
-            acc = acc * s_ref[e, pl.ds(n0, block_n)].astype(jnp.float32)[None, :]
-        o_ref[rows, pl.ds(n0, block_n)] = acc.astype(o_ref.dtype)
+            accs = tuple(
+                a * s_ref[e, pl.ds(c, block_n)].astype(jnp.float32)[None, :]
+                for a, c in zip(accs, cols)
+            )
+        out = jax.nn.silu(accs[0]) * accs[1] if glu else accs[0]
+        o_ref[rows, pl.ds(n0, block_n)] = out.astype(o_ref.dtype)
 
 
 def _block(size: int, want: int, name: str) -> int:
@@ -107,6 +116,8 @@ def grouped_matmul(
     tile_expert,
     *,
     w_scales=None,
+    glu=False,
+    shared_x=False,
     block_m=BLOCK_M,
     block_n=None,
     block_k=None,
@@ -116,28 +127,44 @@ def grouped_matmul(
 ):
     """x [NT * block_m, K] (tile_layout's tiled rows) @ each tile's expert of w -> [NT *
     block_m, N] in x's dtype (unused tiles' rows undefined). w: [E, K, N] in x's dtype, or
-    FP8 values [E, N, K] with w_scales [E, N] f32."""
+    FP8 values [E, N, K] with w_scales [E, N] f32. glu: w's N is a gate's columns then an up's
+    (an expert's fused gate|up), and the result is silu(gate) * up [NT * block_m, N / 2] from
+    the f32 products: the SwiGLU's two halves never leave the kernel. shared_x: x is one
+    tile's [block_m, K] rows that every tile multiplies (a one-token step, each tile one of its
+    experts: the token is not copied k times)."""
     fp8 = w_scales is not None
     E = w.shape[0]
     K, N = (w.shape[2], w.shape[1]) if fp8 else (w.shape[1], w.shape[2])
     NT = tile_expert.shape[0]
-    if x.shape != (NT * block_m, K):
-        raise ValueError(f"x must be [{NT} tiles x {block_m}, {K}], got {x.shape}")
+    if x.shape != ((1 if shared_x else NT) * block_m, K):
+        tiles = 1 if shared_x else NT
+        raise ValueError(f"x must be [{tiles} tiles x {block_m}, {K}], got {x.shape}")
     if fp8 and w_scales.shape != (E, N):
         raise ValueError(f"w_scales must be [{E}, {N}], got {w_scales.shape}")
-    block_n = _block(N, block_n or 64, "N")
+    if glu and N % 2:
+        raise ValueError(f"glu needs an even N (gate | up), got {N}")
+    out_n = N // 2 if glu else N
+    block_n = _block(out_n, block_n or 64, "N")
     block_k = _block(K, block_k or 64, "K")
     kernel = functools.partial(
-        _kernel, K=K, block_m=block_m, block_n=block_n, block_k=block_k, fp8=fp8
+        _kernel,
+        K=K,
+        block_m=block_m,
+        block_n=block_n,
+        block_k=block_k,
+        fp8=fp8,
+        glu=glu,
+        half=N // 2,
+        shared_x=shared_x,
     )
     args = (tile_expert, x, w) + ((w_scales,) if fp8 else ())
     return pl.pallas_call(
         kernel,
-        grid=(NT, N // block_n),
-        out_shape=jax.ShapeDtypeStruct((NT * block_m, N), x.dtype),
+        grid=(NT, out_n // block_n),
+        out_shape=jax.ShapeDtypeStruct((NT * block_m, out_n), x.dtype),
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
-        name=f"moe_grouped_matmul_{'fp8' if fp8 else 'w16'}",
+        name=f"moe_grouped_{'glu' if glu else 'matmul'}_{'fp8' if fp8 else 'w16'}",
     )(*args)
 
 
@@ -153,12 +180,16 @@ def grouped_pairs_matmul(xs, w, sorted_ids, *, w_scales=None, interpret=False, *
     return y[jnp.minimum(row_of, y.shape[0] - 1)][:M]
 
 
-def ref_grouped_matmul(xs, w, sorted_ids, w_scales=None):
-    """The oracle: each row times its expert's dense weight (f32), 0 for non-local pairs."""
+def ref_grouped_matmul(xs, w, sorted_ids, w_scales=None, glu=False):
+    """The oracle: each row times its expert's dense weight (f32), 0 for non-local pairs; glu:
+    silu of the product's first half times its second (f32)."""
     E = w.shape[0]
     e = jnp.clip(sorted_ids, 0, E - 1)
     ww = w.astype(jnp.float32)
     if w_scales is not None:  # values [E, N, K] * scales [E, N] -> [E, K, N]
         ww = jnp.swapaxes(ww * w_scales[:, :, None], 1, 2)
     y = jnp.einsum("mk,mkn->mn", xs.astype(jnp.float32), ww[e], precision="highest")
+    if glu:
+        gate, up = jnp.split(y, 2, axis=-1)
+        y = jax.nn.silu(gate) * up
     return jnp.where((sorted_ids < E)[:, None], y, 0.0).astype(xs.dtype)

@@ -200,17 +200,27 @@ def test_the_pallas_grouped_gemm_equals_hf(checkpoint, monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "first_expert,fp8,big_tiles",
-    [(None, False, False), (4, False, False), (None, True, False), (4, True, True)],
+    "first_expert,fp8,big_tiles,glu",
+    [
+        (None, False, False, True),
+        (4, False, False, True),
+        (None, True, False, True),
+        (4, True, True, True),
+        (4, True, False, False),
+    ],
 )
-def test_the_pallas_grouped_gemm_path_equals_the_oracle(first_expert, fp8, big_tiles, monkeypatch):
+def test_the_pallas_grouped_gemm_path_equals_the_oracle(
+    first_expert, fp8, big_tiles, glu, monkeypatch
+):
     """grouped_experts through the kernel: fused gate|up, one-token and 13-token steps (and
     32: a full tile beside partial ones); with first_expert, the shard of experts 4..7 (other
     pairs add nothing); FP8 stacks against the oracle of their dequantized weights; 64-row
-    tiles for steps of more than 8 pairs."""
+    tiles for steps of more than 8 pairs; the SwiGLU in the gate|up kernel (glu, the default)
+    or after it."""
     from paxengine.models.quant import dequantize, quantize_fp8
 
     monkeypatch.setenv("PAXENGINE_KERNEL_MOE", "interpret")
+    monkeypatch.setenv("PAXENGINE_KERNEL_MOE_GLU", "1" if glu else "0")
     if big_tiles:
         monkeypatch.setenv("PAXENGINE_KERNEL_MOE_BIG_TILE_PAIRS", "8")
         assert (moe.tile_rows(8), moe.tile_rows(9)) == (16, 64)

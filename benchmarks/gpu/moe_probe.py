@@ -152,6 +152,7 @@ def main(argv=None) -> int:
                 best = min(timed, key=lambda r: r["us"], default=None)
                 default = next((r for r in timed if _is_default(r)), None)
                 print(json.dumps({"T": T, "proj": proj, "best": best, "default": default}))
+            _dump(a.json, rows)  # (each step size's rows kept if a later one runs out of time)
             continue
         for v in a.variants:
             r = {"shape": name, "T": T, "variant": v}
@@ -161,10 +162,14 @@ def main(argv=None) -> int:
                 r["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
             rows.append(r)
             print(json.dumps(r), flush=True)
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    _dump(a.json, rows)
     return 0
+
+
+def _dump(path, rows: list) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(rows, f, indent=1)
 
 
 def _is_default(r: dict) -> bool:

@@ -70,6 +70,61 @@ def big_copies(compiled: dict, hlo_dir: str) -> tuple[dict, dict]:
     return res, gemms
 
 
+_META = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = .*metadata=\{([^}]*)\}")
+_ROW = re.compile(r"^(\d+) (.*)$")
+
+
+def _tables(hlo_text: str) -> dict:
+    """The optimized HLO's trailing FileNames / FileLocations / StackFrames tables, by id."""
+    tables: dict = {}
+    cur = None
+    for line in hlo_text.splitlines():
+        if line in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"):
+            cur = tables.setdefault(line, {})
+        elif cur is not None and (m := _ROW.match(line)):
+            cur[int(m.group(1))] = m.group(2)
+        elif not line.strip():
+            cur = None
+    return tables
+
+
+def sources(hlo_text: str) -> dict:
+    """-> {HLO instruction: "file:line < caller file:line op"} from the optimized HLO's
+    metadata: which lines of the model launched a fusion (a kernel's `hlo_op` is its fusion)."""
+    t = _tables(hlo_text)
+    files = {k: v.strip('"').rsplit("/", 1)[-1] for k, v in t.get("FileNames", {}).items()}
+
+    def where(frame: int) -> tuple[str, int]:
+        row = dict(re.findall(r"(\w+)=(\d+)", t.get("StackFrames", {}).get(frame, "")))
+        loc = dict(
+            re.findall(
+                r"(\w+)=(\d+)",
+                t.get("FileLocations", {}).get(int(row.get("file_location_id", 0)), ""),
+            )
+        )
+        name = files.get(int(loc.get("file_name_id", 0)), "?")
+        return f"{name}:{loc.get('line', '?')}", int(row.get("parent_frame_id", 0))
+
+    out = {}
+    for line in hlo_text.splitlines():
+        m = _META.match(line)
+        if not m:
+            continue
+        meta = dict(re.findall(r'(\w+)=("[^"]*"|\d+)', m.group(2)))
+        op = meta.get("op_name", "").strip('"').rsplit("/", 1)[-1]
+        frame = int(meta.get("stack_frame_id", 0))
+        inner, parent = where(frame) if frame else ("?", 0)
+        outer = where(parent)[0] if parent and parent != frame else ""
+        out[m.group(1)] = f"{inner}{' < ' + outer if outer else ''} {op}"
+    return out
+
+
+def step_key(compiled: dict, batch: int):
+    """The executable a decode step of `batch` rows runs: the smallest bucket that holds it."""
+    fits = [k for k in compiled if k[0] >= batch and k[1] >= batch]
+    return min(fits) if fits else None
+
+
 def family(op: str) -> str:
     """Ops with the same role but a numbered name (fusion.12, gemm_fusion_dot.3) together."""
     return re.sub(r"[._]\d+$", "", re.sub(r"\.\d+(\.clone)*$", "", op))
@@ -143,6 +198,12 @@ def main(argv=None) -> int:
         fams: dict = collections.defaultdict(float)
         for op, ns in per.items():
             fams[family(op)] += ns
+        by_src: dict = collections.defaultdict(float)
+        key = step_key(llm.engine.runner.compiled, b) if a.hlo_dir else None
+        if key is not None:
+            src = sources(llm.engine.runner.compiled[key].as_text())
+            for op, ns in per.items():
+                by_src[src.get(op, family(op))] += ns
         total = sum(per.values())  # per decode step from here on
         row = {
             "batch": b,
@@ -158,6 +219,11 @@ def main(argv=None) -> int:
                 for k, v in sorted(fams.items(), key=lambda kv: -kv[1])[: a.top]
             },
         }
+        if by_src:
+            row["by_source_us_per_step"] = {
+                k: round(v / steps / 1e3, 1)
+                for k, v in sorted(by_src.items(), key=lambda kv: -kv[1])[: 2 * a.top]
+            }
         out[f"batch{b}"] = row
         print(json.dumps(row, indent=1), flush=True)
     if a.json:

@@ -91,21 +91,34 @@ def tile_rows(num_pairs: int) -> int:
     return 64 if limit and num_pairs > int(limit) else 16
 
 
-def _swiglu(matmul, rows, w: dict):
-    """The experts' SwiGLU on rows laid out for `matmul(rows, stack)` (ragged_dot's groups or
-    the kernel's tiles): gate|up fused (`e_gate_up`) or apart, then `e_down`."""
-    if "e_gate_up" in w:
-        gate, up = jnp.split(matmul(rows, w["e_gate_up"]), 2, axis=-1)
+def kernel_glu() -> bool:
+    """Whether the kernel path computes the experts' SwiGLU inside the gate|up kernel
+    (`grouped_matmul(glu=True)`: no [rows, 2I] product written and read back, one XLA op a layer
+    fewer); PAXENGINE_KERNEL_MOE_GLU=0 gives the separate product and SwiGLU back (an A/B knob,
+    part of the executables' key)."""
+    return os.environ.get("PAXENGINE_KERNEL_MOE_GLU", "1") != "0"
+
+
+def _swiglu(in_proj, down_proj, rows, w: dict, fused_glu=None):
+    """The experts' SwiGLU on rows laid out for `in_proj(rows, stack)` (ragged_dot's groups or
+    the kernel's tiles): gate|up fused (`e_gate_up`) or apart, then `down_proj(act, e_down)`.
+    fused_glu(rows, e_gate_up) -> silu(gate) * up in one pass (the kernel's glu mode)."""
+    if "e_gate_up" in w and fused_glu is not None:
+        act = fused_glu(rows, w["e_gate_up"])
+    elif "e_gate_up" in w:
+        gate, up = jnp.split(in_proj(rows, w["e_gate_up"]), 2, axis=-1)
+        act = jax.nn.silu(gate) * up
     else:
-        gate, up = matmul(rows, w["e_gate"]), matmul(rows, w["e_up"])
-    return matmul(jax.nn.silu(gate) * up, w["e_down"])
+        act = jax.nn.silu(in_proj(rows, w["e_gate"])) * in_proj(rows, w["e_up"])
+    return down_proj(act, w["e_down"])
 
 
-def _tiled_matmul(xt, w, tile_expert, block_m: int, interpret: bool):
-    """xt [NT * block_m, in] (tile_layout's rows) @ each tile's expert of w, in xt's dtype."""
+def _tiled_matmul(xt, w, tile_expert, block_m: int, interpret: bool, glu=False, shared_x=False):
+    """xt [NT * block_m, in] (tile_layout's rows; shared_x: one tile's rows for every tile) @
+    each tile's expert of w, in xt's dtype (glu: silu(gate) * up of a fused gate|up stack)."""
     from kernels_pallas.moe_gemm import grouped_matmul
 
-    kw = dict(block_m=block_m, interpret=interpret)
+    kw = dict(block_m=block_m, interpret=interpret, glu=glu, shared_x=shared_x)
     if isinstance(w, Fp8Weight):
         return grouped_matmul(xt, w.values, tile_expert, w_scales=w.scales, **kw)
     return grouped_matmul(xt, w.astype(xt.dtype), tile_expert, **kw)
@@ -132,7 +145,8 @@ def _experts_tiled(x, weights, w, order, sorted_ids, interpret: bool):
     mm = functools.partial(
         _tiled_matmul, tile_expert=tile_expert, block_m=block_m, interpret=interpret
     )
-    y = _swiglu(mm, xt, w).astype(jnp.float32)
+    glu = functools.partial(mm, glu=True) if kernel_glu() else None
+    y = _swiglu(mm, mm, xt, w, glu).astype(jnp.float32)
     pair_weight = weights.reshape(-1)[pair].astype(jnp.float32)
     y = jnp.where(real[:, None], y * pair_weight[:, None], 0.0)  # unused tiles: undefined rows
     out = jnp.zeros((t + 1, h), jnp.float32).at[token].add(y)
@@ -141,20 +155,21 @@ def _experts_tiled(x, weights, w, order, sorted_ids, interpret: bool):
 
 def _experts_one_token(x, weights, flat, w, interpret: bool):
     """A one-token step (batch-1 decode) through the kernel: its k experts are distinct, so each
-    (token, expert) pair is a tile of its own in routing order, the token in its first row:
-    no sort, no tile layout, no scatter (the kernel reads the same k experts), and the k
-    products are summed in place. flat [k]: the experts, >= E for another device's."""
+    (token, expert) pair is a tile of its own in routing order, every tile reading the token's
+    one padded tile (`shared_x`): no sort, no tile layout, no copies of the token, no scatter
+    (the kernel reads the same k experts), and the k products are summed in place. flat [k]: the experts, >= E for another device's."""
     from kernels_pallas.moe_gemm import BLOCK_M
 
     k, h = flat.shape[0], x.shape[1]
     local = flat < w["e_down"].shape[0]
     tile_expert = jnp.where(local, flat, -1).astype(jnp.int32)  # -1: the kernel skips it
-    xt = jnp.pad(jnp.broadcast_to(x, (k, 1, h)), ((0, 0), (0, BLOCK_M - 1), (0, 0)))
     mm = functools.partial(
         _tiled_matmul, tile_expert=tile_expert, block_m=BLOCK_M, interpret=interpret
     )
-    xt = xt.reshape(k * BLOCK_M, h)
-    y = _swiglu(mm, xt, w).reshape(k, BLOCK_M, h)[:, 0]
+    first = functools.partial(mm, shared_x=True)  # every tile reads the token's one tile
+    glu = functools.partial(first, glu=True) if kernel_glu() else None
+    x16 = jnp.pad(x, ((0, BLOCK_M - 1), (0, 0)))
+    y = _swiglu(first, mm, x16, w, glu).reshape(k, BLOCK_M, h)[:, 0]
     y = y.astype(jnp.float32) * weights.reshape(k, 1).astype(jnp.float32)
     y = jnp.where(local[:, None], y, 0.0)  # a skipped tile's rows are undefined
     return jnp.sum(y, axis=0, keepdims=True).astype(x.dtype)
@@ -188,7 +203,7 @@ def grouped_experts(
     sizes = jnp.zeros(num_experts, jnp.int32).at[flat].add(1, mode="drop")
     xs = x[token]
     grouped = functools.partial(_grouped, sizes=sizes, row_expert=row_expert)
-    y = _swiglu(grouped, xs, w)
+    y = _swiglu(grouped, grouped, xs, w)
     pair_weight = weights.reshape(-1)[order].astype(jnp.float32)
     if first_expert is not None or real is not None:  # rows past the groups: undefined
         y = jnp.where((sorted_ids < num_experts)[:, None], y, 0)

@@ -71,6 +71,31 @@ def test_grouped_matmul_against_the_dense_oracle(case):
     assert not np.asarray(got, np.float32)[np.asarray(ids) >= E].any()  # other devices' pairs
 
 
+@pytest.mark.parametrize("fp8", [False, True])
+def test_glu_mode_against_the_oracle(fp8):
+    """glu: a fused gate|up stack's silu(gate) * up straight out of the kernel (f32 products),
+    pairs of another device's experts 0."""
+    rng = np.random.default_rng(4 + fp8)
+    E, K, I, M = 8, 64, 32, 20
+    ids = _routing(rng, M, E, foreign=2)
+    xs = jnp.asarray(rng.standard_normal((M, K)), jnp.bfloat16)
+    scales = None
+    if fp8:
+        w = jnp.asarray(rng.standard_normal((E, 2 * I, K)) * 2, jnp.float8_e4m3fn)
+        scales = jnp.asarray(rng.uniform(0.01, 0.1, (E, 2 * I)), jnp.float32)
+    else:
+        w = jnp.asarray(rng.standard_normal((E, K, 2 * I)) * 0.2, jnp.bfloat16)
+    kw = dict(w_scales=scales, glu=True, interpret=True, block_n=16, block_k=32)
+    got = jax.jit(lambda *a: grouped_pairs_matmul(*a, **kw))(xs, w, ids)
+    want = ref_grouped_matmul(xs, w, ids, scales, glu=True)
+    plain = ref_grouped_matmul(xs, w, ids, scales)  # (the glu is not the product's first half)
+    assert got.shape == (M, I) and got.dtype == jnp.bfloat16
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2)
+    assert np.abs(got - np.asarray(plain, np.float32)[:, :I]).max() > 0.1
+    assert not got[np.asarray(ids) >= E].any()
+
+
 def test_input_checks():
     te = jnp.zeros((2,), jnp.int32)
     w = jnp.zeros((4, 64, 48), jnp.bfloat16)
@@ -80,10 +105,14 @@ def test_input_checks():
         grouped_matmul(jnp.zeros((32, 64), jnp.bfloat16), w, te, interpret=True)
 
 
-@pytest.mark.parametrize("fp8,block_m", [(False, BLOCK_M), (True, BLOCK_M), (False, 64)])
-def test_lowers_for_cuda(fp8, block_m):
+@pytest.mark.parametrize(
+    "fp8,block_m,glu,shared_x",
+    [(False, BLOCK_M, False, False), (True, BLOCK_M, True, True), (False, 64, True, False)],
+)
+def test_lowers_for_cuda(fp8, block_m, glu, shared_x):
     """Qwen3-30B-A3B: 128 experts, hidden 2048, 768 a expert; a 64-token step's 512 pairs
-    through the fused gate|up [2048 -> 1536] (and in 64-row tiles, models/moe.tile_rows)."""
+    through the fused gate|up [2048 -> 1536] (and in 64-row tiles, models/moe.tile_rows; glu:
+    its SwiGLU in the kernel; shared_x: a one-token step's tiles all reading its one tile)."""
     E, K, N, M = 128, 2048, 1536, 512
     sd = jax.ShapeDtypeStruct
     NT = max_tiles(M, E, block_m)
@@ -93,8 +122,9 @@ def test_lowers_for_cuda(fp8, block_m):
         args = (sd((E, K, N), jnp.bfloat16),)
 
     def fn(x, te, w, *s):
-        return grouped_matmul(x, w, te, w_scales=s[0] if s else None, block_m=block_m)
+        s = s[0] if s else None
+        return grouped_matmul(x, w, te, w_scales=s, block_m=block_m, glu=glu, shared_x=shared_x)
 
-    x = sd((NT * block_m, K), jnp.bfloat16)
+    x = sd(((1 if shared_x else NT) * block_m, K), jnp.bfloat16)
     txt = lower_for_cuda(fn, x, sd((NT,), jnp.int32), *args).mlir_module()
     assert "triton" in txt
