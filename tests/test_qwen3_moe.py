@@ -221,6 +221,8 @@ def test_the_pallas_grouped_gemm_path_equals_the_oracle(
 
     monkeypatch.setenv("PAXENGINE_KERNEL_MOE", "interpret")
     monkeypatch.setenv("PAXENGINE_KERNEL_MOE_GLU", "1" if glu else "0")
+    big = moe.BIG_TILE_PAIRS
+    assert (moe.tile_rows(big), moe.tile_rows(big + 1)) == (16, 64)  # the default
     if big_tiles:
         monkeypatch.setenv("PAXENGINE_KERNEL_MOE_BIG_TILE_PAIRS", "8")
         assert (moe.tile_rows(8), moe.tile_rows(9)) == (16, 64)

@@ -81,14 +81,21 @@ def moe_kernel(num_tokens: int) -> str:
     return mode
 
 
+# Steps of more (token, expert) pairs than this take 64-row tiles (tile_rows). Why, unmeasured
+# until the next lease's moe_probe: with 16-row tiles each expert's weights are read once per 16
+# of its pairs (one H100, 2,048 tokens = 16,384 pairs: 1,652 us a layer, 0.73 TB/s of useful
+# bytes and ~94 TFLOP/s; benchmarks/results/gpu_2026-12-07d_moe/); past ~16 pairs an expert
+# (Qwen3-30B-A3B: 128 experts, 2,048 pairs = 256 tokens) a 64-row tile reads them a quarter as
+# often for padding rows that cost compute only.
+BIG_TILE_PAIRS = 2048
+
+
 def tile_rows(num_pairs: int) -> int:
     """The kernel's rows a tile: 16 (Triton's smallest dot; a decode step's expert has a pair
-    or two), or 64 for steps of more than PAXENGINE_KERNEL_MOE_BIG_TILE_PAIRS (token, expert)
-    pairs (unset: never), where 16-row tiles read each expert's weights once per 16 of its
-    pairs (at 2,048 tokens the kernel moved 0.73 TB/s of useful bytes on the H100). An A/B
-    knob until measured; part of the executables' key."""
-    limit = os.environ.get("PAXENGINE_KERNEL_MOE_BIG_TILE_PAIRS", "")
-    return 64 if limit and num_pairs > int(limit) else 16
+    or two), or 64 for steps of more than BIG_TILE_PAIRS (token, expert) pairs
+    (PAXENGINE_KERNEL_MOE_BIG_TILE_PAIRS overrides it; part of the executables' key)."""
+    limit = int(os.environ.get("PAXENGINE_KERNEL_MOE_BIG_TILE_PAIRS", BIG_TILE_PAIRS))
+    return 64 if num_pairs > limit else 16
 
 
 def kernel_glu() -> bool:
