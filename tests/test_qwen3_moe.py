@@ -552,3 +552,36 @@ def test_expert_parallel_refusals(checkpoint):
         LLM(model="dummy:tiny", tensor_parallel_size=2, enable_expert_parallel=True, **ENGINE)
     with pytest.raises(ValueError, match="tensor_parallel_size=3 does not divide the 8 experts"):
         LLM(model=str(path), tensor_parallel_size=3, enable_expert_parallel=True, **ENGINE)
+
+
+def test_the_kernels_decode_tuning_reaches_its_16_row_tiles(monkeypatch):
+    """PAXENGINE_KERNEL_MOE_DECODE_TUNING's fields are the 16-row tiles' kernel keywords (the
+    down projection's N = 32 in two 16-column blocks, not one of 32), the products unchanged;
+    a bad item is refused by name."""
+    monkeypatch.setenv("PAXENGINE_KERNEL_MOE", "interpret")
+    rng = np.random.default_rng(9)
+    e, h, i, k = 8, 32, 16, 2
+    w = _experts(rng, e, h, i)
+    jw = {n: jnp.asarray(a, jnp.float32) for n, a in w.items()}
+    x = rng.normal(size=(3, h)) / np.sqrt(h)
+    ids = np.stack([rng.choice(e, size=k, replace=False) for _ in range(3)])
+    weights = rng.random((3, k))
+    args = (jnp.asarray(x, jnp.float32), jnp.asarray(weights, jnp.float32), jnp.asarray(ids))
+
+    def grids():
+        jaxpr = jax.make_jaxpr(lambda *a: moe.grouped_experts(*a, jw))(*args)
+        eqns = [q for q in jaxpr.jaxpr.eqns if q.primitive.name == "pjit"]
+        eqns = [q for p in eqns for q in p.params["jaxpr"].jaxpr.eqns] + list(jaxpr.jaxpr.eqns)
+        return [q.params["grid_mapping"].grid for q in eqns if q.primitive.name == "pallas_call"]
+
+    assert moe.decode_tuning() == {}
+    default = grids()
+    monkeypatch.setenv("PAXENGINE_KERNEL_MOE_DECODE_TUNING", "block_n=16,num_stages=4")
+    assert moe.decode_tuning() == {"block_n": 16, "num_stages": 4}
+    tuned = grids()
+    assert len(default) == len(tuned) == 3 and default[-1][1] == 1 and tuned[-1][1] == 2
+    got = moe.grouped_experts(*args, jw)
+    np.testing.assert_allclose(np.asarray(got), _oracle(x, weights, ids, w), atol=1e-4)
+    monkeypatch.setenv("PAXENGINE_KERNEL_MOE_DECODE_TUNING", "block_m=64")
+    with pytest.raises(ValueError, match="block_m=64"):
+        moe.decode_tuning()

@@ -12,10 +12,10 @@ each step), or the error a variant met (an unknown option, out of memory).
     python3 -m benchmarks.gpu.moe_probe --tiny   (CPU smoke: tiny shapes, the kernel interpreted)
     python3 -m benchmarks.gpu.moe_probe --sweep [--tokens 1 8 64]   (the kernel's tunings)
 
---sweep times the Pallas kernel alone (`moe_gemm.grouped_matmul`) on each projection (gate_up,
-down) at each step size over SWEEP's grid of (block_m, block_n, block_k, num_warps, num_stages),
-and prints the fastest beside the default (16, 64, 64, 4, 3): what `grouped_matmul`'s defaults
-by step size should be.
+--sweep times the Pallas kernel alone (`moe_gemm.grouped_matmul`) on each projection (gate_up in
+the engine's glu mode, down) at each step size over SWEEP's grid of (block_m, block_n, block_k,
+num_warps, num_stages) (--small: SMALL_SWEEP's 12), and prints the fastest beside the default
+(16, 64, 64, 4, 3): what `models/moe.DECODE_TUNING` should be.
 
 Issue #55: `pax-offline-qwen3moe` has not run on a GPU yet; this says which lowering to take first.
 """
@@ -89,6 +89,9 @@ def probe(shape: dict, T: int, variant: str, interpret: bool = False, layers: in
 SWEEP = dict(block_m=(16,), block_n=(32, 64, 128), block_k=(64, 128, 256), num_warps=(4, 8),
              num_stages=(3, 4))  # fmt: skip
 TINY_SWEEP = dict(block_m=(16,), block_n=(16, 32), block_k=(32,), num_warps=(4,), num_stages=(3,))
+# --small: 12 tunings (~1 min for two step sizes): a lease's quick pick
+SMALL_SWEEP = dict(block_m=(16,), block_n=(32, 64), block_k=(64, 128, 256), num_warps=(4,),
+                   num_stages=(3, 4))  # fmt: skip
 
 
 def sweep(shape: dict, T: int, grid: dict, interpret: bool = False, layers: int = 4) -> list:
@@ -106,7 +109,8 @@ def sweep(shape: dict, T: int, grid: dict, interpret: bool = False, layers: int 
     key = jax.random.key(1)
     ids = jnp.sort(jax.random.randint(key, (T * k,), 0, E))  # (random routing; pairs sorted)
     rows = []
-    for proj, (K, N) in {"gate_up": (H, 2 * I), "down": (I, H)}.items():
+    # gate_up in the engine's glu mode (moe.kernel_glu: its SwiGLU in the kernel)
+    for proj, (K, N, glu) in {"gate_up": (H, 2 * I, True), "down": (I, H, False)}.items():
         ws = [jax.random.normal(jax.random.fold_in(key, i), (E, K, N), dt) for i in range(layers)]
         for combo in itertools.product(*grid.values()):
             tune = dict(zip(grid, combo))
@@ -116,8 +120,10 @@ def sweep(shape: dict, T: int, grid: dict, interpret: bool = False, layers: int 
                 te, _, _ = tile_layout(ids, E, bm)
                 x = jnp.ones((max_tiles(T * k, E, bm) * bm, K), dt)
 
-                def f(x, te, ws, tune=tune):
-                    return [grouped_matmul(x, w, te, interpret=interpret, **tune) for w in ws]
+                def f(x, te, ws, tune=tune, glu=glu):
+                    return [
+                        grouped_matmul(x, w, te, interpret=interpret, glu=glu, **tune) for w in ws
+                    ]
 
                 exe = jax.jit(f).lower(x, te, ws).compile()
                 jax.block_until_ready(exe(x, te, ws))
@@ -139,13 +145,15 @@ def main(argv=None) -> int:
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), help=", ".join(VARIANTS))
     p.add_argument("--tiny", action="store_true", help="CPU smoke run: tiny shapes, interpreted")
     p.add_argument("--sweep", action="store_true", help="the kernel's tunings (module doc)")
+    p.add_argument("--small", action="store_true", help="--sweep over SMALL_SWEEP's 12 tunings")
     p.add_argument("--json")
     a = p.parse_args(argv)
     name = "tiny" if a.tiny else "qwen3_30b_a3b"
     rows = []
     for T in [8] if a.tiny else a.tokens:
         if a.sweep:
-            got = sweep(SHAPES[name], T, TINY_SWEEP if a.tiny else SWEEP, interpret=a.tiny)
+            grid = TINY_SWEEP if a.tiny else SMALL_SWEEP if a.small else SWEEP
+            got = sweep(SHAPES[name], T, grid, interpret=a.tiny)
             rows += got
             for proj in ("gate_up", "down"):
                 timed = [r for r in got if r["proj"] == proj and "us" in r]

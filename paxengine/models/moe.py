@@ -98,6 +98,28 @@ def tile_rows(num_pairs: int) -> int:
     return 64 if num_pairs > limit else 16
 
 
+# The kernel's tiling for 16-row tiles (decode-sized steps), grouped_matmul's keywords: empty
+# for its defaults (block_n 64, block_k 64, 4 warps, 3 stages).
+DECODE_TUNING: dict = {}
+TUNING_FIELDS = ("block_n", "block_k", "num_warps", "num_stages")
+
+
+def decode_tuning() -> dict:
+    """The kernel's keywords for 16-row tiles: DECODE_TUNING, or PAXENGINE_KERNEL_MOE_DECODE_TUNING
+    ("block_n=32,block_k=256,num_warps=4,num_stages=4"; any of TUNING_FIELDS): an A/B knob, part
+    of the executables' key."""
+    spec = os.environ.get("PAXENGINE_KERNEL_MOE_DECODE_TUNING")
+    if spec is None:
+        return dict(DECODE_TUNING)
+    out = {}
+    for item in filter(None, spec.split(",")):
+        name, _, value = item.partition("=")
+        if name not in TUNING_FIELDS or not value.isdigit():
+            raise ValueError(f"PAXENGINE_KERNEL_MOE_DECODE_TUNING: bad item {item!r}")
+        out[name] = int(value)
+    return out
+
+
 def kernel_glu() -> bool:
     """Whether the kernel path computes the experts' SwiGLU inside the gate|up kernel
     (`grouped_matmul(glu=True)`: no [rows, 2I] product written and read back, one XLA op a layer
@@ -126,6 +148,8 @@ def _tiled_matmul(xt, w, tile_expert, block_m: int, interpret: bool, glu=False, 
     from kernels_pallas.moe_gemm import grouped_matmul
 
     kw = dict(block_m=block_m, interpret=interpret, glu=glu, shared_x=shared_x)
+    if block_m == 16:
+        kw.update(decode_tuning())
     if isinstance(w, Fp8Weight):
         return grouped_matmul(xt, w.values, tile_expert, w_scales=w.scales, **kw)
     return grouped_matmul(xt, w.astype(xt.dtype), tile_expert, **kw)
