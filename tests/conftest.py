@@ -19,6 +19,69 @@ if _workers > 1:
 
 import pytest
 
+# Seconds a test file took under `-n 2 --dist loadfile` (its tests' setup + call, from
+# `--durations`, 2-core machine, 2026-12-07), the heaviest ones: an ordering hint, nothing more.
+# xdist's loadfile hands the files out in order, each to the first worker with room, and by
+# default orders them by their number of tests, so the files with few but slow tests (servers,
+# multi-device workers) went out last and the run's end waited on one of them while the other
+# worker idled. Heaviest first (longest-processing-time first), the many small files fill in at
+# the end: the two workers finish together. A file not listed goes after these, by its count of
+# tests as before; a stale figure only costs balance, never a test.
+FILE_SECONDS = {
+    "benchmarks/test_bench_gpu_script.py": 236,
+    "serving/test_serve_matrix.py": 158,
+    "test_disagg.py": 138,
+    "test_qwen3_5_spec.py": 128,
+    "test_spec_decode.py": 121,
+    "test_engine.py": 117,
+    "test_qwen3_moe.py": 109,
+    "test_tensor_parallel.py": 104,
+    "test_qwen3_5_tp.py": 96,
+    "test_model_parity.py": 94,
+    "serving/test_server_reasoning_tools.py": 75,
+    "test_qwen3_5.py": 66,
+    "benchmarks/test_bench_throughput.py": 64,
+    "test_compile_cache.py": 60,
+    "test_engine_process.py": 59,
+    "kernels/test_attention.py": 55,
+    "benchmarks/test_bench_real_server.py": 47,
+    "test_kv_layout.py": 46,
+    "test_multi_host.py": 41,
+    "test_qwen3_5_moe.py": 39,
+    "serving/test_server_fp8.py": 31,
+    "test_kv_scales.py": 30,
+    "test_fp8_weights.py": 29,
+    "test_kv_fp8.py": 28,
+    "test_qwen3_moe_fp8_checkpoint.py": 24,
+    "serving/test_server_thinking_model.py": 23,
+    "test_background_compile.py": 21,
+}
+TESTS = os.path.dirname(os.path.abspath(__file__))
+
+
+def pytest_configure(config):
+    """The controller keeps the workers' order of files (pytest_collection_modifyitems's)."""
+    if getattr(config.option, "dist", "no") == "loadfile":
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """Under `--dist loadfile`: the heaviest files first (FILE_SECONDS), then the rest by their
+    number of tests (xdist's own order); each file's tests in their order."""
+    if getattr(config.option, "dist", "no") != "loadfile" and not os.environ.get(
+        "PYTEST_XDIST_WORKER"
+    ):
+        return
+    files: dict[str, list] = {}
+    for item in items:
+        files.setdefault(str(item.path), []).append(item)
+
+    def key(path):
+        rel = os.path.relpath(path, TESTS).replace(os.sep, "/")
+        return (-FILE_SECONDS.get(rel, 0), -len(files[path]))
+
+    items[:] = [it for path in sorted(files, key=key) for it in files[path]]
+
 
 @pytest.fixture(scope="module", autouse=True)
 def _release_memory_between_modules():
