@@ -585,3 +585,28 @@ def test_the_kernels_decode_tuning_reaches_its_16_row_tiles(monkeypatch):
     monkeypatch.setenv("PAXENGINE_KERNEL_MOE_DECODE_TUNING", "block_m=64")
     with pytest.raises(ValueError, match="block_m=64"):
         moe.decode_tuning()
+
+
+def test_a_one_row_dot_is_a_two_row_gemm_between_barriers_on_the_gpu(monkeypatch):
+    """quant.row_dot: on the GPU a one-row x multiplies as two rows (the second zero) with an
+    optimization barrier on each side (XLA would make the vector-matrix dot a multiply that
+    writes the whole [in, out] product, then a reduce); the product is x @ w either way, and
+    elsewhere (or with more rows) it is the plain dot."""
+    from paxengine.models import quant
+
+    rng = np.random.default_rng(11)
+    w = jnp.asarray(rng.normal(size=(64, 48)), jnp.float32)
+    x1, x3 = (jnp.asarray(rng.normal(size=(m, 64)), jnp.float32) for m in (1, 3))
+
+    def prims(x):
+        jaxpr = jax.make_jaxpr(lambda x: quant.row_dot(x, w))(x).jaxpr
+        return [(q.primitive.name, [v.aval.shape for v in q.invars]) for q in jaxpr.eqns]
+
+    assert [p for p, _ in prims(x1)] == ["dot_general"]  # the CPU: the plain dot
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    got = prims(x1)
+    assert [p for p, _ in got].count("optimization_barrier") == 2
+    assert [s[0] for p, s in got if p == "dot_general"] == [(2, 64)]
+    assert [p for p, _ in prims(x3)] == ["dot_general"]  # more rows: the plain GEMM
+    for x in (x1, x3):
+        np.testing.assert_allclose(np.asarray(quant.row_dot(x, w)), np.asarray(x @ w), rtol=1e-6)

@@ -23,13 +23,13 @@ import os
 import jax
 import jax.numpy as jnp
 
-from paxengine.models.quant import Fp8Weight, gated_mlp, linear
+from paxengine.models.quant import Fp8Weight, gated_mlp, linear, row_dot
 
 
 def route(x: jax.Array, w_router, top_k: int, norm_topk_prob: bool):
     """x [T, H], w_router [H, E] -> (weights [T, k] in x's dtype, expert ids [T, k] int32), as
     HF's Qwen3MoeTopKRouter: softmax in float32, top-k, renormalised or not."""
-    logits = jnp.dot(x, w_router, preferred_element_type=jnp.float32)
+    logits = row_dot(x, w_router, preferred_element_type=jnp.float32)
     probs = jax.nn.softmax(logits, axis=-1)
     weights, ids = jax.lax.top_k(probs, top_k)
     if norm_topk_prob:

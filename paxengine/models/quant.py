@@ -274,6 +274,21 @@ def _path_for_rows(rows: int) -> str:
     return fp8_path(rows, on_gpu, on_gpu and fp8_units())
 
 
+def row_dot(x: jax.Array, w: jax.Array, preferred_element_type=None) -> jax.Array:
+    """x [M, in] @ w [in, out]; on the GPU a one-row x goes in as two rows (the second zero),
+    an optimization barrier on either side of the dot. Why: XLA rewrites a vector-matrix dot as
+    a multiply + reduce, and for Qwen3-30B-A3B's batch-1 step it wrote each layer's whole
+    [4096, 2048] out-projection product (and the router's [2048, 128] in f32) to memory and read
+    it back: 0.67 ms of multiplies and most of 1.15 ms of reductions a 5.67 ms step on the H100
+    (benchmarks/results/gpu_2026-12-07e_moe/, call P); XLA 0.11's flag for it is gone. Two rows
+    are a GEMM (each weight read once); the barriers keep XLA from slicing the row back out."""
+    dot = lambda a: jnp.dot(a, w, preferred_element_type=preferred_element_type)  # noqa: E731
+    if x.ndim != 2 or x.shape[0] != 1 or jax.default_backend() != "gpu":
+        return dot(x)
+    x2 = jax.lax.optimization_barrier(jnp.pad(x, ((0, 1), (0, 0))))
+    return jax.lax.optimization_barrier(dot(x2))[:1]
+
+
 def linear(x: jax.Array, w) -> jax.Array:
     """x [M, in] (or Fp8Rows, for an Fp8Weight on the W8A8 path) @ w for a plain [in, out]
     weight or an Fp8Weight."""

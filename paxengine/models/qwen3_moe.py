@@ -29,7 +29,14 @@ from paxengine.models.llama import (  # noqa: F401 (compute_logits: the family's
 )
 from paxengine.models.moe import moe_mlp, real_tokens
 from paxengine.models.norm import norm_into
-from paxengine.models.quant import LINEAR_WEIGHTS, Fp8Weight, gated_mlp, linear, linear_parts
+from paxengine.models.quant import (
+    LINEAR_WEIGHTS,
+    Fp8Weight,
+    gated_mlp,
+    linear,
+    linear_parts,
+    row_dot,
+)
 from paxengine.models.weights import (
     HF_LAYER_NAMES,
     LAYER_LINEAR,
@@ -254,10 +261,11 @@ def _layer(cfg: ModelConfig, attend, rope, h, w, kv, reduce=None, first_expert=N
     qkv = [w["wqkv"]] if "wqkv" in w else [w["wq"], w["wk"], w["wv"]]
     _, x = norm_into(h, None, w["attn_norm"], eps, qkv)
     o, kv = _attention(cfg, attend, rope, w, x, kv, jnp.int32(0))
-    if reduce is None:  # one device: the W8A8 product goes unscaled into the add + norm
-        delta = linear_parts(o.astype(h.dtype), w["wo"])
-    else:
-        delta = reduce(linear(o.astype(h.dtype), w["wo"]))
+    o, wo = o.astype(h.dtype), w["wo"]
+    if isinstance(wo, Fp8Weight):  # one device: the W8A8 product goes unscaled into the add + norm
+        delta = linear_parts(o, wo) if reduce is None else reduce(linear(o, wo))
+    else:  # a batch-1 step's out projection a GEMM, not XLA's multiply + reduce (quant.row_dot)
+        delta = row_dot(o, wo) if reduce is None else reduce(row_dot(o, wo))
     # an MoE layer's rows go to the (dense) router first: plain rows, never FP8 ones
     if "router" in w:
         into = [w["router"]]
