@@ -189,13 +189,24 @@ def test_chunked_prefill_equals_hf(checkpoint):
     assert _greedy(llm) == want
 
 
-def test_the_pallas_grouped_gemm_equals_hf(checkpoint, monkeypatch):
-    """The experts through kernels_pallas.moe_gemm (interpret mode; the GPU's A/B path,
-    PAXENGINE_KERNEL_MOE=pallas): chunked prefill and decode steps, routings that leave
-    experts idle."""
+def test_the_gpus_kernels_equal_hf(checkpoint, monkeypatch):
+    """The GPU's path in interpret mode: the experts through kernels_pallas.moe_gemm, the
+    Pallas attention backend, and its small buckets' QK-normed q | k | v through the fused RoPE
+    + KV-write kernel (counted: one trace a kind of layer in each of the 16-token buckets);
+    chunked prefill and decode steps, routings that leave experts idle."""
+    import kernels_pallas
+
     monkeypatch.setenv("PAXENGINE_KERNEL_MOE", "interpret")
+    fused = []
+    real = kernels_pallas.rope_write_kv
+    monkeypatch.setattr(
+        kernels_pallas, "rope_write_kv", lambda *a, **k: fused.append(1) or real(*a, **k)
+    )
     path, want = checkpoint
-    llm = LLM(model=str(path), **dict(ENGINE, max_num_batched_tokens=32))
+    engine = dict(ENGINE, max_num_batched_tokens=32, token_buckets=[16, 32], seq_buckets=[4])
+    llm = LLM(model=str(path), attention_backend="pallas", **engine)
+    assert llm.engine.runner.backend == "pallas"
+    assert len(fused) == 2  # the (16, 4) bucket's MoE and dense layers, not the 32-token one's
     assert _greedy(llm) == want
 
 

@@ -98,7 +98,9 @@ def _attention(cfg: ModelConfig, attend: Attend, rope, w: dict, x, kv_cache, lay
     fused_rope = getattr(attend, "rope_qkv", None)
     if "wqkv" in w:  # the per-layer layout fuses the projections (weights.FUSED)
         qkv = linear(x, w["wqkv"]) + (w["bqkv"] if cfg.attention_bias else 0)
-        if fused_rope is not None and not cfg.qk_norm:
+        if fused_rope is not None:
+            if cfg.qk_norm:  # (Qwen3) the heads' RMSNorm first, q | k | v one row again
+                qkv = _qk_normed(cfg, w, qkv)
             q, kv_cache = fused_rope(qkv, rope, kv_cache, layer, kv_scale)
             o = attend.attend_cached(q, kv_cache, layer, kv_scale)
             return o.reshape(t, cfg.num_heads * cfg.head_dim), kv_cache
@@ -120,6 +122,18 @@ def _attention(cfg: ModelConfig, attend: Attend, rope, w: dict, x, kv_cache, lay
     else:
         o, kv_cache = attend(q, k, v, kv_cache, layer)
     return o.reshape(t, cfg.num_heads * cfg.head_dim), kv_cache
+
+
+def _qk_normed(cfg: ModelConfig, w: dict, qkv):
+    """A fused projection's [T, (Hq + 2 Hkv) D] with its q and k heads RMS-normed (QK norm), for
+    the fused RoPE + KV-write kernel: on the GPU's batch-1 Qwen3-30B-A3B step the unfused RoPE
+    and XLA's KV-write scatters cost ~0.3 ms (benchmarks/results/gpu_2026-12-07e_moe/, call P).
+    The same ops as the unfused path's, so the same numbers."""
+    t, d, eps = qkv.shape[0], cfg.head_dim, cfg.rms_norm_eps
+    nq, nkv = cfg.num_heads * d, cfg.num_kv_heads * d
+    q = rms_norm(qkv[:, :nq].reshape(t, -1, d), w["q_norm"], eps).reshape(t, nq)
+    k = rms_norm(qkv[:, nq : nq + nkv].reshape(t, -1, d), w["k_norm"], eps).reshape(t, nkv)
+    return jnp.concatenate([q, k, qkv[:, nq + nkv :]], axis=1)
 
 
 def _layer(cfg: ModelConfig, attend: Attend, rope, carry, xs, *, reduce=_identity):
