@@ -96,7 +96,9 @@ def test_the_server_streams_one_response_per_request(pd):
     assert pd["is_engine_client"]
     assert pd["served"] == pd["want_text"]
     assert pd["streamed"] == pd["want_text"]
-    assert all(n == 8 for n in pd["stream_chunks"])  # the first token's chunk, then 7 decoded
+    # the first token's chunk, then the decoded ones: one a token, or fewer where the server
+    # merged the deltas a slow reader had not taken yet (a loaded machine), never more
+    assert all(2 <= n <= 8 for n in pd["stream_chunks"]), pd["stream_chunks"]
     assert pd["served_usage"] == [0.0, 0.0] and pd["served_free"] == [True, True]
     assert pd["served_pages"] > 0 and pd["compiles_after_warmup"] == 0
     assert pd["metrics_engines"] == ["0", "1"]
