@@ -81,12 +81,12 @@ def moe_kernel(num_tokens: int) -> str:
     return mode
 
 
-# Steps of more (token, expert) pairs than this take 64-row tiles (tile_rows). Why, unmeasured
-# until the next lease's moe_probe: with 16-row tiles each expert's weights are read once per 16
-# of its pairs (one H100, 2,048 tokens = 16,384 pairs: 1,652 us a layer, 0.73 TB/s of useful
-# bytes and ~94 TFLOP/s; benchmarks/results/gpu_2026-12-07d_moe/); past ~16 pairs an expert
-# (Qwen3-30B-A3B: 128 experts, 2,048 pairs = 256 tokens) a 64-row tile reads them a quarter as
-# often for padding rows that cost compute only.
+# Steps of more (token, expert) pairs than this take 64-row tiles (tile_rows): with 16-row tiles
+# each expert's weights are read once per 16 of its pairs; past ~16 pairs an expert (Qwen3-30B-
+# A3B: 128 experts, 2,048 pairs = 256 tokens) a 64-row tile reads them a quarter as often, for
+# padding rows that cost compute only. One H100, a 2,048-token step's experts (moe_probe): 1,153
+# us a layer with 64-row tiles (benchmarks/results/gpu_2026-12-07e_moe/) against 1,652 with
+# 16-row ones a lease before (gpu_2026-12-07d_moe/); the limit itself is not tuned yet.
 BIG_TILE_PAIRS = 2048
 
 
@@ -99,7 +99,8 @@ def tile_rows(num_pairs: int) -> int:
 
 
 # The kernel's tiling for 16-row tiles (decode-sized steps), grouped_matmul's keywords: empty
-# for its defaults (block_n 64, block_k 64, 4 warps, 3 stages).
+# for its defaults (block_n 64, block_k 64, 4 warps, 3 stages). Two sweeps on one H100 at 1 and 8
+# tokens (gpu_2026-12-07e_moe/, calls B and S) disagreed by more than their best tunings' gains.
 DECODE_TUNING: dict = {}
 TUNING_FIELDS = ("block_n", "block_k", "num_warps", "num_stages")
 
@@ -188,7 +189,8 @@ def _experts_one_token(x, weights, flat, w, interpret: bool):
     """A one-token step (batch-1 decode) through the kernel: its k experts are distinct, so each
     (token, expert) pair is a tile of its own in routing order, every tile reading the token's
     one padded tile (`shared_x`): no sort, no tile layout, no copies of the token, no scatter
-    (the kernel reads the same k experts), and the k products are summed in place. flat [k]: the experts, >= E for another device's."""
+    (the kernel reads the same k experts), and the k products are summed in place. flat [k]:
+    the experts, >= E for another device's."""
     from kernels_pallas.moe_gemm import BLOCK_M
 
     k, h = flat.shape[0], x.shape[1]
