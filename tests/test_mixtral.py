@@ -7,6 +7,8 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from test_qwen3_moe import init_weights  # noqa: E402 (its weights: 1/sqrt(fan-in), ...)
+
 from paxengine import LLM, SamplingParams  # noqa: E402
 
 PROMPTS = [[5, 9, 13, 200, 3, 77, 1, 4, 8], [(7 * i + 3) % 300 + 1 for i in range(70)]]
@@ -29,14 +31,8 @@ HF = dict(
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     torch.manual_seed(0)
-    model = transformers.MixtralForCausalLM(transformers.MixtralConfig(**HF)).float().eval()
-    with torch.no_grad():  # as test_qwen3_moe's: weights of 1/sqrt(fan-in), random norms, a
-        # decisive router
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(torch.randn_like(p) * 0.1)
-            else:
-                p.normal_(0, (2 if name.endswith("mlp.gate.weight") else 1) / p.shape[-1] ** 0.5)
+    model = init_weights(transformers.MixtralForCausalLM(transformers.MixtralConfig(**HF)))
+    model = model.float().eval()
     path = tmp_path_factory.mktemp("mixtral")
     model.save_pretrained(path)
     want = []

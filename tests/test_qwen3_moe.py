@@ -76,6 +76,40 @@ def _experts(rng, e, h, i):
     return w
 
 
+# -- tiny HF checkpoints (also test_mixtral.py's and test_qwen3_moe_fp8_checkpoint.py's) --------
+TEACHER_SEQ = [(11 * i + 5) % 300 + 1 for i in range(200)]
+
+
+def init_weights(model):
+    """Weights of 1/sqrt(fan-in) (at 0.02 the MLPs hardly move the tokens), random norms
+    (all-ones would pass unread) and a decisive router (its gate at twice that)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+            else:
+                p.normal_(0, (2 if name.endswith("mlp.gate.weight") else 1) / p.shape[-1] ** 0.5)
+    return model
+
+
+def hf_teacher_forced(model_dir):
+    """HF fp32's next token after each prefix of TEACHER_SEQ of 100..199 tokens -> (its top-1,
+    where that top-1 leads by > 0.3: the positions an FP8 model is held to)."""
+    hf = transformers.Qwen3MoeForCausalLM.from_pretrained(model_dir).float().eval()
+    with torch.no_grad():
+        logits = hf(torch.tensor([TEACHER_SEQ])).logits[0, 99:199]
+    top2 = torch.topk(logits, 2).values
+    return logits.argmax(-1).numpy(), (top2[:, 0] - top2[:, 1] > 0.3).numpy()
+
+
+def teacher_forced_agreement(llm, ref, decisive) -> float:
+    """The share of the decisive positions where llm's greedy next token is HF's."""
+    one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    outs = llm.generate([TEACHER_SEQ[:n] for n in range(100, 200)], one, use_tqdm=False)
+    got = np.array([o.outputs[0].token_ids[0] for o in outs])
+    return float((got == ref)[decisive].mean())
+
+
 @pytest.mark.parametrize("fused", [False, True])
 def test_grouped_experts_equal_a_dense_oracle(fused):
     """Random routings over 8 experts of which 3 get no token (and a step of one token, where
@@ -163,14 +197,8 @@ def _hf_greedy(model, prompts):
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     torch.manual_seed(0)
-    model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**HF)).float().eval()
-    with torch.no_grad():  # weights of 1/sqrt(fan-in) (at 0.02 the MLPs hardly move the
-        # tokens), random norms (all-ones would pass unread) and a decisive router
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(torch.randn_like(p) * 0.1)
-            else:
-                p.normal_(0, (2 if name.endswith("mlp.gate.weight") else 1) / p.shape[-1] ** 0.5)
+    model = init_weights(transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**HF)))
+    model = model.float().eval()
     path = tmp_path_factory.mktemp("qwen3_moe")
     model.save_pretrained(path)
     return path, _hf_greedy(model, PROMPTS)
@@ -379,21 +407,12 @@ def test_fp8_experts_agree_with_fp32_teacher_forced(checkpoint, tmp_path):
     from paxengine.models.quant import Fp8Weight
 
     path, _ = checkpoint
-    seq = [(11 * i + 5) % 300 + 1 for i in range(200)]
-    hf = transformers.Qwen3MoeForCausalLM.from_pretrained(path).float().eval()
-    with torch.no_grad():
-        logits = hf(torch.tensor([seq])).logits[0, 99:199]
-    top2 = torch.topk(logits, 2).values
-    decisive = (top2[:, 0] - top2[:, 1] > 0.3).numpy()
-    ref = logits.argmax(-1).numpy()
+    ref, decisive = hf_teacher_forced(path)
     fp8 = LLM(model=str(path), quantization="fp8", weights_cache_dir=str(tmp_path), **ENGINE)
     layer = fp8.engine.runner.params["layers"][0]
     assert isinstance(layer["e_gate_up"], Fp8Weight) and layer["e_gate_up"].scales.shape == (8, 64)
-    one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-    outs = fp8.generate([seq[:n] for n in range(100, 200)], one, use_tqdm=False)
-    got = np.array([o.outputs[0].token_ids[0] for o in outs])
     assert decisive.sum() >= 20
-    agree = (got == ref)[decisive].mean()
+    agree = teacher_forced_agreement(fp8, ref, decisive)
     assert agree >= 0.9, agree
 
 

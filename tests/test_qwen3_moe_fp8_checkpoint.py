@@ -17,7 +17,14 @@ transformers = pytest.importorskip("transformers")
 
 from safetensors.torch import load_file, save_file  # noqa: E402
 from test_fp8_checkpoints import E4M3, FP8_BLOCK, _blocks  # noqa: E402
-from test_qwen3_moe import ENGINE, HF, PROMPTS  # noqa: E402
+from test_qwen3_moe import (  # noqa: E402
+    ENGINE,
+    HF,
+    PROMPTS,
+    hf_teacher_forced,
+    init_weights,
+    teacher_forced_agreement,
+)
 
 from paxengine import LLM, SamplingParams  # noqa: E402
 from paxengine.models.quant import Fp8Weight, dequantize  # noqa: E402
@@ -31,13 +38,8 @@ def fp8_checkpoint(tmp_path_factory):
     Expert e's weights are scaled by 2^(e - 4) first: an expert read with another's scales
     is off by a power of two."""
     torch.manual_seed(0)
-    model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**HF)).float().eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(torch.randn_like(p) * 0.1)
-            else:
-                p.normal_(0, (2 if name.endswith("mlp.gate.weight") else 1) / p.shape[-1] ** 0.5)
+    model = init_weights(transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**HF)))
+    model = model.float().eval()
     root = tmp_path_factory.mktemp("qwen3_moe_fp8")
     model.save_pretrained(root / "dense")
     sd = load_file(str(root / "dense" / "model.safetensors"))
@@ -76,15 +78,9 @@ def test_experts_load_as_fp8_and_agree_with_hf_teacher_forced(fp8_checkpoint, tm
     dequantized weights, where fp32's top-1 leads by > 0.3 (as the online FP8 test of
     test_qwen3_moe.py); the second load comes from the converted-weights cache."""
     path, dequantized = fp8_checkpoint
-    seq = [(11 * i + 5) % 300 + 1 for i in range(200)]
-    hf = transformers.Qwen3MoeForCausalLM.from_pretrained(dequantized).float().eval()
-    with torch.no_grad():
-        logits = hf(torch.tensor([seq])).logits[0, 99:199]
-    top2 = torch.topk(logits, 2).values
-    decisive = (top2[:, 0] - top2[:, 1] > 0.3).numpy()
+    ref, decisive = hf_teacher_forced(dequantized)
     assert decisive.sum() >= 20
     sd = load_file(str(dequantized / "model.safetensors"))
-    one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     for _ in range(2):  # converted, then from the converted-weights cache
         llm = LLM(model=str(path), weights_cache_dir=str(tmp_path), **ENGINE)
         layer = llm.engine.runner.params["layers"][0]
@@ -94,9 +90,7 @@ def test_experts_load_as_fp8_and_agree_with_hf_teacher_forced(fp8_checkpoint, tm
         # expert 5's gate: the checkpoint's values times its block scale
         gate = np.asarray(dequantize(experts))[5, :, :32]
         np.testing.assert_array_equal(gate, sd["model.layers.0.mlp.experts.5.gate_proj.weight"].T)
-        outs = llm.generate([seq[:n] for n in range(100, 200)], one, use_tqdm=False)
-        got = np.array([o.outputs[0].token_ids[0] for o in outs])
-        agree = (got == logits.argmax(-1).numpy())[decisive].mean()
+        agree = teacher_forced_agreement(llm, ref, decisive)
         assert agree >= 0.9, agree
         del llm
 
