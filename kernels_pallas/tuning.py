@@ -195,6 +195,20 @@ _MOSAIC_SCHEDULE_MIN_BLOCKS = 8
 _MOSAIC_DECODE_DEFAULT = False
 
 
+def parse_tuning_spec(var: str, spec: str, fields, signed: bool = True) -> dict:
+    """An A/B knob's "name=int,name=int" (the environment variable `var`'s value) -> {name: int}
+    over `fields`; an unknown name or a value not an integer (not a non-negative one where
+    signed is False) is a ValueError naming the variable and the item."""
+    out = {}
+    for item in filter(None, spec.split(",")):
+        name, _, value = item.partition("=")
+        digits = value.lstrip("-") if signed else value
+        if name not in fields or not digits.isdigit():
+            raise ValueError(f"{var}: bad item {item!r}")
+        out[name] = int(value)
+    return out
+
+
 def is_decode_bucket(T: int, S: int) -> bool:
     """Buckets of at most 2 tokens per sequence slot run one decode-shaped launch."""
     return T <= 2 * S

@@ -20,7 +20,7 @@ from functools import partial
 import jax
 
 import kernels_pallas
-from kernels_pallas.tuning import TUNING_FIELDS, is_decode_bucket
+from kernels_pallas.tuning import TUNING_FIELDS, is_decode_bucket, parse_tuning_spec
 from kernels_pallas.xla_attention import xla_ragged_paged_attention
 from paxengine.models.config import ModelConfig
 
@@ -39,14 +39,8 @@ def decode_tuning_overrides() -> dict:
     """Tuning fields for the attention kernel's decode-bucket launches from
     PAXENGINE_KERNEL_ATTN_DECODE_TUNING ("num_warps=2,num_stages=3"; integer fields of
     kernels_pallas.tuning.Tuning): an A/B knob, part of the executables' key."""
-    spec = os.environ.get("PAXENGINE_KERNEL_ATTN_DECODE_TUNING", "")
-    out = {}
-    for item in filter(None, spec.split(",")):
-        name, _, value = item.partition("=")
-        if name not in TUNING_FIELDS or not value.lstrip("-").isdigit():
-            raise ValueError(f"PAXENGINE_KERNEL_ATTN_DECODE_TUNING: bad item {item!r}")
-        out[name] = int(value)
-    return out
+    var = "PAXENGINE_KERNEL_ATTN_DECODE_TUNING"
+    return parse_tuning_spec(var, os.environ.get(var, ""), TUNING_FIELDS)
 
 
 def _scales(kv_scale):

@@ -109,16 +109,13 @@ def decode_tuning() -> dict:
     """The kernel's keywords for 16-row tiles: DECODE_TUNING, or PAXENGINE_KERNEL_MOE_DECODE_TUNING
     ("block_n=32,block_k=256,num_warps=4,num_stages=4"; any of TUNING_FIELDS): an A/B knob, part
     of the executables' key."""
-    spec = os.environ.get("PAXENGINE_KERNEL_MOE_DECODE_TUNING")
+    from kernels_pallas.tuning import parse_tuning_spec
+
+    var = "PAXENGINE_KERNEL_MOE_DECODE_TUNING"
+    spec = os.environ.get(var)
     if spec is None:
         return dict(DECODE_TUNING)
-    out = {}
-    for item in filter(None, spec.split(",")):
-        name, _, value = item.partition("=")
-        if name not in TUNING_FIELDS or not value.isdigit():
-            raise ValueError(f"PAXENGINE_KERNEL_MOE_DECODE_TUNING: bad item {item!r}")
-        out[name] = int(value)
-    return out
+    return parse_tuning_spec(var, spec, TUNING_FIELDS, signed=False)
 
 
 def kernel_glu() -> bool:
@@ -146,10 +143,10 @@ def _swiglu(in_proj, down_proj, rows, w: dict, fused_glu=None):
 def _tiled_matmul(xt, w, tile_expert, block_m: int, interpret: bool, glu=False, shared_x=False):
     """xt [NT * block_m, in] (tile_layout's rows; shared_x: one tile's rows for every tile) @
     each tile's expert of w, in xt's dtype (glu: silu(gate) * up of a fused gate|up stack)."""
-    from kernels_pallas.moe_gemm import grouped_matmul
+    from kernels_pallas.moe_gemm import BLOCK_M, grouped_matmul
 
     kw = dict(block_m=block_m, interpret=interpret, glu=glu, shared_x=shared_x)
-    if block_m == 16:
+    if block_m == BLOCK_M:
         kw.update(decode_tuning())
     if isinstance(w, Fp8Weight):
         return grouped_matmul(xt, w.values, tile_expert, w_scales=w.scales, **kw)
