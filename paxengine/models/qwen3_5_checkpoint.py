@@ -181,8 +181,8 @@ def param_shapes(cfg: ModelConfig) -> dict:
 
 
 def load_hf(path: Path, raw: dict, progress: bool, dtype: str = "float32"):
-    """-> (config, params as numpy (matrices in `dtype`, vectors float32), per layer, meta). Vision and MTP weights are
-    skipped (said once in the log). An FP8 checkpoint (quant_method "fp8" with 128 x 128 block
+    """-> (config, params as numpy (matrices in `dtype`, vectors float32), per layer, meta).
+    Vision and MTP weights are skipped (said once in the log). An FP8 checkpoint (quant_method "fp8" with 128 x 128 block
     scales, as Qwen ships, or compressed-tensors) keeps its projections FP8 (Fp8Weight, per
     output channel: fp8_checkpoint.py); FP8 tensors of anything else (the per-head b / a gates,
     an lm_head) are dequantized; the checkpoint's KV-cache scales, if any, are the attention

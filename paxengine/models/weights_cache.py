@@ -109,7 +109,8 @@ def read_tokenizer(dst: Path) -> tuple[Tokenizer, list[int]] | None:
 
 
 def read(dst: Path) -> tuple[ModelConfig, dict, dict]:
-    """(config, params as stored: dense numpy as written, FP8 as e4m3 + scales, the load's meta)."""
+    """(config, params as stored: dense numpy as written, FP8 as e4m3 + scales, the load's
+    meta)."""
     import ml_dtypes
     from safetensors.numpy import load_file
 
