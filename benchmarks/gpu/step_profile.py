@@ -92,7 +92,8 @@ def sources(hlo_text: str) -> dict:
     """-> {HLO instruction: "file:line < caller file:line op"} from the optimized HLO's
     metadata: which lines of the model launched a fusion (a kernel's `hlo_op` is its fusion)."""
     t = _tables(hlo_text)
-    files = {k: v.strip('"').rsplit("/", 1)[-1] for k, v in t.get("FileNames", {}).items()}
+    # folder/file: paxengine/attention.py and kernels_pallas/attention.py are both attention.py
+    files = {k: "/".join(v.strip('"').split("/")[-2:]) for k, v in t.get("FileNames", {}).items()}
 
     def where(frame: int) -> tuple[str, int]:
         row = dict(re.findall(r"(\w+)=(\d+)", t.get("StackFrames", {}).get(frame, "")))
