@@ -246,6 +246,7 @@ def test_the_gpus_kernels_equal_hf(checkpoint, monkeypatch):
         (None, True, False, True),
         (4, True, True, True),
         (4, True, False, False),
+        (None, False, 32, True),
     ],
 )
 def test_the_pallas_grouped_gemm_path_equals_the_oracle(
@@ -254,7 +255,8 @@ def test_the_pallas_grouped_gemm_path_equals_the_oracle(
     """grouped_experts through the kernel: fused gate|up, one-token and 13-token steps (and
     32: a full tile beside partial ones); with first_expert, the shard of experts 4..7 (other
     pairs add nothing); FP8 stacks against the oracle of their dequantized weights; 64-row
-    tiles for steps of more than 8 pairs; the SwiGLU in the gate|up kernel (glu, the default)
+    tiles for steps of more than 8 pairs, or 32-row tiles for every step (big_tiles=32:
+    PAXENGINE_KERNEL_MOE_TILE_ROWS); the SwiGLU in the gate|up kernel (glu, the default)
     or after it."""
     from paxengine.models.quant import dequantize, quantize_fp8
 
@@ -262,9 +264,12 @@ def test_the_pallas_grouped_gemm_path_equals_the_oracle(
     monkeypatch.setenv("PAXENGINE_KERNEL_MOE_GLU", "1" if glu else "0")
     big = moe.BIG_TILE_PAIRS
     assert (moe.tile_rows(big), moe.tile_rows(big + 1)) == (16, 64)  # the default
-    if big_tiles:
+    if big_tiles is True:
         monkeypatch.setenv("PAXENGINE_KERNEL_MOE_BIG_TILE_PAIRS", "8")
         assert (moe.tile_rows(8), moe.tile_rows(9)) == (16, 64)
+    elif big_tiles:
+        monkeypatch.setenv("PAXENGINE_KERNEL_MOE_TILE_ROWS", str(big_tiles))
+        assert (moe.tile_rows(2), moe.tile_rows(big + 1)) == (big_tiles, big_tiles)
     rng = np.random.default_rng(5)
     e, h, i, k = 8, 32, 16, 2
     w = _experts(rng, e, h, i)

@@ -93,10 +93,16 @@ BIG_TILE_PAIRS = 2048
 def tile_rows(num_pairs: int) -> int:
     """The kernel's rows a tile: 16 (Triton's smallest dot; a decode step's expert has a pair
     or two), or 64 for steps of more than BIG_TILE_PAIRS (token, expert) pairs
-    (PAXENGINE_KERNEL_MOE_BIG_TILE_PAIRS overrides it; part of the executables' key)."""
+    (PAXENGINE_KERNEL_MOE_BIG_TILE_PAIRS overrides it; PAXENGINE_KERNEL_MOE_TILE_ROWS sets every
+    step's: A/B knobs, part of the executables' key)."""
     forced = os.environ.get("PAXENGINE_KERNEL_MOE_TILE_ROWS")  # an A/B knob: every step's rows
     if forced:
-        return int(forced)
+        rows = int(forced)
+        if rows < 16 or rows & (rows - 1):
+            raise ValueError(
+                f"PAXENGINE_KERNEL_MOE_TILE_ROWS must be a power of two >= 16, got {forced}"
+            )
+        return rows
     limit = int(os.environ.get("PAXENGINE_KERNEL_MOE_BIG_TILE_PAIRS", BIG_TILE_PAIRS))
     return 64 if num_pairs > limit else 16
 
