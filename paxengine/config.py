@@ -35,7 +35,9 @@ class EngineConfig:
     # page per attention block: kernels_pallas.layout.v_transposed), 16 otherwise
     block_size: int | None = None
     num_kv_blocks: int | None = None  # explicit pool size; else from the memory budget
-    gpu_memory_utilization: float = 0.9
+    # vLLM 0.26's default (its log: "the current --gpu-memory-utilization=0.9200"); at 0.9 our
+    # KV held 87,376 Qwen3-30B-A3B tokens to its 129,680 (benchmarks/results/gpu_2026-12-07f/)
+    gpu_memory_utilization: float = 0.92
     kv_cache_memory_bytes: int | None = None  # byte budget for the KV pool (CPU default: 512 MiB)
     enable_prefix_caching: bool = True
     # auto (= model dtype) | float32 | bfloat16 | fp8; a bf16 cache keeps V pages in fp16
