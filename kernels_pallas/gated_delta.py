@@ -115,8 +115,8 @@ from kernels_pallas.gated_delta_ref import (
     decode_dims,
     flat_pool,
     ref_causal_conv1d,
-    scatter_slots,
 )
+from kernels_pallas.slot_rows import copy_rows
 
 CHUNK = 16  # the chunk kernel's default chunk (the oracle's is FLA's 64: the same math)
 CHUNK_BLOCK_V, CHUNK_WARPS, CHUNK_PRECISION = 64, 4, "bf16"  # measured (module docstring)
@@ -392,18 +392,22 @@ def gated_delta_decode(
         interpret=interpret,
         name=f"gated_delta_decode_m{m}_v{block_v}",
     )(*args)
-    # the new conv windows into the pool: one scatter (after the kernel has read the pool)
-    cw = cw.reshape(S, 1 + P, C_ch, K - 1)
+    # the new conv windows into the pool, after the kernel has read it: row copies that skip
+    # the rows with nowhere to go (slot_rows.py: XLA's scatter walked those too)
+    R = C_ch * (K - 1)
+    first = jnp.arange(S, dtype=jnp.int32) * (1 + P)  # each sequence's window after its last token
     has = lens > 0
-    dst, win, write = [slots[:, 1]], [cw[:, 0]], [has]
+    src, dst = [first], [jnp.where(has, slots[:, 1], -1)]
     if snap_s is not None:
-        dst, win, write = dst + [slots[:, 2]], win + [cw[:, 0]], write + [has]
+        src, dst = src + [first], dst + [jnp.where(has, slots[:, 2], -1)]
     if P:
-        dst.append(pos_s.reshape(-1))
-        win.append(cw[:, 1:].reshape(S * P, C_ch, K - 1))
-        write.append((jnp.arange(P)[None, :] < lens[:, None]).reshape(-1))
+        p = jnp.arange(P, dtype=jnp.int32)[None, :]
+        src.append((first[:, None] + 1 + p).reshape(-1))
+        dst.append(jnp.where(p < lens[:, None], pos_s, -1).reshape(-1))
     cat = functools.partial(jnp.concatenate, axis=0)
-    cpool = scatter_slots(cpool, cat(dst), cat(win), cat(write))
+    cpool = copy_rows(
+        cpool.reshape(N, R), cw.reshape(S * (1 + P), R), cat(src), cat(dst), interpret=interpret
+    ).reshape(cpool.shape)
     return o.reshape(T, Hv, dv), cunflat(cpool), unflat(st2.reshape(pool.shape))
 
 

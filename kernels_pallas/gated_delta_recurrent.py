@@ -79,7 +79,7 @@ def recurrent_kernel(
         # The conv pool is only read: its q / k channels are read by all the G value heads and
         # dv blocks of a key head, so no program may overwrite them in place. The new windows
         # go to cw [S, 1 + P, C, K-1] (after the last token, after each of the first P), for the
-        # wrapper's scatter; q / k channels from one program of the key head.
+        # wrapper's row copies (slot_rows.py); q / k channels from one program of the key head.
         qk_writer = (h % G == 0) & (vb == 0)
         writers = (qk_writer, qk_writer, True)
         end_idx = cw_ref.shape[0]  # past the end: a masked lane that is never touched
@@ -158,7 +158,7 @@ def recurrent_kernel(
     else:
         st, win = lax.fori_loop(0, n, token, (st, win0))
     store_state(st_ref, slot_out, h, vb, st, n > 0, Hv=Hv, dk=dk, block_v=block_v)
-    if snapshot:  # the prefix cache's copy (its conv window: the wrapper's scatter)
+    if snapshot:  # the prefix cache's copy (its conv window: the wrapper's row copies)
         store_state(st_ref, slot_ref[s, 2], h, vb, st, n > 0, Hv=Hv, dk=dk, block_v=block_v)
     if conv:
         store_windows(win, 0, n > 0)
