@@ -2,10 +2,10 @@
 
     y[p] = x[p] @ W[expert[p]]        for the rows p of a step's (token, expert) pairs
 
-`models/moe.py` sorts a step's T * k pairs by expert; `jax.lax.ragged_dot` then multiplies each
-group by its expert. At decode sizes a step hits a few of the E experts (a Qwen3-30B-A3B token:
+For `jax.lax.ragged_dot`, `models/moe.py` sorts a step's T * k pairs by expert and it multiplies
+each group by its expert. At decode sizes a step hits a few of the E experts (a Qwen3-30B-A3B token:
 8 of 128), and the weight bytes a step must read are those of the distinct experts hit. This
-kernel reads exactly those: the sorted pairs are laid out in tiles of `block_m` rows that each
+kernel reads exactly those: the pairs are laid out (no sort at decode sizes) in tiles of `block_m` rows that each
 belong to one expert (`tile_layout`, vLLM's moe_align_block_size), and program (tile, n block)
 streams its expert's [K, block_n] weights once, `block_k` rows a step, into an f32 accumulator
 for the tile's rows (Triton's dot: block_m >= 16; a decode tile holds one pair and 15 zero
@@ -39,16 +39,39 @@ def max_tiles(num_rows: int, num_experts: int, block_m: int = BLOCK_M) -> int:
     return -(-num_rows // block_m) + min(num_rows, num_experts)
 
 
-def tile_layout(sorted_ids: jax.Array, num_experts: int, block_m: int = BLOCK_M):
-    """sorted_ids [M] (each pair's expert, ascending; >= num_experts: a pair no local expert
-    takes, sorted last) -> (tile_expert [NT] (-1: an unused tile), row_of [M] (each pair's row in
-    the tiled layout [NT * block_m], or NT * block_m for a pair without a tile), src [NT *
-    block_m] (the pair each tiled row holds, or M for padding))."""
-    M = sorted_ids.shape[0]
+# Up to this many pairs a pair's rank in its expert's group is counted pairwise ([M, M], one
+# fused reduce: a decode step's 8 to 4,096 pairs); past it (prefill steps) by a stable argsort.
+# The argsort cost a Qwen3-30B-A3B decode step 0.3 ms (8 tokens) to 0.85 ms (256) on the H100
+# (benchmarks/results/gpu_2026-12-07f/, `models/moe.py:227 sort`).
+PAIRWISE_RANK_MAX = 4096
+
+
+def _rank_in_group(ids: jax.Array, sizes: jax.Array) -> jax.Array:
+    """[M]: how many earlier pairs (in ids' order) have each pair's expert."""
+    M = ids.shape[0]
+    p = jnp.arange(M, dtype=jnp.int32)
+    if M <= PAIRWISE_RANK_MAX:
+        earlier = (ids[None, :] == ids[:, None]) & (p[None, :] < p[:, None])
+        return jnp.sum(earlier, axis=1, dtype=jnp.int32)
+    order = jnp.argsort(ids, stable=True).astype(jnp.int32)
+    group_start = jnp.cumsum(sizes) - sizes
+    e_sorted = jnp.minimum(ids[order], sizes.shape[0] - 1)
+    return jnp.zeros(M, jnp.int32).at[order].set(p - group_start[e_sorted])
+
+
+def tile_layout(ids: jax.Array, num_experts: int, block_m: int = BLOCK_M):
+    """ids [M] (each pair's expert, in any order; >= num_experts: a pair no local expert takes)
+    -> (tile_expert [NT] (-1: an unused tile), row_of [M] (each pair's row in the tiled layout
+    [NT * block_m], or NT * block_m for a pair without a tile), src [NT * block_m] (the pair
+    each tiled row holds, or M for padding)). Tiles go by expert, ascending; within an expert
+    its pairs keep their order (`_rank_in_group`)."""
+    M = ids.shape[0]
     NT = max_tiles(M, num_experts, block_m)
-    ids = jnp.asarray(sorted_ids, jnp.int32)
+    ids = jnp.asarray(ids, jnp.int32)
+    local = ids < num_experts
+    e = jnp.minimum(ids, num_experts - 1)
     sizes = jnp.zeros(num_experts, jnp.int32).at[ids].add(1, mode="drop")
-    group_start = jnp.cumsum(sizes) - sizes  # pair index of each group's first row
+    within = _rank_in_group(ids, sizes)
     tiles = -(-sizes // block_m)
     tile_start = jnp.cumsum(tiles) - tiles
     used = jnp.sum(tiles)
@@ -58,9 +81,6 @@ def tile_layout(sorted_ids: jax.Array, num_experts: int, block_m: int = BLOCK_M)
     e_of_t = jnp.max(jnp.where(starts, jnp.arange(num_experts)[None, :], -1), axis=1)
     tile_expert = jnp.where(t < used, e_of_t, -1).astype(jnp.int32)
     p = jnp.arange(M, dtype=jnp.int32)
-    local = ids < num_experts
-    e = jnp.minimum(ids, num_experts - 1)
-    within = p - group_start[e]
     row_of = jnp.where(local, tile_start[e] * block_m + within, NT * block_m)
     src = jnp.full((NT * block_m,), M, jnp.int32).at[row_of].set(p, mode="drop")
     return tile_expert, row_of.astype(jnp.int32), src
@@ -168,11 +188,11 @@ def grouped_matmul(
     )(*args)
 
 
-def grouped_pairs_matmul(xs, w, sorted_ids, *, w_scales=None, interpret=False, **tuning):
-    """xs [M, K] (the pairs' rows, sorted by expert) @ each row's expert -> [M, N]: the tiled
-    layout, the kernel, and the rows back in pair order (a pair no local expert takes: 0)."""
+def grouped_pairs_matmul(xs, w, ids, *, w_scales=None, interpret=False, **tuning):
+    """xs [M, K] (the pairs' rows, any order) @ each row's expert -> [M, N]: the tiled layout,
+    the kernel, and the rows back in pair order (a pair no local expert takes: 0)."""
     E = w.shape[0]
-    tile_expert, row_of, src = tile_layout(sorted_ids, E)
+    tile_expert, row_of, src = tile_layout(ids, E)
     M = xs.shape[0]
     tiled = jnp.concatenate([xs, jnp.zeros((1, xs.shape[1]), xs.dtype)])[src]
     y = grouped_matmul(tiled, w, tile_expert, w_scales=w_scales, interpret=interpret, **tuning)

@@ -314,7 +314,8 @@ def test_padding_tokens_route_to_no_expert(mode, monkeypatch):
 
 def test_steps_past_the_kernels_token_limit_take_ragged_dot(monkeypatch):
     """PAXENGINE_KERNEL_MOE_MAX_TOKENS=4: a 4-token step runs the Pallas kernel, a 5-token
-    step jax.lax.ragged_dot (the kernel's 16-row tiles suit decode-sized steps only)."""
+    step jax.lax.ragged_dot (the kernel's 16-row tiles suit decode-sized steps only); the
+    kernel path's layout sorts nothing until the pairs pass PAIRWISE_RANK_MAX."""
     monkeypatch.setenv("PAXENGINE_KERNEL_MOE", "interpret")
     monkeypatch.setenv("PAXENGINE_KERNEL_MOE_MAX_TOKENS", "4")
     e, h, i, k = 8, 32, 16, 2
@@ -337,7 +338,12 @@ def test_steps_past_the_kernels_token_limit_take_ragged_dot(monkeypatch):
     assert "ragged_dot_general" in prims(5) and "pallas_call" not in prims(5)
     # a one-token step: each pair a tile of its own, no sort, no scatter (_experts_one_token)
     assert "pallas_call" in prims(1) and not {"sort", "scatter-add", "scatter"} & prims(1)
-    assert {"sort", "scatter-add"} <= prims(2)
+    # decode-sized steps: no argsort (kernels_pallas.moe_gemm.PAIRWISE_RANK_MAX); past it one
+    assert "scatter-add" in prims(2) and "sort" not in prims(2)
+    import kernels_pallas.moe_gemm as mg
+
+    monkeypatch.setattr(mg, "PAIRWISE_RANK_MAX", 4)
+    assert "sort" in prims(3) and "sort" not in prims(2)
 
 
 def test_the_gpus_default_is_the_kernel(monkeypatch):

@@ -162,22 +162,23 @@ def _tiled_matmul(xt, w, tile_expert, block_m: int, interpret: bool, glu=False, 
     return grouped_matmul(xt, w.astype(xt.dtype), tile_expert, **kw)
 
 
-def _experts_tiled(x, weights, w, order, sorted_ids, interpret: bool):
-    """grouped_experts through the Pallas kernel: the pairs laid out once in tiles of one
-    expert each (`tile_layout`), each tiled row gathered straight from its token, the three
-    projections on the tiled rows, and the weighted products added straight into their tokens
-    (a decode step's layer is a few XLA ops besides the kernels: on the H100 ~25 small ones a
-    layer cost a batch-1 step of Qwen3-30B-A3B ~4 ms of its 6.7)."""
+def _experts_tiled(x, weights, w, flat, interpret: bool):
+    """grouped_experts through the Pallas kernel: the pairs (flat [T * k], each one's expert)
+    laid out once in tiles of one expert each (`tile_layout`: no sort at decode sizes), each
+    tiled row gathered straight from its token, the three projections on the tiled rows, and
+    the weighted products added straight into their tokens (a decode step's layer is a few XLA
+    ops besides the kernels: on the H100 ~25 small ones a layer cost a batch-1 step of
+    Qwen3-30B-A3B ~4 ms of its 6.7)."""
     from kernels_pallas.moe_gemm import tile_layout
 
     t, h = x.shape
     k = weights.shape[1]
     num_experts = w["e_down"].shape[0]
-    m = sorted_ids.shape[0]
+    m = flat.shape[0]
     block_m = tile_rows(m)
-    tile_expert, _, src = tile_layout(sorted_ids, num_experts, block_m)  # src: pair, or m
+    tile_expert, _, src = tile_layout(flat, num_experts, block_m)  # src: pair, or m
     real = src < m  # rows of a pair (not padding, not an unused tile's)
-    pair = order[jnp.minimum(src, m - 1)]  # the pair's index in the unsorted [T * k]
+    pair = jnp.minimum(src, m - 1)  # the pair's index in the [T * k] routing
     token = jnp.where(real, pair // k, t)  # t: a zero row in, dropped out
     xt = jnp.concatenate([x, jnp.zeros((1, h), x.dtype)])[token]
     mm = functools.partial(
@@ -233,10 +234,10 @@ def grouped_experts(
     mode = moe_kernel(t)
     if mode != "xla" and t == 1:
         return _experts_one_token(x, weights, flat, w, mode == "interpret")
+    if mode != "xla":  # (pairs with another device's experts get no tile)
+        return _experts_tiled(x, weights, w, flat, mode == "interpret")
     order = jnp.argsort(flat, stable=True)  # the (token, expert) pairs, grouped by expert
     sorted_ids = flat[order]
-    if mode != "xla":  # (pairs with another device's experts get no tile)
-        return _experts_tiled(x, weights, w, order, sorted_ids, mode == "interpret")
     row_expert = jnp.minimum(sorted_ids, num_experts - 1)  # (FP8 scales of local rows only)
     token = order // k
     sizes = jnp.zeros(num_experts, jnp.int32).at[flat].add(1, mode="drop")

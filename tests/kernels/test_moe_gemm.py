@@ -26,10 +26,20 @@ def _routing(rng, M, E, foreign=0):
     return jnp.asarray(np.sort(np.r_[ids, np.full(foreign, E)]), jnp.int32)
 
 
-def test_tile_layout_puts_each_pair_in_a_tile_of_its_expert():
+@pytest.mark.parametrize("order", ["sorted", "shuffled", "shuffled_argsort"])
+def test_tile_layout_puts_each_pair_in_a_tile_of_its_expert(order, monkeypatch):
+    """Sorted or not (a step's routing as it comes), by the pairwise rank or (past
+    PAIRWISE_RANK_MAX pairs) the argsort: each pair in a tile of its expert, tiles ascending
+    by expert, an expert's pairs in their order, foreign pairs without a row."""
+    import kernels_pallas.moe_gemm as mg
+
+    if order == "shuffled_argsort":
+        monkeypatch.setattr(mg, "PAIRWISE_RANK_MAX", 8)
     rng = np.random.default_rng(0)
     E, M = 12, 50
     ids = _routing(rng, M, E, foreign=3)
+    if order != "sorted":
+        ids = jnp.asarray(rng.permutation(np.asarray(ids)))
     te, row_of, src = map(np.asarray, tile_layout(ids, E))
     NT = max_tiles(M, E)
     assert te.shape == (NT,) and src.shape == (NT * BLOCK_M,)
@@ -37,6 +47,8 @@ def test_tile_layout_puts_each_pair_in_a_tile_of_its_expert():
     for p in range(M):
         if ids[p] < E:
             assert te[row_of[p] // BLOCK_M] == ids[p] and src[row_of[p]] == p
+            later = [q for q in range(p + 1, M) if ids[q] == ids[p]]
+            assert all(row_of[q] > row_of[p] for q in later)
         else:
             assert row_of[p] == NT * BLOCK_M
     used = te[te >= 0]
