@@ -262,14 +262,14 @@ def test_the_pallas_grouped_gemm_path_equals_the_oracle(
 
     monkeypatch.setenv("PAXENGINE_KERNEL_MOE", "interpret")
     monkeypatch.setenv("PAXENGINE_KERNEL_MOE_GLU", "1" if glu else "0")
-    big = moe.BIG_TILE_PAIRS
-    assert (moe.tile_rows(big), moe.tile_rows(big + 1)) == (16, 64)  # the default
+    big = moe.BIG_TILE_PAIRS_PER_EXPERT * 128  # the default, Qwen3-30B-A3B's 128 experts
+    assert (moe.tile_rows(big, 128), moe.tile_rows(big + 1, 128)) == (16, 64)
     if big_tiles is True:
         monkeypatch.setenv("PAXENGINE_KERNEL_MOE_BIG_TILE_PAIRS", "8")
-        assert (moe.tile_rows(8), moe.tile_rows(9)) == (16, 64)
+        assert (moe.tile_rows(8, 8), moe.tile_rows(9, 8)) == (16, 64)
     elif big_tiles:
         monkeypatch.setenv("PAXENGINE_KERNEL_MOE_TILE_ROWS", str(big_tiles))
-        assert (moe.tile_rows(2), moe.tile_rows(big + 1)) == (big_tiles, big_tiles)
+        assert (moe.tile_rows(2, 8), moe.tile_rows(big + 1, 128)) == (big_tiles, big_tiles)
     rng = np.random.default_rng(5)
     e, h, i, k = 8, 32, 16, 2
     w = _experts(rng, e, h, i)

@@ -81,20 +81,23 @@ def moe_kernel(num_tokens: int) -> str:
     return mode
 
 
-# Steps of more (token, expert) pairs than this take 64-row tiles (tile_rows): with 16-row tiles
-# each expert's weights are read once per 16 of its pairs; past ~16 pairs an expert (Qwen3-30B-
-# A3B: 128 experts, 2,048 pairs = 256 tokens) a 64-row tile reads them a quarter as often, for
-# padding rows that cost compute only. One H100, a 2,048-token step's experts (moe_probe): 1,153
-# us a layer with 64-row tiles (benchmarks/results/gpu_2026-12-07e_moe/) against 1,652 with
-# 16-row ones a lease before (gpu_2026-12-07d_moe/); the limit itself is not tuned yet.
-BIG_TILE_PAIRS = 2048
+# Steps of more (token, expert) pairs than this many per expert take 64-row tiles (tile_rows):
+# each tile reads its expert's weights, so with 16-row tiles an expert of ~16 pairs is read about
+# twice; a 64-row tile reads it once, its padding rows costing compute only (hidden under the
+# weight stream: a step of 128 experts in 64-row tiles is ~4 TFLOP against ~17 ms of weights).
+# One H100 (benchmarks/results/gpu_2026-12-07f/): a 256-sequence decode step of Qwen3-30B-A3B
+# (2,048 pairs, 16 an expert) spent 46 ms in 16-row kernels where a 64-sequence step, every
+# expert hit too, spent 21; a 2,048-token step's layer took 1,153 us in 64-row tiles against
+# 1,652 in 16-row ones (gpu_2026-12-07e_moe/, _07d_moe/). 8: Qwen3-30B-A3B's 256-token steps
+# and up (was 2,048 pairs flat: its 257-token steps and up).
+BIG_TILE_PAIRS_PER_EXPERT = 8
 
 
-def tile_rows(num_pairs: int) -> int:
+def tile_rows(num_pairs: int, num_experts: int) -> int:
     """The kernel's rows a tile: 16 (Triton's smallest dot; a decode step's expert has a pair
-    or two), or 64 for steps of more than BIG_TILE_PAIRS (token, expert) pairs
-    (PAXENGINE_KERNEL_MOE_BIG_TILE_PAIRS overrides it; PAXENGINE_KERNEL_MOE_TILE_ROWS sets every
-    step's: A/B knobs, part of the executables' key)."""
+    or two), or 64 for steps of more than BIG_TILE_PAIRS_PER_EXPERT pairs an expert
+    (PAXENGINE_KERNEL_MOE_BIG_TILE_PAIRS sets the limit in pairs; PAXENGINE_KERNEL_MOE_TILE_ROWS
+    sets every step's rows: A/B knobs, part of the executables' key)."""
     forced = os.environ.get("PAXENGINE_KERNEL_MOE_TILE_ROWS")  # an A/B knob: every step's rows
     if forced:
         rows = int(forced)
@@ -103,7 +106,8 @@ def tile_rows(num_pairs: int) -> int:
                 f"PAXENGINE_KERNEL_MOE_TILE_ROWS must be a power of two >= 16, got {forced}"
             )
         return rows
-    limit = int(os.environ.get("PAXENGINE_KERNEL_MOE_BIG_TILE_PAIRS", BIG_TILE_PAIRS))
+    limit = os.environ.get("PAXENGINE_KERNEL_MOE_BIG_TILE_PAIRS")
+    limit = int(limit) if limit else BIG_TILE_PAIRS_PER_EXPERT * num_experts
     return 64 if num_pairs > limit else 16
 
 
@@ -175,7 +179,7 @@ def _experts_tiled(x, weights, w, flat, interpret: bool):
     k = weights.shape[1]
     num_experts = w["e_down"].shape[0]
     m = flat.shape[0]
-    block_m = tile_rows(m)
+    block_m = tile_rows(m, num_experts)
     tile_expert, _, src = tile_layout(flat, num_experts, block_m)  # src: pair, or m
     real = src < m  # rows of a pair (not padding, not an unused tile's)
     pair = jnp.minimum(src, m - 1)  # the pair's index in the [T * k] routing
