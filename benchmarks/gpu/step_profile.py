@@ -7,8 +7,8 @@ computation, a custom call such as a Pallas kernel, a cuBLAS GEMM), per decode s
 XLA's command buffers (CUDA graphs) are turned off here (`XLA_FLAGS`), or the profile shows
 one graph per step instead of its kernels: run it as
 `XLA_FLAGS=--xla_gpu_enable_command_buffer= python3 -m benchmarks.gpu.step_profile ...`.
-Buckets are narrowed (token 1 / 64 / 512, sequences 8 / 64) so the start fits one device call:
-it profiles the model's step, not the engine's defaults. The ITL printed beside each profile is
+Buckets are narrowed (token 1 / 64 / 512, sequences 8 / --max-seqs, and the buckets the engine's
+GPU defaults decode each --batch in: `profile_buckets`) so the start fits one device call. The ITL printed beside each profile is
 the same run's (steps timed from the host, profiler off), not a benchmark number. Kernel times
 are per decode step: a profiled run of 8 tokens subtracted from one of 8 + --steps.
 """
@@ -131,6 +131,22 @@ def family(op: str) -> str:
     return re.sub(r"[._]\d+$", "", re.sub(r"\.\d+(\.clone)*$", "", op))
 
 
+def profile_buckets(batches, max_seqs: int) -> tuple[list, list]:
+    """(token buckets, sequence buckets): 1 / 64 / 512 tokens and 8 sequences for the prompts'
+    prefill and a small step, plus the buckets the engine's GPU defaults decode each batch in
+    (device_defaults' ladders at 8,192 / max_seqs: 300 sequences in 320 tokens x 512 rows), so a
+    profiled step pads as the engine's does."""
+    from paxengine.device_defaults import gpu_seq_buckets, gpu_token_buckets
+
+    ladder_t = gpu_token_buckets(8192, max_seqs)
+    ladder_s = gpu_seq_buckets(max_seqs)
+    tokens, seqs = {1, 64, 512, max_seqs}, {8, max_seqs}
+    for b in batches:
+        tokens.add(min([t for t in ladder_t if t >= b], default=max_seqs))
+        seqs.add(min([s for s in ladder_s if s >= b], default=max_seqs))
+    return sorted(t for t in tokens if t <= max(512, max_seqs)), sorted(seqs)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", required=True)
@@ -147,13 +163,14 @@ def main(argv=None) -> int:
     from paxengine import LLM, SamplingParams
 
     t0 = time.perf_counter()
+    tokens, seqs = profile_buckets(a.batch, a.max_seqs)
     llm = LLM(
         model=a.model,
         max_model_len=4096,
         max_num_seqs=a.max_seqs,
         max_num_batched_tokens=max(512, a.max_seqs),
-        token_buckets=sorted({1, 64, 512, a.max_seqs}),
-        seq_buckets=sorted({8, a.max_seqs}),
+        token_buckets=tokens,
+        seq_buckets=seqs,
         show_progress=False,
         **(
             {"gpu_memory_utilization": a.gpu_memory_utilization} if a.gpu_memory_utilization else {}

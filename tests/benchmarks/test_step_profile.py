@@ -46,3 +46,12 @@ def test_step_key_is_the_smallest_bucket_that_holds_the_batch():
     assert step_key(compiled, 1) == (1, 8)
     assert step_key(compiled, 8) == (64, 8)
     assert step_key(compiled, 100) is None
+
+
+def test_profile_buckets_pad_each_batch_as_the_engine_does():
+    """A profiled batch decodes in the buckets of the GPU defaults' ladders (300 sequences: 320
+    tokens in 512 rows; 8: 16 tokens in 8 rows), beside the prefill's and a small step's."""
+    from benchmarks.gpu.step_profile import profile_buckets
+
+    assert profile_buckets([256, 300], 512) == ([1, 64, 256, 320, 512], [8, 256, 512])
+    assert profile_buckets([1, 8], 64) == ([1, 16, 64, 512], [8, 64])
