@@ -150,6 +150,31 @@ def test_converted_weights_cache_round_trip(tmp_path):
     )
 
 
+def test_the_weights_cache_is_read_in_place(tmp_path):
+    """A cache entry's tensors are views of a memory map of its file (nothing copied into the
+    process until placed); a truncated entry is converted again."""
+    import mmap
+
+    from paxengine.models import weights_cache
+
+    cold = load_model(None, "float32", cache_dir=str(tmp_path), progress=False)
+    (entry,) = (tmp_path / "weights").iterdir()
+    _, params, _ = weights_cache.read(entry)
+    wq, base = params["layers"]["wq"], params["layers"]["wq"]
+    while getattr(base, "base", None) is not None and not isinstance(base, mmap.mmap):
+        base = base.base
+    assert isinstance(base, mmap.mmap)
+    np.testing.assert_array_equal(wq, np.asarray(cold.params["layers"]["wq"]))
+    f = entry / "params.safetensors"
+    with open(f, "r+b") as fh:
+        fh.truncate(f.stat().st_size // 2)
+    again = load_model(None, "float32", cache_dir=str(tmp_path), progress=False)
+    assert not again.from_cache
+    np.testing.assert_array_equal(
+        np.asarray(again.params["layers"]["wq"]), np.asarray(cold.params["layers"]["wq"])
+    )
+
+
 def test_dummy_preset_has_real_shapes():
     m = load_model("dummy:tiny", "float32")
     assert m.params["layers"]["wq"].shape == (2, 64, 64)

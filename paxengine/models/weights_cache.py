@@ -108,11 +108,46 @@ def read_tokenizer(dst: Path) -> tuple[Tokenizer, list[int]] | None:
     return tok, list(tok.eos_token_ids)
 
 
-def read(dst: Path) -> tuple[ModelConfig, dict, dict]:
-    """(config, params as stored: dense numpy as written, FP8 as e4m3 + scales, the load's
-    meta)."""
+# safetensors' dtype names -> numpy's (ml_dtypes for bfloat16 and e4m3)
+def _dtypes() -> dict:
     import ml_dtypes
-    from safetensors.numpy import load_file
+
+    return {
+        "F64": np.float64,
+        "F32": np.float32,
+        "F16": np.float16,
+        "BF16": ml_dtypes.bfloat16,
+        "F8_E4M3": ml_dtypes.float8_e4m3fn,
+        "I64": np.int64,
+        "I32": np.int32,
+        "I16": np.int16,
+        "I8": np.int8,
+        "U8": np.uint8,
+        "BOOL": np.bool_,
+    }
+
+
+def mapped(path: Path) -> dict:
+    """A safetensors file's tensors as read-only views of one memory map of it: nothing is read
+    until used, and what the device takes is paged in from the file, not copied into the
+    process (a 61 GB model placed tensor by tensor never sits whole in host memory)."""
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+    data = np.memmap(path, dtype=np.uint8, mode="r")
+    dtypes, out = _dtypes(), {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        begin, end = (8 + n + o for o in info["data_offsets"])
+        out[name] = data[begin:end].view(dtypes[info["dtype"]]).reshape(info["shape"])
+    return out
+
+
+def read(dst: Path) -> tuple[ModelConfig, dict, dict]:
+    """(config, params as stored: dense numpy as written, FP8 as e4m3 + scales, each a view of
+    the file's memory map (`mapped`), the load's meta)."""
+    import ml_dtypes
 
     raw = json.loads((dst / "model_config.json").read_text())
     if raw.get("rope_scaling"):
@@ -121,7 +156,7 @@ def read(dst: Path) -> tuple[ModelConfig, dict, dict]:
     meta = json.loads((dst / "load_meta.json").read_text())
     if meta["kv_scales"] is not None:
         meta["kv_scales"] = np.asarray(meta["kv_scales"], np.float32)
-    flat = load_file(str(dst / "params.safetensors"))
+    flat = mapped(dst / "params.safetensors")
     for k in [k for k in flat if k.endswith(_FP8_VALUES)]:
         name = k.removesuffix(_FP8_VALUES)
         values = flat.pop(k).view(ml_dtypes.float8_e4m3fn)  # the bytes as they are: no float32
