@@ -651,3 +651,45 @@ def test_a_one_row_dot_is_a_two_row_gemm_between_barriers_on_the_gpu(monkeypatch
     assert [p for p, _ in prims(x3)] == ["dot_general"]  # more rows: the plain GEMM
     for x in (x1, x3):
         np.testing.assert_allclose(np.asarray(quant.row_dot(x, w)), np.asarray(x @ w), rtol=1e-6)
+
+
+@pytest.mark.parametrize("quantization", [None, "fp8"])
+def test_a_conversion_holds_one_layer_at_a_time(checkpoint, tmp_path, monkeypatch, quantization):
+    """A converting load (a cold weights cache) goes layer by layer into the cache file (#55:
+    no full copy in host memory): when a layer reaches the cache, the arrays of every layer
+    before it are gone; what it reads back equals the in-memory conversion's (no cache)."""
+    import weakref
+
+    from paxengine.models import loader, weights_cache
+    from paxengine.models.weights import flatten
+
+    path, _ = checkpoint
+    handed: list = []  # per layer: weak references to the arrays the loader wrote
+    add = weights_cache.StreamWriter.add
+
+    def watch(self, params, prefix=""):
+        if prefix.startswith("layers."):
+            alive = [i for i, refs in enumerate(handed) if any(r() is not None for r in refs)]
+            assert not alive, f"layers {alive} still in memory at {prefix}"
+            leaves = [
+                a
+                for v in flatten(params).values()
+                for a in ((v.values, v.scales) if hasattr(v, "values") else (v,))
+            ]
+            handed.append([weakref.ref(a) for a in leaves])
+        return add(self, params, prefix)
+
+    monkeypatch.setattr(weights_cache.StreamWriter, "add", watch)
+    kw = dict(quantization=quantization, progress=False)
+    streamed = loader.load_model(str(path), "float32", cache_dir=str(tmp_path), **kw)
+    assert len(handed) == streamed.config.num_layers and not streamed.from_cache
+    whole = loader.load_model(str(path), "float32", use_cache=False, **kw)
+    a, b = flatten(streamed.params), flatten(whole.params)
+    assert a.keys() == b.keys()
+    for k in a:
+        x, y = (a[k], b[k]) if not hasattr(a[k], "values") else (a[k].values, b[k].values)
+        np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32), k)
+        if hasattr(a[k], "scales"):
+            np.testing.assert_array_equal(np.asarray(a[k].scales), np.asarray(b[k].scales))
+    warm = loader.load_model(str(path), "float32", cache_dir=str(tmp_path), **kw)
+    assert warm.from_cache

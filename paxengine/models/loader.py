@@ -167,6 +167,18 @@ def load_model(
         except Exception:
             pass  # a broken cache entry is rebuilt below
     tokenizer, eos = _load_tokenizer(path)
+    if cached is not None and path.is_dir():
+        streamed = _convert_layer_by_layer(
+            path, dtype, progress, quantization, cached, tokenizer, eos
+        )
+        if streamed is not None:
+            cfg, params, meta = streamed
+            if meta["prequantized"] and _dense_linear(params):  # FP8 tensors without a config
+                log.info("fp8: quantizing %s online", ", ".join(_dense_linear(params)))
+                params = quantize_params(params)
+            return LoadedModel(
+                cfg, _place(params, dtype, on_device), tokenizer, str(path), eos, False, **meta
+            )
     if path.is_file():
         cfg, params = _load_gguf(path, progress)
         meta = {"kv_scales": None, "prequantized": None}
@@ -192,6 +204,54 @@ def load_model(
     return LoadedModel(
         cfg, _place(params, dtype, on_device), tokenizer, str(path), eos, False, **meta
     )
+
+
+def _convert_layer_by_layer(path: Path, dtype, progress, quantization, cached, tokenizer, eos):
+    """A per-layer family's HF checkpoint (its `load_hf` takes on_layer: Qwen3.5, the MoE
+    families) converted one layer at a time straight into the weights cache (`quantization`
+    "fp8": each layer's dense projections quantized first), then read back through the cache
+    file's memory map: no point of the load holds the whole model in host memory (#55).
+    -> (config, params, meta), or None where this does not apply (the Llama layout stacks its
+    layers; a checkpoint that ships a quantization config; no config.json) or the cache cannot
+    be written: the caller converts in memory."""
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        return None
+    raw = json.loads(cfg_file.read_text())
+    try:
+        family = registry.family(registry.family_name(raw))
+    except ValueError:
+        return None  # the in-memory path says it clearly
+    if family.load_hf is None or raw.get("quantization_config") or raw.get("compression_config"):
+        return None
+    layers = registry.config_from_hf(raw).num_layers
+    try:
+        writer = weights_cache.StreamWriter(cached, weights_cache.header_reserve(layers))
+    except OSError:
+        return None
+    logged = False
+
+    def on_layer(i: int, layer: dict) -> None:
+        nonlocal logged
+        dense = [k for k in LINEAR_WEIGHTS if k in layer and not isinstance(layer[k], Fp8Weight)]
+        if quantization == "fp8" and dense:
+            if not logged:
+                log.info("fp8: quantizing %s online (per output channel)", ", ".join(dense))
+                logged = True
+            layer = quantize_params({"layers": [layer]})["layers"][0]
+        writer.add(layer, f"layers.{i}.")
+
+    try:
+        cfg, params, meta = family.load_hf(path, raw, progress, dtype, on_layer=on_layer)
+        writer.add({k: v for k, v in params.items() if k != "layers"})
+        writer.finish(cfg, tokenizer, eos, meta)
+    except OSError:
+        writer.abort()
+        return None
+    except BaseException:
+        writer.abort()
+        raise
+    return weights_cache.read(cached)
 
 
 load_model.__doc__ %= ", ".join(sorted(PRESETS))

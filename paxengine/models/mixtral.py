@@ -60,5 +60,7 @@ def _rename(rest: str) -> str:
     return rest.replace("block_sparse_moe.", "mlp.", 1)
 
 
-def load_hf(path: Path, raw: dict, progress: bool, dtype: str = "float32"):
-    return read_checkpoint(path, raw, from_hf_config(raw), progress, rename=_rename, dtype=dtype)
+def load_hf(path: Path, raw: dict, progress: bool, dtype: str = "float32", on_layer=None):
+    return read_checkpoint(
+        path, raw, from_hf_config(raw), progress, rename=_rename, dtype=dtype, on_layer=on_layer
+    )

@@ -16,7 +16,7 @@ import numpy as np
 from paxengine.models import qwen3_moe
 from paxengine.models.config import ModelConfig
 from paxengine.models.quant import LINEAR_WEIGHTS, Fp8Weight
-from paxengine.models.weights import check_per_layer_shapes, random_per_layer
+from paxengine.models.weights import check_per_layer_shapes, keys_by_layer, random_per_layer
 
 log = logging.getLogger("paxengine.models.qwen3_5")
 
@@ -180,58 +180,36 @@ def param_shapes(cfg: ModelConfig) -> dict:
     return shapes
 
 
-def load_hf(path: Path, raw: dict, progress: bool, dtype: str = "float32"):
+def load_hf(path: Path, raw: dict, progress: bool, dtype: str = "float32", on_layer=None):
     """-> (config, params as numpy (matrices in `dtype`, vectors float32), per layer, meta).
-    Vision and MTP weights are skipped (said once in the log). An FP8 checkpoint (quant_method "fp8" with 128 x 128 block
-    scales, as Qwen ships, or compressed-tensors) keeps its projections FP8 (Fp8Weight, per
-    output channel: fp8_checkpoint.py); FP8 tensors of anything else (the per-head b / a gates,
-    an lm_head) are dequantized; the checkpoint's KV-cache scales, if any, are the attention
-    layers'."""
+    Vision and MTP weights are skipped (said once in the log). An FP8 checkpoint (quant_method
+    "fp8" with 128 x 128 block scales, as Qwen ships, or compressed-tensors) keeps its
+    projections FP8 (Fp8Weight, per output channel: fp8_checkpoint.py); FP8 tensors of anything
+    else (the per-head b / a gates, an lm_head) are dequantized; the checkpoint's KV-cache
+    scales, if any, are the attention layers'. The layers are read one after another; with
+    on_layer each goes to on_layer(i, layer) once read and is not kept (params["layers"] is
+    then None: a conversion holds one layer in host memory at a time)."""
     from tqdm import tqdm
 
     from paxengine.models import fp8_checkpoint as fp8
 
     cfg = from_hf_config(raw)
     reader = fp8.CheckpointReader(path, raw, dtype)
-    layers: list[dict] = [{} for _ in range(cfg.num_layers)]
-    experts: list[dict] = [{} for _ in range(cfg.num_layers)]  # MoE layers' expert slices
+    top, per_layer = keys_by_layer(reader.keys(), ("model.language_model.", "model."))
+    bar = tqdm(desc=f"loading {path.name}", unit="tensor", disable=not progress)
     params: dict = {}
     kv: dict[tuple[int, int], float] = {}
     skipped = {"vision": 0, "mtp": 0}
-    keys = reader.keys()
-    for key in tqdm(keys, desc=f"loading {path.name}", unit="tensor", disable=not progress):
-        name = key
-        for prefix in ("model.language_model.", "model."):
-            if name.startswith(prefix):
-                name = name[len(prefix) :]
-                break
+    for key in top:
+        bar.update()
+        name = next(
+            (key[len(p) :] for p in ("model.language_model.", "model.") if key.startswith(p)),
+            key,
+        )
         if key.startswith(("model.visual.", "visual.")):
             skipped["vision"] += 1
-            continue
-        if key.startswith(("mtp.", "model.mtp.")):
+        elif key.startswith(("mtp.", "model.mtp.")):
             skipped["mtp"] += 1
-            continue
-        if name.startswith("layers."):
-            _, idx, rest = name.split(".", 2)
-            i = int(idx)
-            if i >= cfg.num_layers:
-                continue
-            if rest in fp8.KV_SCALE_NAMES:
-                v = np.asarray(reader.tensor(key), np.float32)
-                for j in fp8.KV_SCALE_NAMES[rest]:
-                    kv[(i, j)] = float(v.reshape(-1)[0])
-            if rest.startswith("mlp.experts.") and i in cfg.moe_layers:
-                a = reader.weight(key, True)  # an FP8 checkpoint's experts stay FP8
-                qwen3_moe.expert_tensor(experts[i], rest[len("mlp.experts.") :], a)
-                continue
-            if rest not in layer_names(cfg, i):
-                continue
-            ours, transpose = layer_names(cfg, i)[rest]
-            a = reader.weight(key, ours in LINEAR_WEIGHTS)
-            if not isinstance(a, Fp8Weight):  # an Fp8Weight is [out, in] already
-                a = a.T if transpose else a
-                a = a.reshape(a.shape[0], -1) if ours == "la_conv" else a
-            layers[i][ours] = a
         elif name == "embed_tokens.weight":
             params["embed"] = reader.weight(key, False)
         elif name == "norm.weight":
@@ -245,15 +223,47 @@ def load_hf(path: Path, raw: dict, progress: bool, dtype: str = "float32"):
             skipped["vision"],
             skipped["mtp"],
         )
-    qwen3_moe.stack_experts(layers, experts, cfg)
-    params["layers"] = layers
-    for layer in [params, *layers]:  # zero-centred RMSNorms: scale 1 + w
-        for n in _ZERO_CENTRED:
-            if n in layer:
-                layer[n] = layer[n] + 1.0
-    check_shapes(params, cfg)
+    _zero_centred(params)
+    layers: list = []
+    for i in range(cfg.num_layers):
+        layer, experts = {}, {}  # experts: an MoE layer's expert slices
+        for key, rest in per_layer.get(i, []):
+            bar.update()
+            if rest in fp8.KV_SCALE_NAMES:
+                v = np.asarray(reader.tensor(key), np.float32)
+                for j in fp8.KV_SCALE_NAMES[rest]:
+                    kv[(i, j)] = float(v.reshape(-1)[0])
+            if rest.startswith("mlp.experts.") and i in cfg.moe_layers:
+                a = reader.weight(key, True)  # an FP8 checkpoint's experts stay FP8
+                qwen3_moe.expert_tensor(experts, rest[len("mlp.experts.") :], a)
+                continue
+            if rest not in layer_names(cfg, i):
+                continue
+            ours, transpose = layer_names(cfg, i)[rest]
+            a = reader.weight(key, ours in LINEAR_WEIGHTS)
+            if not isinstance(a, Fp8Weight):  # an Fp8Weight is [out, in] already
+                a = a.T if transpose else a
+                a = a.reshape(a.shape[0], -1) if ours == "la_conv" else a
+            layer[ours] = a
+        qwen3_moe.stack_layer_experts(layer, experts, i, cfg)
+        _zero_centred(layer)
+        if on_layer is not None:
+            on_layer(i, layer)
+        else:
+            layers.append(layer)
+    bar.close()
+    params["layers"] = None if on_layer is not None else layers
+    if on_layer is None:
+        check_shapes(params, cfg)
     kv_scales = fp8.kv_scales_array(kv, cfg.num_layers, cfg.attention_layers)
     return cfg, params, {"kv_scales": kv_scales, "prequantized": reader.prequantized()}
+
+
+def _zero_centred(d: dict) -> None:
+    """Qwen3.5's zero-centred RMSNorm weights as scales: 1 + w."""
+    for n in _ZERO_CENTRED:
+        if n in d:
+            d[n] = d[n] + 1.0
 
 
 def check_shapes(params: dict, cfg: ModelConfig) -> None:

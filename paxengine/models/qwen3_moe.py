@@ -41,6 +41,7 @@ from paxengine.models.weights import (
     HF_LAYER_NAMES,
     LAYER_LINEAR,
     check_per_layer_shapes,
+    keys_by_layer,
     random_per_layer,
 )
 
@@ -137,79 +138,101 @@ def param_shapes(cfg: ModelConfig) -> dict:
     return shapes
 
 
-def load_hf(path: Path, raw: dict, progress: bool, dtype: str = "float32"):
+def load_hf(path: Path, raw: dict, progress: bool, dtype: str = "float32", on_layer=None):
     """-> (config, params as numpy (matrices in `dtype`), per layer, meta). Each expert's
-    projections are read one tensor at a time into the layer's stacked [E, in, out] arrays."""
-    return read_checkpoint(path, raw, from_hf_config(raw), progress, dtype=dtype)
+    projections are read one tensor at a time into the layer's stacked [E, in, out] arrays.
+    on_layer(i, layer): each layer handed over as it is read (params["layers"] then None)."""
+    return read_checkpoint(path, raw, from_hf_config(raw), progress, dtype=dtype, on_layer=on_layer)
 
 
 def read_checkpoint(
-    path: Path, raw: dict, cfg: ModelConfig, progress: bool, rename=None, dtype: str = "float32"
+    path: Path,
+    raw: dict,
+    cfg: ModelConfig,
+    progress: bool,
+    rename=None,
+    dtype: str = "float32",
+    on_layer=None,
 ):
     """load_hf of a family of this layout: `rename` maps a layer's tensor name (after
-    "layers.{i}.") to the names above where its checkpoint spells them otherwise (Mixtral)."""
+    "layers.{i}.") to the names above where its checkpoint spells them otherwise (Mixtral).
+    The layers are read one after another (`weights.keys_by_layer`); with on_layer each goes
+    to on_layer(i, layer) once read and is not kept (a conversion then holds one layer of the
+    model in host memory at a time)."""
     from tqdm import tqdm
 
     from paxengine.models import fp8_checkpoint as fp8
 
     reader = fp8.CheckpointReader(path, raw, dtype)
-    layers: list[dict] = [{} for _ in range(cfg.num_layers)]
-    experts: list[dict] = [{} for _ in range(cfg.num_layers)]
+    top, per_layer = keys_by_layer(reader.keys())
+    bar = tqdm(desc=f"loading {path.name}", unit="tensor", disable=not progress)
     params: dict = {}
-    for key in tqdm(
-        reader.keys(), desc=f"loading {path.name}", unit="tensor", disable=not progress
-    ):
+    for key in top:
+        bar.update()
         name = key.removeprefix("model.")
-        if name.startswith("layers."):
-            _, idx, rest = name.split(".", 2)
-            i = int(idx)
-            if i >= cfg.num_layers:
-                continue
-            rest = rename(rest) if rename is not None else rest
-            names = {**_COMMON, **(MOE_NAMES if i in cfg.moe_layers else _DENSE)}
-            if rest in names:
-                ours, transpose = names[rest]
-                a = reader.weight(key, ours in LINEAR_WEIGHTS)
-                layers[i][ours] = a.T if transpose and not isinstance(a, Fp8Weight) else a
-            elif rest.startswith("mlp.experts.") and i in cfg.moe_layers:
-                a = reader.weight(key, True)  # an FP8 checkpoint's experts stay FP8
-                expert_tensor(experts[i], rest[len("mlp.experts.") :], a)
-        elif name == "embed_tokens.weight":
+        if name == "embed_tokens.weight":
             params["embed"] = reader.weight(key, False)
         elif name == "norm.weight":
             params["final_norm"] = reader.weight(key, False)
         elif key == "lm_head.weight" and not cfg.tie_word_embeddings:
             params["lm_head"] = reader.weight(key, False).T
-    stack_experts(layers, experts, cfg)
-    params["layers"] = layers
-    check_shapes(params, cfg)
+    layers: list = []
+    for i in range(cfg.num_layers):
+        layer, experts = {}, {}
+        names = {**_COMMON, **(MOE_NAMES if i in cfg.moe_layers else _DENSE)}
+        for key, rest in per_layer.get(i, []):
+            bar.update()
+            rest = rename(rest) if rename is not None else rest
+            if rest in names:
+                ours, transpose = names[rest]
+                a = reader.weight(key, ours in LINEAR_WEIGHTS)
+                layer[ours] = a.T if transpose and not isinstance(a, Fp8Weight) else a
+            elif rest.startswith("mlp.experts.") and i in cfg.moe_layers:
+                a = reader.weight(key, True)  # an FP8 checkpoint's experts stay FP8
+                expert_tensor(experts, rest[len("mlp.experts.") :], a)
+        stack_layer_experts(layer, experts, i, cfg)
+        if on_layer is not None:
+            on_layer(i, layer)
+        else:
+            layers.append(layer)
+    bar.close()
+    params["layers"] = None if on_layer is not None else layers
+    if on_layer is None:
+        check_shapes(params, cfg)
     meta = {"kv_scales": None, "prequantized": reader.prequantized()}
     return cfg, params, meta
 
 
 def stack_experts(layers: list[dict], experts: list[dict], cfg: ModelConfig) -> None:
-    """Each MoE layer's expert slices (`expert_tensor`) stacked [E, in, out] into its dict (an
-    FP8 checkpoint's: an Fp8Weight of values [E, out, in] and scales [E, out])."""
+    """stack_layer_experts for every layer."""
     for i in cfg.moe_layers:
-        for ours, parts in experts[i].items():
-            if isinstance(parts, dict):
-                missing = set(range(cfg.num_experts)) - set(parts)
-                if missing:
-                    raise ValueError(f"layers.{i}: no {ours} weights of experts {sorted(missing)}")
-                parts = [parts[e] for e in range(cfg.num_experts)]
-                fp8 = [isinstance(p, Fp8Weight) for p in parts]
-                if all(fp8):
-                    parts = Fp8Weight(
-                        np.stack([p.values for p in parts]), np.stack([p.scales for p in parts])
-                    )
-                elif any(fp8):
-                    raise ValueError(
-                        f"layers.{i}: experts {[e for e, f in enumerate(fp8) if not f]} of "
-                        f"{ours} are not FP8 where the others are: paxengine stacks one kind"
-                    )
-                else:
-                    parts = np.stack(parts)
-            layers[i][ours] = parts
+        stack_layer_experts(layers[i], experts[i], i, cfg)
+
+
+def stack_layer_experts(layer: dict, experts: dict, i: int, cfg: ModelConfig) -> None:
+    """An MoE layer's expert slices (`expert_tensor`) stacked [E, in, out] into its dict (an
+    FP8 checkpoint's: an Fp8Weight of values [E, out, in] and scales [E, out])."""
+    if i not in cfg.moe_layers:
+        return
+    for ours, parts in experts.items():
+        if isinstance(parts, dict):
+            missing = set(range(cfg.num_experts)) - set(parts)
+            if missing:
+                raise ValueError(f"layers.{i}: no {ours} weights of experts {sorted(missing)}")
+            parts = [parts[e] for e in range(cfg.num_experts)]
+            fp8 = [isinstance(p, Fp8Weight) for p in parts]
+            if all(fp8):
+                parts = Fp8Weight(
+                    np.stack([p.values for p in parts]), np.stack([p.scales for p in parts])
+                )
+            elif any(fp8):
+                raise ValueError(
+                    f"layers.{i}: experts {[e for e, f in enumerate(fp8) if not f]} of "
+                    f"{ours} are not FP8 where the others are: paxengine stacks one kind"
+                )
+            else:
+                parts = np.stack(parts)
+        layer[ours] = parts
 
 
 def expert_tensor(into: dict, rest: str, a: np.ndarray) -> None:

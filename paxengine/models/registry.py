@@ -2,9 +2,11 @@
 
 A family is a module of `paxengine/models/` that provides
 - `from_hf_config(raw: dict) -> ModelConfig` (its `family` field names the module),
-- `load_hf(path, raw, progress, dtype) -> (ModelConfig, params, meta)` (matrices as numpy in
-  the model dtype) where its weights need a map of
-  their own (else the loader's Llama-layout path reads them),
+- `load_hf(path, raw, progress, dtype, on_layer=None) -> (ModelConfig, params, meta)`
+  (matrices as numpy in the model dtype, layers per layer) where its weights need a map of
+  their own (else the loader's Llama-layout path reads them); with on_layer(i, layer) it hands
+  each layer over as read and keeps none (params["layers"] None: the loader streams them into
+  the weights cache),
 - `forward_step(params, cfg, tokens, positions, caches, attend, step, tp) -> (hidden, caches)`
   and `compute_logits(params, cfg, hidden)`,
 - `allocate_state(cfg, num_slots, dtype)` and `state_bytes_per_slot(cfg, dtype)`: what its

@@ -261,6 +261,22 @@ def fuse_layers(params: dict, table: dict, shards: int = 1, whole: tuple = ()) -
     return params
 
 
+def keys_by_layer(keys, prefixes=("model.",)) -> tuple[list, dict]:
+    """(the keys of no layer, {layer index: [(key, its name after "layers.{i}.")]}), each in
+    the checkpoint's order: a loader that finishes a layer before reading the next holds one
+    layer at a time. A key's name is read past the first of `prefixes` it starts with."""
+    top: list = []
+    per: dict = {}
+    for key in keys:
+        name = next((key[len(p) :] for p in prefixes if key.startswith(p)), key)
+        if name.startswith("layers."):
+            _, idx, rest = name.split(".", 2)
+            per.setdefault(int(idx), []).append((key, rest))
+        else:
+            top.append(key)
+    return top, per
+
+
 def flatten(params: dict, prefix: str = "") -> dict:
     """Nested dicts (and per-layer lists: "layers.3.wq") -> {dotted name: leaf}."""
     flat = {}

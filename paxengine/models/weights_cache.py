@@ -1,6 +1,7 @@
 """The converted-weights cache: a model once converted (GGUF dequantized, HF safetensors renamed
 and stacked, FP8 quantized) is stored under $PAXENGINE_CACHE/weights/<key>/ as one safetensors
-file, its config, its tokenizer and the load's meta, and read back in place of converting again."""
+file (written a tensor at a time: `StreamWriter`), its config, its tokenizer and the load's
+meta, and read back in place of converting again (through a memory map: `mapped`)."""
 
 from __future__ import annotations
 
@@ -40,6 +41,96 @@ def entry(path: Path, dtype: str, cache_dir: str | None, quantization: str | Non
     return cache_root(cache_dir) / "weights" / h.hexdigest()[:24]
 
 
+def header_reserve(num_layers: int) -> int:
+    """Bytes a streamed file keeps for its header: ~150 a tensor entry, a layer's dozens of
+    tensors (FP8 ones twice) well inside 16 KiB, a multiple of 8 (the data stay aligned)."""
+    return (64 << 10) + (16 << 10) * num_layers
+
+
+class StreamWriter:
+    """A converted model's params.safetensors written one tensor at a time, so that a model
+    converted layer by layer is never whole in host memory (#55): the data go after a header
+    space reserved up front, and the header, padded with spaces as the safetensors format
+    allows, is written last. The file takes its name only in `finish` (processes may race;
+    a failed conversion leaves no entry). OSError where the cache cannot be written."""
+
+    def __init__(self, dst: Path, reserve: int):
+        dst.mkdir(parents=True, exist_ok=True)
+        self.dst, self.reserve = dst, reserve
+        self.tmp = dst / f"params.safetensors.tmp{os.getpid()}"
+        self.f = open(self.tmp, "wb")
+        self.f.seek(8 + reserve)
+        self.header: dict = {}
+        self.offset = 0
+        self.names = {np.dtype(v): k for k, v in _dtypes().items()}
+
+    def add(self, params: dict, prefix: str = "") -> None:
+        """params' leaves under `prefix` + their dotted names (weights.flatten): dense arrays
+        as they are (the model dtype is part of the entry's key), FP8 weights as e4m3 bytes and
+        float32 scales. Device arrays come to the host one at a time."""
+        for k, v in flatten(params, prefix).items():
+            if isinstance(v, Fp8Weight):
+                self._tensor(k + _FP8_VALUES, np.asarray(v.values).view(np.uint8))
+                self._tensor(k + _FP8_SCALES, np.asarray(v.scales, np.float32))
+            else:
+                self._tensor(k, np.asarray(v))
+
+    def _tensor(self, name: str, a: np.ndarray) -> None:
+        a = np.ascontiguousarray(a)
+        end = self.offset + a.nbytes
+        shape = list(a.shape)
+        self.header[name] = {
+            "dtype": self.names[a.dtype],
+            "shape": shape,
+            "data_offsets": [self.offset, end],
+        }
+        self.f.write(a.reshape(-1).view(np.uint8).data)
+        self.offset = end
+
+    def finish(self, cfg: ModelConfig, tokenizer, eos: list[int], meta: dict | None) -> None:
+        head = json.dumps(self.header, separators=(",", ":")).encode()
+        if len(head) > self.reserve:
+            self.abort()
+            raise OSError(f"the header ({len(head)} bytes) outgrew its {self.reserve}")
+        self.f.seek(0)
+        self.f.write(self.reserve.to_bytes(8, "little") + head.ljust(self.reserve, b" "))
+        self.f.close()
+        _write_beside(self.dst, cfg, tokenizer, eos, meta or {})
+        self.tmp.rename(self.dst / "params.safetensors")
+
+    def abort(self) -> None:
+        self.f.close()
+        self.tmp.unlink(missing_ok=True)
+
+
+def _write_beside(dst: Path, cfg: ModelConfig, tokenizer, eos: list[int], meta: dict) -> None:
+    """The entry's config, load meta and tokenizer (a GGUF's takes seconds to rebuild from its
+    metadata: kept too)."""
+    if tokenizer is not None:
+        tokenizer.tok.save(str(dst / "tokenizer.json"))
+        (dst / "tokenizer_meta.json").write_text(
+            json.dumps(
+                {
+                    "bos_token": tokenizer.bos_token,
+                    "eos_token": tokenizer.eos_token,
+                    "chat_template": tokenizer.chat_template,
+                    "add_bos_token": tokenizer.add_bos_token,
+                    "eos_token_ids": eos,
+                }
+            )
+        )
+    (dst / "model_config.json").write_text(json.dumps(dataclasses.asdict(cfg)))
+    kv = meta.get("kv_scales")
+    (dst / "load_meta.json").write_text(
+        json.dumps(
+            {
+                "kv_scales": None if kv is None else np.asarray(kv, np.float32).tolist(),
+                "prequantized": meta.get("prequantized"),
+            }
+        )
+    )
+
+
 def write(
     dst: Path,
     cfg: ModelConfig,
@@ -49,49 +140,14 @@ def write(
     meta: dict | None = None,
 ) -> None:
     """Store a converted model (best effort: a read-only home only means converting again)."""
-    from safetensors.numpy import save_file
-
-    meta = meta or {}
     try:
-        dst.mkdir(parents=True, exist_ok=True)
-        if tokenizer is not None:
-            # A GGUF's tokenizer takes seconds to rebuild from its metadata: keep it too.
-            tokenizer.tok.save(str(dst / "tokenizer.json"))
-            (dst / "tokenizer_meta.json").write_text(
-                json.dumps(
-                    {
-                        "bos_token": tokenizer.bos_token,
-                        "eos_token": tokenizer.eos_token,
-                        "chat_template": tokenizer.chat_template,
-                        "add_bos_token": tokenizer.add_bos_token,
-                        "eos_token_ids": eos,
-                    }
-                )
-            )
-        tmp = dst / f"params.safetensors.tmp{os.getpid()}"  # processes may race
-        # Dense weights as loaded (matrices in the model dtype, which is part of the key, so
-        # nothing the engine uses is lost; vectors float32); FP8 weights as they are: e4m3
-        # values as bytes, float32 scales.
-        tensors = {}
-        for k, v in flatten(params).items():
-            if isinstance(v, Fp8Weight):
-                tensors[k + _FP8_VALUES] = np.ascontiguousarray(np.asarray(v.values)).view(np.uint8)
-                tensors[k + _FP8_SCALES] = np.ascontiguousarray(v.scales, dtype=np.float32)
-            else:
-                tensors[k] = np.ascontiguousarray(v)
-        save_file(tensors, str(tmp))
-        del tensors
-        (dst / "model_config.json").write_text(json.dumps(dataclasses.asdict(cfg)))
-        kv = meta.get("kv_scales")
-        (dst / "load_meta.json").write_text(
-            json.dumps(
-                {
-                    "kv_scales": None if kv is None else np.asarray(kv, np.float32).tolist(),
-                    "prequantized": meta.get("prequantized"),
-                }
-            )
-        )
-        tmp.rename(dst / "params.safetensors")
+        w = StreamWriter(dst, header_reserve(cfg.num_layers))
+        try:
+            w.add(params)
+        except BaseException:
+            w.abort()
+            raise
+        w.finish(cfg, tokenizer, eos, meta)
     except OSError:
         pass  # a read-only home must not stop the engine; we simply convert again next time
 
