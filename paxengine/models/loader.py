@@ -23,6 +23,7 @@ from paxengine.models.weights import (
     HF_LAYER_NAMES,
     check_shapes,
     flatten,
+    read_outer,
     stack_layers,
     unflatten,
 )
@@ -329,12 +330,8 @@ def _load_hf(path: Path, progress: bool, dtype: str = "float32"):
                     kv[(int(idx), j)] = float(v.reshape(-1)[0])
             elif rest.endswith(".input_scale"):
                 input_scales += 1
-        elif name == "embed_tokens.weight":
-            params["embed"] = reader.weight(key, False)
-        elif name == "norm.weight":
-            params["final_norm"] = reader.weight(key, False)
-        elif key == "lm_head.weight" and not cfg.tie_word_embeddings:
-            params["lm_head"] = reader.weight(key, False).T
+        else:
+            read_outer(reader, key, name, cfg, params)
     bar.close()
     prequantized = reader.prequantized()
     if any(isinstance(v, Fp8Weight) for layer in per_layer for v in layer.values()):

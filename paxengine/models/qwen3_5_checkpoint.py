@@ -16,7 +16,13 @@ import numpy as np
 from paxengine.models import qwen3_moe
 from paxengine.models.config import ModelConfig
 from paxengine.models.quant import LINEAR_WEIGHTS, Fp8Weight
-from paxengine.models.weights import check_per_layer_shapes, keys_by_layer, random_per_layer
+from paxengine.models.weights import (
+    check_per_layer_shapes,
+    keys_by_layer,
+    random_per_layer,
+    read_outer,
+    take_layers,
+)
 
 log = logging.getLogger("paxengine.models.qwen3_5")
 
@@ -210,12 +216,8 @@ def load_hf(path: Path, raw: dict, progress: bool, dtype: str = "float32", on_la
             skipped["vision"] += 1
         elif key.startswith(("mtp.", "model.mtp.")):
             skipped["mtp"] += 1
-        elif name == "embed_tokens.weight":
-            params["embed"] = reader.weight(key, False)
-        elif name == "norm.weight":
-            params["final_norm"] = reader.weight(key, False)
-        elif key == "lm_head.weight" and not cfg.tie_word_embeddings:
-            params["lm_head"] = reader.weight(key, False).T
+        else:
+            read_outer(reader, key, name, cfg, params)
     if skipped["vision"] or skipped["mtp"]:
         log.info(
             "%s: text only: %d vision and %d MTP tensors not loaded",
@@ -224,35 +226,34 @@ def load_hf(path: Path, raw: dict, progress: bool, dtype: str = "float32", on_la
             skipped["mtp"],
         )
     _zero_centred(params)
-    layers: list = []
-    for i in range(cfg.num_layers):
-        layer, experts = {}, {}  # experts: an MoE layer's expert slices
-        for key, rest in per_layer.get(i, []):
-            bar.update()
-            if rest in fp8.KV_SCALE_NAMES:
-                v = np.asarray(reader.tensor(key), np.float32)
-                for j in fp8.KV_SCALE_NAMES[rest]:
-                    kv[(i, j)] = float(v.reshape(-1)[0])
-            if rest.startswith("mlp.experts.") and i in cfg.moe_layers:
-                a = reader.weight(key, True)  # an FP8 checkpoint's experts stay FP8
-                qwen3_moe.expert_tensor(experts, rest[len("mlp.experts.") :], a)
-                continue
-            if rest not in layer_names(cfg, i):
-                continue
-            ours, transpose = layer_names(cfg, i)[rest]
-            a = reader.weight(key, ours in LINEAR_WEIGHTS)
-            if not isinstance(a, Fp8Weight):  # an Fp8Weight is [out, in] already
-                a = a.T if transpose else a
-                a = a.reshape(a.shape[0], -1) if ours == "la_conv" else a
-            layer[ours] = a
-        qwen3_moe.stack_layer_experts(layer, experts, i, cfg)
-        _zero_centred(layer)
-        if on_layer is not None:
-            on_layer(i, layer)
-        else:
-            layers.append(layer)
+
+    def read_layers():
+        for i in range(cfg.num_layers):
+            layer, experts = {}, {}  # experts: an MoE layer's expert slices
+            for key, rest in per_layer.get(i, []):
+                bar.update()
+                if rest in fp8.KV_SCALE_NAMES:
+                    v = np.asarray(reader.tensor(key), np.float32)
+                    for j in fp8.KV_SCALE_NAMES[rest]:
+                        kv[(i, j)] = float(v.reshape(-1)[0])
+                if rest.startswith("mlp.experts.") and i in cfg.moe_layers:
+                    a = reader.weight(key, True)  # an FP8 checkpoint's experts stay FP8
+                    qwen3_moe.expert_tensor(experts, rest[len("mlp.experts.") :], a)
+                    continue
+                if rest not in layer_names(cfg, i):
+                    continue
+                ours, transpose = layer_names(cfg, i)[rest]
+                a = reader.weight(key, ours in LINEAR_WEIGHTS)
+                if not isinstance(a, Fp8Weight):  # an Fp8Weight is [out, in] already
+                    a = a.T if transpose else a
+                    a = a.reshape(a.shape[0], -1) if ours == "la_conv" else a
+                layer[ours] = a
+            qwen3_moe.stack_layer_experts(layer, experts, i, cfg)
+            _zero_centred(layer)
+            yield i, layer
+
+    params["layers"] = take_layers(read_layers(), on_layer)
     bar.close()
-    params["layers"] = None if on_layer is not None else layers
     if on_layer is None:
         check_shapes(params, cfg)
     kv_scales = fp8.kv_scales_array(kv, cfg.num_layers, cfg.attention_layers)

@@ -43,6 +43,8 @@ from paxengine.models.weights import (
     check_per_layer_shapes,
     keys_by_layer,
     random_per_layer,
+    read_outer,
+    take_layers,
 )
 
 
@@ -169,44 +171,31 @@ def read_checkpoint(
     params: dict = {}
     for key in top:
         bar.update()
-        name = key.removeprefix("model.")
-        if name == "embed_tokens.weight":
-            params["embed"] = reader.weight(key, False)
-        elif name == "norm.weight":
-            params["final_norm"] = reader.weight(key, False)
-        elif key == "lm_head.weight" and not cfg.tie_word_embeddings:
-            params["lm_head"] = reader.weight(key, False).T
-    layers: list = []
-    for i in range(cfg.num_layers):
-        layer, experts = {}, {}
-        names = {**_COMMON, **(MOE_NAMES if i in cfg.moe_layers else _DENSE)}
-        for key, rest in per_layer.get(i, []):
-            bar.update()
-            rest = rename(rest) if rename is not None else rest
-            if rest in names:
-                ours, transpose = names[rest]
-                a = reader.weight(key, ours in LINEAR_WEIGHTS)
-                layer[ours] = a.T if transpose and not isinstance(a, Fp8Weight) else a
-            elif rest.startswith("mlp.experts.") and i in cfg.moe_layers:
-                a = reader.weight(key, True)  # an FP8 checkpoint's experts stay FP8
-                expert_tensor(experts, rest[len("mlp.experts.") :], a)
-        stack_layer_experts(layer, experts, i, cfg)
-        if on_layer is not None:
-            on_layer(i, layer)
-        else:
-            layers.append(layer)
+        read_outer(reader, key, key.removeprefix("model."), cfg, params)
+
+    def read_layers():
+        for i in range(cfg.num_layers):
+            layer, experts = {}, {}
+            names = {**_COMMON, **(MOE_NAMES if i in cfg.moe_layers else _DENSE)}
+            for key, rest in per_layer.get(i, []):
+                bar.update()
+                rest = rename(rest) if rename is not None else rest
+                if rest in names:
+                    ours, transpose = names[rest]
+                    a = reader.weight(key, ours in LINEAR_WEIGHTS)
+                    layer[ours] = a.T if transpose and not isinstance(a, Fp8Weight) else a
+                elif rest.startswith("mlp.experts.") and i in cfg.moe_layers:
+                    a = reader.weight(key, True)  # an FP8 checkpoint's experts stay FP8
+                    expert_tensor(experts, rest[len("mlp.experts.") :], a)
+            stack_layer_experts(layer, experts, i, cfg)
+            yield i, layer
+
+    params["layers"] = take_layers(read_layers(), on_layer)
     bar.close()
-    params["layers"] = None if on_layer is not None else layers
     if on_layer is None:
         check_shapes(params, cfg)
     meta = {"kv_scales": None, "prequantized": reader.prequantized()}
     return cfg, params, meta
-
-
-def stack_experts(layers: list[dict], experts: list[dict], cfg: ModelConfig) -> None:
-    """stack_layer_experts for every layer."""
-    for i in cfg.moe_layers:
-        stack_layer_experts(layers[i], experts[i], i, cfg)
 
 
 def stack_layer_experts(layer: dict, experts: dict, i: int, cfg: ModelConfig) -> None:

@@ -277,6 +277,29 @@ def keys_by_layer(keys, prefixes=("model.",)) -> tuple[list, dict]:
     return top, per
 
 
+def read_outer(reader, key: str, name: str, cfg, params: dict) -> None:
+    """The weights outside the layers, by their HF names (`name`: past "model."): embed,
+    final_norm and, unless tied, lm_head ([H, V]) into params; other names are left alone.
+    reader: fp8_checkpoint.CheckpointReader."""
+    if name == "embed_tokens.weight":
+        params["embed"] = reader.weight(key, False)
+    elif name == "norm.weight":
+        params["final_norm"] = reader.weight(key, False)
+    elif key == "lm_head.weight" and not cfg.tie_word_embeddings:
+        params["lm_head"] = reader.weight(key, False).T
+
+
+def take_layers(layers, on_layer):
+    """The (i, layer) pairs of an iterator handed to on_layer(i, layer) one by one as they come
+    (-> None: no layer kept here), or without on_layer all of them, a list."""
+    if on_layer is None:
+        return [layer for _, layer in layers]
+    for i, layer in layers:
+        on_layer(i, layer)
+        del layer  # while the next one is read
+    return None
+
+
 def flatten(params: dict, prefix: str = "") -> dict:
     """Nested dicts (and per-layer lists: "layers.3.wq") -> {dotted name: leaf}."""
     flat = {}

@@ -136,7 +136,7 @@ def _experts(reader, keys: dict, mc: ModelConfig, shapes: dict, path) -> dict:
     for k in (k for k in keys if k.startswith(prefix)):
         qwen3_moe.expert_tensor(experts, k.removeprefix(prefix), reader.weight(keys[k], False))
     try:
-        qwen3_moe.stack_experts([layer], [experts], mc)
+        qwen3_moe.stack_layer_experts(layer, experts, 0, mc)
     except ValueError as e:
         raise _err(path, f"mtp.{e}") from None
     for ours in ("e_gate", "e_up", "e_down"):
