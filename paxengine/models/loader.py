@@ -174,8 +174,9 @@ def load_model(
         )
         if streamed is not None:
             cfg, params, meta = streamed
-            if meta["prequantized"] and _dense_linear(params):  # FP8 tensors without a config
-                log.info("fp8: quantizing %s online", ", ".join(_dense_linear(params)))
+            dense = _dense_linear(params)
+            if meta["prequantized"] and dense:  # FP8 tensors without a config
+                log.info("fp8: quantizing %s online", ", ".join(dense))
                 params = quantize_params(params)
             return LoadedModel(
                 cfg, _place(params, dtype, on_device), tokenizer, str(path), eos, False, **meta

@@ -15,6 +15,7 @@ import numpy as np
 
 from paxengine.models import registry
 from paxengine.models.config import ModelConfig
+from paxengine.models.fp8_checkpoint import SAFETENSORS_DTYPES, SafetensorsFile
 from paxengine.models.quant import Fp8Weight
 from paxengine.models.weights import check_shapes, flatten, unflatten
 from paxengine.tokenizer import Tokenizer
@@ -62,7 +63,7 @@ class StreamWriter:
         self.f.seek(8 + reserve)
         self.header: dict = {}
         self.offset = 0
-        self.names = {np.dtype(v): k for k, v in _dtypes().items()}
+        self.names = {v: k for k, v in SAFETENSORS_DTYPES.items()}
 
     def add(self, params: dict, prefix: str = "") -> None:
         """params' leaves under `prefix` + their dotted names (weights.flatten): dense arrays
@@ -164,40 +165,13 @@ def read_tokenizer(dst: Path) -> tuple[Tokenizer, list[int]] | None:
     return tok, list(tok.eos_token_ids)
 
 
-# safetensors' dtype names -> numpy's (ml_dtypes for bfloat16 and e4m3)
-def _dtypes() -> dict:
-    import ml_dtypes
-
-    return {
-        "F64": np.float64,
-        "F32": np.float32,
-        "F16": np.float16,
-        "BF16": ml_dtypes.bfloat16,
-        "F8_E4M3": ml_dtypes.float8_e4m3fn,
-        "I64": np.int64,
-        "I32": np.int32,
-        "I16": np.int16,
-        "I8": np.int8,
-        "U8": np.uint8,
-        "BOOL": np.bool_,
-    }
-
-
 def mapped(path: Path) -> dict:
-    """A safetensors file's tensors as read-only views of one memory map of it: nothing is read
+    """A safetensors file's tensors as read-only views of one memory map of it
+    (fp8_checkpoint.SafetensorsFile, which checks each entry against the file): nothing is read
     until used, and what the device takes is paged in from the file, not copied into the
     process (a 61 GB model placed tensor by tensor never sits whole in host memory)."""
-    with open(path, "rb") as f:
-        n = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(n))
-    data = np.memmap(path, dtype=np.uint8, mode="r")
-    dtypes, out = _dtypes(), {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        begin, end = (8 + n + o for o in info["data_offsets"])
-        out[name] = data[begin:end].view(dtypes[info["dtype"]]).reshape(info["shape"])
-    return out
+    f = SafetensorsFile(path)
+    return {k: f.get(k) for k in f.keys()}
 
 
 def read(dst: Path) -> tuple[ModelConfig, dict, dict]:
