@@ -18,6 +18,8 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_fake_openai import free_port  # noqa: E402
 
+from tests.devices import truncated_smollm2  # noqa: E402
+
 # Small buckets so that a cold start compiles quickly on two CPU cores.
 SERVER_FLAGS = [
     "--max-num-seqs",
@@ -43,6 +45,11 @@ def server(tmp_path_factory):
                 sys.executable,
                 "-m",
                 "serving.cli",
+                # four of SmolLM2's layers and its tokenizer (devices.truncated_smollm2): the
+                # client's counts, timings and report are the point, not the text; each step
+                # of the 30-layer model cost ~5x
+                "--model",
+                truncated_smollm2(),
                 "--host",
                 "127.0.0.1",
                 "--port",
