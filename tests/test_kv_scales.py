@@ -104,9 +104,15 @@ def _llm(**kw):
     [("xla", "scan"), ("pallas", "scan"), ("pallas", "unroll")],
 )
 def test_engine_calibrates_fp8_kv_and_matches_the_oracle_on_the_same_scales(
-    smollm, backend, layer_loop
+    short_smollm, backend, layer_loop
 ):
-    llm = _llm(kv_cache_dtype="fp8", attention_backend=backend, layer_loop=layer_loop)
+    """The engine calibrates its layers' scales and runs its fp8 cache as the oracle does with
+    them: four of SmolLM2's real layers (conftest.short_smollm; each layer calibrates and reads
+    its pages alike), where the 30 cost the Pallas kernels' interpret mode ~7x."""
+    smollm = short_smollm
+    llm = _llm(
+        model=smollm.source, kv_cache_dtype="fp8", attention_backend=backend, layer_loop=layer_loop
+    )
     info = llm.engine.info
     assert info.kv_cache_dtype == "fp8_e4m3" and info.kv_cache_scales == "calibrated"
     scales = llm.engine.kv_scales
