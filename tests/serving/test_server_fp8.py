@@ -1,6 +1,10 @@
 """The server over a real FP8 engine (issue #17): FP8 weights and an FP8 KV cache with
-calibrated scales, said by /v1/models, and requests served through them."""
+calibrated scales, said by /v1/models, and requests served through them. Four of SmolLM2's real
+layers (devices.truncated_smollm2, its tokenizer): every layer quantizes and calibrates alike,
+and the server's part is what is tested here, not the text (XLA emulates fp8 on CPUs: each of
+the 30 layers costs step time)."""
 
+from devices import truncated_smollm2
 from fastapi.testclient import TestClient
 
 from paxengine.async_engine import AsyncEngine
@@ -12,6 +16,7 @@ from serving.config import ServerConfig
 def test_fp8_engine_serves_and_says_what_it_runs():
     engine = AsyncEngine(
         EngineConfig(
+            model=truncated_smollm2(),
             quantization="fp8",
             kv_cache_dtype="fp8",
             max_model_len=256,
