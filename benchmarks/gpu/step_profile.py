@@ -10,7 +10,9 @@ one graph per step instead of its kernels: run it as
 Buckets are narrowed (token 1 / 64 / 512, sequences 8 / --max-seqs, and the buckets the engine's
 GPU defaults decode each --batch in: `profile_buckets`) so the start fits one device call. The ITL printed beside each profile is
 the same run's (steps timed from the host, profiler off), not a benchmark number. Kernel times
-are per decode step: a profiled run of 8 tokens subtracted from one of 8 + --steps.
+are per decode step: a profiled run of 8 tokens subtracted from one of 8 + --steps. With
+--hlo-dir, each top op's shape and kind beside it (`top_ops_hlo`: call 1 of gpu_2026-12-07f
+left a 1.2 ms "custom-call.241" and a 0.47 ms "copy.4" unnamed) and its source lines.
 """
 
 from __future__ import annotations
@@ -120,6 +122,25 @@ def sources(hlo_text: str) -> dict:
     return out
 
 
+_INSTR = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (.+?) ([\w\-]+)\((.*)$")
+
+
+def instructions(hlo_text: str) -> dict:
+    """-> {HLO instruction: "its result's shape, its opcode and what it calls"}: a profile's
+    kernel (named by its instruction) told apart where no source line names it (a cuBLAS GEMM,
+    a copy XLA inserted: "bf16[256,4096] custom-call __cublas$gemm")."""
+    out = {}
+    for line in hlo_text.splitlines():
+        m = _INSTR.match(line)
+        if not m:
+            continue
+        name, shape, opcode, rest = m.groups()
+        shape = re.sub(r"\{[^}]*\}", "", shape)  # the layouts
+        what = re.search(r'custom_call_target="([^"]+)"|calls=%?([\w.\-]+)', rest)
+        out[name] = " ".join(x for x in (shape, opcode, what and (what[1] or what[2])) if x)
+    return out
+
+
 def step_key(compiled: dict, batch: int):
     """The executable a decode step of `batch` rows runs: the smallest bucket that holds it."""
     fits = [k for k in compiled if k[0] >= batch and k[1] >= batch]
@@ -218,8 +239,10 @@ def main(argv=None) -> int:
             fams[family(op)] += ns
         by_src: dict = collections.defaultdict(float)
         key = step_key(llm.engine.runner.compiled, b) if a.hlo_dir else None
+        what: dict = {}
         if key is not None:
-            src = sources(llm.engine.runner.compiled[key].as_text())
+            hlo = llm.engine.runner.compiled[key].as_text()
+            src, what = sources(hlo), instructions(hlo)
             for op, ns in per.items():
                 by_src[src.get(op, family(op))] += ns
         total = sum(per.values())  # per decode step from here on
@@ -237,6 +260,8 @@ def main(argv=None) -> int:
                 for k, v in sorted(fams.items(), key=lambda kv: -kv[1])[: a.top]
             },
         }
+        if what:  # the top ops' shapes and kinds: "custom-call.241" alone names nothing
+            row["top_ops_hlo"] = {k: what.get(k, "?") for k in row["top_ops_us_per_step"]}
         if by_src:
             row["by_source_us_per_step"] = {
                 k: round(v / steps / 1e3, 1)

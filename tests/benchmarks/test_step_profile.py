@@ -2,7 +2,7 @@
 read from the optimized HLO's metadata and its trailing FileNames / FileLocations /
 StackFrames tables (the form jax 0.10 / 0.11 print)."""
 
-from benchmarks.gpu.step_profile import sources, step_key
+from benchmarks.gpu.step_profile import instructions, sources, step_key
 
 HLO = """HloModule jit__forward_fn, is_scheduled=true
 
@@ -39,6 +39,21 @@ def test_sources_name_each_kernels_lines_and_caller():
     )
     assert src["pallas_call.7"] == "kernels_pallas/attention.py:359 pallas_call"
     assert src["copy.1"] == "? copy"  # no stack frame
+
+
+def test_instructions_give_each_kernels_shape_and_kind():
+    """A kernel no source line names (cuBLAS, an inserted copy) is told by its shape and kind;
+    a tuple result (cuBLAS's workspace beside the product) keeps its parts, layouts dropped."""
+    hlo = HLO.replace(
+        "ENTRY %main {",
+        "ENTRY %main {\n  %custom-call.241 = (bf16[256,4096]{1,0}, s8[4194304]{0}) "
+        'custom-call(bf16[256,4096]{1,0} %a), custom_call_target="__cublas$gemm"',
+    )
+    what = instructions(hlo)
+    assert what["custom-call.241"] == "(bf16[256,4096], s8[4194304]) custom-call __cublas$gemm"
+    assert what["loop_multiply_fusion"] == "bf16[4096,2048] fusion fused_multiply"
+    assert what["pallas_call.7"] == "f32[16] custom-call __gpu$xla.gpu.triton"
+    assert what["copy.1"] == "f32[16] copy"
 
 
 def test_step_key_is_the_smallest_bucket_that_holds_the_batch():
