@@ -296,6 +296,7 @@ def test_mtp_greedy_equals_plain_and_drafts_equal_torch(target, mtp, plain):
             "unknown keys \\['model'\\]",
         ),
         (MTP, "no MTP weights \\(no mtp.\\* tensors"),
+        ({**MTP, "method": "qwen3_next_mtp"}, "no MTP weights \\(no mtp.\\* tensors"),
     ],
 )
 def test_mtp_refusals_name_the_fault(checkpoint, spec, match):
@@ -303,7 +304,11 @@ def test_mtp_refusals_name_the_fault(checkpoint, spec, match):
         LLM(model=str(checkpoint), speculative_config=spec, **ENGINE)
 
 
-@pytest.mark.parametrize("spec", [NGRAM, MTP], ids=["ngram", "mtp"])
+# the MTP server as Qwen's model cards start it: vLLM's older method name, taken as "mtp"
+CARD_MTP = {"method": "qwen3_next_mtp", "num_speculative_tokens": 2}
+
+
+@pytest.mark.parametrize("spec", [NGRAM, CARD_MTP], ids=["ngram", "mtp"])
 def test_serve_with_speculative_config_equals_plain(request, spec, plain):
     """`paxengine serve DIR --speculative-config JSON` as a user starts it (engine process,
     background compile): a completion's tokens equal the plain engine's, drafts accepted."""
@@ -314,7 +319,9 @@ def test_serve_with_speculative_config_equals_plain(request, spec, plain):
     from test_qwen3_5 import _write_tokenizer
 
     path = (
-        request.getfixturevalue("mtp")[0] if spec is MTP else request.getfixturevalue("checkpoint")
+        request.getfixturevalue("mtp")[0]
+        if spec is CARD_MTP
+        else request.getfixturevalue("checkpoint")
     )
     _write_tokenizer(path)
     args = ["--max-model-len", "256", "--max-num-seqs", "4", "--served-model-name", "q35"]

@@ -74,6 +74,16 @@ def test_bad_config_fails_before_the_model_loads():
         )
 
 
+@pytest.mark.parametrize("name", ["qwen3_next_mtp", "qwen3_5_mtp", "deepseek_mtp"])
+def test_vllms_per_model_mtp_names_are_mtp(name):
+    """Qwen's model cards launch Qwen3.5 with {"method": "qwen3_next_mtp", ...}: vLLM takes its
+    per-model MTP names as "mtp", and so do we (the model's own MTP layer)."""
+    c = parse_speculative_config({"method": name, "num_speculative_tokens": 2})
+    assert (c.method, c.num_speculative_tokens) == ("mtp", 2)
+    with pytest.raises(ValueError, match="unknown keys"):  # mtp's keys, not ngram's
+        parse_speculative_config({"method": name, "num_speculative_tokens": 2, "model": "x"})
+
+
 def test_config_defaults_and_json():
     c = parse_speculative_config('{"method": "ngram", "num_speculative_tokens": 3}')
     assert (c.num_speculative_tokens, c.prompt_lookup_min, c.prompt_lookup_max) == (3, 5, 5)

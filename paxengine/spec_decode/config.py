@@ -2,15 +2,30 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from paxengine.config import json_object_option
+
+log = logging.getLogger("paxengine")
 
 MAX_SPECULATIVE_TOKENS = 16
 # Methods vLLM has that we do not run yet (issue #20's later slices): refused by name. "eagle"
 # (EAGLE-1/2 heads: fc over [embedding ; the target's last hidden state], no aux layers, the full
 # vocabulary) is another architecture than EAGLE-3's, not a setting of it.
-_NOT_YET = ("eagle", "medusa", "mlp_speculator", "deepseek_mtp")
+_NOT_YET = ("eagle", "medusa", "mlp_speculator")
+# vLLM's per-model names of "mtp" (its MTPModelTypes), which it takes as "mtp" with a deprecation
+# warning: Qwen's model cards launch Qwen3.5 with {"method": "qwen3_next_mtp", ...}. The model's
+# own MTP layer runs whichever name; a model without one is refused by name (spec_decode/mtp.py).
+MTP_ALIASES = (
+    "qwen3_next_mtp",
+    "qwen3_5_mtp",
+    "deepseek_mtp",
+    "mimo_mtp",
+    "glm4_moe_mtp",
+    "ernie_mtp",
+    "longcat_flash_mtp",
+)
 _WITH_MODEL = ("draft", "eagle3")  # methods whose `model` the engine loads
 # config.json "architectures" of an EAGLE-3 Llama head (eagle3.py loads one; draft_model.py
 # refuses one as a draft model)
@@ -47,6 +62,11 @@ def parse_speculative_config(raw) -> SpeculativeConfig | None:
     if method is None:
         # vLLM infers ngram from prompt_lookup_*; a draft model from `model`
         method = "draft" if "model" in raw else "ngram"
+    if method in MTP_ALIASES:
+        log.warning(
+            "speculative_config: method %r is vLLM's older name of 'mtp': taken as 'mtp'", method
+        )
+        method = "mtp"
     if method in _NOT_YET or (method not in ("ngram", "mtp", *_WITH_MODEL) and "model" in raw):
         raise ValueError(
             f"speculative_config: method {method!r} is not implemented yet (only 'ngram', "
