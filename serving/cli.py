@@ -236,6 +236,25 @@ def build_parser() -> argparse.ArgumentParser:
         help="default sampling parameters from generation_config.json: the model "
         "directory's (auto, the default), none (vllm), or DIR's; a request's own values win",
     )
+    s.add_argument(
+        "--default-chat-template-kwargs",
+        metavar="JSON",
+        help="variables for every chat request's template, e.g. '{\"enable_thinking\": false}' "
+        "(Qwen3 / Qwen3.5 without thinking); a request's chat_template_kwargs win key by key",
+    )
+    s.add_argument(
+        "--language-model-only",
+        action="store_true",
+        default=None,
+        help="vLLM's: serve the text model alone; paxengine always does (a multimodal "
+        "checkpoint's vision weights are skipped, an image part is a 400)",
+    )
+    s.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        default=None,
+        help="vLLM's: accepted; paxengine runs no code from checkpoints (nothing to trust)",
+    )
     s.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"])
     return p
 

@@ -77,6 +77,13 @@ class ServerConfig:
     # vLLM's: default sampling parameters from generation_config.json: auto (the model's), vllm
     # (none), or a directory holding one (serving/generation_config.py)
     generation_config: str = "auto"
+    # vLLM's: variables every chat request's template gets (Qwen3.5 without thinking:
+    # {"enable_thinking": false}); a request's chat_template_kwargs win key by key
+    default_chat_template_kwargs: Optional[dict] = None
+    # vLLM's flags that ask for what paxengine always does: the text model alone (vision weights
+    # are skipped), checkpoints' Python never run (no remote code to trust)
+    language_model_only: bool = False
+    trust_remote_code: bool = False
 
     def __post_init__(self):
         for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
@@ -137,6 +144,29 @@ class ServerConfig:
         if self.api_key is not None and not isinstance(self.api_key, str):
             raise ValueError("api_key: must be a string")
         self._check_parsers()
+        self._check_template_kwargs()
+
+    def _check_template_kwargs(self) -> None:
+        from paxengine.tokenizer import RESERVED_TEMPLATE_VARIABLES
+
+        kw = self.default_chat_template_kwargs
+        if isinstance(kw, str):  # a flag or YAML string: a JSON object
+            try:
+                kw = json.loads(kw)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"default_chat_template_kwargs: not valid JSON ({e})") from None
+        if kw is not None and not isinstance(kw, dict):
+            raise ValueError(f"default_chat_template_kwargs: must be a JSON object, got {kw!r}")
+        taken = sorted(RESERVED_TEMPLATE_VARIABLES & set(kw or {}))
+        if taken:
+            raise ValueError(
+                f"default_chat_template_kwargs: {', '.join(taken)} are set by the server per "
+                "request"
+            )
+        self.default_chat_template_kwargs = kw
+        for name in ("language_model_only", "trust_remote_code"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}: must be true or false")
 
     def _check_parsers(self) -> None:
         from serving import reasoning, tools

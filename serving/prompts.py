@@ -81,9 +81,13 @@ def chat_prompt(state: ServerState, req, tool_defs=None) -> tuple[str, list[int]
             "goes on inside the last message, not in a new turn)",
             "continue_final_message",
         )
-    variables = req.chat_template_kwargs or {}
+    # the server's defaults (--default-chat-template-kwargs), the request's on top, as vLLM merges
+    variables = {
+        **(state.config.default_chat_template_kwargs or {}),
+        **(req.chat_template_kwargs or {}),
+    }
     effort = getattr(req, "reasoning_effort", None)
-    if effort is not None:  # vLLM passes it to the template; the request's kwargs win
+    if effort is not None:  # vLLM passes it to the template; the kwargs win
         variables = {"reasoning_effort": effort, **variables}
     taken = sorted(RESERVED_TEMPLATE_VARIABLES & variables.keys())
     if taken:
