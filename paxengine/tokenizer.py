@@ -3,6 +3,7 @@ and incremental detokenization that is right for multi-byte UTF-8 and BPE merges
 
 from __future__ import annotations
 
+import copy
 import json
 from datetime import datetime
 from pathlib import Path
@@ -15,6 +16,15 @@ from tokenizers import Tokenizer as HFTokenizer
 
 def _raise(message):
     raise jinja2.exceptions.TemplateError(message)
+
+
+def compile_chat_template(source: str) -> jinja2.Template:
+    """A chat template compiled as the tokenizer renders it; ValueError naming the fault where
+    Jinja cannot parse it (a server checks --chat-template with this before the model loads)."""
+    try:
+        return _compile_template(source)
+    except jinja2.TemplateError as e:
+        raise ValueError(f"chat_template: not a valid Jinja template ({e})") from None
 
 
 def _compile_template(source: str) -> jinja2.Template:
@@ -95,6 +105,13 @@ class Tokenizer:
         self.special_ids = {
             tok.token_to_id(t.content) for t in tok.get_added_tokens_decoder().values() if t.special
         }
+
+    def with_chat_template(self, template: str) -> "Tokenizer":
+        """A copy rendering chats with `template` (a server's --chat-template) instead of the
+        model's; a template Jinja cannot parse is a ValueError naming the fault."""
+        other = copy.copy(self)
+        other.chat_template, other._template = template, compile_chat_template(template)
+        return other
 
     # The compiled chat template does not pickle: it is compiled again on the other side (an
     # engine in its own process sends its tokenizer to the server's process once, at start-up).

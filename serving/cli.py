@@ -237,6 +237,12 @@ def build_parser() -> argparse.ArgumentParser:
         "directory's (auto, the default), none (vllm), or DIR's; a request's own values win",
     )
     s.add_argument(
+        "--chat-template",
+        metavar="FILE|JINJA",
+        help="the chat template to render chats with instead of the model's: a file, or the "
+        "template itself (vLLM's)",
+    )
+    s.add_argument(
         "--default-chat-template-kwargs",
         metavar="JSON",
         help="variables for every chat request's template, e.g. '{\"enable_thinking\": false}' "

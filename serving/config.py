@@ -80,6 +80,8 @@ class ServerConfig:
     # vLLM's: variables every chat request's template gets (Qwen3.5 without thinking:
     # {"enable_thinking": false}); a request's chat_template_kwargs win key by key
     default_chat_template_kwargs: Optional[dict] = None
+    # vLLM's: the chat template to render with instead of the model's, a file or the Jinja text
+    chat_template: Optional[str] = None
     # vLLM's flags that ask for what paxengine always does: the text model alone (vision weights
     # are skipped), checkpoints' Python never run (no remote code to trust)
     language_model_only: bool = False
@@ -164,6 +166,15 @@ class ServerConfig:
                 "request"
             )
         self.default_chat_template_kwargs = kw
+        t = self.chat_template
+        if t is not None and (not isinstance(t, str) or not t.strip()):
+            raise ValueError(f"chat_template: a file or a Jinja template, got {t!r}")
+        if t is not None and not os.path.isfile(t) and "{" not in t:
+            raise ValueError(f"chat_template: {t} is not a file (nor a Jinja template)")
+        if t is not None:
+            from paxengine.tokenizer import compile_chat_template
+
+            compile_chat_template(self.chat_template_text())
         for name in ("language_model_only", "trust_remote_code"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: must be true or false")
@@ -195,6 +206,14 @@ class ServerConfig:
             os.path.join(g, "generation_config.json")
         ):
             raise ValueError(f"generation_config: {g} has no generation_config.json")
+
+    def chat_template_text(self) -> Optional[str]:
+        """--chat-template's Jinja text: the file's, or the flag's own (vLLM takes either)."""
+        t = self.chat_template
+        if t is None or not os.path.isfile(t):
+            return t
+        with open(t, encoding="utf-8") as f:
+            return f.read()
 
     @classmethod
     def fields(cls) -> set[str]:

@@ -40,6 +40,8 @@ class ServerState:
     drain: Drain
     # --generation-config's default SamplingParams fields (a request's own values win)
     defaults: dict = field(default_factory=dict)
+    # the engine's tokenizer rendering chats with --chat-template's template; None: the engine's
+    templated: object = None
     _bg: set = field(default_factory=set)
 
     @classmethod
@@ -52,7 +54,12 @@ class ServerState:
         )
         values, path = generation_config.defaults(mode, model)
         log.info("%s", generation_config.describe(values, path, mode))
-        return cls(engine, config, info, metrics, Drain(config.shutdown_timeout), values)
+        state = cls(engine, config, info, metrics, Drain(config.shutdown_timeout), values)
+        template = config.chat_template_text()
+        if template is not None:
+            state.templated = engine.tokenizer.with_chat_template(template)
+            log.info("chat template: --chat-template's, not the model's")
+        return state
 
     def draining_error(self) -> ApiError:
         return ApiError(
@@ -76,7 +83,7 @@ class ServerState:
 
     @property
     def tokenizer(self):
-        return self.engine.tokenizer
+        return self.templated if self.templated is not None else self.engine.tokenizer
 
     def check_model(self, name: Optional[str]) -> None:
         if name is not None and name != self.info.name and name not in self.info.aliases:

@@ -281,6 +281,37 @@ def test_default_chat_template_kwargs_reach_every_template():
             ServerConfig(default_chat_template_kwargs=bad)
 
 
+def test_chat_template_flag_renders_chats_with_its_template(tmp_path):
+    """--chat-template FILE (or the Jinja text itself): chats render with it, not the model's,
+    the default kwargs reaching it; a template Jinja cannot parse or a missing file fails at
+    start-up naming the key."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers.models import WordLevel
+
+    from paxengine.tokenizer import Tokenizer
+    from serving.cli import parse
+    from serving.generation import ServerState
+    from serving.prompts import chat_prompt
+    from serving.protocol import ChatCompletionRequest
+
+    ours = "{% for m in messages %}[{{ m.role }}|{{ m.content }}|{{ mood }}]{% endfor %}"
+    path = tmp_path / "template.jinja"
+    path.write_text(ours)
+    engine = FakeEngine()
+    hf = HFTokenizer(WordLevel({"[UNK]": 0}, unk_token="[UNK]"))
+    engine.tokenizer = Tokenizer(hf, bos_token=None, eos_token=None, chat_template="model's")
+    req = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}])
+    for template in (str(path), ours):
+        config = ServerConfig(chat_template=template, default_chat_template_kwargs={"mood": "ok"})
+        text, _ = chat_prompt(ServerState.create(engine, config), req)
+        assert text == "[user|hi|ok]"
+    assert chat_prompt(ServerState.create(engine, ServerConfig()), req)[0] == "model's"
+    assert parse(["--chat-template", str(path)])[1].chat_template_text() == ours
+    for bad, match in [("{% for %}", "not a valid Jinja template"), ("nofile", "is not a file")]:
+        with pytest.raises(ValueError, match=match):
+            ServerConfig(chat_template=bad)
+
+
 def test_request_fields_of_reasoning_models():
     """reasoning_effort goes to the template (the request's chat_template_kwargs win); an
     assistant's reasoning (or the deprecated reasoning_content) goes back as both names;
