@@ -14,6 +14,7 @@ import time
 from typing import Optional
 
 from paxengine.client import EngineClient
+from serving import vllm_flags
 from serving.config import PERFORMANCE_MODES, ServerConfig, resolve_configs
 
 log = logging.getLogger("serving")
@@ -248,20 +249,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="variables for every chat request's template, e.g. '{\"enable_thinking\": false}' "
         "(Qwen3 / Qwen3.5 without thinking); a request's chat_template_kwargs win key by key",
     )
-    s.add_argument(
-        "--language-model-only",
-        action="store_true",
-        default=None,
-        help="vLLM's: serve the text model alone; paxengine always does (a multimodal "
-        "checkpoint's vision weights are skipped, an image part is a 400)",
-    )
-    s.add_argument(
-        "--trust-remote-code",
-        action="store_true",
-        default=None,
-        help="vLLM's: accepted; paxengine runs no code from checkpoints (nothing to trust)",
-    )
     s.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"])
+    vllm_flags.add_to(p)
     return p
 
 
@@ -345,6 +334,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     from paxengine.data_parallel import DataParallelEngine
     from serving.app import build_app
 
+    for note in scfg.vllm_flag_notes:
+        log.info("%s", note)
     log.info("engine config: %s", ecfg)
     if ecfg.num_processes > 1:
         log.error(

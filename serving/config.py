@@ -82,10 +82,9 @@ class ServerConfig:
     default_chat_template_kwargs: Optional[dict] = None
     # vLLM's: the chat template to render with instead of the model's, a file or the Jinja text
     chat_template: Optional[str] = None
-    # vLLM's flags that ask for what paxengine always does: the text model alone (vision weights
-    # are skipped), checkpoints' Python never run (no remote code to trust)
-    language_model_only: bool = False
-    trust_remote_code: bool = False
+    # vLLM's flags taken as what paxengine does anyway (serving/vllm_flags.py): the start-up
+    # log's lines, not a key of its own
+    vllm_flag_notes: list = dataclasses.field(default_factory=list, init=False)
 
     def __post_init__(self):
         for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
@@ -175,9 +174,6 @@ class ServerConfig:
             from paxengine.tokenizer import compile_chat_template
 
             compile_chat_template(self.chat_template_text())
-        for name in ("language_model_only", "trust_remote_code"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name}: must be true or false")
 
     def _check_parsers(self) -> None:
         from serving import reasoning, tools
@@ -217,7 +213,7 @@ class ServerConfig:
 
     @classmethod
     def fields(cls) -> set[str]:
-        return {f.name for f in dataclasses.fields(cls)}
+        return {f.name for f in dataclasses.fields(cls) if f.init}
 
 
 def _str_list(text: str, name: str) -> list:
@@ -234,8 +230,13 @@ def resolve_configs(
     yaml_keys: Optional[dict] = None, flags: Optional[dict] = None
 ) -> tuple[EngineConfig, ServerConfig]:
     """Combine YAML keys and explicit flags (both flat dicts, `None` values = not given)."""
+    from serving import vllm_flags
+
     yaml_keys = {k.replace("-", "_"): v for k, v in (yaml_keys or {}).items()}
     flags = {k: v for k, v in (flags or {}).items() if v is not None}
+    if "load_format" in flags and "model" not in flags and "model" in yaml_keys:
+        flags["model"] = yaml_keys["model"]  # --load-format dummy turns it into random weights
+    notes = vllm_flags.apply(yaml_keys) + vllm_flags.apply(flags)
     engine_fields, server_fields = EngineConfig.fields(), ServerConfig.fields()
     unknown = set(yaml_keys) - engine_fields - server_fields
     if unknown:
@@ -260,4 +261,6 @@ def resolve_configs(
     server_kw = {k: v for k, v in merged.items() if k in server_fields}
     if server_kw.get("api_key") is None and os.environ.get("PAXENGINE_API_KEY"):
         server_kw["api_key"] = os.environ["PAXENGINE_API_KEY"]
-    return EngineConfig.from_dict(engine_kw), ServerConfig(**server_kw)
+    scfg = ServerConfig(**server_kw)
+    scfg.vllm_flag_notes = notes
+    return EngineConfig.from_dict(engine_kw), scfg

@@ -252,8 +252,8 @@ def test_reasoning_then_tool_calls_through_the_chain():
 def test_default_chat_template_kwargs_reach_every_template():
     """--default-chat-template-kwargs (Qwen3.5 without thinking: {"enable_thinking": false}):
     every chat's template gets them, a request's chat_template_kwargs win key by key (vLLM's
-    merge); the flag parses from `paxengine serve`'s command line with vLLM's text-only and
-    remote-code flags; a bad value fails at start-up naming the key."""
+    merge); the flag parses from `paxengine serve`'s command line; a bad value fails at start-up
+    naming the key."""
     from serving.cli import parse
 
     defaults = {"enable_thinking": False, "style": "terse"}
@@ -266,12 +266,8 @@ def test_default_chat_template_kwargs_reach_every_template():
         assert got["enable_thinking"] is True and got["style"] == "terse"
         r = c.post("/tokenize", json={"messages": [{"role": "user", "content": "q"}]})
         assert r.status_code == 200 and engine.variables[-1]["enable_thinking"] is False
-    _, scfg = parse(
-        ["--default-chat-template-kwargs", '{"enable_thinking": false}']
-        + ["--language-model-only", "--trust-remote-code"]
-    )
+    _, scfg = parse(["--default-chat-template-kwargs", '{"enable_thinking": false}'])
     assert scfg.default_chat_template_kwargs == {"enable_thinking": False}
-    assert scfg.language_model_only and scfg.trust_remote_code
     for bad, match in [
         ("{nope", "not valid JSON"),
         ("[1]", "must be a JSON object"),

@@ -1,0 +1,113 @@
+"""`vllm serve` flags of the recipes (vLLM's, Qwen's model cards) that paxengine takes as what it
+does anyway, or refuses with the reason: a recipe's command line either starts the server or
+says which flag to drop and why, instead of argparse's "unrecognized arguments".
+
+Taken (logged at start-up): what the flag asks for is how paxengine always runs. Refused: the
+flag is about a part paxengine does not have (a vision encoder, torch.compile, vLLM's MoE
+kernels), so accepting it would pretend to honour it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+TEXT_ONLY = "paxengine serves a multimodal checkpoint's text model alone (no vision encoder)"
+
+# switches (store_true): what paxengine does instead of needing the flag
+ALWAYS = {
+    "language_model_only": "the text model alone is what paxengine serves (vision weights are "
+    "skipped; an image or video part is a 400)",
+    "trust_remote_code": "paxengine runs no code from checkpoints: nothing to trust",
+    "async_scheduling": "paxengine always schedules the next step while the device runs the last",
+    "enable_chunked_prefill": "paxengine always chunks prompts (--max-num-batched-tokens a step)",
+}
+# flags with a value: the values paxengine runs as it is, and what it does
+VALUES = {
+    "tokenizer_mode": (("auto", "hf"), "the tokenizers library reads tokenizer.json"),
+    "load_format": (
+        ("auto", "safetensors", "gguf", "dummy"),
+        "the model source's format is read from it; dummy: random weights of its config.json",
+    ),
+}
+REFUSED = {
+    "enforce_eager": "paxengine's steps are XLA executables compiled before serving; it has no "
+    "eager mode (--no-background-compile builds every bucket before the first request)",
+    "compilation_config": "vLLM's torch.compile / CUDA graph settings; paxengine compiles XLA "
+    "executables per step bucket (--token-buckets, --seq-buckets)",
+    "moe_backend": "vLLM's MoE kernels; paxengine's grouped expert kernel is its own",
+    "mm_encoder_tp_mode": TEXT_ONLY,
+    "mm_processor_cache_gb": TEXT_ONLY,
+    "mm_processor_cache_type": TEXT_ONLY,
+    "mm_processor_kwargs": TEXT_ONLY,
+}
+
+
+def add_to(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("vLLM's flags taken as paxengine runs, or refused with why")
+    for name, what in ALWAYS.items():
+        flag = "--" + name.replace("_", "-")
+        g.add_argument(flag, action="store_true", default=None, help=f"taken: {what}")
+    for name, (values, what) in VALUES.items():
+        flag = "--" + name.replace("_", "-")
+        g.add_argument(flag, choices=values, help=f"taken: {what}")
+    g.add_argument(
+        "--limit-mm-per-prompt",
+        metavar="JSON",
+        help='taken when every limit is 0 (\'{"image": 0, "video": 0}\': text only); ' + TEXT_ONLY,
+    )
+    for name, why in REFUSED.items():
+        flag = "--" + name.replace("_", "-")  # a switch or with a value: refused either way
+        g.add_argument(flag, nargs="?", const=True, metavar="X", help=f"refused: {why}")
+
+
+def apply(keys: dict) -> list[str]:
+    """Takes this module's flags out of `keys` (parsed flags or YAML keys, `_` names): refuses
+    one (ValueError naming it and why), or drops it, saying what paxengine does instead (the
+    lines returned, for the start-up log). --load-format dummy makes the model its config's
+    random weights (`dummy:DIR/config.json`), served under DIR's name with DIR's tokenizer."""
+    notes = []
+    for name in list(keys):
+        value = keys.get(name)
+        if value is None or name not in (*ALWAYS, *VALUES, *REFUSED, "limit_mm_per_prompt"):
+            continue
+        flag = "--" + name.replace("_", "-")
+        if name in REFUSED:
+            raise ValueError(f"{flag}: refused: {REFUSED[name]}")
+        del keys[name]
+        if name in ALWAYS:
+            if value is not True:
+                raise ValueError(f"{flag}: {ALWAYS[name]}; it cannot be turned off")
+            notes.append(f"{flag}: {ALWAYS[name]}")
+        elif name == "limit_mm_per_prompt":
+            notes.append(f"{flag}: {_text_only(value, flag)}")
+        else:
+            values, what = VALUES[name]
+            if value not in values:
+                raise ValueError(f"{flag}: {value!r} is not one of {list(values)} ({what})")
+            if name == "load_format" and value == "dummy":
+                model = keys.get("model")
+                keys["model"] = _dummy_model(model, flag)
+                if not keys.get("tokenizer") and (Path(model) / "tokenizer.json").is_file():
+                    keys["tokenizer"] = str(model)  # vLLM's dummy weights keep the tokenizer
+                keys.setdefault("served_model_name", str(model))  # and the model's name
+            notes.append(f"{flag} {value}: {what}")
+    return notes
+
+
+def _text_only(value, flag: str) -> str:
+    try:
+        limits = json.loads(value) if isinstance(value, str) else value
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{flag}: not valid JSON ({e})") from None
+    if not isinstance(limits, dict) or any(v != 0 for v in limits.values()):
+        raise ValueError(f"{flag}: only limits of 0 are taken ({TEXT_ONLY}), got {value!r}")
+    return f"no {', '.join(sorted(limits)) or 'media'} inputs: {TEXT_ONLY}"
+
+
+def _dummy_model(model, flag: str) -> str:
+    config = Path(str(model or "")) / "config.json"
+    if not model or not config.is_file():
+        raise ValueError(f"{flag} dummy: needs a model directory with a config.json, got {model!r}")
+    return f"dummy:{config}"

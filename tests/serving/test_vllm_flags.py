@@ -1,0 +1,71 @@
+"""serving/vllm_flags.py: the recipes' `vllm serve` flags on `paxengine serve`'s command line
+(and in its YAML) are taken as what paxengine does anyway, or refused naming the flag and why."""
+
+import json
+import re
+
+import pytest
+
+from serving.cli import parse
+from serving.config import resolve_configs
+
+RECIPE = [  # Qwen3.5's vLLM recipe and model card flags that name what paxengine always does
+    "--trust-remote-code",
+    "--language-model-only",
+    "--async-scheduling",
+    "--enable-chunked-prefill",
+    "--tokenizer-mode",
+    "auto",
+    "--load-format",
+    "safetensors",
+    "--limit-mm-per-prompt",
+    '{"image": 0, "video": 0}',
+]
+
+
+def test_a_recipes_flags_are_taken_and_logged():
+    ecfg, scfg = parse(RECIPE + ["--max-num-seqs", "4"])
+    assert ecfg.max_num_seqs == 4 and ecfg.model is None  # the rest of the line as without them
+    notes = "\n".join(scfg.vllm_flag_notes)
+    for flag in ("--trust-remote-code", "--async-scheduling", "--limit-mm-per-prompt"):
+        assert flag in notes
+    assert "no image, video inputs" in notes
+
+
+def test_load_format_dummy_serves_the_configs_random_weights(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    ecfg, _ = parse([str(tmp_path), "--load-format", "dummy"])
+    assert ecfg.model == f"dummy:{tmp_path / 'config.json'}" and ecfg.tokenizer is None
+    (tmp_path / "tokenizer.json").write_text("{}")  # the directory's tokenizer stays in use
+    ecfg, _ = parse([str(tmp_path), "--load-format", "dummy"])
+    assert ecfg.tokenizer == str(tmp_path) and ecfg.served_model_name == str(tmp_path)
+    ecfg, _ = resolve_configs({"model": str(tmp_path)}, {"load_format": "dummy"})  # YAML model
+    assert ecfg.model == f"dummy:{tmp_path / 'config.json'}"
+
+
+@pytest.mark.parametrize(
+    "flags, match",
+    [
+        (["--enforce-eager"], "--enforce-eager: refused: .*no eager mode"),
+        (["--compilation-config", '{"cudagraph_mode": "FULL"}'], "torch.compile"),
+        (["--moe-backend", "triton"], "--moe-backend: refused"),
+        (["--mm-encoder-tp-mode", "data"], "text model alone"),
+        (["--limit-mm-per-prompt", '{"image": 2}'], "only limits of 0"),
+        (["--limit-mm-per-prompt", "{image"], "not valid JSON"),
+        (["--tokenizer-mode", "mistral"], "invalid choice"),
+        (["--load-format", "dummy"], "needs a model directory with a config.json"),
+    ],
+)
+def test_what_paxengine_does_not_have_is_refused_naming_the_flag(flags, match, capsys):
+    with pytest.raises(SystemExit):
+        parse(flags)
+    assert re.search(match, capsys.readouterr().err), flags
+
+
+def test_yaml_keys_go_the_same_way():
+    _, scfg = resolve_configs({"async_scheduling": True, "trust_remote_code": True}, {})
+    assert len(scfg.vllm_flag_notes) == 2
+    with pytest.raises(ValueError, match="cannot be turned off"):
+        resolve_configs({"enable_chunked_prefill": False}, {})
+    with pytest.raises(ValueError, match="--enforce-eager: refused"):
+        resolve_configs({"enforce_eager": True}, {})
