@@ -22,6 +22,7 @@ ALWAYS = {
     "trust_remote_code": "paxengine runs no code from checkpoints: nothing to trust",
     "async_scheduling": "paxengine always schedules the next step while the device runs the last",
     "enable_chunked_prefill": "paxengine always chunks prompts (--max-num-batched-tokens a step)",
+    "disable_log_requests": "paxengine logs no request's prompt or output",
 }
 # flags with a value: the values paxengine runs as it is, and what it does
 VALUES = {
@@ -30,6 +31,14 @@ VALUES = {
         ("auto", "safetensors", "gguf", "dummy"),
         "the model source's format is read from it; dummy: random weights of its config.json",
     ),
+    "chat_template_content_format": (("auto", "string"), "messages reach the template as text"),
+    "pipeline_parallel_size": (("1",), "one pipeline stage (-tp / -dp split the model's work)"),
+    # Qwen3.5's recurrent layers (vLLM's "mamba" cache)
+    "mamba_ssm_cache_dtype": (("auto",), "the recurrent states are kept in the model's dtype"),
+    "mamba_cache_mode": (
+        ("align",),
+        "a cached prefix's recurrent state is kept at a block boundary (vLLM's align mode)",
+    ),
 }
 REFUSED = {
     "enforce_eager": "paxengine's steps are XLA executables compiled before serving; it has no "
@@ -37,6 +46,10 @@ REFUSED = {
     "compilation_config": "vLLM's torch.compile / CUDA graph settings; paxengine compiles XLA "
     "executables per step bucket (--token-buckets, --seq-buckets)",
     "moe_backend": "vLLM's MoE kernels; paxengine's grouped expert kernel is its own",
+    "max_cudagraph_capture_size": "vLLM's CUDA graphs; paxengine's decode steps are XLA "
+    "executables per sequence bucket (--seq-buckets)",
+    "cpu_offload_gb": "paxengine keeps every weight on the devices",
+    "enable_sleep_mode": "paxengine's engine does not release its device memory while idle",
     "mm_encoder_tp_mode": TEXT_ONLY,
     "mm_processor_cache_gb": TEXT_ONLY,
     "mm_processor_cache_type": TEXT_ONLY,
@@ -51,7 +64,8 @@ def add_to(parser: argparse.ArgumentParser) -> None:
         g.add_argument(flag, action="store_true", default=None, help=f"taken: {what}")
     for name, (values, what) in VALUES.items():
         flag = "--" + name.replace("_", "-")
-        g.add_argument(flag, choices=values, help=f"taken: {what}")
+        # values checked by apply(), whose refusal says why
+        g.add_argument(flag, metavar="{" + ",".join(values) + "}", help=f"taken: {what}")
     g.add_argument(
         "--limit-mm-per-prompt",
         metavar="JSON",
@@ -84,8 +98,8 @@ def apply(keys: dict) -> list[str]:
             notes.append(f"{flag}: {_text_only(value, flag)}")
         else:
             values, what = VALUES[name]
-            if value not in values:
-                raise ValueError(f"{flag}: {value!r} is not one of {list(values)} ({what})")
+            if str(value) not in values:
+                raise ValueError(f"{flag}: {value!r} is refused, {list(values)} taken: {what}")
             if name == "load_format" and value == "dummy":
                 model = keys.get("model")
                 keys["model"] = _dummy_model(model, flag)

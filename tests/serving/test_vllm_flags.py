@@ -20,6 +20,11 @@ RECIPE = [  # Qwen3.5's vLLM recipe and model card flags that name what paxengin
     "safetensors",
     "--limit-mm-per-prompt",
     '{"image": 0, "video": 0}',
+    "--mamba-ssm-cache-dtype",
+    "auto",
+    "--mamba-cache-mode",
+    "align",
+    "--disable-log-requests",
 ]
 
 
@@ -52,7 +57,10 @@ def test_load_format_dummy_serves_the_configs_random_weights(tmp_path):
         (["--mm-encoder-tp-mode", "data"], "text model alone"),
         (["--limit-mm-per-prompt", '{"image": 2}'], "only limits of 0"),
         (["--limit-mm-per-prompt", "{image"], "not valid JSON"),
-        (["--tokenizer-mode", "mistral"], "invalid choice"),
+        (["--tokenizer-mode", "mistral"], "'mistral' is refused, \\['auto', 'hf'\\] taken"),
+        (["--mamba-ssm-cache-dtype", "float32"], "kept in the model's dtype"),
+        (["--pipeline-parallel-size", "2"], "one pipeline stage"),
+        (["--max-cudagraph-capture-size", "256"], "--max-cudagraph-capture-size: refused"),
         (["--load-format", "dummy"], "needs a model directory with a config.json"),
     ],
 )
@@ -63,8 +71,9 @@ def test_what_paxengine_does_not_have_is_refused_naming_the_flag(flags, match, c
 
 
 def test_yaml_keys_go_the_same_way():
-    _, scfg = resolve_configs({"async_scheduling": True, "trust_remote_code": True}, {})
-    assert len(scfg.vllm_flag_notes) == 2
+    yaml = {"async_scheduling": True, "trust_remote_code": True, "pipeline_parallel_size": 1}
+    _, scfg = resolve_configs(yaml, {})
+    assert len(scfg.vllm_flag_notes) == 3
     with pytest.raises(ValueError, match="cannot be turned off"):
         resolve_configs({"enable_chunked_prefill": False}, {})
     with pytest.raises(ValueError, match="--enforce-eager: refused"):
