@@ -60,6 +60,13 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--block-size", type=int)
     e.add_argument("--num-kv-blocks", type=int)
     e.add_argument("--gpu-memory-utilization", type=float)
+    e.add_argument(
+        "--kv-cache-memory-bytes",
+        type=_bytes,
+        metavar="N",
+        help="the KV pool's bytes a device (vLLM's; 8000000000, 8G or 8GiB), instead of "
+        "--gpu-memory-utilization's plan",
+    )
     _bool_pair(e, "enable-prefix-caching", "reuse KV blocks of shared prompt prefixes")
     _bool_pair(e, "dispatch-thread", "launch each step from a worker thread")
     _bool_pair(
@@ -274,6 +281,25 @@ def _kv_transfer_config(text: str) -> dict:
         return json.loads(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+
+
+def _bytes(text: str) -> int:
+    """A byte count: digits, with a k / M / G / T suffix (powers of 1000; KiB .. TiB, 1024)."""
+    t = text.strip().lower().removesuffix("b")
+    binary = t.endswith("i")
+    t = t.removesuffix("i")
+    unit = t[-1] if t and t[-1] in _UNITS else ""
+    try:
+        n = float(t[: len(t) - len(unit)])
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a byte count like 8G, got {text!r}") from None
+    scale = 1024 ** ("kmgt".index(unit) + 1) if binary and unit else _UNITS[unit]
+    if binary and not unit or n <= 0:
+        raise argparse.ArgumentTypeError(f"expected a byte count like 8G, got {text!r}")
+    return int(n * scale)
 
 
 def _int_list(text: str) -> list[int]:

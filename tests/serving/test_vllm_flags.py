@@ -37,6 +37,13 @@ def test_a_recipes_flags_are_taken_and_logged():
     assert "no image, video inputs" in notes
 
 
+def test_kv_cache_memory_bytes_takes_vllms_forms():
+    for text, n in [("8000000000", 8 * 10**9), ("8G", 8 * 10**9), ("8GiB", 8 << 30)]:
+        assert parse(["--kv-cache-memory-bytes", text])[0].kv_cache_memory_bytes == n
+    with pytest.raises(SystemExit):
+        parse(["--kv-cache-memory-bytes", "8Q"])
+
+
 def test_load_format_dummy_serves_the_configs_random_weights(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
     ecfg, _ = parse([str(tmp_path), "--load-format", "dummy"])
