@@ -63,6 +63,8 @@ def add_to(parser: argparse.ArgumentParser) -> None:
     for name, what in ALWAYS.items():
         flag = "--" + name.replace("_", "-")
         g.add_argument(flag, action="store_true", default=None, help=f"taken: {what}")
+        # vLLM's --no- form: refused by apply(), it cannot be turned off
+        g.add_argument("--no-" + flag[2:], dest=name, action="store_false", help=argparse.SUPPRESS)
     for name, (values, what) in VALUES.items():
         flag = "--" + name.replace("_", "-")
         # values checked by apply(), whose refusal says why

@@ -69,6 +69,7 @@ def test_load_format_dummy_serves_the_configs_random_weights(tmp_path):
         (["--pipeline-parallel-size", "2"], "one pipeline stage"),
         (["--max-cudagraph-capture-size", "256"], "--max-cudagraph-capture-size: refused"),
         (["--load-format", "dummy"], "needs a model directory with a config.json"),
+        (["--no-enable-chunked-prefill"], "always chunks prompts.*cannot be turned off"),
     ],
 )
 def test_what_paxengine_does_not_have_is_refused_naming_the_flag(flags, match, capsys):
