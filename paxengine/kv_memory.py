@@ -25,7 +25,7 @@ JAX_DEFAULT_POOL_FRACTION = 0.75
 # executables' temporaries and what else the plan cannot see. Measured on an H100 at 8,192-token
 # steps, every executable compiled cold and run once: 4.7 GB above the weights and the KV pool at
 # its peak (benchmarks/results/gpu_2026-12-05b_same_lease/kv_pool.txt); the 4 GiB reserve plus 2%
-# of a 0.9 share (1.5 GB) covers it with 1.1 GB to spare before the plan's round-down to whole GiB.
+# of a 0.9 share (1.5 GB) covers it with 1.1 GB to spare before the plan's round-down (FREE_QUANTUM).
 # 10% left 12 GB unused there and 368,640 KV tokens against vLLM's 449,968 (0.93x on 300 x (1000,
 # 1000), 116 preemptions; benchmarks/results/gpu_2026-12-05c_kv_share/).
 HEADROOM = 0.02
@@ -224,8 +224,10 @@ def largest_temporaries(executables: dict) -> tuple[int, object] | None:
 # the same on every start of the same engine, or a restart misses the executable store. The
 # allocator's bytes_in_use did not (H200, one machine, six starts: 37,580 to 38,492 blocks, so
 # two of them compiled 33 forward executables again), so the plan counts the arrays alive
-# (after a collection) and rounds what is left down to whole GiB.
-FREE_QUANTUM = 1 << 30
+# (after a collection) and rounds what is left down to whole quarters of a GiB. The count is
+# the same from start to start as the live arrays are; a whole GiB (the quantum until
+# 2026-12-07) threw away half a GiB on average, ~5% of Qwen3-30B-A3B's 10 GiB pool on an H100.
+FREE_QUANTUM = 1 << 28
 
 
 def live_bytes(dev) -> int:

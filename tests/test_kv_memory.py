@@ -44,14 +44,15 @@ def test_blocks_do_not_follow_the_allocators_noise(monkeypatch):
     per_block = kv_memory.kv_bytes_per_block(PRESETS["llama-3.1-8b"], 16, jnp.bfloat16)
     (n,) = counts
     free = (1 - kv_memory.HEADROOM) * 100 * GiB - weights - 4 * GiB
-    assert n * per_block == free - free % GiB  # whole GiB, rounded down
+    q = kv_memory.FREE_QUANTUM
+    assert n * per_block == free - free % q  # whole quanta, rounded down
 
 
 def test_small_changes_of_the_weights_keep_the_count(monkeypatch):
     dev = _FakeGpu(100 * GiB, 0)
     monkeypatch.setattr(kv_memory, "live_bytes", lambda dev: 16 * GiB + (5 << 20))
     a = _plan(dev)
-    monkeypatch.setattr(kv_memory, "live_bytes", lambda dev: 16 * GiB + (300 << 20))
+    monkeypatch.setattr(kv_memory, "live_bytes", lambda dev: 16 * GiB + (100 << 20))
     assert _plan(dev) == a
     monkeypatch.setattr(kv_memory, "live_bytes", lambda dev: 18 * GiB)
     assert _plan(dev) < a
@@ -107,7 +108,7 @@ def test_the_share_of_a_pool_sized_for_the_engine_or_larger(monkeypatch):
 
     def expect(budget):
         free = (1 - kv_memory.HEADROOM) * budget - weights - 4 * GiB
-        return int((free - free % GiB) // per_block)
+        return int((free - free % kv_memory.FREE_QUANTUM) // per_block)
 
     for var in kv_memory.POOL_FRACTION_VARS:
         monkeypatch.delenv(var, raising=False)
@@ -240,7 +241,8 @@ def test_reserve_holds_the_sampler_of_a_large_vocabulary(monkeypatch):
 
     assert plan(llama, 512) == plan(llama, 0)
     kept = (plan(big_vocab, 0) - plan(big_vocab, 512)) * per_block
-    assert sampler - forward - GiB <= kept <= sampler - forward + GiB  # the plan's whole GiB
+    q = kv_memory.FREE_QUANTUM
+    assert sampler - forward - q <= kept <= sampler - forward + q  # the plan's round-down
 
 
 def test_a_family_with_larger_step_temporaries_keeps_more_free(monkeypatch):
