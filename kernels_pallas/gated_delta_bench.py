@@ -1,8 +1,9 @@
 """On a GPU: the Gated DeltaNet kernels (gated_delta.py) checked against their jnp oracles and timed
 against XLA, at Qwen3.5-9B shapes (16 key heads, 32 value heads of 128, conv kernel 4), bf16
-activations, f32 states.
+activations, f32 states (decode's pools: --pool-dtype, bf16 as the engine keeps a bf16 model's).
 
     python -m kernels_pallas.gated_delta_bench [--quick] [--json FILE]
+    python -m kernels_pallas.gated_delta_bench --sweep --decode-seqs 256 512   (decode only)
 
 Rows: prefill (the chunk kernel, the recurrent kernel, the chunked oracle under XLA) over ragged
 batches; decode and verify steps (the fused kernel, and XLA: the conv oracle plus one vectorised
@@ -137,7 +138,9 @@ CHUNK_SWEEP = [
 DECODE_SWEEP = [(None, None), (64, 4), (32, 2), (32, 4), (16, 1), (128, 8)]
 
 
-def run(quick=False, iters=10, reps=5, sweep=False):
+def run(quick=False, iters=10, reps=5, sweep=False, decode_seqs=None, pool_dtype=BF16):
+    """decode_seqs: only decode steps of these many sequences (one token each), no prefill;
+    pool_dtype: the decode rows' state pools (the engine's: the model's dtype)."""
     rng = np.random.default_rng(0)
     kw = dict(interpret=jax.default_backend() == "cpu")  # (a CPU smoke run)
     rows = []
@@ -149,6 +152,8 @@ def run(quick=False, iters=10, reps=5, sweep=False):
     prefills = [[1024] * 4, [64] * 64]
     if not quick:
         prefills += [[8192], [300, 17, 1000, 700]]
+    if decode_seqs:
+        prefills = []
     for lens in prefills:
         b = prefill_batch(rng, lens)
         ins = (b["q"], b["k"], b["v"], b["g"], b["beta"])
@@ -177,8 +182,12 @@ def run(quick=False, iters=10, reps=5, sweep=False):
     decodes = [(1, 1, 0), (64, 1, 0)]
     if not quick:
         decodes += [(8, 1, 0), (256, 1, 0), (16, 4, 4)]
+    if decode_seqs:
+        decodes = [(S, 1, 0) for S in decode_seqs]
     for S, m, P in decodes:
-        d = decode_batch(rng, S, m, P)
+        d = decode_batch(rng, S, m, P, pool_dtype)
+        # the states each step reads and writes back (what bounds a large decode step)
+        state_bytes = S * (1 + max(P, 1)) * Hv * dk * dv * jnp.dtype(pool_dtype).itemsize
         pos = () if d["pos"] is None else (d["pos"],)
         ins = (d["x"], d["w"], d["g"], d["beta"])
         want = jax.jit(lambda *a: ref_gated_delta_decode(*a[:2], None, *a[2:]))(
@@ -210,7 +219,15 @@ def run(quick=False, iters=10, reps=5, sweep=False):
             err = [rel(a, b) for a, b in zip(got, want)]
             t = timed(kern, args, 2, iters * 5, reps)
             impl = "kernel (defaults)" if bv is None else f"kernel v{bv} w{nw}"
-            row(case=name, impl=impl, us=round(t * 1e6, 1), err_o=err[0], err_state=err[2])
+            tbs = round(state_bytes / t / 1e12, 2)
+            row(
+                case=name,
+                impl=impl,
+                us=round(t * 1e6, 1),
+                err_o=err[0],
+                err_state=err[2],
+                state_tb_s=tbs,
+            )
         if m == 1:
 
             def xla(x, w, g, beta, init, conv, state):
@@ -219,7 +236,15 @@ def run(quick=False, iters=10, reps=5, sweep=False):
             got = jax.jit(xla)(*args)
             err = [rel(a, b) for a, b in zip(got, want)]
             t = timed(xla, args, 2, iters * 5, reps)
-            row(case=name, impl="xla", us=round(t * 1e6, 1), err_o=err[0], err_state=err[2])
+            tbs = round(state_bytes / t / 1e12, 2)
+            row(
+                case=name,
+                impl="xla",
+                us=round(t * 1e6, 1),
+                err_o=err[0],
+                err_state=err[2],
+                state_tb_s=tbs,
+            )
     return rows
 
 
@@ -230,9 +255,11 @@ def main():
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--json")
+    ap.add_argument("--decode-seqs", type=int, nargs="+", help="decode steps of these sizes only")
+    ap.add_argument("--pool-dtype", choices=["bfloat16", "float32"], default="bfloat16")
     a = ap.parse_args()
     print(jax.devices(), jax.__version__, flush=True)
-    rows = run(a.quick, a.iters, a.reps, a.sweep)
+    rows = run(a.quick, a.iters, a.reps, a.sweep, a.decode_seqs, jnp.dtype(a.pool_dtype))
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=1)
