@@ -39,9 +39,19 @@ class ModelInfo:
         return Limits(self.vocab_size, self.max_model_len, self.kv_capacity_tokens)
 
 
+def served_names(config: EngineConfig) -> list[str]:
+    """vLLM's rule: --served-model-name's names (the first is the one responses carry), else the
+    model argument as given."""
+    names = config.served_model_name
+    if isinstance(names, (list, tuple)) and names:
+        return [str(n) for n in names]
+    if names:
+        return [str(names)]
+    return [str(config.model) if config.model else DEFAULT_MODEL_NAME]
+
+
 def served_name(config: EngineConfig) -> str:
-    """vLLM's rule: --served-model-name, else the model argument as given."""
-    return config.served_model_name or (str(config.model) if config.model else DEFAULT_MODEL_NAME)
+    return served_names(config)[0]
 
 
 @runtime_checkable

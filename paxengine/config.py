@@ -78,7 +78,8 @@ class EngineConfig:
     # are refused with a 400
     structured_outputs: bool = True
     seed: int = 0
-    served_model_name: str | None = None
+    # the name responses carry; vLLM's list form: the first answers, the others are accepted too
+    served_model_name: str | list[str] | None = None
     compilation_cache_dir: str | None = None  # default ~/.cache/paxengine/jax
     # keep compiled step executables under compilation_cache_dir/executables: a restart with the
     # same code, model and configuration loads them instead of tracing and compiling

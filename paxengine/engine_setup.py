@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 import kernels_pallas.layout
 from paxengine import device_defaults, kv_scales, parallel
-from paxengine.client import ModelInfo
+from paxengine.client import ModelInfo, served_names
 from paxengine.config import EngineConfig
 from paxengine.models import registry
 from paxengine.models.loader import load_model
@@ -419,7 +419,8 @@ def model_info(
     kv = checked.kv_dtype_name
     return ModelInfo(
         name=name,
-        aliases=(str(cfg.model),) if cfg.model else (),
+        # --served-model-name's other names, and the model as given (vLLM answers to the names)
+        aliases=tuple(served_names(cfg)[1:]) + ((str(cfg.model),) if cfg.model else ()),
         max_model_len=max_model_len,
         vocab_size=runner.cfg.vocab_size,
         dtype=checked.dtype,

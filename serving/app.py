@@ -14,7 +14,7 @@ from typing import Optional
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import Response
 
-from paxengine.client import EngineClient
+from paxengine.client import EngineClient, served_names
 from paxengine.errors import EngineError
 from serving.config import ServerConfig
 from serving.errors import ApiError, bad_request, install_error_handlers, parse_body
@@ -115,10 +115,14 @@ def build_app(
         req = await parse_body(request, ChatCompletionRequest, cfg.max_request_body_bytes)
         return await respond(state, "chat", request, req)
 
-    def model_card() -> ModelCard:
+    # --served-model-name's names past the first, each a card of its own as vLLM lists them
+    config = getattr(engine, "config", None)
+    more_names = served_names(config)[1:] if config is not None else []
+
+    def model_card(name: str | None = None) -> ModelCard:
         info = state.info
         return ModelCard(
-            id=info.name,
+            id=name or info.name,
             root=info.aliases[0] if info.aliases else info.name,
             max_model_len=info.max_model_len,
             dtype=info.dtype,
@@ -129,12 +133,12 @@ def build_app(
 
     @app.get("/v1/models", dependencies=auth, response_model=ModelList)
     async def models():
-        return ModelList(data=[model_card()])
+        return ModelList(data=[model_card()] + [model_card(n) for n in more_names])
 
     @app.get("/v1/models/{model_id:path}", dependencies=auth, response_model=ModelCard)
     async def model(model_id: str):
         state.check_model(model_id)
-        return model_card()
+        return model_card(model_id if model_id in more_names else None)
 
     # ------------------------------------------------------------------ tokenizer
     @app.post(

@@ -139,7 +139,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N,N,...",
         help="step sequence counts to compile (default: derived from --max-num-seqs)",
     )
-    e.add_argument("--served-model-name")
+    e.add_argument(
+        "--served-model-name",
+        nargs="+",
+        type=str,
+        help="the model's name in responses; more names (vLLM's) are accepted in requests too",
+    )
     e.add_argument("--seed", type=int)
     e.add_argument(
         "--max-waiting-requests",
@@ -315,6 +320,8 @@ def parse(argv: list[str]):
     """argv -> (EngineConfig, ServerConfig); raises SystemExit(2) on bad flags or config."""
     parser = build_parser()
     args = vars(parser.parse_args(argv))
+    if args.get("served_model_name") and len(args["served_model_name"]) == 1:
+        args["served_model_name"] = args["served_model_name"][0]
     tag, config_path = args.pop("model_tag"), args.pop("config")
     if tag is not None:
         if args.get("model") not in (None, tag):

@@ -9,7 +9,7 @@ import random
 import time
 from typing import Optional
 
-from paxengine.client import ModelInfo, served_name
+from paxengine.client import ModelInfo, served_name, served_names
 from paxengine.config import EngineConfig
 from paxengine.errors import EngineDead, EngineOverloaded, InvalidRequest
 from paxengine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -67,8 +67,8 @@ class FakeEngine:
         self.totals = {"prompt_tokens": 0, "generation_tokens": 0}
         cfg = self.config
         self.info = ModelInfo(
-            name=served_name(cfg),
-            aliases=(cfg.model,) if cfg.model else (),
+            name=served_name(cfg),  # the engine's aliases: the other served names, the model
+            aliases=tuple(served_names(cfg)[1:]) + ((cfg.model,) if cfg.model else ()),
             max_model_len=cfg.max_model_len or 128,
             vocab_size=256,
             dtype="float32",

@@ -37,6 +37,29 @@ def test_a_recipes_flags_are_taken_and_logged():
     assert "no image, video inputs" in notes
 
 
+def test_several_served_model_names_as_vllm_takes_them():
+    """--served-model-name a b: responses carry a, requests may name either, /v1/models lists
+    both (a second name was taken as the model path before)."""
+    from fake_engine import FakeEngine
+    from fastapi.testclient import TestClient
+
+    from paxengine.config import EngineConfig
+    from serving.app import build_app
+    from serving.config import ServerConfig
+
+    ecfg, _ = parse(["--served-model-name", "a", "b"])
+    assert ecfg.served_model_name == ["a", "b"] and ecfg.model is None
+    assert parse(["--served-model-name", "a"])[0].served_model_name == "a"
+    engine = FakeEngine(EngineConfig(max_model_len=128, served_model_name=["a", "b"]))
+    with TestClient(build_app(engine, ServerConfig())) as c:
+        assert [m["id"] for m in c.get("/v1/models").json()["data"]] == ["a", "b"]
+        assert c.get("/v1/models/b").json()["id"] == "b"
+        r = c.post("/v1/completions", json={"model": "b", "prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 200 and r.json()["model"] == "a"
+        r = c.post("/v1/completions", json={"model": "c", "prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 404
+
+
 def test_kv_cache_memory_bytes_takes_vllms_forms():
     for text, n in [("8000000000", 8 * 10**9), ("8G", 8 * 10**9), ("8GiB", 8 << 30)]:
         assert parse(["--kv-cache-memory-bytes", text])[0].kv_cache_memory_bytes == n
