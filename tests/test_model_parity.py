@@ -133,19 +133,8 @@ def test_tiny_random_checkpoints_match_hf(kind, tmp_path):
     assert rel < 1e-4, rel
 
 
-@pytest.fixture(scope="module")
-def cold_cache(tmp_path_factory):
-    """A cache folder of this module's own and the embedded model's first load into it (the GGUF
-    converted and written: ~10 s on 2 busy cores), shared by the two tests of that entry: the
-    warm load reads it back, and a truncated entry is converted again (which leaves it whole)."""
-    d = tmp_path_factory.mktemp("weights_cache")
-    cold = load_model(None, "float32", cache_dir=str(d), progress=False)
-    assert not cold.from_cache
-    return d, cold
-
-
-def test_converted_weights_cache_round_trip(cold_cache):
-    tmp_path, cold = cold_cache
+def test_converted_weights_cache_round_trip(tmp_path):
+    cold = load_model(None, "float32", cache_dir=str(tmp_path), progress=False)
     warm = load_model(None, "float32", cache_dir=str(tmp_path), progress=False)
     assert not cold.from_cache and warm.from_cache
     assert cold.config == warm.config
@@ -163,14 +152,14 @@ def test_converted_weights_cache_round_trip(cold_cache):
     )
 
 
-def test_the_weights_cache_is_read_in_place(cold_cache):
+def test_the_weights_cache_is_read_in_place(tmp_path):
     """A cache entry's tensors are views of a memory map of its file (nothing copied into the
     process until placed); a truncated entry is converted again."""
     import mmap
 
     from paxengine.models import weights_cache
 
-    tmp_path, cold = cold_cache
+    cold = load_model(None, "float32", cache_dir=str(tmp_path), progress=False)
     (entry,) = (tmp_path / "weights").iterdir()
     _, params, _ = weights_cache.read(entry)
     wq, base = params["layers"]["wq"], params["layers"]["wq"]
