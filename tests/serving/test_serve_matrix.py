@@ -492,6 +492,57 @@ ROWS: dict[str, Row] = {
 # Options no row passes: where each is covered instead, and why not here. The test named must
 # exist (test_every_serve_option_has_a_row reads the file).
 ELSEWHERE: dict[str, tuple[str, str]] = {
+    "--kv-cache-memory-bytes": (
+        "tests/serving/test_vllm_flags.py::test_kv_cache_memory_bytes_takes_vllms_forms",
+        "the KV pool's size by hand: the flag's forms; the plan's use of it: test_kv_memory.py",
+    ),
+    "--chat-template": (
+        "tests/serving/test_server_reasoning_tools.py::"
+        "test_chat_template_flag_renders_chats_with_its_template",
+        "a row's greedy texts would change with the template; rendered and refused there",
+    ),
+    # serving/vllm_flags.py: the recipes' vllm serve flags, taken as paxengine runs or refused
+    **{
+        flag: (
+            "tests/serving/test_vllm_flags.py::test_a_recipes_flags_are_taken_and_logged",
+            "taken and logged (the --no- forms and other values refused by name)",
+        )
+        for flag in (
+            "--no-language-model-only",
+            "--no-trust-remote-code",
+            "--no-async-scheduling",
+            "--enable-chunked-prefill",
+            "--no-enable-chunked-prefill",
+            "--disable-log-requests",
+            "--no-disable-log-requests",
+            "--tokenizer-mode",
+            "--load-format",
+            "--chat-template-content-format",
+            "--pipeline-parallel-size",
+            "--mamba-ssm-cache-dtype",
+            "--mamba-cache-mode",
+        )
+    },
+    **{
+        flag: (
+            "tests/serving/test_vllm_flags.py::"
+            "test_what_paxengine_does_not_have_is_refused_naming_the_flag",
+            "refused at start-up, naming the flag and why",
+        )
+        for flag in (
+            "--enforce-eager",
+            "--compilation-config",
+            "--moe-backend",
+            "--max-cudagraph-capture-size",
+            "--cpu-offload-gb",
+            "--enable-sleep-mode",
+            "--hf-overrides",
+            "--mm-encoder-tp-mode",
+            "--mm-processor-cache-gb",
+            "--mm-processor-cache-type",
+            "--mm-processor-kwargs",
+        )
+    },
     "--no-engine-process": (
         "tests/serving/test_server_unit.py::test_cli_main_wires_engine_app_and_uvicorn",
         "the engine on a thread: every in-process server test (tests/serving/conftest.py) runs it",
