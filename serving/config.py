@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from paxengine.config import AUTO, EngineConfig
+from paxengine.config import AUTO, EngineConfig, json_object_option
 
 PERFORMANCE_MODES: dict[str, dict[str, Any]] = {
     # EngineConfig's own defaults
@@ -146,18 +146,13 @@ class ServerConfig:
             raise ValueError("api_key: must be a string")
         self._check_parsers()
         self._check_template_kwargs()
+        self._check_chat_template()
 
     def _check_template_kwargs(self) -> None:
         from paxengine.tokenizer import RESERVED_TEMPLATE_VARIABLES
 
-        kw = self.default_chat_template_kwargs
-        if isinstance(kw, str):  # a flag or YAML string: a JSON object
-            try:
-                kw = json.loads(kw)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"default_chat_template_kwargs: not valid JSON ({e})") from None
-        if kw is not None and not isinstance(kw, dict):
-            raise ValueError(f"default_chat_template_kwargs: must be a JSON object, got {kw!r}")
+        # a dict, or its JSON text (a flag, a YAML string)
+        kw = json_object_option(self.default_chat_template_kwargs, "default_chat_template_kwargs")
         taken = sorted(RESERVED_TEMPLATE_VARIABLES & set(kw or {}))
         if taken:
             raise ValueError(
@@ -165,6 +160,8 @@ class ServerConfig:
                 "request"
             )
         self.default_chat_template_kwargs = kw
+
+    def _check_chat_template(self) -> None:
         t = self.chat_template
         if t is not None and (not isinstance(t, str) or not t.strip()):
             raise ValueError(f"chat_template: a file or a Jinja template, got {t!r}")

@@ -10,8 +10,9 @@ kernels), so accepting it would pretend to honour it.
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
+
+from paxengine.config import json_object_option
 
 TEXT_ONLY = "paxengine serves a multimodal checkpoint's text model alone (no vision encoder)"
 
@@ -114,11 +115,8 @@ def apply(keys: dict) -> list[str]:
 
 
 def _text_only(value, flag: str) -> str:
-    try:
-        limits = json.loads(value) if isinstance(value, str) else value
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{flag}: not valid JSON ({e})") from None
-    if not isinstance(limits, dict) or any(v != 0 for v in limits.values()):
+    limits = json_object_option(value, flag) or {}
+    if any(v != 0 for v in limits.values()):
         raise ValueError(f"{flag}: only limits of 0 are taken ({TEXT_ONLY}), got {value!r}")
     return f"no {', '.join(sorted(limits)) or 'media'} inputs: {TEXT_ONLY}"
 

@@ -270,7 +270,7 @@ def test_default_chat_template_kwargs_reach_every_template():
     assert scfg.default_chat_template_kwargs == {"enable_thinking": False}
     for bad, match in [
         ("{nope", "not valid JSON"),
-        ("[1]", "must be a JSON object"),
+        ("[1]", "expected a JSON object"),
         ('{"messages": []}', "messages are set by the server"),
     ]:
         with pytest.raises(ValueError, match=match):
