@@ -103,6 +103,11 @@ class EngineConfig:
     # "prefill_device": 0, "decode_device": 1, "max_blocks_per_copy": 256}: a prefill engine and
     # a decode engine in this process, KV pages copied device to device; a dict or its JSON text
     kv_transfer_config: dict | str | None = None
+    # vLLM's --hf-overrides: an object merged into the checkpoint's config.json before the
+    # model's config is built (nested objects key by key), e.g. YaRN for long contexts:
+    # {"rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+    # "original_max_position_embeddings": 32768}}; a dict or its JSON text; None: none
+    hf_overrides: dict | str | None = None
     show_progress: bool = True
 
     @classmethod

@@ -90,10 +90,17 @@ class EngineCore:
         self.model_config, self.tokenizer = loaded.config, models.tokenizer
         self.eos_token_ids = models.eos_token_ids
         self.model_name = served_name(cfg)
-        self.max_model_len = min(
-            cfg.max_model_len or min(loaded.config.max_position_embeddings, 8192),
-            loaded.config.max_position_embeddings,
-        )
+        # vLLM's derived length: max_position_embeddings, or YaRN's original length x factor
+        model_len = loaded.config.derived_max_model_len
+        self.max_model_len = min(cfg.max_model_len or min(model_len, 8192), model_len)
+        if cfg.max_model_len and cfg.max_model_len > model_len:
+            log.warning(
+                "max_model_len %d is past the model's %d (max_position_embeddings, or YaRN's "
+                "original_max_position_embeddings x factor): serving %d",
+                cfg.max_model_len,
+                model_len,
+                model_len,
+            )
         prepared = engine_setup.prepare_params(cfg, checked, loaded, self.tokenizer, store)
         params, tp, store = prepared.params, prepared.tp, prepared.store
         self.kv_scales, scales_from = prepared.kv_scales, prepared.scales_from

@@ -4,6 +4,7 @@ layout), and the start-up log lines that say what runs."""
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from dataclasses import dataclass
@@ -14,7 +15,7 @@ import jax.numpy as jnp
 import kernels_pallas.layout
 from paxengine import device_defaults, kv_scales, parallel
 from paxengine.client import ModelInfo, served_names
-from paxengine.config import EngineConfig
+from paxengine.config import EngineConfig, json_object_option
 from paxengine.models import registry
 from paxengine.models.loader import load_model
 from paxengine.models.quant import (
@@ -117,6 +118,7 @@ def check_config(cfg: EngineConfig, on_gpu: bool) -> Checked:
             f"needs tensor_parallel_size > 1, got {cfg.tensor_parallel_size}"
         )
     check_policy(cfg.scheduling_policy)
+    json_object_option(cfg.hf_overrides, "hf_overrides")  # an object, or refused by name now
     return Checked(dtype, quantization, kv_dtype_name, on_gpu, block_size)
 
 
@@ -306,6 +308,9 @@ def load_models(cfg: EngineConfig, checked: Checked, spec) -> Models:
     weights have none) and speculative_config's draft model or EAGLE-3 speculator, loaded and
     checked before any compile."""
     t0 = time.perf_counter()
+    overrides = json_object_option(cfg.hf_overrides, "hf_overrides")
+    if overrides:
+        log.info("hf_overrides merged into the model's config.json: %s", json.dumps(overrides))
     loaded = load_model(
         cfg.model,
         checked.dtype,
@@ -316,6 +321,7 @@ def load_models(cfg: EngineConfig, checked: Checked, spec) -> Models:
         # a mesh (tensor parallelism, or a data-parallel replica's device): the weights stay
         # on the host until each device takes its own shards (prepare_params)
         on_device=cfg.tensor_parallel_size == 1 and cfg.first_device == 0,
+        hf_overrides=overrides,
     )
     load_seconds = time.perf_counter() - t0
     check_hybrid(cfg, checked, loaded.config, spec)

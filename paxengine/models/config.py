@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 SUPPORTED_ARCHS = {
@@ -79,6 +80,16 @@ class ModelConfig:
     def rope_scaling_dict(self) -> dict | None:
         return dict(self.rope_scaling) if self.rope_scaling else None
 
+    @property
+    def derived_max_model_len(self) -> int:
+        """The longest context the model takes, by vLLM's rule: max_position_embeddings, except
+        that YaRN stretches the pretraining length (original_max_position_embeddings x
+        factor); llama3 scaling's max_position_embeddings is the stretched length already."""
+        sc = self.rope_scaling_dict
+        if sc and sc.get("rope_type") == "yarn":
+            return int(sc["original_max_position_embeddings"] * sc["factor"])
+        return self.max_position_embeddings
+
     def num_params(self) -> int:
         h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
         attn = h * d * (2 * self.num_heads + 2 * self.num_kv_heads)
@@ -97,6 +108,102 @@ def _freeze(d: dict | None) -> tuple | None:
     return tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in d.items()))
 
 
+ROPE_TYPES = ("default", "llama3", "yarn")  # the `rope_type`s models/llama.py computes
+
+
+def hf_rope(cfg: dict, max_pos: int, partial: float = 1.0) -> tuple[float, float, tuple | None]:
+    """(rope_theta, partial_rotary_factor, rope_scaling) of a config.json dict (a multimodal
+    one's text_config), read as transformers 5 reads them: `rope_scaling` is taken over
+    `rope_parameters` where both are set, theta and the rotary share come from that dict, else
+    the config's top level (`partial`: the family's default). rope_scaling: frozen pairs of the
+    parameters the RoPE tables need (`_scaling`), None for plain RoPE; Qwen3.5's
+    mrope_section / mrope_interleaved change nothing for text (every position's three axes are
+    the same), so they are read past."""
+    rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    if not isinstance(rope, dict):
+        raise ValueError(f"rope_parameters: expected an object, got {rope!r}")
+    theta = rope.get("rope_theta") or cfg.get("rope_theta") or 10000.0
+    share = rope.get("partial_rotary_factor") or cfg.get("partial_rotary_factor") or partial
+    return float(theta), float(share), _freeze(_scaling(rope, cfg, max_pos))
+
+
+def _scaling(rope: dict, cfg: dict, max_pos: int) -> dict | None:
+    """The scaling's parameters with transformers' defaults filled in
+    (modeling_rope_utils.standardize_rope_params, _compute_yarn_parameters), so that the table
+    builder and the weights cache's stored config hold the numbers that run. Another
+    rope_type is a ValueError naming it."""
+    kind = rope.get("rope_type", rope.get("type")) or "default"
+    if kind == "default":
+        return None
+    if kind not in ROPE_TYPES:
+        raise ValueError(
+            f"unsupported rope_type {kind!r} (rope_scaling / rope_parameters): paxengine "
+            f"implements {', '.join(repr(t) for t in ROPE_TYPES)}"
+        )
+    # a top-level original_max_position_embeddings wins (transformers' Phi-3 exception), then
+    # the scaling's own, then the config's max_position_embeddings
+    orig = int(
+        cfg.get("original_max_position_embeddings")
+        or rope.get("original_max_position_embeddings")
+        or max_pos
+    )
+    if kind == "llama3":
+        keys = ("factor", "low_freq_factor", "high_freq_factor")
+        return {
+            "rope_type": kind,
+            **{k: rope[k] for k in keys},
+            "original_max_position_embeddings": orig,
+        }
+    factor = rope.get("factor")
+    factor = float(factor if factor is not None else max_pos / orig)  # DeepSeek-V3's rule
+    attention_factor = rope.get("attention_factor")
+    if attention_factor is None:  # the YaRN paper's 0.1 ln(s) + 1, or DeepSeek's ratio of two
+        mscale, mscale_all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            attention_factor = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = _yarn_mscale(factor)
+    return {
+        "rope_type": "yarn",
+        "factor": factor,
+        "original_max_position_embeddings": orig,
+        "attention_factor": float(attention_factor),
+        "beta_fast": float(rope.get("beta_fast") or 32),
+        "beta_slow": float(rope.get("beta_slow") or 1),
+        "truncate": bool(rope.get("truncate", True)),
+    }
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def apply_hf_overrides(raw: dict, overrides: dict | None) -> dict:
+    """config.json's dict with --hf-overrides merged in (vLLM's flag): a nested object merges
+    key by key into the dict it names (`{"text_config": {"rope_parameters": {"factor": 4}}}`
+    changes that one key of a multimodal checkpoint's text model), anything else replaces the
+    value. rope_scaling and rope_parameters name one attribute in transformers 5 (vLLM sets
+    it on the loaded config), so an override under either name goes to the one this config
+    uses: YaRN given as rope_parameters reaches a checkpoint whose rope_scaling is llama3's,
+    which `hf_rope` would otherwise read first. A new dict; `raw` is left as it is."""
+    out, overrides = dict(raw), dict(overrides or {})
+    ropes = [overrides.pop(k) for k in _ROPE_KEYS if k in overrides]
+    if ropes:  # (both names given: one object of the two)
+        rope = ropes[-1]
+        if len(ropes) == 2 and all(isinstance(r, dict) for r in ropes):
+            rope = {**ropes[0], **ropes[1]}
+        overrides["rope_scaling" if out.get("rope_scaling") else "rope_parameters"] = rope
+    for k, v in overrides.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = apply_hf_overrides(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+_ROPE_KEYS = ("rope_scaling", "rope_parameters")
+
+
 def from_hf_config(cfg: dict) -> ModelConfig:
     """Build a ModelConfig from a transformers config.json dict; unknown architectures fail clearly."""
     archs = cfg.get("architectures") or []
@@ -110,15 +217,8 @@ def from_hf_config(cfg: dict) -> ModelConfig:
             f"{sorted(SUPPORTED_ARCHS)}"
         )
     heads = cfg["num_attention_heads"]
-    rope = cfg.get("rope_scaling") or None
-    params = cfg.get("rope_parameters") or {}
-    theta = cfg.get("rope_theta", params.get("rope_theta", 10000.0))
-    if rope is None and params.get("rope_type", "default") != "default":
-        rope = {k: v for k, v in params.items() if k != "rope_theta"}
-    if rope is not None and rope.get("rope_type", rope.get("type")) in (None, "default"):
-        rope = None
-    if rope is not None and rope.get("rope_type", rope.get("type")) != "llama3":
-        raise ValueError(f"unsupported rope_scaling {rope!r}: only 'llama3' scaling is implemented")
+    max_pos = int(cfg.get("max_position_embeddings", 4096))
+    theta, _, rope = hf_rope(cfg, max_pos)
     use_sw = cfg.get("use_sliding_window", arch == "mistral")
     return ModelConfig(
         arch=arch,
@@ -129,13 +229,13 @@ def from_hf_config(cfg: dict) -> ModelConfig:
         num_heads=heads,
         num_kv_heads=cfg.get("num_key_value_heads") or heads,
         head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-        rope_theta=float(theta),
-        rope_scaling=_freeze(rope),
+        rope_theta=theta,
+        rope_scaling=rope,
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         attention_bias=bool(cfg.get("attention_bias", arch == "qwen2")),
         qk_norm=arch == "qwen3",
-        max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+        max_position_embeddings=max_pos,
         sliding_window=cfg.get("sliding_window") if use_sw else None,
         name=cfg.get("_name_or_path", ""),
     )

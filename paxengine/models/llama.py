@@ -35,11 +35,20 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return weight * xf.astype(x.dtype)
 
 
+def rotary_dim(cfg: ModelConfig) -> int:
+    """The leading dims of each head that RoPE rotates (Qwen3.5: a quarter; the rest pass)."""
+    return int(cfg.head_dim * cfg.partial_rotary_factor)
+
+
 def rope_inv_freq(cfg: ModelConfig) -> jax.Array:
-    d = cfg.head_dim
+    """The inverse frequencies [rotary_dim / 2] (f32), with the config's scaling: llama3's, or
+    YaRN's blend of interpolated and original frequencies, as transformers computes them
+    (modeling_rope_utils; models/config.py's `_scaling` filled in its defaults)."""
+    d = rotary_dim(cfg)
     inv = 1.0 / (cfg.rope_theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
     sc = cfg.rope_scaling_dict
-    if sc and sc.get("rope_type", sc.get("type")) == "llama3":
+    kind = sc and sc.get("rope_type", sc.get("type"))
+    if kind == "llama3":
         factor, lo, hi = sc["factor"], sc["low_freq_factor"], sc["high_freq_factor"]
         old = sc["original_max_position_embeddings"]
         wavelen = 2 * math.pi / inv
@@ -48,16 +57,61 @@ def rope_inv_freq(cfg: ModelConfig) -> jax.Array:
         mid = (1 - smooth) * scaled / factor + smooth * scaled
         is_mid = (wavelen >= old / hi) & (wavelen <= old / lo)
         inv = jnp.where(is_mid, mid, scaled)
+    elif kind == "yarn":
+        inv = _yarn_inv_freq(cfg.rope_theta, d, sc)
+    elif kind is not None:  # a config built without models/config.py's check
+        raise ValueError(f"unsupported rope_type {kind!r}")
     return inv
 
 
-def rope_tables(positions: jax.Array, inv_freq: jax.Array) -> tuple[jax.Array, jax.Array]:
+def _yarn_inv_freq(base: float, d: int, sc: dict) -> jax.Array:
+    """YaRN (arXiv 2309.00071): the dims that turn fewer than beta_slow times over the
+    pretraining length are interpolated (frequency / factor), those that turn more than
+    beta_fast times kept, a linear ramp between; transformers' _compute_yarn_parameters op for
+    op."""
+    factor, orig = sc["factor"], sc["original_max_position_embeddings"]
+
+    def correction_dim(rotations):  # the dim that turns `rotations` times over orig positions
+        return (d * math.log(orig / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(sc["beta_fast"]), correction_dim(sc["beta_slow"])
+    if sc["truncate"]:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, d - 1)
+    if low == high:
+        high += 0.001  # (transformers': no division by zero)
+    pos_freqs = base ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d)
+    extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
+    ramp = jnp.clip((jnp.arange(d // 2, dtype=jnp.float32) - low) / (high - low), 0, 1)
+    keep = 1 - ramp  # 1: the original frequency, 0: the interpolated one
+    return interpolation * (1 - keep) + extrapolation * keep
+
+
+def rope_attention_factor(cfg: ModelConfig) -> float:
+    """The factor on cos and sin (YaRN's attention temperature, 0.1 ln(factor) + 1 by
+    default; 1.0 without scaling): scaling q and k both, it scales the logits by its square."""
+    sc = cfg.rope_scaling_dict
+    return float(sc.get("attention_factor", 1.0)) if sc else 1.0
+
+
+def rope_tables(
+    positions: jax.Array, inv_freq: jax.Array, attention_factor: float = 1.0
+) -> tuple[jax.Array, jax.Array]:
     """cos and sin [T, D] (float32) of each position's angles, each half the same (HF's
-    layout; XLA's cos of it is bit for bit what the layers always used): computed once a step,
-    every layer rotates by them."""
+    layout; XLA's cos of it is bit for bit what the layers always used), times
+    `attention_factor` as transformers applies it: computed once a step, every layer rotates
+    by them, and the fused RoPE + KV-write kernel (attention.py) takes them as they are."""
     freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
     emb = jnp.concatenate([freqs, freqs], axis=-1)
-    return jnp.cos(emb), jnp.sin(emb)
+    cos, sin = jnp.cos(emb), jnp.sin(emb)
+    if attention_factor != 1.0:
+        cos, sin = cos * attention_factor, sin * attention_factor
+    return cos, sin
+
+
+def rope_for(cfg: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The step's RoPE tables of a config: the one place a model's cos / sin are made."""
+    return rope_tables(positions, rope_inv_freq(cfg), rope_attention_factor(cfg))
 
 
 def apply_rope(x: jax.Array, rope: tuple[jax.Array, jax.Array]) -> jax.Array:
@@ -177,7 +231,7 @@ def forward_hidden(
     each of these layers (id j: after j layers; vLLM's convention), concatenated [T, len * H]:
     the result is then (hidden, kv_cache, aux). Empty: nothing else is computed."""
     h = params["embed"][tokens]
-    rope = rope_tables(positions, rope_inv_freq(cfg))
+    rope = rope_for(cfg, positions)
     layers = params["layers"]
     if aux_layers:
         if tp is not None:

@@ -16,8 +16,9 @@ from pathlib import Path
 
 import numpy as np
 
+from paxengine.config import json_object_option
 from paxengine.models import registry, weights_cache
-from paxengine.models.config import PRESETS, ModelConfig, from_hf_config
+from paxengine.models.config import PRESETS, ModelConfig, apply_hf_overrides, from_hf_config
 from paxengine.models.quant import LINEAR_WEIGHTS, Fp8Weight, quantize_params
 from paxengine.models.weights import (
     HF_LAYER_NAMES,
@@ -124,6 +125,7 @@ def load_model(
     seed: int = 0,
     quantization: str | None = None,
     on_device: bool = True,
+    hf_overrides: dict | str | None = None,
 ) -> LoadedModel:
     """Load weights, config and tokenizer from a source:
 
@@ -139,13 +141,18 @@ def load_model(
 
     on_device=False: the params as numpy arrays on the host, in `dtype` (tensor parallelism:
     each device then takes only its shards, parallel.shard_params).
+
+    hf_overrides (vLLM's --hf-overrides; a dict or its JSON text): merged into config.json's
+    dict before the model's config is built from it (`apply_hf_overrides`); a source without a
+    config.json (a GGUF file, a preset) refuses it.
     """
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization {quantization!r} is not supported: none or fp8")
     quantization = None if quantization == "none" else quantization
+    overrides = json_object_option(hf_overrides, "hf_overrides")
     src = resolve_source(source)
     if src.startswith("dummy:"):
-        loaded = _load_dummy(src[len("dummy:") :], dtype, seed, quantization)
+        loaded = _load_dummy(src[len("dummy:") :], dtype, seed, quantization, overrides)
         if not on_device:  # random weights are drawn on the device (fast); then to the host
             loaded.params = _place(loaded.params, dtype, on_device=False)
         return loaded
@@ -157,7 +164,14 @@ def load_model(
         )
     if path.is_file() and path.suffix != ".gguf":
         raise ValueError(f"{path}: unsupported model file (expected a .gguf file or a directory)")
-    cached = weights_cache.entry(path, dtype, cache_dir, quantization) if use_cache else None
+    if path.is_file() and overrides:
+        raise ValueError(
+            f"hf_overrides (--hf-overrides): {path.name} is a GGUF file, whose config is its "
+            "metadata, not a config.json to merge into; use the model's Hugging Face directory"
+        )
+    cached = (
+        weights_cache.entry(path, dtype, cache_dir, quantization, overrides) if use_cache else None
+    )
     if cached is not None and (cached / "params.safetensors").is_file():
         try:
             cfg, params, meta = weights_cache.read(cached)
@@ -170,7 +184,7 @@ def load_model(
     tokenizer, eos = _load_tokenizer(path)
     if cached is not None and path.is_dir():
         streamed = _convert_layer_by_layer(
-            path, dtype, progress, quantization, cached, tokenizer, eos
+            path, dtype, progress, quantization, cached, tokenizer, eos, overrides
         )
         if streamed is not None:
             cfg, params, meta = streamed
@@ -185,7 +199,7 @@ def load_model(
         cfg, params = _load_gguf(path, progress)
         meta = {"kv_scales": None, "prequantized": None}
     else:
-        cfg, params, meta = _load_hf(path, progress, dtype)
+        cfg, params, meta = _load_hf(path, progress, dtype, overrides)
     if cfg.family != "llama":  # its own layout: loaded, checked and cached as it is
         dense = _dense_linear(params)
         if (quantization == "fp8" or meta["prequantized"]) and dense:
@@ -208,7 +222,9 @@ def load_model(
     )
 
 
-def _convert_layer_by_layer(path: Path, dtype, progress, quantization, cached, tokenizer, eos):
+def _convert_layer_by_layer(
+    path: Path, dtype, progress, quantization, cached, tokenizer, eos, overrides=None
+):
     """A per-layer family's HF checkpoint (its `load_hf` takes on_layer: Qwen3.5, the MoE
     families) converted one layer at a time straight into the weights cache (`quantization`
     "fp8": each layer's dense projections quantized first), then read back through the cache
@@ -219,7 +235,7 @@ def _convert_layer_by_layer(path: Path, dtype, progress, quantization, cached, t
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         return None
-    raw = json.loads(cfg_file.read_text())
+    raw = apply_hf_overrides(json.loads(cfg_file.read_text()), overrides)
     try:
         family = registry.family(registry.family_name(raw))
     except ValueError:
@@ -293,7 +309,7 @@ def _load_tokenizer(path: Path) -> tuple[Tokenizer | None, list[int]]:
     return tok, list(tok.eos_token_ids)
 
 
-def _load_hf(path: Path, progress: bool, dtype: str = "float32"):
+def _load_hf(path: Path, progress: bool, dtype: str = "float32", overrides: dict | None = None):
     """-> (config, stacked params as numpy arrays, matrices in `dtype` (vectors float32) or
     Fp8Weight for the projections an FP8 checkpoint ships quantized, {"kv_scales",
     "prequantized"})."""
@@ -304,7 +320,7 @@ def _load_hf(path: Path, progress: bool, dtype: str = "float32"):
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise FileNotFoundError(f"{path}: no config.json (not a Hugging Face model directory)")
-    raw_cfg = json.loads(cfg_file.read_text())
+    raw_cfg = apply_hf_overrides(json.loads(cfg_file.read_text()), overrides)
     family = registry.family(registry.family_name(raw_cfg))
     if family.load_hf is not None:  # a layout of its own (e.g. the hybrid Qwen3.5)
         return family.load_hf(path, raw_cfg, progress, dtype)
@@ -381,17 +397,26 @@ def _one_type_per_name(per_layer: list[dict], scheme) -> None:
         )
 
 
-def _load_dummy(spec: str, dtype: str, seed: int, quantization: str | None = None) -> LoadedModel:
+def _load_dummy(
+    spec: str, dtype: str, seed: int, quantization: str | None = None, overrides=None
+) -> LoadedModel:
     import jax
     import jax.numpy as jnp
 
     from paxengine.models.quant import quantize_fp8
     from paxengine.models.weights import param_shapes
 
+    if spec in PRESETS and overrides:
+        raise ValueError(
+            f"hf_overrides (--hf-overrides): dummy:{spec} is a preset, not a config.json to "
+            "merge into; use dummy:/path/to/config.json"
+        )
     if spec in PRESETS:
         cfg = PRESETS[spec]
     elif spec.endswith(".json") and Path(spec).is_file():
-        cfg = registry.config_from_hf(json.loads(Path(spec).read_text()))
+        cfg = registry.config_from_hf(
+            apply_hf_overrides(json.loads(Path(spec).read_text()), overrides)
+        )
         if cfg.family != "llama":
             params = registry.family(cfg).dummy_params(cfg, _jnp_dtype(dtype), seed)
             params = quantize_params(params) if quantization == "fp8" else params

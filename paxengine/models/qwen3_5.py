@@ -28,7 +28,7 @@ import numpy as np
 
 from paxengine.models import gated_deltanet
 from paxengine.models.config import ModelConfig
-from paxengine.models.llama import compute_logits, rms_norm, scaled_attend  # noqa: F401
+from paxengine.models.llama import compute_logits, rms_norm, rope_for, scaled_attend  # noqa: F401
 from paxengine.models.moe import moe_mlp, real_tokens
 from paxengine.models.norm import norm_into
 from paxengine.models.quant import (
@@ -114,11 +114,9 @@ def state_bytes_per_slot(cfg: ModelConfig, dtype) -> int:
 
 # -- forward --------------------------------------------------------------------------------------
 def _rope(cfg: ModelConfig, positions):
-    rd = int(cfg.head_dim * cfg.partial_rotary_factor)
-    inv = 1.0 / (cfg.rope_theta ** (jnp.arange(0, rd, 2, dtype=jnp.float32) / rd))
-    freqs = positions.astype(jnp.float32)[:, None] * inv[None, :]
-    emb = jnp.concatenate([freqs, freqs], axis=-1)
-    return jnp.cos(emb), jnp.sin(emb)
+    """cos / sin [T, rotary_dim] (the Llama layout's tables over the rotated share, scaling
+    and YaRN's attention factor included)."""
+    return rope_for(cfg, positions)
 
 
 def _apply_rope(x, rope):

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from paxengine.models import qwen3_moe
-from paxengine.models.config import ModelConfig
+from paxengine.models.config import ModelConfig, hf_rope
 from paxengine.models.quant import LINEAR_WEIGHTS, Fp8Weight
 from paxengine.models.weights import (
     check_per_layer_shapes,
@@ -30,7 +30,8 @@ log = logging.getLogger("paxengine.models.qwen3_5")
 # -- config ---------------------------------------------------------------------------------------
 def from_hf_config(raw: dict) -> ModelConfig:
     text = raw.get("text_config") or raw  # the multimodal checkpoint nests the text model
-    rope = text.get("rope_parameters") or {}
+    max_pos = int(text.get("max_position_embeddings", 32768))
+    theta, partial, rope = hf_rope(text, max_pos, partial=0.25)
     heads = text["num_attention_heads"]
     n = text["num_hidden_layers"]
     types = text.get("layer_types") or [
@@ -39,8 +40,6 @@ def from_hf_config(raw: dict) -> ModelConfig:
         else "linear_attention"
         for i in range(n)
     ]
-    if rope.get("rope_type", "default") != "default":
-        raise ValueError(f"unsupported rope_parameters {rope!r} for Qwen3.5: only 'default'")
     return ModelConfig(
         arch="qwen3_5",
         family="qwen3_5",
@@ -51,16 +50,15 @@ def from_hf_config(raw: dict) -> ModelConfig:
         num_heads=heads,
         num_kv_heads=text.get("num_key_value_heads") or heads,
         head_dim=text.get("head_dim") or text["hidden_size"] // heads,
-        rope_theta=float(rope.get("rope_theta", text.get("rope_theta", 10000.0))),
+        rope_theta=theta,
+        rope_scaling=rope,
         rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", text.get("tie_word_embeddings"))),
         qk_norm=True,
-        max_position_embeddings=int(text.get("max_position_embeddings", 32768)),
+        max_position_embeddings=max_pos,
         name=raw.get("_name_or_path", ""),
         layer_types=tuple(types[:n]),
-        partial_rotary_factor=float(
-            rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25))
-        ),
+        partial_rotary_factor=partial,
         linear_num_key_heads=text["linear_num_key_heads"],
         linear_num_value_heads=text["linear_num_value_heads"],
         linear_key_head_dim=text["linear_key_head_dim"],

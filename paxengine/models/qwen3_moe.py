@@ -19,13 +19,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from paxengine.models.config import ModelConfig
+from paxengine.models.config import ModelConfig, hf_rope
 from paxengine.models.llama import (  # noqa: F401 (compute_logits: the family's entry)
     _attention,
     compute_logits,
     rms_norm,
-    rope_inv_freq,
-    rope_tables,
+    rope_for,
 )
 from paxengine.models.moe import moe_mlp, real_tokens
 from paxengine.models.norm import norm_into
@@ -51,11 +50,8 @@ from paxengine.models.weights import (
 # -- config ---------------------------------------------------------------------------------------
 def from_hf_config(raw: dict) -> ModelConfig:
     heads, n = raw["num_attention_heads"], raw["num_hidden_layers"]
-    rope = raw.get("rope_parameters") or {}
-    scaling = raw.get("rope_scaling") or {}
-    for r in (rope, scaling):
-        if r.get("rope_type", r.get("type", "default")) != "default":
-            raise ValueError(f"unsupported rope scaling {r!r} for Qwen3-MoE: only 'default'")
+    max_pos = int(raw.get("max_position_embeddings", 32768))
+    theta, _, rope = hf_rope(raw, max_pos)
     experts = raw.get("num_experts", raw.get("num_local_experts", 0))
     step, only = raw.get("decoder_sparse_step", 1), set(raw.get("mlp_only_layers") or ())
     moe = tuple(i for i in range(n) if experts and i not in only and (i + 1) % step == 0)
@@ -69,12 +65,13 @@ def from_hf_config(raw: dict) -> ModelConfig:
         num_heads=heads,
         num_kv_heads=raw.get("num_key_value_heads") or heads,
         head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
-        rope_theta=float(rope.get("rope_theta", raw.get("rope_theta", 10000.0))),
+        rope_theta=theta,
+        rope_scaling=rope,
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         attention_bias=bool(raw.get("attention_bias", False)),
         qk_norm=True,
-        max_position_embeddings=int(raw.get("max_position_embeddings", 32768)),
+        max_position_embeddings=max_pos,
         sliding_window=raw.get("sliding_window") if raw.get("use_sliding_window") else None,
         name=raw.get("_name_or_path", ""),
         moe_layers=moe,
@@ -305,7 +302,7 @@ def forward_step(params, cfg: ModelConfig, tokens, positions, caches, attend, st
     """-> (final hidden states [T, H] (normed), the per-layer KV pairs). tp: the layers run
     under one shard_map (parallel.run_sharded) on each device's heads and expert shards."""
     h = params["embed"][tokens]
-    rope = rope_tables(positions, rope_inv_freq(cfg))
+    rope = rope_for(cfg, positions)
     if tp is None:
         h, kv = _run_layers(cfg, attend, rope, h, params["layers"], caches)
     else:

@@ -29,9 +29,17 @@ def cache_root(cache_dir: str | None) -> Path:
     return Path(cache_dir or os.environ.get("PAXENGINE_CACHE", Path.home() / ".cache/paxengine"))
 
 
-def entry(path: Path, dtype: str, cache_dir: str | None, quantization: str | None = None) -> Path:
+def entry(
+    path: Path,
+    dtype: str,
+    cache_dir: str | None,
+    quantization: str | None = None,
+    hf_overrides: dict | None = None,
+) -> Path:
     """The folder of `path`'s converted weights: keyed by the format, the dtype, the
-    quantization and each source file's path, size and mtime."""
+    quantization, each source file's path, size and mtime, and --hf-overrides where given
+    (the entry stores the config built with them: another override, or none, must not read
+    it back; without overrides the key is what it always was)."""
     files = (
         [path] if path.is_file() else sorted(path.glob("*.safetensors")) + [path / "config.json"]
     )
@@ -39,6 +47,8 @@ def entry(path: Path, dtype: str, cache_dir: str | None, quantization: str | Non
     for f in files:
         st = f.stat()
         h.update(f"{f.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode())
+    if hf_overrides:
+        h.update(b"|hf_overrides|" + json.dumps(hf_overrides, sort_keys=True).encode())
     return cache_root(cache_dir) / "weights" / h.hexdigest()[:24]
 
 

@@ -52,7 +52,7 @@ import numpy as np
 import kernels_pallas
 from paxengine.attention import PagedAttend
 from paxengine.models.config import ModelConfig, from_hf_config
-from paxengine.models.llama import _attention, rms_norm, rope_inv_freq, rope_tables
+from paxengine.models.llama import _attention, rms_norm, rope_for
 from paxengine.models.quant import linear
 from paxengine.request import Request
 from paxengine.runner import AuxHidden, Runner
@@ -300,7 +300,7 @@ def eagle3_layer(
     normed = rms_norm(hidden, w["hidden_norm"], eps)
     residual = normed if norm_before_residual else hidden
     x = jnp.concatenate([emb, normed.astype(emb.dtype)], axis=-1)  # [T, 2H]
-    rope = rope_tables(positions, rope_inv_freq(cfg))
+    rope = rope_for(cfg, positions)
     o, kv_cache = _attention(cfg, attend, rope, w, x, kv_cache, jnp.int32(0))
     h = residual + linear(o.astype(residual.dtype), w["wo"])
     x = rms_norm(h, w["mlp_norm"], eps)
