@@ -180,6 +180,15 @@ def build_parser() -> argparse.ArgumentParser:
         "copied device to device; one stream per request)",
     )
     e.add_argument(
+        "--hf-overrides",
+        type=_hf_overrides,
+        metavar="JSON",
+        help="an object merged into the checkpoint's config.json before the model is built "
+        "(vLLM's; nested objects key by key), e.g. YaRN for long contexts: '{\"text_config\": "
+        '{"rope_parameters": {"rope_type": "yarn", "factor": 4.0, '
+        '"original_max_position_embeddings": 262144}}}\'',
+    )
+    e.add_argument(
         "--performance-mode",
         choices=sorted(PERFORMANCE_MODES),
         help="presets of max-num-seqs / max-num-batched-tokens (flags and YAML win)",
@@ -284,6 +293,16 @@ def _kv_transfer_config(text: str) -> dict:
     try:
         parse_kv_transfer_config(text)
         return json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _hf_overrides(text: str) -> dict:
+    """The JSON object, checked now so a bad one fails before the model loads."""
+    from paxengine.config import json_object_option
+
+    try:
+        return json_object_option(text, "--hf-overrides") or {}
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 

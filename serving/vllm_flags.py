@@ -51,7 +51,6 @@ REFUSED = {
     "executables per sequence bucket (--seq-buckets)",
     "cpu_offload_gb": "paxengine keeps every weight on the devices",
     "enable_sleep_mode": "paxengine's engine does not release its device memory while idle",
-    "hf_overrides": "not implemented yet: edit a copy of the checkpoint's config.json",
     "mm_encoder_tp_mode": TEXT_ONLY,
     "mm_processor_cache_gb": TEXT_ONLY,
     "mm_processor_cache_type": TEXT_ONLY,

@@ -492,6 +492,11 @@ ROWS: dict[str, Row] = {
 # Options no row passes: where each is covered instead, and why not here. The test named must
 # exist (test_every_serve_option_has_a_row reads the file).
 ELSEWHERE: dict[str, tuple[str, str]] = {
+    "--hf-overrides": (
+        "tests/serving/test_vllm_flags.py::test_hf_overrides_reach_the_engine_config",
+        "a config.json edit a row's model would not show: parsed and refused there; the merged "
+        "config served against HF (YaRN): tests/test_yarn_parity.py",
+    ),
     "--kv-cache-memory-bytes": (
         "tests/serving/test_vllm_flags.py::test_kv_cache_memory_bytes_takes_vllms_forms",
         "the KV pool's size by hand: the flag's forms; the plan's use of it: test_kv_memory.py",
@@ -536,7 +541,6 @@ ELSEWHERE: dict[str, tuple[str, str]] = {
             "--max-cudagraph-capture-size",
             "--cpu-offload-gb",
             "--enable-sleep-mode",
-            "--hf-overrides",
             "--mm-encoder-tp-mode",
             "--mm-processor-cache-gb",
             "--mm-processor-cache-type",

@@ -67,6 +67,41 @@ def test_kv_cache_memory_bytes_takes_vllms_forms():
         parse(["--kv-cache-memory-bytes", "8Q"])
 
 
+def test_hf_overrides_reach_the_engine_config(tmp_path):
+    """--hf-overrides (and the YAML key): vLLM's recipes' JSON object, as the engine's
+    hf_overrides; what is not an object is refused before anything loads, a rope type
+    paxengine lacks and a GGUF model when the engine starts (a config.json to merge into is
+    needed), naming the flag."""
+    from paxengine.engine_setup import check_config
+    from paxengine.models.loader import load_model
+
+    recipe = (
+        '{"text_config": {"rope_parameters": {"mrope_interleaved": true, "mrope_section": [11, '
+        '11, 10], "rope_type": "yarn", "rope_theta": 10000000, "partial_rotary_factor": 0.25, '
+        '"factor": 4.0, "original_max_position_embeddings": 262144}}}'
+    )
+    ecfg, scfg = parse(["--hf-overrides", recipe, "--max-model-len", "1010000"])
+    assert ecfg.hf_overrides == json.loads(recipe) and ecfg.max_model_len == 1010000
+    assert not scfg.vllm_flag_notes  # taken as itself, not as a flag paxengine ignores
+    ecfg, _ = resolve_configs({"hf_overrides": '{"max_position_embeddings": 1010000}'}, {})
+    assert ecfg.hf_overrides == '{"max_position_embeddings": 1010000}'  # YAML: checked at start
+    with pytest.raises(ValueError, match="hf_overrides: expected a JSON object, got list"):
+        check_config(ecfg.replace(hf_overrides="[1]"), on_gpu=False)
+    with pytest.raises(ValueError, match="hf_overrides: not valid JSON"):
+        check_config(ecfg.replace(hf_overrides="{"), on_gpu=False)
+    # a rope type paxengine lacks: refused naming it, when the config is built
+    config = {"architectures": ["LlamaForCausalLM"], "vocab_size": 32, "hidden_size": 16,
+              "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    dynamic = {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}
+    with pytest.raises(ValueError, match="unsupported rope_type 'dynamic'"):
+        load_model(f"dummy:{tmp_path / 'config.json'}", hf_overrides=dynamic)
+    with pytest.raises(ValueError, match=r"hf_overrides \(--hf-overrides\): .*GGUF"):
+        load_model(None, hf_overrides=dynamic)  # the embedded default is a GGUF file
+    with pytest.raises(ValueError, match=r"--hf-overrides.*preset"):
+        load_model("dummy:tiny", hf_overrides={"max_position_embeddings": 8})
+
+
 def test_load_format_dummy_serves_the_configs_random_weights(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
     ecfg, _ = parse([str(tmp_path), "--load-format", "dummy"])
@@ -93,6 +128,8 @@ def test_load_format_dummy_serves_the_configs_random_weights(tmp_path):
         (["--max-cudagraph-capture-size", "256"], "--max-cudagraph-capture-size: refused"),
         (["--load-format", "dummy"], "needs a model directory with a config.json"),
         (["--no-enable-chunked-prefill"], "always chunks prompts.*cannot be turned off"),
+        (["--hf-overrides", "[1]"], "--hf-overrides: expected a JSON object, got list"),
+        (["--hf-overrides", "{rope"], "--hf-overrides: not valid JSON"),
     ],
 )
 def test_what_paxengine_does_not_have_is_refused_naming_the_flag(flags, match, capsys):
