@@ -16,6 +16,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
+from functools import partial
 from pathlib import Path
 from typing import Protocol
 
@@ -131,6 +132,48 @@ def compile_workers() -> int:
     and compiles side by side time their candidates at the same time)."""
     raw = os.environ.get("PAXENGINE_COMPILE_WORKERS", "").strip()
     return int(raw) if raw else min((os.cpu_count() or 1) // 2, 8)
+
+
+def _compile_now(lowered, opts):
+    return lowered.compile(opts)
+
+
+def out_of_device_memory(e: BaseException) -> bool:
+    """XLA's allocator's error (not a kernel over the shared memory: that one fails alone too)."""
+    text = str(e)
+    return isinstance(e, jax.errors.JaxRuntimeError) and "Out of memory" in text
+
+
+def results_or_alone(futures: dict, alone: dict):
+    """(name, store key, executable) of each compile in `futures` (name -> (key, future)). A
+    compile that ran out of device memory is run again by itself once the others are done
+    (`alone`: name -> a call compiling it). Why: XLA autotunes a step's GEMMs on the device
+    while it compiles, with copies of their operands from the pool the KV plan leaves for the
+    steps' temporaries (~4 GiB a try for Qwen3.5-9B's 248,320-token lm_head), and eight
+    compiles side by side outgrew it: Qwen3.5-9B at 0.92 of an H100 stopped its start-up with
+    RESOURCE_EXHAUSTED in one of them (benchmarks/results/gpu_2026-12-07h/). Alone, a compile's
+    autotuning has the whole reserve."""
+    later = []
+    for name, (store_key, fut) in futures.items():
+        try:
+            yield name, store_key, fut.result()
+        except Exception as e:
+            if not out_of_device_memory(e):
+                e.add_note(f"(compiling the step executable {name})")  # which bucket
+                raise
+            later.append((name, store_key))
+    for name, store_key in later:
+        log.warning(
+            "compiling the step executable %s again by itself: compiled beside others, its "
+            "autotuning ran out of device memory",
+            name,
+        )
+        try:
+            exe = alone[name]()
+        except Exception as e:
+            e.add_note(f"(compiling the step executable {name}, by itself)")
+            raise
+        yield name, store_key, exe
 
 
 def _compile_in_turn(lowered, opts):
@@ -310,27 +353,20 @@ class StepBuilder:
             if store is not None:
                 kernels_pallas.prepare_runtime()  # before any stored kernel is loaded
                 stored = {name: pool.submit(store.load, key) for name, (key, _, _) in jobs}
-            futures = {}
+            futures, retry = {}, {}
             for name, (store_key, lower, opts) in jobs:
                 exe = stored[name].result() if name in stored else None
                 if exe is None:
                     t = time.perf_counter()
                     lowered = lower()
                     self.trace_seconds += time.perf_counter() - t
-                    if behind:
-                        fut = pool.submit(_compile_in_turn, lowered, opts)
-                    else:
-                        fut = pool.submit(lowered.compile, opts)
-                    futures[name] = (store_key, fut)
+                    compile_fn = _compile_in_turn if behind else _compile_now
+                    retry[name] = partial(compile_fn, lowered, opts)
+                    futures[name] = (store_key, pool.submit(retry[name]))
                 else:
                     self._keep(name, exe)
                     done(1)
-            for name, (store_key, fut) in futures.items():
-                try:
-                    exe = fut.result()
-                except Exception as e:
-                    e.add_note(f"(compiling the step executable {name})")  # which bucket
-                    raise
+            for name, store_key, exe in results_or_alone(futures, retry):
                 if store is not None:
                     store.save(store_key, exe, label=str(name))
                 self._keep(name, exe)
