@@ -231,8 +231,10 @@ def resolve_configs(
 
     yaml_keys = {k.replace("-", "_"): v for k, v in (yaml_keys or {}).items()}
     flags = {k: v for k, v in (flags or {}).items() if v is not None}
-    if "load_format" in flags and "model" not in flags and "model" in yaml_keys:
-        flags["model"] = yaml_keys["model"]  # --load-format dummy turns it into random weights
+    if "load_format" in flags:  # --load-format dummy turns the model into random weights,
+        for key in ("model", "tokenizer", "served_model_name"):  # naming them where not given
+            if key not in flags and key in yaml_keys:
+                flags[key] = yaml_keys[key]
     notes = vllm_flags.apply(yaml_keys) + vllm_flags.apply(flags)
     engine_fields, server_fields = EngineConfig.fields(), ServerConfig.fields()
     unknown = set(yaml_keys) - engine_fields - server_fields

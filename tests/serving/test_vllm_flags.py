@@ -111,6 +111,10 @@ def test_load_format_dummy_serves_the_configs_random_weights(tmp_path):
     assert ecfg.tokenizer == str(tmp_path) and ecfg.served_model_name == str(tmp_path)
     ecfg, _ = resolve_configs({"model": str(tmp_path)}, {"load_format": "dummy"})  # YAML model
     assert ecfg.model == f"dummy:{tmp_path / 'config.json'}"
+    # the YAML's name and tokenizer stay: the flag names them only where nothing does
+    yaml = {"model": str(tmp_path), "served_model_name": "mine", "tokenizer": "/tok"}
+    ecfg, _ = resolve_configs(yaml, {"load_format": "dummy"})
+    assert (ecfg.served_model_name, ecfg.tokenizer) == ("mine", "/tok")
 
 
 @pytest.mark.parametrize(
