@@ -288,3 +288,18 @@ def test_largest_temporaries_names_the_executable_with_the_most():
         > small.memory_analysis().temp_size_in_bytes
     )
     assert kv_memory.largest_temporaries({"x": NoAnalysis()}) is None
+
+
+def test_the_headroom_knob(monkeypatch):
+    """PAXENGINE_KV_HEADROOM (a lease's A/B of the plan's margin) replaces HEADROOM's share."""
+    weights = 16 * GiB
+    monkeypatch.setattr(kv_memory, "live_bytes", lambda dev: weights)
+    per_block = kv_memory.kv_bytes_per_block(PRESETS["llama-3.1-8b"], 16, jnp.bfloat16)
+    default = _plan(_FakeGpu(100 * GiB, 0))
+    monkeypatch.setenv("PAXENGINE_KV_HEADROOM", "0.005")
+    free = 0.995 * 100 * GiB - weights - 4 * GiB
+    assert _plan(_FakeGpu(100 * GiB, 0)) == (free - free % kv_memory.FREE_QUANTUM) // per_block
+    assert _plan(_FakeGpu(100 * GiB, 0)) > default
+    monkeypatch.setenv("PAXENGINE_KV_HEADROOM", "0.6")
+    with pytest.raises(ValueError, match="PAXENGINE_KV_HEADROOM"):
+        _plan(_FakeGpu(100 * GiB, 0))
