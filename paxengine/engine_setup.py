@@ -85,9 +85,11 @@ def check_config(cfg: EngineConfig, on_gpu: bool) -> Checked:
             "per-output-channel e4m3 weights)"
         )
     kv_dtype_name = dtype if cfg.kv_cache_dtype == "auto" else cfg.kv_cache_dtype
+    kv_dtype_name = "fp8" if kv_dtype_name == "fp8_e4m3" else kv_dtype_name  # vLLM's other name
     if kv_dtype_name not in DTYPES:
         raise ValueError(
-            f"kv_cache_dtype must be auto, float32, bfloat16 or fp8, got {cfg.kv_cache_dtype!r}"
+            f"kv_cache_dtype must be auto, float32, bfloat16 or fp8 (fp8_e4m3), got "
+            f"{cfg.kv_cache_dtype!r}"
         )
     block_size = cfg.block_size or default_block_size(kv_dtype_name)
     if block_size < 1:

@@ -92,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
         "store-executables",
         "keep compiled steps on disk; a restart loads them instead of compiling",
     )
-    e.add_argument("--kv-cache-dtype", choices=["auto", "float32", "bfloat16", "fp8"])
+    e.add_argument("--kv-cache-dtype", choices=["auto", "float32", "bfloat16", "fp8", "fp8_e4m3"])
     e.add_argument(
         "--kv-cache-scales",
         choices=["auto", "calibrate", "unit"],
@@ -121,7 +121,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="MoE models: each of the --tensor-parallel-size devices holds num_experts / N "
         "whole experts (instead of a share of every expert)",
     )
-    e.add_argument("--attention-backend", choices=["auto", "xla", "pallas", "reference"])
+    e.add_argument(
+        "--attention-backend",
+        choices=["auto", "xla", "pallas", "reference", *vllm_flags.VLLM_ATTENTION_BACKENDS],
+        metavar="{auto,xla,pallas,reference}",
+        help="paxengine's attention kernels (vLLM's backend names are taken as auto)",
+    )
     e.add_argument(
         "--layer-loop",
         choices=["auto", "scan", "unroll"],

@@ -40,7 +40,32 @@ VALUES = {
         ("align",),
         "a cached prefix's recurrent state is kept at a block boundary (vLLM's align mode)",
     ),
+    "distributed_executor_backend": (
+        ("mp", "uni"),
+        "paxengine's engine runs in a process of its own beside the server's (no Ray)",
+    ),
 }
+# flags whose every value is taken: what paxengine does whatever it says
+ANY_VALUE = {
+    "swap_space": "a preempted request is recomputed, not swapped to the CPU (as in vLLM V1)",
+}
+# vLLM's attention backends (--attention-backend NAME): paxengine's own kernels serve instead
+VLLM_ATTENTION_BACKENDS = (
+    "FLASH_ATTN",
+    "FLASHINFER",
+    "TRITON_ATTN",
+    "FLEX_ATTENTION",
+    "FLASH_ATTN_MLA",
+    "FLASHMLA",
+    "FLASHINFER_MLA",
+    "TRITON_MLA",
+    "CUTLASS_MLA",
+)
+MULTI_HOST = (
+    "serving over several hosts is not implemented: one server a host (--data-parallel-size "
+    "within it), or the offline LLM over hosts (SPMD)"
+)
+KERNELS = "vLLM's kernel choices; paxengine picks its own kernels (kernels_pallas/README.md)"
 REFUSED = {
     "enforce_eager": "paxengine's steps are XLA executables compiled before serving; it has no "
     "eager mode (--no-background-compile builds every bucket before the first request)",
@@ -55,6 +80,17 @@ REFUSED = {
     "mm_processor_cache_gb": TEXT_ONLY,
     "mm_processor_cache_type": TEXT_ONLY,
     "mm_processor_kwargs": TEXT_ONLY,
+    "additional_config": "vLLM's platform plugins' options; paxengine has none",
+    "kernel_config": KERNELS,
+    "linear_backend": KERNELS,
+    "logits_processors": "custom logits processors (Python classes) are not loaded",
+    "tool_server": "gpt-oss's built-in tools (a tool server) are not served",
+    "reasoning_config": "paxengine's reasoning parsers (--reasoning-parser) know their markers",
+    "nnodes": MULTI_HOST,
+    "node_rank": MULTI_HOST,
+    "master_addr": MULTI_HOST,
+    "master_port": MULTI_HOST,
+    "headless": MULTI_HOST,
 }
 
 
@@ -69,6 +105,8 @@ def add_to(parser: argparse.ArgumentParser) -> None:
         flag = "--" + name.replace("_", "-")
         # values checked by apply(), whose refusal says why
         g.add_argument(flag, metavar="{" + ",".join(values) + "}", help=f"taken: {what}")
+    for name, what in ANY_VALUE.items():
+        g.add_argument("--" + name.replace("_", "-"), metavar="X", help=f"taken: {what}")
     g.add_argument(
         "--limit-mm-per-prompt",
         metavar="JSON",
@@ -87,7 +125,17 @@ def apply(keys: dict) -> list[str]:
     notes = []
     for name in list(keys):
         value = keys.get(name)
-        if value is None or name not in (*ALWAYS, *VALUES, *REFUSED, "limit_mm_per_prompt"):
+        if name == "attention_backend" and str(value) in VLLM_ATTENTION_BACKENDS:
+            del keys[name]  # paxengine's --attention-backend chooses among its own kernels
+            notes.append(f"--attention-backend {value}: vLLM's; paxengine's own kernels serve")
+            continue
+        if value is None or name not in (
+            *ALWAYS,
+            *VALUES,
+            *ANY_VALUE,
+            *REFUSED,
+            "limit_mm_per_prompt",
+        ):
             continue
         flag = "--" + name.replace("_", "-")
         if name in REFUSED:
@@ -97,6 +145,8 @@ def apply(keys: dict) -> list[str]:
             if value is not True:
                 raise ValueError(f"{flag}: {ALWAYS[name]}; it cannot be turned off")
             notes.append(f"{flag}: {ALWAYS[name]}")
+        elif name in ANY_VALUE:
+            notes.append(f"{flag} {value}: {ANY_VALUE[name]}")
         elif name == "limit_mm_per_prompt":
             notes.append(f"{flag}: {_text_only(value, flag)}")
         else:

@@ -530,6 +530,13 @@ ELSEWHERE: dict[str, tuple[str, str]] = {
     },
     **{
         flag: (
+            "tests/serving/test_vllm_flags.py::test_more_recipe_flags_are_taken",
+            "taken and logged (other values refused by name)",
+        )
+        for flag in ("--distributed-executor-backend", "--swap-space")
+    },
+    **{
+        flag: (
             "tests/serving/test_vllm_flags.py::"
             "test_what_paxengine_does_not_have_is_refused_naming_the_flag",
             "refused at start-up, naming the flag and why",
@@ -545,6 +552,25 @@ ELSEWHERE: dict[str, tuple[str, str]] = {
             "--mm-processor-cache-gb",
             "--mm-processor-cache-type",
             "--mm-processor-kwargs",
+        )
+    },
+    **{
+        "--" + name.replace("_", "-"): (
+            "tests/serving/test_vllm_flags.py::test_every_refused_flag_is_refused_with_its_reason",
+            "refused at start-up, naming the flag and why",
+        )
+        for name in (
+            "additional_config",
+            "kernel_config",
+            "linear_backend",
+            "logits_processors",
+            "tool_server",
+            "reasoning_config",
+            "nnodes",
+            "node_rank",
+            "master_addr",
+            "master_port",
+            "headless",
         )
     },
     "--no-engine-process": (

@@ -150,3 +150,42 @@ def test_yaml_keys_go_the_same_way():
         resolve_configs({"enable_chunked_prefill": False}, {})
     with pytest.raises(ValueError, match="--enforce-eager: refused"):
         resolve_configs({"enforce_eager": True}, {})
+
+
+def test_every_refused_flag_is_refused_with_its_reason(capsys):
+    from serving import vllm_flags
+
+    for name, why in vllm_flags.REFUSED.items():
+        flag = "--" + name.replace("_", "-")
+        for args in ([flag], [flag, "x"]):  # a switch or with a value
+            with pytest.raises(SystemExit):
+                parse(args)
+            assert f"{flag}: refused: {why}" in capsys.readouterr().err, args
+
+
+def test_more_recipe_flags_are_taken(capsys):
+    """The other model families' recipes: vLLM's executor, swap space and attention backend
+    names, and fp8_e4m3 (vLLM's other name for the fp8 KV cache) start the server."""
+    from paxengine.engine_setup import check_config
+
+    ecfg, scfg = parse(
+        [
+            "--distributed-executor-backend",
+            "mp",
+            "--swap-space",
+            "16",
+            "--attention-backend",
+            "FLASHINFER",
+            "--kv-cache-dtype",
+            "fp8_e4m3",
+        ]
+    )
+    notes = "\n".join(scfg.vllm_flag_notes)
+    for flag in ("--distributed-executor-backend mp", "--swap-space 16", "FLASHINFER"):
+        assert flag in notes
+    assert ecfg.attention_backend == parse([])[0].attention_backend  # the default's kernels
+    assert check_config(ecfg, on_gpu=False).kv_dtype_name == "fp8"
+    assert parse(["--attention-backend", "xla"])[0].attention_backend == "xla"
+    with pytest.raises(SystemExit):
+        parse(["--distributed-executor-backend", "ray"])
+    assert "'ray' is refused" in capsys.readouterr().err
