@@ -38,23 +38,37 @@ class Piece:
 
 class TextDelta:
     """A cumulative output -> the piece that is new since the last one (None: nothing new that
-    the response shows: no text, no finish, no tokens whose logprobs were asked, no echo)."""
+    the response shows: no text, no finish, no tokens whose logprobs were asked, no echo).
+    tokenizer: given where the server kept special tokens in the text for a parser (the client
+    did not ask to see them), the special token that ended the output (EOS) is dropped from it,
+    as vLLM leaves it out."""
 
-    def __init__(self, logprobs: bool, echo: bool = False):
-        self.logprobs, self.echo = logprobs, echo
+    def __init__(self, logprobs: bool, echo: bool = False, tokenizer=None):
+        self.logprobs, self.echo, self.tokenizer = logprobs, echo, tokenizer
         self.text, self.tokens, self.started, self.done = 0, 0, False, False
+
+    def _text(self, o: CompletionOutput) -> str:
+        tok, text = self.tokenizer, o.text
+        if tok is None or o.finish_reason != "stop" or isinstance(o.stop_reason, str):
+            return text  # (a stop string is cut already)
+        last = o.token_ids[-1:]
+        shown = tok.decode(last, skip_special_tokens=False) if last else ""
+        if shown and text.endswith(shown) and not tok.decode(last, skip_special_tokens=True):
+            return text[: len(text) - len(shown)]
+        return text
 
     def feed(self, o: CompletionOutput) -> Optional[Piece]:
         if self.done:
             return None
-        delta, first = o.text[self.text :], not self.started
+        text = self._text(o)
+        delta, first = text[self.text :], not self.started
         new_tokens = len(o.token_ids) > self.tokens
         if not (
             delta or o.finish_reason or (self.logprobs and new_tokens) or (first and self.echo)
         ):
             return None
         piece = Piece(o, delta, first, self.text, self.tokens, o.finish_reason)
-        self.text, self.tokens, self.started = len(o.text), len(o.token_ids), True
+        self.text, self.tokens, self.started = len(text), len(o.token_ids), True
         self.done = o.finish_reason is not None
         return piece
 
@@ -172,6 +186,13 @@ class ChatSetup:
         """Content is the text as it came (no stage holds text back or moves it)."""
         return self.tool_mode is None and self.reasoning_parser is None
 
+    @property
+    def special_tokens(self) -> bool:
+        """A parser reads markers that are special tokens (Mistral's `[TOOL_CALLS]`, `[THINK]`),
+        so the text keeps them (vLLM sets skip_special_tokens false for these parsers too)."""
+        mistral_calls = self.tool_mode == "auto" and self.tool_format == "mistral"
+        return mistral_calls or self.reasoning_parser == "mistral"
+
 
 def chat_chain(state, setup: ChatSetup) -> Chain:
     stages: list = []
@@ -184,7 +205,8 @@ def chat_chain(state, setup: ChatSetup) -> Chain:
         stages.append(ToolCalls(deltas))
     if setup.k is not None:
         stages.append(ChatLogprobs(state, setup.k, setup.as_ids))
-    return Chain(TextDelta(setup.k is not None), stages)
+    tokenizer = state.tokenizer if setup.special_tokens else None
+    return Chain(TextDelta(setup.k is not None, tokenizer=tokenizer), stages)
 
 
 def completion_chain(state, prompt, echo: bool, k: Optional[int], as_ids: bool) -> Chain:

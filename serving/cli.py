@@ -14,7 +14,7 @@ import time
 from typing import Optional
 
 from paxengine.client import EngineClient
-from serving import vllm_flags
+from serving import reasoning, tools, vllm_flags
 from serving.config import PERFORMANCE_MODES, ServerConfig, resolve_configs
 
 log = logging.getLogger("serving")
@@ -241,7 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument(
         "--reasoning-parser",
-        choices=["qwen3", "deepseek_r1"],
+        choices=list(reasoning.PARSERS),
         help="the text between the model's think tags goes to message.reasoning "
         "(delta.reasoning), the rest to content",
     )
@@ -254,8 +254,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument(
         "--tool-call-parser",
-        choices=["auto", "hermes", "llama3_json", "qwen3_coder", "qwen3_xml"],
-        help="the model's tool-call format (auto: the chat template's, Hermes or Llama 3.1 JSON)",
+        choices=list(tools.PARSERS),
+        help="the model's tool-call format (auto: the chat template's, Hermes, Llama 3.1 JSON "
+        "or Mistral's)",
     )
     s.add_argument(
         "--generation-config",

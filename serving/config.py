@@ -67,11 +67,12 @@ class ServerConfig:
     # loop and the step loop never wait for one GIL; None: yes, where one engine serves (data-
     # parallel replicas and disaggregated engines run on threads of the server's process)
     engine_process: Optional[bool] = None
-    # vLLM's: the think block's text as `reasoning` (serving/reasoning.py): qwen3, deepseek_r1
+    # vLLM's: the think block's text as `reasoning` (serving/reasoning.py): qwen3, deepseek_r1,
+    # mistral
     reasoning_parser: Optional[str] = None
     # vLLM's: tool_choice "auto" parses the model's calls in --tool-call-parser's format
-    # (serving/tools.py: auto, hermes, llama3_json, qwen3_coder, qwen3_xml); without it, "auto"
-    # is a 400 as in vLLM
+    # (serving/tools.py: auto, hermes, llama3_json, qwen3_coder, qwen3_xml, mistral); without
+    # it, "auto" is a 400 as in vLLM
     enable_auto_tool_choice: bool = False
     tool_call_parser: Optional[str] = None
     # vLLM's: default sampling parameters from generation_config.json: auto (the model's), vllm

@@ -247,13 +247,14 @@ def _think_tags(state: ServerState, req, params: SamplingParams, prompt: str) ->
                 "thinking_token_budget",
             )
         return
-    where = reasoning.prompt_block(prompt)
+    where = reasoning.prompt_block(prompt, parser)
     if where == "closed" or (budget is None and params.structured_outputs is None):
         return
     enc = lambda s: tuple(state.tokenizer.encode(s, add_special_tokens=False))  # noqa: E731
     inside = where == "open" or parser == "deepseek_r1"
     params.thinking_token_budget = budget
-    params.think_tags = ThinkTags(enc(reasoning.START), enc(reasoning.END), inside)
+    start, end = reasoning.tags(parser)
+    params.think_tags = ThinkTags(enc(start), enc(end), inside)
 
 
 async def prepare(state: ServerState, kind: str, req) -> _Call:
@@ -272,7 +273,8 @@ async def prepare(state: ServerState, kind: str, req) -> _Call:
         tool_defs = [t.model_dump(exclude_none=True) for t in req.tools] if mode else None
         size = sum(len(m.text()) for m in req.messages)
         prompts = truncated(state, req, [await _off_loop(size, chat_prompt, state, req, tool_defs)])
-        prompt_state = reasoning.prompt_block(prompts[0][0]) if cfg.reasoning_parser else None
+        parser = cfg.reasoning_parser
+        prompt_state = reasoning.prompt_block(prompts[0][0], parser) if parser else None
         k = (req.top_logprobs or 0) if req.logprobs else None
         max_tokens = (
             req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -301,6 +303,8 @@ async def prepare(state: ServerState, kind: str, req) -> _Call:
         elif max_tokens is None:
             max_tokens = _default_max_tokens(state, room)
     params = sampling_params(state, req, max_tokens, k, spec)
+    if setup is not None and setup.special_tokens:
+        params.skip_special_tokens = False  # the parser's markers are special tokens
     if kind == "chat" and mode not in (None, "auto"):  # a forced call: its grammar
         parallel = req.parallel_tool_calls is not False
         params.structured_outputs = tools.forced_constraint(tool_defs, mode, parallel)

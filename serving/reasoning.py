@@ -7,11 +7,15 @@ think tags goes to the message's `reasoning` (streamed as `delta.reasoning`), th
   an empty block in the prompt).
 - `deepseek_r1`: the output starts inside the block (the model may or may not write `<think>`
   first) until `</think>`, as vLLM's parser assumes.
+- `mistral` (Magistral): `[THINK]` ... `[/THINK]`, special tokens (the server keeps them in
+  the text: `choices.ChatSetup.special_tokens`); as vLLM's parser, only the output's own tags
+  count (Magistral's system prompt shows an example block), text before `[THINK]` is content
+  too, and without `[THINK]` all is content (a stray `[/THINK]` dropped).
 
-Either way, a prompt that already opened the block (Qwen3.5's and DeepSeek-R1's templates with
-thinking on end the prompt with `<think>`) starts the output inside it, and one that closed it
-starts outside. One block per output: text after `</think>` is content whatever it holds. An
-output cut inside the block (max_tokens) is all reasoning.
+Either way (qwen3, deepseek_r1), a prompt that already opened the block (Qwen3.5's and
+DeepSeek-R1's templates with thinking on end the prompt with `<think>`) starts the output inside
+it, and one that closed it starts outside. One block per output: text after the end tag is
+content whatever it holds. An output cut inside the block (max_tokens) is all reasoning.
 """
 
 from __future__ import annotations
@@ -19,12 +23,21 @@ from __future__ import annotations
 from typing import Optional
 
 START, END = "<think>", "</think>"
-PARSERS = ("qwen3", "deepseek_r1")
+MISTRAL = "mistral"
+PARSERS = ("qwen3", "deepseek_r1", MISTRAL)
 
 
-def prompt_block(prompt: str) -> Optional[str]:
+def tags(parser: str) -> tuple[str, str]:
+    """The parser's (start, end) tags."""
+    return ("[THINK]", "[/THINK]") if parser == MISTRAL else (START, END)
+
+
+def prompt_block(prompt: str, parser: str = "qwen3") -> Optional[str]:
     """Where the prompt leaves the think block: "open" (the output starts inside it), "closed"
-    (a block was opened and closed last: thinking is done or off) or None (no tags)."""
+    (a block was opened and closed last: thinking is done or off) or None (no tags, or the
+    mistral parser, which reads the output's tags only)."""
+    if parser == MISTRAL:
+        return None
     s, e = prompt.rfind(START), prompt.rfind(END)
     if s < 0 and e < 0:
         return None
@@ -47,6 +60,7 @@ class ReasoningSplitter:
         if parser not in PARSERS:
             raise ValueError(f"reasoning parser: one of {PARSERS}, got {parser!r}")
         self.parser = parser
+        self.start, self.end = tags(parser)
         if prompt_state == "open" or (parser == "deepseek_r1" and prompt_state != "closed"):
             self.state = "think"
         else:
@@ -58,7 +72,7 @@ class ReasoningSplitter:
         """Given the whole output before any feed: qwen3 as vLLM's reads a finished one, a
         `</think>` with no `<think>` before it ends a block the prompt opened."""
         e = text.find(END)
-        if self.state == "before" and e >= 0 and START not in text[:e]:
+        if self.parser != MISTRAL and self.state == "before" and e >= 0 and START not in text[:e]:
             self.state = "think"
 
     def feed(self, text: str) -> tuple[str, str]:
@@ -69,32 +83,39 @@ class ReasoningSplitter:
                 content, self.buf = content + self.buf, ""
                 break
             if self.state == "before":
-                i = self.buf.find(START)
+                i = self.buf.find(self.start)
+                # mistral: an end tag with no start tag before it is dropped (vLLM's)
+                e = self.buf.find(self.end) if self.parser == MISTRAL else -1
+                if 0 <= e and not 0 <= i < e:
+                    content += self.buf[:e]
+                    self.buf = self.buf[e + len(self.end) :]
+                    continue
                 if i < 0:
-                    keep = _partial_suffix(self.buf, (START,))
+                    held = (self.start, self.end) if self.parser == MISTRAL else (self.start,)
+                    keep = _partial_suffix(self.buf, held)
                     content += self.buf[: len(self.buf) - keep]
                     self.buf = self.buf[len(self.buf) - keep :]
                     break
                 content += self.buf[:i]
-                self.buf, self.state = self.buf[i + len(START) :], "think"
+                self.buf, self.state = self.buf[i + len(self.start) :], "think"
                 continue
-            # inside the block: up to </think>; a <think> the model writes first is dropped
-            j = self.buf.find(END)
-            s = self.buf.find(START)
+            # inside the block: up to the end tag; a start tag the model writes first is dropped
+            j = self.buf.find(self.end)
+            s = self.buf.find(self.start)
             if (
                 0 <= s
                 and (j < 0 or s < j)
                 and not (reasoning or self.seen_text or self.buf[:s].strip())
             ):
-                self.buf = self.buf[s + len(START) :]
+                self.buf = self.buf[s + len(self.start) :]
                 continue
             if j < 0:
-                keep = _partial_suffix(self.buf, (END, START))
+                keep = _partial_suffix(self.buf, (self.end, self.start))
                 reasoning += self.buf[: len(self.buf) - keep]
                 self.buf = self.buf[len(self.buf) - keep :]
                 break
             reasoning += self.buf[:j]
-            self.buf, self.state = self.buf[j + len(END) :], "after"
+            self.buf, self.state = self.buf[j + len(self.end) :], "after"
         self.seen_text = self.seen_text or bool(reasoning or content)
         return reasoning, content
 

@@ -1,6 +1,7 @@
 """The model's own tool calls out of its text (`tool_choice: "auto"`), in the formats `tools.py`
 names: Hermes' `<tool_call>` JSON blocks, Llama 3.1's JSON message, Qwen3's XML calls
-(`qwen3_coder` / `qwen3_xml`); whole (`parse_tool_calls`) or while streaming (`call_stream`).
+(`qwen3_coder` / `qwen3_xml`), Mistral's `[TOOL_CALLS]`; whole (`parse_tool_calls`) or while
+streaming (`call_stream`).
 Prompts and forced calls are `tools.py`'s.
 """
 
@@ -15,11 +16,14 @@ from serving.tools import (
     CLOSE,
     HERMES,
     LLAMA3_JSON,
+    MISTRAL,
     OPEN,
     PYTHON_TAG,
     QWEN3_CODER,
     QWEN3_XML,
+    TOOL_CALLS,
     Call,
+    mistral_id,
 )
 
 
@@ -84,6 +88,11 @@ def parse_tool_calls(
         content, pieces = stream.feed(text)
         more, last = stream.finish()
         return ((content + more).strip() or None), calls_of_pieces(pieces + last)
+    if fmt == MISTRAL:
+        stream = MistralCallStream()
+        content, _ = stream.feed(text)
+        more, _ = stream.finish()
+        return ((content + more).strip() or None), stream.calls
     calls, content, pos = [], [], 0
     while True:
         i = text.find(OPEN, pos)
@@ -191,6 +200,8 @@ def call_stream(fmt: str, tool_defs: list[dict] | None = None):
     stream piece by piece (the XML formats)."""
     if fmt in (QWEN3_CODER, QWEN3_XML):
         return Qwen3XmlStream(tool_defs)
+    if fmt == MISTRAL:
+        return MistralCallStream()
     return Llama3CallStream() if fmt == LLAMA3_JSON else ToolCallStream()
 
 
@@ -387,3 +398,125 @@ def _could_open_function(s: str) -> bool:
     if len(s) < len(head):
         return head.startswith(s)
     return s.startswith(head) and ">" not in s and "\n" not in s
+
+
+# ----------------------------------------------------------------------------- Mistral's calls
+ARGS, CALL_ID = "[ARGS]", "[CALL_ID]"  # v11 tokenizers' special tokens inside a named call
+
+
+class MistralCallStream:
+    """Mistral's calls, whole or streaming. Text before `[TOOL_CALLS]` is content; after it
+    either JSON, a list of `{"name": ..., "arguments": {...}}` (tokenizers before v11; one
+    object taken too), or `NAME[ARGS]{...}` (v11 on, a marker before each call). A JSON list
+    goes out as whole calls once it parses (one that never does stays content, as the model
+    wrote it); a named call streams as its name, then its arguments as they come, up to the
+    next marker or the end. As in vLLM, named arguments that are not JSON stay a call (so the
+    model sees the call it tried); a name with no arguments stays content. Call ids are
+    Mistral's 9 characters (a `[CALL_ID]` the model wrote, where it is one)."""
+
+    def __init__(self):
+        self.buf, self.state = "", "text"  # text | head | json | name | args
+        self.calls: list[Call] = []  # the finished calls
+        self.n = 0  # named calls opened (their CallPiece numbers)
+        self.call: Call | None = None  # the named call streaming
+        self.sent_content = False
+
+    def feed(self, delta: str) -> tuple[str, list]:
+        self.buf += delta
+        return self._run(final=False)
+
+    def finish(self) -> tuple[str, list]:
+        return self._run(final=True)
+
+    def _run(self, final: bool) -> tuple[str, list]:
+        """Consume what is whole; final: the output ended, so what waits is resolved too."""
+        out, items = "", []
+        while True:
+            if self.state == "text":
+                i = self.buf.find(TOOL_CALLS)
+                if i < 0:
+                    keep = 0 if final else _partial_suffix(self.buf, TOOL_CALLS)
+                    out += self.buf[: len(self.buf) - keep]
+                    self.buf = self.buf[len(self.buf) - keep :]
+                    break
+                out += self.buf[:i]
+                self.buf, self.state = self.buf[i + len(TOOL_CALLS) :], "head"
+                continue
+            if self.state == "head":  # which form: JSON starts with [ or {, a name otherwise
+                s = self.buf.lstrip()
+                if s:
+                    self.state = "json" if s[0] in "[{" else "name"
+                    continue
+            elif self.state == "json":
+                calls, end = self._json()
+                if end:
+                    items += calls
+                    out += "" if calls else TOOL_CALLS + self.buf[:end]
+                    self.buf, self.state = self.buf[end:], "text"
+                    continue
+            elif self.state == "name":
+                j, k = self.buf.find("{"), self.buf.find(TOOL_CALLS)
+                if 0 <= j and not 0 <= k < j:
+                    items.append(self._open(self.buf[:j]))
+                    self.buf, self.state = self.buf[j:], "args"
+                    continue
+                if 0 <= k:  # another marker first: no arguments, so not a call
+                    out += TOOL_CALLS + self.buf[:k]
+                    self.buf, self.state = self.buf[k:], "text"
+                    continue
+            else:  # the arguments run to the next marker or the end
+                k = self.buf.find(TOOL_CALLS)
+                if k < 0 and not final:
+                    # a partial marker, or blanks that may end the arguments, wait
+                    keep = _partial_suffix(self.buf, TOOL_CALLS)
+                    send = self.buf[: len(self.buf) - keep].rstrip()
+                    items += self._args(send)
+                    self.buf = self.buf[len(send) :]
+                    break
+                k = len(self.buf) if k < 0 else k
+                items += self._args(self.buf[:k].rstrip())
+                self.calls.append(self.call)
+                self.call, self.n = None, self.n + 1
+                self.buf, self.state = self.buf[k:], "text"
+                continue
+            if not final:
+                break  # not yet whole
+            out += TOOL_CALLS + self.buf  # cut by the end before it was a call: as written
+            self.buf, self.state = "", "text"
+        return self._content(out), items
+
+    def _json(self) -> tuple[list[Call], int]:
+        """(calls, end) of the JSON after the marker: end 0 while it does not parse yet; calls
+        empty when what parsed is not calls."""
+        s = self.buf.lstrip()
+        try:
+            value, end = json.JSONDecoder().raw_decode(s)
+        except ValueError:
+            return [], 0
+        values = value if isinstance(value, list) else [value]
+        calls = [_call_of(v) for v in values]
+        if not calls or None in calls:
+            calls = []
+        for c in calls:
+            c.id = mistral_id()
+        self.calls += calls
+        return calls, end + len(self.buf) - len(s)
+
+    def _open(self, head: str) -> CallPiece:
+        name, _, given = head.replace(ARGS, "").partition(CALL_ID)
+        given = given.strip()
+        ok = len(given) == 9 and given.isascii() and given.isalnum()
+        self.call = Call(name.strip(), "", given if ok else mistral_id())
+        return CallPiece(self.n, self.call.name, "", self.call.id)
+
+    def _args(self, text: str) -> list[CallPiece]:
+        if not text:
+            return []
+        self.call.arguments += text
+        return [CallPiece(self.n, None, text)]
+
+    def _content(self, out: str) -> str:
+        if not self.sent_content:  # text before a call is usually a newline or two
+            out = out.lstrip()
+            self.sent_content = bool(out)
+        return out

@@ -31,6 +31,9 @@ def finished_calls(
     calls = tools.forced_calls(text, mode) if finish == "stop" else None
     if calls is None:  # cut short (length, a stop string): what was written, as text
         return text, [], finish
+    if fmt == tools.MISTRAL:  # ids the chat template takes back on the next turn
+        for c in calls:
+            c.id = tools.mistral_id()
     # OpenAI's finish_reason: "tool_calls" when the model chose to call, "stop" when forced to
     # call one named function
     return None, calls, ("tool_calls" if mode == "required" else "stop")
@@ -58,7 +61,7 @@ class ToolDeltas:
         fmt: str = tools.HERMES,
         tool_defs: Optional[list[dict]] = None,
     ):
-        self.mode, self.n_calls, self.parallel = mode, 0, parallel
+        self.mode, self.n_calls, self.parallel, self.fmt = mode, 0, parallel, fmt
         self.auto = tool_parsers.call_stream(fmt, tool_defs) if mode == "auto" else None
         self.text = ""  # a forced call's output so far
         self.named_id = None
@@ -113,7 +116,9 @@ class ToolDeltas:
         # a named function: its arguments stream as they come
         first = self.named_id is None
         if first:
-            self.named_id = tools.Call(self.mode, "").id
+            self.named_id = (
+                tools.mistral_id() if self.fmt == tools.MISTRAL else tools.Call(self.mode, "").id
+            )
         piece = DeltaToolCall(
             index=0,
             id=self.named_id if first else None,
@@ -133,7 +138,7 @@ class ToolDeltas:
         if self.mode != "required" and self.named_id is not None:
             return "", [], finish  # a named function's arguments have streamed
         # the forced output whole: the array of calls, or a named function's arguments
-        content, calls, finish = finished_calls(self.mode, self.text, finish)
+        content, calls, finish = finished_calls(self.mode, self.text, finish, fmt=self.fmt)
         if not calls:
             return content or "", [], finish
         return "", self._call_deltas(calls), finish

@@ -8,7 +8,9 @@
   Llama 3.1's JSON: the whole message is `{"name": ..., "parameters": {...}}` (several joined by
   `;`), after an optional `<|python_tag|>`; `qwen3_coder` / `qwen3_xml` (Qwen3-Coder, Qwen3.5):
   `<tool_call><function=NAME><parameter=P>value</parameter></function></tool_call>`, each value
-  typed by the tool's JSON schema (`tool_parsers.Qwen3XmlStream`).
+  typed by the tool's JSON schema (`tool_parsers.Qwen3XmlStream`); `mistral`: `[TOOL_CALLS]`
+  then a JSON list of calls (Mistral's tokenizers before v11) or `NAME[ARGS]{...}` per call (v11
+  on), with Mistral's 9-character call ids (`tool_parsers.MistralCallStream`).
 - `"required"` / a named function: a grammar (a JSON schema) forces the call: for a named
   function the output is its arguments; for "required" a JSON array of {name, arguments} objects
   (one of the tools each). `forced_calls` reads them back.
@@ -24,6 +26,8 @@ from __future__ import annotations
 
 import json
 import re
+import secrets
+import string
 import uuid
 from dataclasses import dataclass
 
@@ -33,14 +37,24 @@ OPEN, CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"  # Llama 3.1's tool-call start
 HERMES, LLAMA3_JSON = "hermes", "llama3_json"
 QWEN3_CODER, QWEN3_XML = "qwen3_coder", "qwen3_xml"  # one format (Qwen3-Coder, Qwen3.5)
+MISTRAL = "mistral"
+TOOL_CALLS = "[TOOL_CALLS]"  # Mistral's tool-call start (a special token)
 # --tool-call-parser's names (vLLM's); "auto": the format the chat template shows (call_format)
-PARSERS = ("auto", HERMES, LLAMA3_JSON, QWEN3_CODER, QWEN3_XML)
+PARSERS = ("auto", HERMES, LLAMA3_JSON, QWEN3_CODER, QWEN3_XML, MISTRAL)
 
 
 def call_format(template: str | None) -> str:
     """The tool-call format the model of this chat template writes: Llama 3.1's templates
-    mention its `<|python_tag|>`; every other one is taken as Hermes'."""
-    return LLAMA3_JSON if template and PYTHON_TAG in template else HERMES
+    mention its `<|python_tag|>`, Mistral's their `[TOOL_CALLS]`; every other one is taken as
+    Hermes'."""
+    if template and PYTHON_TAG in template:
+        return LLAMA3_JSON
+    return MISTRAL if template and TOOL_CALLS in template else HERMES
+
+
+def mistral_id() -> str:
+    """A call id Mistral's chat templates take back (they refuse any but 9 letters or digits)."""
+    return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(9))
 
 
 _HERMES_SYSTEM = """# Tools

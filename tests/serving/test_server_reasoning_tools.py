@@ -394,6 +394,103 @@ REASONING_ARGV = [
 ]
 
 
+# ----------------------------------------------------------------------------- Mistral's parsers
+class MistralEngine(ScriptedEngine):
+    """ScriptedEngine whose output ends with EOS (token 0), shown as `</s>` where the request
+    keeps special tokens, as paxengine's detokenizer shows it."""
+
+    def __init__(self):
+        super().__init__()
+        self.tokenizer.decode = lambda ids, skip_special_tokens=True: "".join(
+            ("" if skip_special_tokens else "</s>") if i == 0 else chr(i) for i in ids
+        )
+
+    async def _run(self, request_id, ids, params):
+        m = RequestMetrics(arrival_time=0.0, num_prompt_tokens=len(ids))
+        text = self.script[: params.max_tokens]
+        cut = len(text) < len(self.script)
+        steps = [(text[:n], [ord(ch) for ch in text[:n]]) for n in range(1, len(text) + 1)]
+        if not cut:
+            eos = "" if params.skip_special_tokens else "</s>"
+            steps.append((text + eos, [ord(ch) for ch in text] + [0]))
+        try:
+            for i, (t, tokens) in enumerate(steps):
+                done = i == len(steps) - 1
+                finish = ("length" if cut else "stop") if done else None
+                o = CompletionOutput(0, t, tokens, None, None, finish)
+                yield RequestOutput(request_id, None, ids, [o], done, m)
+        finally:
+            self.running.pop(request_id, None)
+
+
+MISTRAL_ARGS = {"city": "Paris", "days": 3}
+MAGISTRAL = "[THINK]Paris: get_weather.[/THINK]Checking.[TOOL_CALLS]get_weather[ARGS]" + json.dumps(
+    MISTRAL_ARGS
+)
+
+
+def test_mistral_parsers_through_the_server():
+    """--tool-call-parser mistral and --reasoning-parser mistral: the request keeps special
+    tokens (the markers are special tokens; the EOS that ends the output is still not text),
+    [THINK] reasoning goes to `reasoning`, the call to tool_calls with a 9-character id,
+    streamed or not; the older JSON-list form too; thinking_token_budget gets [/THINK]."""
+    engine = MistralEngine()
+    engine.script = MAGISTRAL
+    config = ServerConfig(
+        reasoning_parser="mistral", enable_auto_tool_choice=True, tool_call_parser="mistral"
+    )
+    with TestClient(build_app(engine, config)) as c:
+        body = {"tools": [WEATHER], "max_tokens": 400}
+        (ch,) = _chat(c, **body)["choices"]
+        assert engine.params[-1].skip_special_tokens is False
+        msg = ch["message"]
+        assert (msg["reasoning"], msg["content"]) == ("Paris: get_weather.", "Checking.")
+        (call,) = msg["tool_calls"]
+        assert call["function"]["name"] == "get_weather" and ch["finish_reason"] == "tool_calls"
+        assert json.loads(call["function"]["arguments"]) == MISTRAL_ARGS
+        assert len(call["id"]) == 9 and call["id"].isalnum()
+        chunks = _chat(c, stream=True, **body)
+        deltas = [ch["delta"] for k in chunks for ch in k["choices"]]
+        assert "".join(d.get("reasoning", "") for d in deltas) == msg["reasoning"]
+        assert "".join(d.get("content") or "" for d in deltas) == msg["content"]
+        pieces = [t for d in deltas for t in d.get("tool_calls", [])]
+        assert pieces[0]["function"]["name"] == "get_weather" and len(pieces[0]["id"]) == 9
+        args = "".join(t["function"].get("arguments", "") for t in pieces)
+        assert json.loads(args) == MISTRAL_ARGS
+        assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+        # tool_choice none: the reasoning parser still keeps the markers; the rest is content
+        r = _chat(c, tools=[WEATHER], tool_choice="none")
+        assert r["choices"][0]["message"]["content"].startswith("Checking.[TOOL_CALLS]")
+        assert r["choices"][0]["message"]["content"].endswith("}")  # no </s>
+        # the older tokenizers' form, no reasoning (no [THINK]: all content)
+        engine.script = 'Checking.[TOOL_CALLS] [{"name": "get_weather", "arguments": {"days": 3}}]'
+        (ch,) = _chat(c, **body)["choices"]
+        assert (ch["message"]["reasoning"], ch["message"]["content"]) == (None, "Checking.")
+        assert json.loads(ch["message"]["tool_calls"][0]["function"]["arguments"]) == {"days": 3}
+        # a system prompt's example block does not count; the budget's end tag is [/THINK]
+        system = {"role": "system", "content": "Think like this: [THINK]...[/THINK]"}
+        _chat(c, messages=[system, {"role": "user", "content": "q"}], thinking_token_budget=8)
+        tags = engine.params[-1].think_tags
+        assert list(tags.end_ids) == [ord(ch) for ch in "[/THINK]"] and not tags.inside
+    # auto: a chat template with [TOOL_CALLS] is Mistral's; no reasoning parser, no tools: the
+    # request's skip_special_tokens as it was
+    engine = MistralEngine()
+    engine.script = "Sure.[TOOL_CALLS]get_time[ARGS]{}"
+    engine.tokenizer.chat_template = "{{ '[TOOL_CALLS]' }}"
+    config = ServerConfig(enable_auto_tool_choice=True, tool_call_parser="auto")
+    with TestClient(build_app(engine, config)) as c:
+        (ch,) = _chat(c, tools=[WEATHER])["choices"]
+        assert ch["message"]["tool_calls"][0]["function"]["name"] == "get_time"
+        assert ch["message"]["content"] == "Sure."
+        _chat(c)
+        assert engine.params[-1].skip_special_tokens is True
+    from serving.cli import parse
+
+    argv = ["--enable-auto-tool-choice", "--tool-call-parser", "mistral"]
+    _, scfg = parse([*argv, "--reasoning-parser", "mistral"])
+    assert (scfg.tool_call_parser, scfg.reasoning_parser) == ("mistral", "mistral")
+
+
 # ----------------------------------------------------------------------------- generation config
 def test_generation_config_defaults(tmp_path, caplog):
     """auto: the model directory's generation_config.json gives the defaults a request leaves
