@@ -49,11 +49,23 @@ class SequenceOutput:
         for token, lp in zip(new, logprobs):
             self.num_seen += 1
             self._add_logprobs(token, lp)
-            delta = self.detok.add(token) if self.detok else ""
+            hidden = self._is_hidden_stop_token()
+            delta = self.detok.add(token) if self.detok and not hidden else ""
             self.text += delta
             if p.stop and delta and self.num_seen >= p.min_tokens and self._match_stop(len(delta)):
                 return self.stop_string
         return None
+
+    def _is_hidden_stop_token(self) -> bool:
+        """The token just seen is the stop token (EOS, or one of stop_token_ids) that ended the
+        request, and the text leaves it out: vLLM's detokenizer skips it unless
+        include_stop_str_in_output (with skip_special_tokens=False, '</s>' ended every text)."""
+        req = self.req
+        return (
+            req.ended_by_stop_token
+            and self.num_seen == len(req.output_token_ids)
+            and not req.params.include_stop_str_in_output
+        )
 
     def _add_logprobs(self, token: int, lp: TokenLogprobs) -> None:
         logprob, rank, top_ids, top_lps = lp

@@ -52,6 +52,10 @@ class Request:
     finished_time: float | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    # the last output token is the EOS or a stop_token_ids token that ended the request: its
+    # text is left out of the output (as vLLM's detokenizer does; include_stop_str_in_output
+    # keeps it)
+    ended_by_stop_token: bool = False
     # structured output: this sequence's place in its grammar (structured.GrammarState), advanced
     # by the scheduler once per accepted token; None when unconstrained
     grammar: object = field(default=None, repr=False)

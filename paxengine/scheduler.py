@@ -521,8 +521,14 @@ class Scheduler:
                 return
             reason, stop_reason = self._stop_reason(req, t)
             if reason is not None:  # tokens after a stop are dropped
+                req.ended_by_stop_token = reason == "stop" and self._is_stop_token(req, t)
                 self.finish(req, reason, stop_reason)
                 return
+
+    def _is_stop_token(self, req: Request, token: int) -> bool:
+        """Whether `token` ends the request as a stop token (not a grammar's last token)."""
+        p = req.params
+        return (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids
 
     def _stop_reason(self, req: Request, token: int) -> tuple[str | None, int | None]:
         p, n = req.params, len(req.output_token_ids)

@@ -38,37 +38,23 @@ class Piece:
 
 class TextDelta:
     """A cumulative output -> the piece that is new since the last one (None: nothing new that
-    the response shows: no text, no finish, no tokens whose logprobs were asked, no echo).
-    tokenizer: given where the server kept special tokens in the text for a parser (the client
-    did not ask to see them), the special token that ended the output (EOS) is dropped from it,
-    as vLLM leaves it out."""
+    the response shows: no text, no finish, no tokens whose logprobs were asked, no echo)."""
 
-    def __init__(self, logprobs: bool, echo: bool = False, tokenizer=None):
-        self.logprobs, self.echo, self.tokenizer = logprobs, echo, tokenizer
+    def __init__(self, logprobs: bool, echo: bool = False):
+        self.logprobs, self.echo = logprobs, echo
         self.text, self.tokens, self.started, self.done = 0, 0, False, False
-
-    def _text(self, o: CompletionOutput) -> str:
-        tok, text = self.tokenizer, o.text
-        if tok is None or o.finish_reason != "stop" or isinstance(o.stop_reason, str):
-            return text  # (a stop string is cut already)
-        last = o.token_ids[-1:]
-        shown = tok.decode(last, skip_special_tokens=False) if last else ""
-        if shown and text.endswith(shown) and not tok.decode(last, skip_special_tokens=True):
-            return text[: len(text) - len(shown)]
-        return text
 
     def feed(self, o: CompletionOutput) -> Optional[Piece]:
         if self.done:
             return None
-        text = self._text(o)
-        delta, first = text[self.text :], not self.started
+        delta, first = o.text[self.text :], not self.started
         new_tokens = len(o.token_ids) > self.tokens
         if not (
             delta or o.finish_reason or (self.logprobs and new_tokens) or (first and self.echo)
         ):
             return None
         piece = Piece(o, delta, first, self.text, self.tokens, o.finish_reason)
-        self.text, self.tokens, self.started = len(text), len(o.token_ids), True
+        self.text, self.tokens, self.started = len(o.text), len(o.token_ids), True
         self.done = o.finish_reason is not None
         return piece
 
@@ -205,8 +191,7 @@ def chat_chain(state, setup: ChatSetup) -> Chain:
         stages.append(ToolCalls(deltas))
     if setup.k is not None:
         stages.append(ChatLogprobs(state, setup.k, setup.as_ids))
-    tokenizer = state.tokenizer if setup.special_tokens else None
-    return Chain(TextDelta(setup.k is not None, tokenizer=tokenizer), stages)
+    return Chain(TextDelta(setup.k is not None), stages)
 
 
 def completion_chain(state, prompt, echo: bool, k: Optional[int], as_ids: bool) -> Chain:

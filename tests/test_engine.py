@@ -290,6 +290,34 @@ def test_min_tokens_and_ignore_eos(llm_chunked):
     assert o.outputs[0].token_ids == [eos] * 5 and o.outputs[0].finish_reason == "length"
 
 
+def test_the_stop_token_that_ends_a_request_is_not_in_its_text(llm_chunked):
+    """As vLLM's detokenizer: the EOS or stop_token_ids token that ended a request is left out
+    of the text, special or not (with skip_special_tokens=False the EOS' '<|im_end|>' ended
+    every text), and include_stop_str_in_output keeps it; a length cut keeps its last token."""
+    eos = llm_chunked.engine.eos_token_ids[0]
+    tok = llm_chunked.engine.tokenizer
+    shown = tok.decode([eos], skip_special_tokens=False)
+    base = dict(temperature=0, max_tokens=6, min_tokens=3, skip_special_tokens=False)
+
+    def run(**kw):
+        (o,) = llm_chunked.generate("Hi", SamplingParams(**{**base, **kw}), use_tqdm=False)
+        return o.outputs[0]
+
+    o = run(logit_bias={eos: 100})
+    assert o.token_ids[-1] == eos and o.finish_reason == "stop" and shown
+    assert o.text == tok.decode(o.token_ids[:-1], skip_special_tokens=False)
+    o = run(logit_bias={eos: 100}, include_stop_str_in_output=True)
+    assert o.text.endswith(shown)
+    plain = run(max_tokens=4, ignore_eos=True)  # four tokens, no stop: each in the text
+    stop = plain.token_ids[3]
+    o = run(max_tokens=4, stop_token_ids=[stop])
+    assert o.token_ids == plain.token_ids and o.stop_reason == stop
+    assert o.text == tok.decode(plain.token_ids[:3], skip_special_tokens=False) != plain.text
+    o = run(max_tokens=4, ignore_eos=True, logit_bias={eos: 100})  # EOS, but a length cut
+    assert o.finish_reason == "length" and o.text.endswith(shown)
+    assert_pool_empty(llm_chunked)
+
+
 def test_chat_uses_the_template(llm_chunked):
     o = llm_chunked.chat(
         [{"role": "user", "content": "What is 2+2?"}],

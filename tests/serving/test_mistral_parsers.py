@@ -9,9 +9,7 @@ import json
 
 import pytest
 
-from paxengine.outputs import CompletionOutput
 from serving import tool_parsers, tools
-from serving.choices import TextDelta
 from serving.reasoning import ReasoningSplitter, prompt_block, split_reasoning
 from serving.tool_responses import ToolDeltas
 
@@ -212,30 +210,3 @@ def test_reasoning_ignores_the_prompt_tags():
         assert state is None
         assert split_reasoning("Plain answer.", "mistral", state) == (None, "Plain answer.")
     assert prompt_block("<think>\n") == "open"  # the others' rule is unchanged
-
-
-# ----------------------------------------------------------------------------- the EOS token's text
-class _Tok:
-    """Token 0 is a special EOS shown as `</s>` only with skip_special_tokens false."""
-
-    def decode(self, ids, skip_special_tokens=True):
-        return "".join(("" if skip_special_tokens else "</s>") if i == 0 else chr(i) for i in ids)
-
-
-def _out(text, ids, finish=None, stop_reason=None):
-    return CompletionOutput(0, text, ids, None, None, finish, stop_reason)
-
-
-def test_special_tokens_kept_drop_the_final_eos_text():
-    """With special tokens kept for a parser, the EOS that ended the output is not text (vLLM
-    never shows it); a stop string's or a length finish's text stays as it is."""
-    td = TextDelta(False, tokenizer=_Tok())
-    assert td.feed(_out("ab", [97, 98])).text == "ab"
-    assert td.feed(_out("ab</s>", [97, 98, 0], "stop")).text == ""
-    td = TextDelta(False, tokenizer=_Tok())
-    assert td.feed(_out("ab</s>", [97, 98, 0], "stop")).text == "ab"
-    for finish, reason in (("length", None), ("stop", "</s>")):
-        td = TextDelta(False, tokenizer=_Tok())
-        assert td.feed(_out("x</s>", [120, 0], finish, reason)).text == "x</s>"
-    td = TextDelta(False)  # special tokens not kept: the text as the engine made it
-    assert td.feed(_out("ab</s>", [97, 98, 0], "stop")).text == "ab</s>"

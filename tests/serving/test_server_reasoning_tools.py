@@ -396,14 +396,8 @@ REASONING_ARGV = [
 
 # ----------------------------------------------------------------------------- Mistral's parsers
 class MistralEngine(ScriptedEngine):
-    """ScriptedEngine whose output ends with EOS (token 0), shown as `</s>` where the request
-    keeps special tokens, as paxengine's detokenizer shows it."""
-
-    def __init__(self):
-        super().__init__()
-        self.tokenizer.decode = lambda ids, skip_special_tokens=True: "".join(
-            ("" if skip_special_tokens else "</s>") if i == 0 else chr(i) for i in ids
-        )
+    """ScriptedEngine whose output ends with EOS (token 0), whose text the engine leaves out
+    (output.SequenceOutput, as vLLM) even where the request keeps special tokens."""
 
     async def _run(self, request_id, ids, params):
         m = RequestMetrics(arrival_time=0.0, num_prompt_tokens=len(ids))
@@ -411,8 +405,7 @@ class MistralEngine(ScriptedEngine):
         cut = len(text) < len(self.script)
         steps = [(text[:n], [ord(ch) for ch in text[:n]]) for n in range(1, len(text) + 1)]
         if not cut:
-            eos = "" if params.skip_special_tokens else "</s>"
-            steps.append((text + eos, [ord(ch) for ch in text] + [0]))
+            steps.append((text, [ord(ch) for ch in text] + [0]))
         try:
             for i, (t, tokens) in enumerate(steps):
                 done = i == len(steps) - 1
@@ -431,7 +424,7 @@ MAGISTRAL = "[THINK]Paris: get_weather.[/THINK]Checking.[TOOL_CALLS]get_weather[
 
 def test_mistral_parsers_through_the_server():
     """--tool-call-parser mistral and --reasoning-parser mistral: the request keeps special
-    tokens (the markers are special tokens; the EOS that ends the output is still not text),
+    tokens (the markers are special tokens),
     [THINK] reasoning goes to `reasoning`, the call to tool_calls with a 9-character id,
     streamed or not; the older JSON-list form too; thinking_token_budget gets [/THINK]."""
     engine = MistralEngine()
@@ -461,7 +454,7 @@ def test_mistral_parsers_through_the_server():
         # tool_choice none: the reasoning parser still keeps the markers; the rest is content
         r = _chat(c, tools=[WEATHER], tool_choice="none")
         assert r["choices"][0]["message"]["content"].startswith("Checking.[TOOL_CALLS]")
-        assert r["choices"][0]["message"]["content"].endswith("}")  # no </s>
+        assert r["choices"][0]["message"]["content"].endswith("}")
         # the older tokenizers' form, no reasoning (no [THINK]: all content)
         engine.script = 'Checking.[TOOL_CALLS] [{"name": "get_weather", "arguments": {"days": 3}}]'
         (ch,) = _chat(c, **body)["choices"]
