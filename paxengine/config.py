@@ -17,7 +17,9 @@ class EngineConfig:
     model: str | None = None  # None: the embedded SmolLM2-135M-Instruct GGUF
     tokenizer: str | None = None  # defaults to the model's own
     dtype: str = "auto"  # auto | float32 | bfloat16 (auto: bf16 on GPU, fp32 on CPU)
-    max_model_len: int | None = None  # None: min(model's max positions, 8192)
+    # None: min(model's max positions, 8192); "auto" (or -1): the model's whole length, or what
+    # the KV pool holds if less (vLLM's); "32k" / "32K": 32,000 / 32,768 (max_model_len_option)
+    max_model_len: int | str | None = None
     # None: the device class's default (paxengine/device_defaults.py: 512 / 8,192 on a GPU,
     # 64 / 2,048 elsewhere)
     max_num_seqs: int | None = None
@@ -152,3 +154,40 @@ def json_object_option(raw, name: str) -> dict | None:
     if not isinstance(raw, dict):
         raise ValueError(f"{name}: expected a JSON object, got {type(raw).__name__}")
     return dict(raw) if raw else None
+
+
+_DECIMAL = {"k": 10**3, "m": 10**6, "g": 10**9}
+_BINARY = {"K": 2**10, "M": 2**20, "G": 2**30}
+
+
+def token_count(raw, name: str) -> int | None:
+    """A count of tokens as vLLM reads one (its human_readable_int): an int, or digits with
+    k / m / g (powers of 1000, decimals taken: 25.6k = 25,600) or K / M / G (powers of 1024,
+    whole numbers: 1K = 1,024). None stays None. Raises ValueError naming the option."""
+    if raw is None or isinstance(raw, int) and not isinstance(raw, bool):
+        return raw
+    text = str(raw).strip()
+    try:
+        if text and text[-1] in _DECIMAL:
+            return int(round(float(text[:-1]) * _DECIMAL[text[-1]]))
+        if text and text[-1] in _BINARY:
+            return int(text[:-1]) * _BINARY[text[-1]]
+        return int(text)
+    except ValueError:
+        raise ValueError(
+            f"{name}: expected a number of tokens (131072, 128k or 128K), got {raw!r}"
+        ) from None
+
+
+def max_model_len_option(raw) -> int | str | None:
+    """max_model_len: a token count (`token_count`), None (the default: the model's length up
+    to 8,192), or "auto" / -1 (vLLM's: the model's whole length, or as much of it as the KV
+    pool holds)."""
+    if str(raw).strip().lower() in ("auto", "-1"):
+        return "auto"
+    n = token_count(raw, "max_model_len")
+    if n is not None and n < 1:
+        raise ValueError(
+            f"max_model_len: must be a positive number of tokens, or auto; got {raw!r}"
+        )
+    return n

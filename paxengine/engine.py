@@ -14,7 +14,7 @@ import numpy as np
 from paxengine import device_defaults, engine_setup, memory_plan, parallel
 from paxengine.batch import build_step
 from paxengine.client import served_name
-from paxengine.config import EngineConfig
+from paxengine.config import EngineConfig, max_model_len_option
 from paxengine.device_turns import TURNS
 from paxengine.engine_setup import DTYPES
 from paxengine.errors import InvalidRequest, StepFailed
@@ -92,12 +92,16 @@ class EngineCore:
         self.model_name = served_name(cfg)
         # vLLM's derived length: max_position_embeddings, or YaRN's original length x factor
         model_len = loaded.config.derived_max_model_len
-        self.max_model_len = min(cfg.max_model_len or min(model_len, 8192), model_len)
-        if cfg.max_model_len and cfg.max_model_len > model_len:
+        want = max_model_len_option(cfg.max_model_len)  # a count, "auto" or None
+        if want == "auto":  # the model's, cut to what the KV pool holds below
+            self.max_model_len = model_len
+        else:
+            self.max_model_len = min(want or min(model_len, 8192), model_len)
+        if want not in (None, "auto") and want > model_len:
             log.warning(
                 "max_model_len %d is past the model's %d (max_position_embeddings, or YaRN's "
                 "original_max_position_embeddings x factor): serving %d",
-                cfg.max_model_len,
+                want,
                 model_len,
                 model_len,
             )
@@ -114,6 +118,13 @@ class EngineCore:
             eagle,
             self.spec,
         )
+        if want == "auto" and num_blocks * checked.block_size < self.max_model_len:
+            self.max_model_len = num_blocks * checked.block_size
+            log.info(
+                "max_model_len auto: %d tokens, what the KV pool holds (the model's: %d)",
+                self.max_model_len,
+                model_len,
+            )
         slots, snapshots = memory_plan.state_slots(cfg, loaded.config)
         verify = memory_plan.verify_slots(cfg, loaded.config, self.spec)
         self.kv = KVCacheManager(

@@ -14,6 +14,7 @@ import time
 from typing import Optional
 
 from paxengine.client import EngineClient
+from paxengine.config import max_model_len_option, token_count
 from serving import reasoning, tools, vllm_flags
 from serving.config import PERFORMANCE_MODES, ServerConfig, resolve_configs
 
@@ -38,10 +39,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     e.add_argument("--tokenizer")
     e.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
-    e.add_argument("--max-model-len", type=int)
+    e.add_argument(
+        "--max-model-len",
+        type=_model_len,
+        metavar="N",
+        help="the longest context (vLLM's forms: 131072, 128k = 128,000, 128K = 131,072; auto or "
+        "-1: the model's, or what the KV pool holds if less); default: the model's, up to 8,192",
+    )
     e.add_argument("--max-num-seqs", type=int, help="default: 512 on a GPU, 64 on a CPU")
     e.add_argument(
-        "--max-num-batched-tokens", type=int, help="default: 8,192 on a GPU, 2,048 on a CPU"
+        "--max-num-batched-tokens",
+        type=_tokens,
+        metavar="N",
+        help="default: 8,192 on a GPU, 2,048 on a CPU (8k, 8K: vLLM's forms)",
     )
     e.add_argument(
         "--decode-step-token-budget",
@@ -330,6 +340,20 @@ def _bytes(text: str) -> int:
     if binary and not unit or n <= 0:
         raise argparse.ArgumentTypeError(f"expected a byte count like 8G, got {text!r}")
     return int(n * scale)
+
+
+def _tokens(text: str) -> int:
+    try:
+        return token_count(text, "a token count")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _model_len(text: str) -> int | str:
+    try:
+        return max_model_len_option(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _int_list(text: str) -> list[int]:
