@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 
 from paxengine.batch import seq_buckets, token_buckets
-from paxengine.config import AUTO, EngineConfig
+from paxengine.config import AUTO, EngineConfig, token_count
 
 GPU = {"max_num_seqs": 512, "max_num_batched_tokens": 8192}
 CPU = {"max_num_seqs": 64, "max_num_batched_tokens": 2048}
@@ -46,7 +46,8 @@ def resolve(cfg: EngineConfig, on_gpu: bool) -> EngineConfig:
     """cfg with every None / "auto" above filled in for this device class."""
     base = GPU if on_gpu else CPU
     seqs = cfg.max_num_seqs or base["max_num_seqs"]
-    tokens = cfg.max_num_batched_tokens or max(base["max_num_batched_tokens"], seqs)
+    given = token_count(cfg.max_num_batched_tokens, "max_num_batched_tokens")  # "8k" from YAML
+    tokens = given or max(base["max_num_batched_tokens"], seqs)
     out = {"max_num_seqs": seqs, "max_num_batched_tokens": tokens}
     if cfg.token_buckets is None:
         out["token_buckets"] = gpu_token_buckets(tokens, seqs) if on_gpu else token_buckets(tokens)

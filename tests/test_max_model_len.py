@@ -62,7 +62,9 @@ def test_auto_is_the_models_length_or_what_the_pool_holds():
     assert len(out.outputs[0].token_ids) == 4
     with pytest.raises(ValueError, match="max_model_len"):  # a prompt past it: a clear error
         held.generate([list(range(1, 200))], SamplingParams(max_tokens=4), use_tqdm=False)
-    assert LLM(**ENGINE, max_model_len="64", num_kv_blocks=64).engine.max_model_len == 64
+    # a YAML's strings: the same parser
+    small = LLM(**dict(ENGINE, max_num_batched_tokens="64"), max_model_len="64", num_kv_blocks=64)
+    assert small.engine.max_model_len == 64 and small.engine.config.max_num_batched_tokens == 64
 
 
 def test_auto_takes_a_long_models_whole_length(tmp_path):
