@@ -16,7 +16,6 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
-from functools import partial
 from pathlib import Path
 from typing import Protocol
 
@@ -144,36 +143,51 @@ def out_of_device_memory(e: BaseException) -> bool:
     return isinstance(e, jax.errors.JaxRuntimeError) and "Out of memory" in text
 
 
+# The last try of a compile that ran out of device memory by itself: XLA's GEMM autotuning off
+# (its default tilings; the executable is not stored, so a later start tunes it again)
+UNTUNED = {"xla_gpu_autotune_level": 0}
+
+
 def results_or_alone(futures: dict, alone: dict):
-    """(name, store key, executable) of each compile in `futures` (name -> (key, future)). A
-    compile that ran out of device memory is run again by itself once the others are done
-    (`alone`: name -> a call compiling it). Why: XLA autotunes a step's GEMMs on the device
+    """(name, store key, executable, tuned) of each compile in `futures` (name -> (key,
+    future)). A compile that ran out of device memory is run again by itself once the others
+    are done (`alone`: name -> (compile function, lowered, options)), and if it runs out again,
+    once more without autotuning (tuned False). Why: XLA autotunes a step's GEMMs on the device
     while it compiles, with copies of their operands from the pool the KV plan leaves for the
     steps' temporaries (~4 GiB a try for Qwen3.5-9B's 248,320-token lm_head), and eight
     compiles side by side outgrew it: Qwen3.5-9B at 0.92 of an H100 stopped its start-up with
     RESOURCE_EXHAUSTED in one of them (benchmarks/results/gpu_2026-12-07h/). Alone, a compile's
-    autotuning has the whole reserve."""
+    autotuning has the whole reserve; untuned, it needs none."""
     later = []
     for name, (store_key, fut) in futures.items():
         try:
-            yield name, store_key, fut.result()
+            yield name, store_key, fut.result(), True
         except Exception as e:
             if not out_of_device_memory(e):
                 e.add_note(f"(compiling the step executable {name})")  # which bucket
                 raise
             later.append((name, store_key))
     for name, store_key in later:
+        fn, lowered, opts = alone[name]
         log.warning(
             "compiling the step executable %s again by itself: compiled beside others, its "
             "autotuning ran out of device memory",
             name,
         )
+        tuned = True
         try:
-            exe = alone[name]()
+            exe = fn(lowered, opts)
         except Exception as e:
-            e.add_note(f"(compiling the step executable {name}, by itself)")
-            raise
-        yield name, store_key, exe
+            if not out_of_device_memory(e):
+                e.add_note(f"(compiling the step executable {name}, by itself)")
+                raise
+            log.warning(
+                "compiling the step executable %s without autotuning (XLA's default GEMM "
+                "tilings; not stored): by itself, its autotuning ran out of device memory too",
+                name,
+            )
+            exe, tuned = fn(lowered, {**(opts or {}), **UNTUNED}), False
+        yield name, store_key, exe, tuned
 
 
 def _compile_in_turn(lowered, opts):
@@ -361,13 +375,13 @@ class StepBuilder:
                     lowered = lower()
                     self.trace_seconds += time.perf_counter() - t
                     compile_fn = _compile_in_turn if behind else _compile_now
-                    retry[name] = partial(compile_fn, lowered, opts)
-                    futures[name] = (store_key, pool.submit(retry[name]))
+                    retry[name] = (compile_fn, lowered, opts)
+                    futures[name] = (store_key, pool.submit(compile_fn, lowered, opts))
                 else:
                     self._keep(name, exe)
                     done(1)
-            for name, store_key, exe in results_or_alone(futures, retry):
-                if store is not None:
+            for name, store_key, exe, tuned in results_or_alone(futures, retry):
+                if store is not None and tuned:
                     store.save(store_key, exe, label=str(name))
                 self._keep(name, exe)
                 done(1)
