@@ -96,6 +96,8 @@ def chat_prompt(state: ServerState, req, tool_defs=None) -> tuple[str, list[int]
             "chat_template_kwargs",
         )
     options = {"continue_final_message": True} if req.continue_final_message else {}
+    if req.documents is not None:  # the template's `documents`, as vLLM passes them
+        options["documents"] = req.documents
     try:
         msgs, extra = tools.template_inputs(
             msgs, tool_defs, getattr(state.tokenizer, "chat_template", None)

@@ -109,7 +109,6 @@ _CHAT_UNIMPLEMENTED = {
     # vLLM's chat extras
     "echo": _NoOp(False),  # echo the last message
     "chat_template": _NoOp(),
-    "documents": _NoOp(),
     "mm_processor_kwargs": _NoOp(),
 }
 
@@ -367,6 +366,8 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: Optional[dict[str, Any]] = None
+    # vLLM's: retrieved documents for a RAG template, each a dict of strings ("title", "text")
+    documents: Optional[list[dict[str, str]]] = None
     add_special_tokens: bool = False  # the tokenizer's on top of the template's (vLLM's)
     # vLLM's: false drops the think block's text (--reasoning-parser) from the response
     include_reasoning: bool = True
@@ -503,6 +504,8 @@ class TokenizeRequest(_Request):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: Optional[dict[str, Any]] = None
+    # vLLM's: retrieved documents for a RAG template, each a dict of strings ("title", "text")
+    documents: Optional[list[dict[str, str]]] = None
 
 
 class TokenizeResponse(BaseModel):

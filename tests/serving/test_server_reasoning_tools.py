@@ -308,6 +308,35 @@ def test_chat_template_flag_renders_chats_with_its_template(tmp_path):
             ServerConfig(chat_template=bad)
 
 
+def test_documents_reach_the_chat_template():
+    """vLLM's `documents` (a RAG template's retrieved texts) render through the template; a
+    template variable of that name from the request is still refused."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers.models import WordLevel
+
+    from paxengine.tokenizer import Tokenizer
+    from serving.generation import ServerState
+    from serving.prompts import chat_prompt
+    from serving.protocol import ChatCompletionRequest
+
+    rag = (
+        "{% if documents %}{% for d in documents %}<{{ d.title }}: {{ d.text }}>{% endfor %}"
+        "{% endif %}{% for m in messages %}[{{ m.content }}]{% endfor %}"
+    )
+    engine = FakeEngine()
+    hf = HFTokenizer(WordLevel({"[UNK]": 0}, unk_token="[UNK]"))
+    engine.tokenizer = Tokenizer(hf, bos_token=None, eos_token=None, chat_template=rag)
+    state = ServerState.create(engine, ServerConfig())
+    docs = [{"title": "Paris", "text": "capital of France"}, {"title": "Rome", "text": "Italy"}]
+    msgs = [{"role": "user", "content": "hi"}]
+    req = ChatCompletionRequest(messages=msgs, documents=docs)
+    assert chat_prompt(state, req)[0] == "<Paris: capital of France><Rome: Italy>[hi]"
+    assert chat_prompt(state, ChatCompletionRequest(messages=msgs))[0] == "[hi]"
+    req = ChatCompletionRequest(messages=msgs, chat_template_kwargs={"documents": docs})
+    with pytest.raises(Exception, match="documents are set by the server"):
+        chat_prompt(state, req)
+
+
 def test_request_fields_of_reasoning_models():
     """reasoning_effort goes to the template (the request's chat_template_kwargs win); an
     assistant's reasoning (or the deprecated reasoning_content) goes back as both names;

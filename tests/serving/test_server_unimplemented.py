@@ -42,7 +42,6 @@ CHAT_ONLY = {
     "web_search_options": {},
     "echo": True,
     "chat_template": "{{ messages }}",
-    "documents": [{"title": "a", "text": "b"}],
     "mm_processor_kwargs": {"num_crops": 4},
 }
 COMPLETION_ONLY = {"suffix": " the end", "prompt_embeds": "AAAA"}
