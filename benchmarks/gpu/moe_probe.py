@@ -84,14 +84,16 @@ def probe(shape: dict, T: int, variant: str, interpret: bool = False, layers: in
     return {**row, **kinds(exe.as_text())}
 
 
-# 36 tunings a projection and step size (~1 s each to compile on the GPU); 16-row tiles (the
-# 64-row ones are models/moe.tile_rows' A/B, the probe's main mode)
-SWEEP = dict(block_m=(16,), block_n=(32, 64, 128), block_k=(64, 128, 256), num_warps=(4, 8),
+# 48 tunings a projection and step size (~1 s each to compile on the GPU); 16-row tiles (the
+# 64-row ones are models/moe.tile_rows' A/B, the probe's main mode). block_n 256: vLLM's tuned
+# fused-MoE config for these experts on an H100 (E=128, N=768) takes it at 64 and 128 tokens,
+# with block_k 128 and 8 warps; at 8 tokens 64 / 64 / 4 warps / 5 stages.
+SWEEP = dict(block_m=(16,), block_n=(32, 64, 128, 256), block_k=(64, 128, 256), num_warps=(4, 8),
              num_stages=(3, 4))  # fmt: skip
 TINY_SWEEP = dict(block_m=(16,), block_n=(16, 32), block_k=(32,), num_warps=(4,), num_stages=(3,))
-# --small: 12 tunings (~1 min for two step sizes): a lease's quick pick
-SMALL_SWEEP = dict(block_m=(16,), block_n=(32, 64), block_k=(64, 128, 256), num_warps=(4,),
-                   num_stages=(3, 4))  # fmt: skip
+# --small: 12 tunings (~1 min for two step sizes): a lease's quick pick, around vLLM's choices
+SMALL_SWEEP = dict(block_m=(16,), block_n=(64, 128, 256), block_k=(64, 128), num_warps=(4, 8),
+                   num_stages=(3,))  # fmt: skip
 
 
 def sweep(shape: dict, T: int, grid: dict, interpret: bool = False, layers: int = 4) -> list:
