@@ -14,7 +14,7 @@ transformers = pytest.importorskip("transformers")
 import jax.numpy as jnp  # noqa: E402
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: E402
 
-from paxengine.models import llama, qwen3_5, qwen3_moe, registry, weights_cache  # noqa: E402
+from paxengine.models import llama, qwen3_moe, registry, weights_cache  # noqa: E402
 from paxengine.models.config import apply_hf_overrides, from_hf_config  # noqa: E402
 
 LLAMA = dict(
@@ -82,7 +82,7 @@ def test_qwen3_5_partial_rotary_yarn_equals_transformers(yarn):
     np.testing.assert_array_equal(np.asarray(llama.rope_inv_freq(cfg)), inv.numpy())
     rotary = transformers.models.qwen3_5.modeling_qwen3_5.Qwen3_5TextRotaryEmbedding(hf)
     want_cos, want_sin = _hf_tables(rotary, POSITIONS)
-    cos, sin = qwen3_5._rope(cfg, jnp.asarray(POSITIONS))
+    cos, sin = llama.rope_for(cfg, jnp.asarray(POSITIONS))  # what qwen3_5 calls
     assert cos.shape == want_cos.shape == (len(POSITIONS), 8)
     np.testing.assert_allclose(np.asarray(cos), want_cos, rtol=0, atol=2e-6)
     np.testing.assert_allclose(np.asarray(sin), want_sin, rtol=0, atol=2e-6)

@@ -113,12 +113,6 @@ def state_bytes_per_slot(cfg: ModelConfig, dtype) -> int:
 
 
 # -- forward --------------------------------------------------------------------------------------
-def _rope(cfg: ModelConfig, positions):
-    """cos / sin [T, rotary_dim] (the Llama layout's tables over the rotated share, scaling
-    and YaRN's attention factor included)."""
-    return rope_for(cfg, positions)
-
-
 def _apply_rope(x, rope):
     """x [T, heads, D]: the rotate-half RoPE on the first rd dims, the rest passed through."""
     cos, sin = (t[:, None, :] for t in rope)
@@ -247,7 +241,7 @@ def forward_step(params, cfg: ModelConfig, tokens, positions, caches, attend, st
     if span is not None:  # speculative decoding (gated_deltanet.py)
         step["position_slots"], step["verify_rows"] = gated_deltanet.verify_slots(step, *span)
     h = params["embed"][tokens]
-    rope = _rope(cfg, positions)
+    rope = rope_for(cfg, positions)  # over the rotated share (partial_rotary_factor)
 
     def run(cfg, rope, h, ws, kv, states, tp=None):
         reduce = tp.psum if tp is not None else None

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 
 from paxengine.models import qwen3_5, qwen3_moe
 from paxengine.models.config import ModelConfig
-from paxengine.models.llama import rms_norm
+from paxengine.models.llama import rms_norm, rope_for
 from paxengine.models.quant import linear
 from paxengine.runner import AuxHidden
 from paxengine.spec_decode.eagle3 import Eagle3Proposer, Eagle3Runner
@@ -157,7 +157,7 @@ def mtp_layer(params, cfg: ModelConfig, tokens, positions, hidden, kv_cache, att
     emb = rms_norm(params["embed"][tokens], params["norm_embed"], eps)
     h = rms_norm(hidden, params["norm_hidden"], eps).astype(emb.dtype)
     x = linear(jnp.concatenate([emb, h], axis=-1), params["fc"])
-    rope = qwen3_5._rope(cfg, positions)
+    rope = rope_for(cfg, positions)
     o, kv_cache = qwen3_5._full_attention(
         cfg, w, rms_norm(x, w["attn_norm"], eps), rope, kv_cache, attend
     )
