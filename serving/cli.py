@@ -14,7 +14,7 @@ import time
 from typing import Optional
 
 from paxengine.client import EngineClient
-from paxengine.config import max_model_len_option, token_count
+from paxengine.config import json_object_option, max_model_len_option, token_count
 from serving import reasoning, tools, vllm_flags
 from serving.config import PERFORMANCE_MODES, ServerConfig, resolve_configs
 
@@ -291,36 +291,48 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _arg_type(parse):
+    """An argparse type from a parser that raises ValueError: its message is argparse's error,
+    and a bad value fails before the model loads."""
+
+    def convert(text: str):
+        try:
+            return parse(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    return convert
+
+
+@_arg_type
 def _speculative_config(text: str) -> dict:
     """The JSON object, checked now so a bad one fails before the model loads."""
     from paxengine.spec_decode import parse_speculative_config
 
-    try:
-        parse_speculative_config(text)
-        return json.loads(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+    parse_speculative_config(text)
+    return json.loads(text)
 
 
+@_arg_type
 def _kv_transfer_config(text: str) -> dict:
     """The JSON object, checked now so a bad one fails before the model loads."""
     from paxengine.disagg.config import parse_kv_transfer_config
 
-    try:
-        parse_kv_transfer_config(text)
-        return json.loads(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+    parse_kv_transfer_config(text)
+    return json.loads(text)
 
 
+@_arg_type
 def _hf_overrides(text: str) -> dict:
-    """The JSON object, checked now so a bad one fails before the model loads."""
-    from paxengine.config import json_object_option
+    return json_object_option(text, "--hf-overrides") or {}
 
-    try:
-        return json_object_option(text, "--hf-overrides") or {}
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+
+@_arg_type
+def _tokens(text: str) -> int:
+    return token_count(text, "a token count")
+
+
+_model_len = _arg_type(max_model_len_option)
 
 
 _UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
@@ -340,20 +352,6 @@ def _bytes(text: str) -> int:
     if binary and not unit or n <= 0:
         raise argparse.ArgumentTypeError(f"expected a byte count like 8G, got {text!r}")
     return int(n * scale)
-
-
-def _tokens(text: str) -> int:
-    try:
-        return token_count(text, "a token count")
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def _model_len(text: str) -> int | str:
-    try:
-        return max_model_len_option(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _int_list(text: str) -> list[int]:
