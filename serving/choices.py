@@ -166,6 +166,8 @@ class ChatSetup:
     reasoning_parser: Optional[str] = None
     prompt_state: Optional[str] = None  # reasoning.prompt_block of the prompt
     include_reasoning: bool = True
+    role: str = "assistant"  # the answer's (vLLM's: the last message's without a new turn)
+    echo: Optional[str] = None  # echo: the text each choice's content starts with
 
     @property
     def plain(self) -> bool:

@@ -6,6 +6,7 @@ chains are chosen once per request (`prepare`); this module only assembles what 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import uuid
@@ -38,6 +39,7 @@ from serving.prompts import chat_prompt, completion_prompts, truncated
 from serving.protocol import (
     ChatChoice,
     ChatCompletionChunk,
+    ChatCompletionRequest,
     ChatCompletionResponse,
     ChatResponseMessage,
     ChatStreamChoice,
@@ -144,13 +146,16 @@ def sampling_params(
 
 
 def _prompt_logprobs_asked(req) -> Optional[int]:
-    """vLLM's prompt_logprobs; a completion's echo with logprobs asks for as many (OpenAI's
-    echo shows the prompt tokens' logprobs)."""
+    """vLLM's prompt_logprobs; an echo asks for them as in vLLM: a completion's with logprobs
+    for as many (OpenAI's echo shows the prompt tokens' logprobs), a chat's for top_logprobs
+    (vLLM's default 0) where the response shows them (not in a stream: vLLM's sends none)."""
     if req.prompt_logprobs is not None:
         return req.prompt_logprobs
-    if getattr(req, "echo", False) and getattr(req, "logprobs", None) is not None:
-        return req.logprobs
-    return None
+    if not req.echo:
+        return None
+    if isinstance(req, ChatCompletionRequest):
+        return None if req.stream else (req.top_logprobs or 0)
+    return req.logprobs
 
 
 def _default_max_tokens(state: ServerState, room: int, given: Optional[int] = None) -> int:
@@ -202,6 +207,12 @@ class _Call:
             self.state, self.prompts[prompt_i], bool(self.req.echo), self.k, self.as_ids
         )
 
+    def usage_so_far(self, prompt_i: int, tokens: int) -> Usage:
+        """A chunk's usage (vLLM's continuous_usage_stats): its prompt's tokens and its
+        choice's tokens so far."""
+        p = len(self.prompts[prompt_i][1])
+        return Usage(prompt_tokens=p, completion_tokens=tokens, total_tokens=p + tokens)
+
     def usage(self, finals: dict) -> Usage:
         p = sum(len(ids) for _, ids in self.prompts)
         c = sum(len(o.token_ids) for out in finals.values() for o in out.outputs)
@@ -231,6 +242,27 @@ def _check_top_logprobs(req) -> None:
             f"top_logprobs: must be an integer in [0, {MAX_LOGPROBS}], got {req.top_logprobs}",
             "top_logprobs",
         )
+
+
+def _echo_text(req, role: str) -> Optional[str]:
+    """A chat's echo as vLLM's: the last message's text (parts joined by newlines, as vLLM
+    joins them) when its role is the answer's, else "" (None: no echo asked)."""
+    if not req.echo:
+        return None
+    last = req.messages[-1]
+    if last.role != role or last.content is None:
+        return ""
+    if isinstance(last.content, str):
+        return last.content
+    return "\n".join(part.text for part in last.content)
+
+
+@functools.cache
+def _warn_legacy_functions() -> None:
+    log.warning(
+        "a request sent functions / function_call (the legacy function calling): ignored, as "
+        "vLLM ignores them; tools and tool_choice ask for calls"
+    )
 
 
 def _think_tags(state: ServerState, req, params: SamplingParams, prompt: str) -> None:
@@ -271,6 +303,10 @@ async def prepare(state: ServerState, kind: str, req) -> _Call:
                 "response_format",
             )
         tool_defs = [t.model_dump(exclude_none=True) for t in req.tools] if mode else None
+        if req.functions or req.function_call not in (None, "none"):
+            _warn_legacy_functions()
+        # vLLM's: without a new turn the answer goes on in the last message's role
+        role = "assistant" if req.add_generation_prompt else req.messages[-1].role
         size = sum(len(m.text()) for m in req.messages)
         prompts = truncated(state, req, [await _off_loop(size, chat_prompt, state, req, tool_defs)])
         parser = cfg.reasoning_parser
@@ -291,6 +327,8 @@ async def prepare(state: ServerState, kind: str, req) -> _Call:
             reasoning_parser=cfg.reasoning_parser,
             prompt_state=prompt_state,
             include_reasoning=req.include_reasoning,
+            role=role,
+            echo=_echo_text(req, role),
         )
     else:
         p = req.prompt
@@ -381,7 +419,10 @@ def _chat_message(setup: ChatSetup, p: Piece) -> ChatResponseMessage:
         content = content.strip() or None  # the text around calls, as parse_tool_calls gives it
     elif not setup.plain:
         content = content or None
+    if setup.echo is not None:  # vLLM's: before whatever content the choice has
+        content = setup.echo + (content or "")
     return ChatResponseMessage(
+        role=setup.role,
         content=content,
         reasoning=(p.reasoning or None) if setup.reasoning_parser else None,
         tool_calls=_merged_calls(p.tool_calls),
@@ -443,7 +484,10 @@ def _final_response(call: _Call, finals: dict):
 
 async def _stream(call: _Call) -> AsyncIterator[str]:
     state, req, chat = call.state, call.req, call.kind == "chat"
-    usage_on = bool(req.stream_options and req.stream_options.include_usage)
+    so = req.stream_options
+    usage_on = bool(so and so.include_usage)
+    # vLLM's continuous_usage_stats: usage in every chunk too, only with include_usage
+    each_on = usage_on and bool(so.continuous_usage_stats)
     chains: dict[int, object] = {}
     sent_ids: dict[int, int] = {}  # return_token_ids: the output's token ids sent so far
     plp_sent: set[int] = set()  # a chat's prompts whose prompt logprobs went
@@ -466,11 +510,18 @@ async def _stream(call: _Call) -> AsyncIterator[str]:
         )
 
     try:
-        if chat:  # the role comes first, once per choice
+        if chat:  # the role comes first, once per choice, then echo's text (vLLM's order)
+            setup, start = call.setup, call.usage_so_far(0, 0) if each_on else None
             for idx in range(len(call.prompts) * call.n):
                 yield chunk(
-                    [ChatStreamChoice(index=idx, delta=DeltaMessage(role="assistant", content=""))],
+                    [ChatStreamChoice(index=idx, delta=DeltaMessage(role=setup.role, content=""))],
+                    usage=start,
                     prompt_ids=list(call.prompts[0][1]) if call.ids_on and idx == 0 else None,
+                )
+            for idx in range(call.n if setup.echo else 0):
+                yield chunk(
+                    [ChatStreamChoice(index=idx, delta=DeltaMessage(content=setup.echo))],
+                    usage=start,
                 )
         async with aclosing(run_requests(state, call.jobs)) as it:
             async for pi, out in it:
@@ -515,7 +566,8 @@ async def _stream(call: _Call) -> AsyncIterator[str]:
                         sent_ids[idx] = len(o.token_ids)
                         if not chat and p.first:
                             c.prompt_token_ids = list(call.prompts[pi][1])
-                    yield chunk([c], plp=plp if chat else None)
+                    so_far = call.usage_so_far(pi, len(o.token_ids)) if each_on else None
+                    yield chunk([c], usage=so_far, plp=plp if chat else None)
         if usage_on:
             yield chunk([], usage=call.usage(finals))
     except ApiError as e:

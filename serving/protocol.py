@@ -3,7 +3,8 @@
 Requests are validated strictly from JSON (no "0.5" -> 0.5, no true -> 1, no NaN/inf). A field
 we do not implement is a 400 that names it, never a silent ignore (issue #16): unknown fields are
 forbidden, and the fields OpenAI or vLLM define that we lack are listed (`_NoOp` tables) with the
-values that ask for nothing, which are accepted since common clients send them. Value ranges are
+values that ask for nothing, which are accepted since common clients send them (one exception:
+the legacy `functions`, ignored as vLLM ignores them, so vLLM's clients run). Value ranges are
 checked by `SamplingParams.validate` and the engine, so there is one source of truth for them.
 """
 
@@ -97,9 +98,6 @@ _SHARED_UNIMPLEMENTED = {
 
 _CHAT_UNIMPLEMENTED = {
     **_SHARED_UNIMPLEMENTED,
-    # the legacy (pre-tools) function calling
-    "functions": _NoOp([]),
-    "function_call": _NoOp("none", "auto"),
     # other outputs and models' options
     "modalities": _NoOp(["text"]),
     "audio": _NoOp(),
@@ -107,7 +105,6 @@ _CHAT_UNIMPLEMENTED = {
     "verbosity": _NoOp(),
     "web_search_options": _NoOp(),
     # vLLM's chat extras
-    "echo": _NoOp(False),  # echo the last message
     "chat_template": _NoOp(),
     "mm_processor_kwargs": _NoOp(),
 }
@@ -130,7 +127,6 @@ _MESSAGE_UNIMPLEMENTED = {
 _CONTENT_PART_UNIMPLEMENTED = {"image_url": _NoOp(), "input_audio": _NoOp(), "file": _NoOp()}
 
 _STREAM_OPTIONS_UNIMPLEMENTED = {
-    "continuous_usage_stats": _NoOp(False),  # vLLM: usage in every chunk
     "include_obfuscation": _NoOp(False),  # OpenAI: random padding against size side channels
 }
 
@@ -148,6 +144,8 @@ UNIMPLEMENTED_FIELDS = frozenset().union(
 class StreamOptions(_Request):
     unimplemented = _STREAM_OPTIONS_UNIMPLEMENTED
     include_usage: bool = False
+    # vLLM's: usage in every chunk too (the choice's tokens so far); only with include_usage
+    continuous_usage_stats: Optional[bool] = None
 
 
 class PromptTokensDetails(BaseModel):
@@ -373,6 +371,12 @@ class ChatCompletionRequest(_SamplingFields):
     include_reasoning: bool = True
     # OpenAI's; as vLLM, a template variable (templates that know it use it)
     reasoning_effort: Optional[Literal["none", "minimal", "low", "medium", "high"]] = None
+    # vLLM's: the last message's content first in each choice when its role is the answer's
+    echo: bool = False
+    # OpenAI's legacy function calling: vLLM 0.26 has no such fields and ignores them (its
+    # request models allow extra fields), so a vLLM client's request runs here as there
+    functions: Optional[list[FunctionDefinition]] = None
+    function_call: Union[Literal["none", "auto"], NamedFunction, None] = None
 
 
 class TopLogprob(BaseModel):
