@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -179,6 +181,28 @@ def token_count(raw, name: str) -> int | None:
         ) from None
 
 
+_BYTE_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+
+
+def byte_count(raw, name: str) -> int | None:
+    """A count of bytes as vLLM's --kv-cache-memory-bytes takes one: an int, or digits with a
+    k / M / G / T suffix (powers of 1000; KiB .. TiB: 1024), a trailing B allowed. None stays
+    None. Raises ValueError naming the option."""
+    if raw is None or isinstance(raw, int) and not isinstance(raw, bool) and raw > 0:
+        return raw
+    t = str(raw).strip().lower().removesuffix("b")
+    binary = t.endswith("i")
+    t = t.removesuffix("i")
+    unit = t[-1] if t and t[-1] in _BYTE_UNITS else ""
+    try:
+        n = float(t[: len(t) - len(unit)])
+    except ValueError:
+        n = 0.0
+    if isinstance(raw, bool) or n <= 0 or binary and not unit:
+        raise ValueError(f"{name}: expected a byte count like 8000000000, 8G or 8GiB, got {raw!r}")
+    return int(n * (1024 ** ("kmgt".index(unit) + 1) if binary else _BYTE_UNITS[unit]))
+
+
 def max_model_len_option(raw) -> int | str | None:
     """max_model_len: a token count (`token_count`), None (the default: the model's length up
     to 8,192), or "auto" / -1 (vLLM's: the model's whole length, or as much of it as the KV
@@ -191,3 +215,28 @@ def max_model_len_option(raw) -> int | str | None:
             f"max_model_len: must be a positive number of tokens, or auto; got {raw!r}"
         )
     return n
+
+
+def resolve_max_model_len(want: int | str | None, model_len: int) -> int:
+    """The served length for `max_model_len_option`'s value and the model's derived length
+    (auto: the model's, which the engine then cuts to its KV pool). Past the model's length is
+    refused as vLLM refuses it, unless VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 (then served with a
+    warning: positions past the trained length may give wrong outputs)."""
+    if want == "auto":
+        return model_len
+    if want is None:
+        return min(model_len, 8192)
+    if want > model_len:
+        what = (
+            f"max_model_len {want} is past the model's {model_len} (max_position_embeddings, "
+            "or YaRN's original_max_position_embeddings x factor)"
+        )
+        if os.environ.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "0").lower() not in ("1", "true"):
+            raise ValueError(
+                f"{what}; set VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 to serve it anyway (positions "
+                "past the model's length may give wrong outputs), or leave max_model_len out"
+            )
+        logging.getLogger("paxengine").warning(
+            "%s: served, as VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 asks", what
+        )
+    return want

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 
 from paxengine.batch import seq_buckets, token_buckets
-from paxengine.config import AUTO, EngineConfig, token_count
+from paxengine.config import AUTO, EngineConfig, byte_count, token_count
 
 GPU = {"max_num_seqs": 512, "max_num_batched_tokens": 8192}
 CPU = {"max_num_seqs": 64, "max_num_batched_tokens": 2048}
@@ -49,6 +49,8 @@ def resolve(cfg: EngineConfig, on_gpu: bool) -> EngineConfig:
     given = token_count(cfg.max_num_batched_tokens, "max_num_batched_tokens")  # "8k" from YAML
     tokens = given or max(base["max_num_batched_tokens"], seqs)
     out = {"max_num_seqs": seqs, "max_num_batched_tokens": tokens}
+    # "8G" from YAML as from the flag
+    out["kv_cache_memory_bytes"] = byte_count(cfg.kv_cache_memory_bytes, "kv_cache_memory_bytes")
     if cfg.token_buckets is None:
         out["token_buckets"] = gpu_token_buckets(tokens, seqs) if on_gpu else token_buckets(tokens)
     if cfg.seq_buckets is None:

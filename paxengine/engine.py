@@ -14,7 +14,7 @@ import numpy as np
 from paxengine import device_defaults, engine_setup, memory_plan, parallel
 from paxengine.batch import build_step
 from paxengine.client import served_name
-from paxengine.config import EngineConfig, max_model_len_option
+from paxengine.config import EngineConfig, max_model_len_option, resolve_max_model_len
 from paxengine.device_turns import TURNS
 from paxengine.engine_setup import DTYPES
 from paxengine.errors import InvalidRequest, StepFailed
@@ -93,18 +93,7 @@ class EngineCore:
         # vLLM's derived length: max_position_embeddings, or YaRN's original length x factor
         model_len = loaded.config.derived_max_model_len
         want = max_model_len_option(cfg.max_model_len)  # a count, "auto" or None
-        if want == "auto":  # the model's, cut to what the KV pool holds below
-            self.max_model_len = model_len
-        else:
-            self.max_model_len = min(want or min(model_len, 8192), model_len)
-        if want not in (None, "auto") and want > model_len:
-            log.warning(
-                "max_model_len %d is past the model's %d (max_position_embeddings, or YaRN's "
-                "original_max_position_embeddings x factor): serving %d",
-                want,
-                model_len,
-                model_len,
-            )
+        self.max_model_len = resolve_max_model_len(want, model_len)  # auto: cut to the pool below
         prepared = engine_setup.prepare_params(cfg, checked, loaded, self.tokenizer, store)
         params, tp, store = prepared.params, prepared.tp, prepared.store
         self.kv_scales, scales_from = prepared.kv_scales, prepared.scales_from

@@ -14,7 +14,7 @@ import time
 from typing import Optional
 
 from paxengine.client import EngineClient
-from paxengine.config import json_object_option, max_model_len_option, token_count
+from paxengine.config import byte_count, json_object_option, max_model_len_option, token_count
 from serving import reasoning, tools, vllm_flags
 from serving.config import PERFORMANCE_MODES, ServerConfig, resolve_configs
 
@@ -335,23 +335,9 @@ def _tokens(text: str) -> int:
 _model_len = _arg_type(max_model_len_option)
 
 
-_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
-
-
+@_arg_type
 def _bytes(text: str) -> int:
-    """A byte count: digits, with a k / M / G / T suffix (powers of 1000; KiB .. TiB, 1024)."""
-    t = text.strip().lower().removesuffix("b")
-    binary = t.endswith("i")
-    t = t.removesuffix("i")
-    unit = t[-1] if t and t[-1] in _UNITS else ""
-    try:
-        n = float(t[: len(t) - len(unit)])
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a byte count like 8G, got {text!r}") from None
-    scale = 1024 ** ("kmgt".index(unit) + 1) if binary and unit else _UNITS[unit]
-    if binary and not unit or n <= 0:
-        raise argparse.ArgumentTypeError(f"expected a byte count like 8G, got {text!r}")
-    return int(n * scale)
+    return byte_count(text, "a byte count")
 
 
 def _int_list(text: str) -> list[int]:

@@ -74,3 +74,19 @@ def test_auto_takes_a_long_models_whole_length(tmp_path):
     engine = dict(ENGINE, model=f"dummy:{config}", num_kv_blocks=1024, block_size=16)
     assert LLM(**engine, max_model_len=-1).engine.max_model_len == 16_384
     assert LLM(**engine).engine.max_model_len == 8_192
+
+
+def test_past_the_models_length_is_refused_unless_allowed(tmp_path, monkeypatch):
+    """vLLM's rule: a max_model_len past the model's is an error naming the way round it;
+    with VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 it is served (RoPE takes any position)."""
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(dict(LONG, max_position_embeddings=64)))
+    engine = dict(ENGINE, model=f"dummy:{config}", num_kv_blocks=64, block_size=16)
+    monkeypatch.delenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", raising=False)
+    with pytest.raises(ValueError, match="past the model's 64.*VLLM_ALLOW_LONG_MAX_MODEL_LEN=1"):
+        LLM(**engine, max_model_len=128)
+    monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
+    long = LLM(**engine, max_model_len=128)
+    assert long.engine.max_model_len == 128
+    (out,) = long.generate([list(range(1, 90))], SamplingParams(max_tokens=4), use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 4  # a prompt past position 64

@@ -263,8 +263,11 @@ def _convert_layer_by_layer(
         cfg, params, meta = family.load_hf(path, raw, progress, dtype, on_layer=on_layer)
         writer.add({k: v for k, v in params.items() if k != "layers"})
         writer.finish(cfg, tokenizer, eos, meta)
-    except OSError:
+    except OSError as e:
         writer.abort()
+        log.warning(
+            "converting in memory: the weights cache %s could not be written: %s", cached, e
+        )
         return None
     except BaseException:
         writer.abort()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 import os
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from paxengine.tokenizer import Tokenizer
 CACHE_FORMAT = 2  # 2: FP8 weights stored as e4m3 bytes + float32 scales; quantization in the key
 # Cache tensor-name suffixes of an Fp8Weight's two parts.
 _FP8_VALUES, _FP8_SCALES = ":fp8_values", ":fp8_scales"
+log = logging.getLogger("paxengine")
 
 
 def cache_root(cache_dir: str | None) -> Path:
@@ -159,8 +161,9 @@ def write(
             w.abort()
             raise
         w.finish(cfg, tokenizer, eos, meta)
-    except OSError:
-        pass  # a read-only home must not stop the engine; we simply convert again next time
+    except OSError as e:
+        # a read-only or full disk must not stop the engine: it converts again next time
+        log.warning("the converted weights were not cached in %s: %s", dst, e)
 
 
 def read_tokenizer(dst: Path) -> tuple[Tokenizer, list[int]] | None:

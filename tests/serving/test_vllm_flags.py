@@ -65,6 +65,15 @@ def test_kv_cache_memory_bytes_takes_vllms_forms():
         assert parse(["--kv-cache-memory-bytes", text])[0].kv_cache_memory_bytes == n
     with pytest.raises(SystemExit):
         parse(["--kv-cache-memory-bytes", "8Q"])
+    # the YAML's key takes the same forms (the engine resolves it), refused by name otherwise
+    from paxengine.config import EngineConfig
+    from paxengine.device_defaults import resolve
+
+    for raw, n in [("8G", 8 * 10**9), ("1.5GiB", 3 << 29), (4096, 4096), (None, None)]:
+        assert resolve(EngineConfig(kv_cache_memory_bytes=raw), False).kv_cache_memory_bytes == n
+    for raw in ("8Q", "GiB", 0, -5, True):
+        with pytest.raises(ValueError, match="kv_cache_memory_bytes"):
+            resolve(EngineConfig(kv_cache_memory_bytes=raw), False)
 
 
 def test_hf_overrides_reach_the_engine_config(tmp_path):
