@@ -36,6 +36,8 @@ from serving.protocol import (
     schema_of,
 )
 from serving.request_ids import RequestIdMiddleware
+from serving.responses import respond as respond_responses
+from serving.responses_protocol import ResponsesRequest
 
 log = logging.getLogger("serving")
 
@@ -114,6 +116,11 @@ def build_app(
     async def chat_completions(request: Request):
         req = await parse_body(request, ChatCompletionRequest, cfg.max_request_body_bytes)
         return await respond(state, "chat", request, req)
+
+    @app.post("/v1/responses", dependencies=auth, openapi_extra=schema_of(ResponsesRequest))
+    async def responses(request: Request):
+        req = await parse_body(request, ResponsesRequest, cfg.max_request_body_bytes)
+        return await respond_responses(state, request, req)
 
     # --served-model-name's names past the first, each a card of its own as vLLM lists them
     config = getattr(engine, "config", None)

@@ -135,3 +135,29 @@ def split_reasoning(
     r1, c1 = sp.feed(text)
     r2, c2 = sp.finish()
     return (r1 + r2) or None, (c1 + c2) or None
+
+
+def reasoning_tokens(tokenizer, token_ids, parser: str, skip_special_tokens: bool = True) -> int:
+    """How many of an output's tokens are inside its think block (the Responses API's
+    `reasoning_tokens`): those before the end tag (all of them when the block never closed),
+    less those through a start tag the output wrote itself. The tags' places are found in the
+    token ids by decoding prefixes (a binary search: a tag may span several tokens)."""
+    ids = list(token_ids)
+    decode = lambda n: tokenizer.decode(ids[:n], skip_special_tokens=skip_special_tokens)  # noqa: E731
+    text = decode(len(ids))
+
+    def through(tag: str) -> int:  # the fewest tokens whose text holds tag
+        lo, hi = 1, len(ids)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if tag in decode(mid) else (mid + 1, hi)
+        return lo
+
+    start, end = tags(parser)
+    e = text.find(end)
+    stop = len(ids)
+    if e >= 0:
+        stop = through(end) - len(tokenizer.encode(end, add_special_tokens=False))
+    s = text.find(start)
+    begin = through(start) if 0 <= s and (e < 0 or s < e) else 0
+    return max(0, stop - begin)
