@@ -232,7 +232,9 @@ class EngineCore:
         """Also compiles a structured-output constraint (cached by its text): a grammar that does
         not compile is refused here, and the step loop only ever copies compiled ones. Thread
         safe: the server runs it in a worker thread before `generate` validates again."""
-        check_request(prompt_token_ids, params, self.info.limits, self.config, self.grammars)
+        check_request(
+            prompt_token_ids, params, self.info.limits, self.config, self.grammars, self.tokenizer
+        )
 
     def add_request(
         self,
@@ -486,12 +488,16 @@ class EngineCore:
 
     def _needs_sync(self) -> bool:
         """Read the step in flight before scheduling the next when its tokens decide the next:
-        penalties' history, a grammar's mask, and speculative decoding (drafts continue the
-        known tokens, and a verify step's row count per request is only known once read)."""
+        penalties' history, a grammar's mask, a multi-token bad word's mask, and speculative
+        decoding (drafts continue the known tokens, and a verify step's row count per request is
+        only known once read)."""
         if self.inflight.out.drafts or self.scheduler.speculating():
             return True
         return any(
-            r.grammar is not None or r.params.has_penalties or r.forces_tokens
+            r.grammar is not None
+            or r.params.has_penalties
+            or r.forces_tokens
+            or r.params.has_bad_word_prefixes
             for r in self.scheduler.running
         )
 

@@ -219,7 +219,14 @@ class ProcessEngine(Frontend):
         return prompt_and_ids(self._tokenizer, prompt)
 
     def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
-        check_request(prompt_token_ids, params, self._info.limits, self.config, self._grammars)
+        check_request(
+            prompt_token_ids,
+            params,
+            self._info.limits,
+            self.config,
+            self._grammars,
+            self._tokenizer,
+        )
 
     def stats(self) -> dict:
         return dict(self._stats)  # as of the engine's last message: a scrape never waits

@@ -319,6 +319,29 @@ def _thinking(req):
     return getattr(req, "thinking", None)  # thinking.ThinkingState
 
 
+def bad_words_banned(words: list[list[int]], past) -> list[int]:
+    """vLLM's `apply_bad_words` for one row: the tokens it may not sample after `past` (its output
+    tokens so far, drafts before it included; never the prompt's, as vLLM). A one-token word's
+    token always, a longer word's last token when past ends with the rest of the word."""
+    banned = []
+    n = len(past)
+    for w in words:
+        k = len(w) - 1
+        if k == 0 or (k <= n and past[n - 1] == w[k - 1] and list(past[n - k :]) == w[:k]):
+            banned.append(w[-1])
+    return banned
+
+
+def _clear_tokens(row: np.ndarray, token_ids: list[int]) -> None:
+    """Bad words: clear their bits in a mask row, unless that leaves no token (a grammar or
+    allowed_token_ids allowing only them wins: the row keeps its mask, the output stays valid)."""
+    kept = row.copy()
+    for t in token_ids:
+        row[t // 32] &= np.uint32(~(1 << (t % 32)) & 0xFFFFFFFF).view(np.int32)
+    if not row.any():
+        row[:] = kept
+
+
 def _grammar_waits(req) -> bool:
     th = _thinking(req)
     return th is not None and th.grammar_waits
@@ -359,7 +382,8 @@ def build_sampling_tensors(
     bias_vals = np.zeros((s, MAX_LOGIT_BIAS), np.float32)
     penalties = top = logprobs = False
     num_prompt = np.zeros(s, np.int32)
-    for i, (req, j, _) in enumerate(entries):
+    banned = []  # (row, the token ids its bad words ban this step)
+    for i, (req, j, drafted) in enumerate(entries):
         p = req.params
         temperature[i] = p.temperature
         top_k[i] = min(max(p.top_k, 0), 1 << 30)
@@ -389,6 +413,11 @@ def build_sampling_tensors(
             temperature[i], ban[i] = 0.0, False
             bias_ids[i], bias_vals[i] = -1, 0.0
             bias_ids[i, 0], bias_vals[i, 0] = forced, FORCE_BIAS
+        elif p.bad_words_token_ids:  # the output tokens (and drafts) this row samples after
+            k = max(len(w) for w in p.bad_words_token_ids) - 1
+            past = (req.output_token_ids[-k:] + list(drafted)) if k else ()
+            if ids := bad_words_banned(p.bad_words_token_ids, past):
+                banned.append((i, ids))
     constrained = [
         (g, i)
         for i, (r, _, _) in enumerate(entries)
@@ -400,7 +429,7 @@ def build_sampling_tensors(
     allowed = [(i, r.params.allowed_token_ids) for i, (r, _, _) in enumerate(entries)]
     allowed = [(i, ids) for i, ids in allowed if ids is not None]
     penalties, top, logprobs, grammar = choose_flags(
-        (penalties, top, logprobs, bool(constrained or allowed)), available
+        (penalties, top, logprobs, bool(constrained or allowed or banned)), available
     )
     mask = None
     if grammar:  # all ones (every token allowed) but in the constrained rows
@@ -411,6 +440,8 @@ def build_sampling_tensors(
             mask[i, t // 32] |= np.int32(np.uint32(1 << (t % 32)).view(np.int32))
         for i, ids in allowed:  # and, for a grammar's row, only what both allow
             mask[i] &= token_mask(tuple(ids), vocab_size)
+        for i, ids in banned:  # then without the bad words' tokens
+            _clear_tokens(mask[i], ids)
     # [S, H] only when a row uses a penalty (no S x max_model_len upload every step otherwise).
     history = None
     if penalties:

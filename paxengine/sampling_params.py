@@ -11,6 +11,7 @@ from paxengine.thinking import ThinkTags
 MAX_LOGPROBS = 20
 MAX_N = 64
 MAX_LOGIT_BIAS = 300
+MAX_BAD_WORDS = 128  # token sequences after tokenizing bad_words (vLLM's VLLM_MAX_NUM_BAD_WORDS)
 
 
 def check_truncate_prompt_tokens(k) -> None:
@@ -62,6 +63,11 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None
     # sample only among these token ids (vLLM's): the token mask structured output uses
     allowed_token_ids: list[int] | None = None
+    # vLLM's: words the output must not contain. Each is tokenized at entry (`update_from_tokenizer`,
+    # from `validation.check_request`) into bad_words_token_ids; a sequence's last token is then
+    # masked whenever the output tokens end with the rest of it (`sampling.bad_words_banned`)
+    bad_words: list[str] = field(default_factory=list)
+    bad_words_token_ids: list[list[int]] | None = None
     # the prefix cache, not sampling: KV is shared only between requests with the same salt (a
     # tenant's), so one tenant cannot time another's prompts (vLLM's cache_salt)
     cache_salt: str | None = None
@@ -74,6 +80,10 @@ class SamplingParams:
         self.logit_bias = {int(k): float(v) for k, v in (self.logit_bias or {}).items()}
         if self.allowed_token_ids is not None and not isinstance(self.allowed_token_ids, list):
             self.allowed_token_ids = list(self.allowed_token_ids)
+        if self.bad_words is None:
+            self.bad_words = []
+        elif isinstance(self.bad_words, tuple):
+            self.bad_words = list(self.bad_words)
 
     @property
     def greedy(self) -> bool:
@@ -87,6 +97,72 @@ class SamplingParams:
             or self.frequency_penalty != 0
             or self.repetition_penalty != 1
         )
+
+    @property
+    def has_bad_word_prefixes(self) -> bool:
+        """Whether a bad word has more than one token: its last token is banned only after the
+        others, so the row's mask follows the output tokens (read each step before the next is
+        built, like a penalty's history). A one-token word is banned always: a fixed mask."""
+        return any(len(w) > 1 for w in self.bad_words_token_ids or ())
+
+    def update_from_tokenizer(self, tokenizer, vocab_size: int) -> None:
+        """bad_words -> bad_words_token_ids, as vLLM's `SamplingParams.update_from_tokenizer`:
+        each word (its leading whitespace stripped) without special tokens, and again after a
+        space, that variant kept when its first token differs from the plain one's and it has as
+        many tokens (the word in the middle of a text). Raises InvalidRequest naming bad_words."""
+        if not self.bad_words:
+            return
+        self._check_bad_words()
+        if tokenizer is None:
+            raise InvalidRequest(
+                "bad_words: needs the model's tokenizer, and this model has none",
+                param="bad_words",
+            )
+        seqs: list[list[int]] = []
+        for word in dict.fromkeys(self.bad_words):
+            plain = list(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+            if not plain:
+                raise InvalidRequest(
+                    f"bad_words: {word!r} must tokenize to at least one token", param="bad_words"
+                )
+            seqs.append(plain)
+            spaced = list(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+            if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+                seqs.append(spaced)
+        self.bad_words_token_ids = seqs
+        self._check_bad_words_token_ids(vocab_size)
+
+    def _check_bad_words(self) -> None:
+        if not isinstance(self.bad_words, list) or not all(
+            isinstance(w, str) for w in self.bad_words
+        ):
+            raise InvalidRequest(
+                f"bad_words: must be a list of strings, got {self.bad_words!r}", param="bad_words"
+            )
+        if not all(self.bad_words):
+            raise InvalidRequest("bad_words: cannot contain an empty string", param="bad_words")
+
+    def _check_bad_words_token_ids(self, vocab_size: int) -> None:
+        seqs = self.bad_words_token_ids
+        if seqs is None:
+            return
+        if len(seqs) > MAX_BAD_WORDS:
+            raise InvalidRequest(
+                f"bad_words: {len(seqs)} token sequences after tokenization, at most "
+                f"{MAX_BAD_WORDS}",
+                param="bad_words",
+            )
+        for w in seqs:
+            if not isinstance(w, list) or not w:
+                raise InvalidRequest(
+                    "bad_words: each word's token ids must be a non-empty list", param="bad_words"
+                )
+            for t in w:
+                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
+                    raise InvalidRequest(
+                        f"bad_words: token id {t!r} is outside the vocabulary [0, {vocab_size})",
+                        param="bad_words",
+                    )
 
     def validate(self, vocab_size: int) -> None:
         """Raise InvalidRequest (a ValueError) naming the first bad field."""
@@ -174,6 +250,8 @@ class SamplingParams:
                         "allowed_token_ids",
                         f"token id {t!r} is outside the vocabulary [0, {vocab_size})",
                     )
+        self._check_bad_words()
+        self._check_bad_words_token_ids(vocab_size)
         if self.cache_salt is not None and (
             not isinstance(self.cache_salt, str) or not self.cache_salt
         ):

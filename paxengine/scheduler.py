@@ -277,8 +277,9 @@ class Scheduler:
         sample pending in `prev`, and each far enough from its max_tokens and the context that
         the unchained engine would draft K for it too (so both draft the same). Requests whose
         sampling depends on the host's tokens (penalties, a grammar, min_tokens) are read
-        first, masked rows (allowed_token_ids) take the unchained path, and blocks for the
-        worst case (K + 1 more tokens each) must be free: a chained step never preempts."""
+        first, masked rows (allowed_token_ids, bad_words) take the unchained path, and blocks
+        for the worst case (K + 1 more tokens each) must be free: a chained step never
+        preempts."""
         if self.proposer is not None or self.waiting or not self.speculating():
             return False
         K = self.spec.num_speculative_tokens
@@ -293,6 +294,7 @@ class Scheduler:
                 or req.grammar is not None
                 or req.forces_tokens
                 or p.allowed_token_ids is not None  # masked rows: the unchained path
+                or p.bad_words_token_ids
                 or p.has_penalties
                 or len(req.output_token_ids) < p.min_tokens
                 or req.num_known_tokens + 3 * (K + 1) > self.max_model_len

@@ -107,10 +107,13 @@ def prompt_and_ids(tokenizer, prompt) -> tuple[str | None, list[int]]:
     )
 
 
-def check_request(prompt_token_ids, params: SamplingParams, limits: Limits, config, grammars):
+def check_request(
+    prompt_token_ids, params: SamplingParams, limits: Limits, config, grammars, tokenizer=None
+):
     """`validate_request` plus what the engine's configuration refuses; compiles a
     structured-output constraint with `grammars` (cached by its text), so a grammar that does
-    not compile is refused here. Thread safe."""
+    not compile is refused here, and tokenizes bad_words with `tokenizer` (into
+    `params.bad_words_token_ids`). Thread safe."""
     validate_request(prompt_token_ids, params, limits)
     if params.priority != 0 and config.scheduling_policy != "priority":
         raise InvalidRequest(
@@ -125,6 +128,14 @@ def check_request(prompt_token_ids, params: SamplingParams, limits: Limits, conf
             "(structured_outputs: false)",
             param="allowed_token_ids",
         )
+    if params.bad_words:
+        if not config.structured_outputs:
+            raise InvalidRequest(
+                "bad_words: needs the token mask, which is off on this server "
+                "(structured_outputs: false)",
+                param="bad_words",
+            )
+        params.update_from_tokenizer(tokenizer, limits.vocab_size)
     if params.structured_outputs is not None:
         if not config.structured_outputs:
             raise InvalidRequest(

@@ -140,6 +140,7 @@ def sampling_params(
         priority=req.priority,
         structured_outputs=structured_outputs,
         allowed_token_ids=req.allowed_token_ids,
+        bad_words=list(req.bad_words or []),
         cache_salt=req.cache_salt,
         prompt_logprobs=_prompt_logprobs_asked(req),
     )

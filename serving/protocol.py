@@ -86,7 +86,6 @@ _SHARED_UNIMPLEMENTED = {
     "best_of": _NoOp(test=_best_of_is_n),
     "use_beam_search": _NoOp(False),
     "length_penalty": _NoOp(1.0),  # beam search only
-    "bad_words": _NoOp([]),
     "logits_processors": _NoOp(),
     "spaces_between_special_tokens": _NoOp(True),
     # serving
@@ -208,6 +207,7 @@ class _SamplingFields(_Request):
     priority: int = 0  # vLLM's: lower first, under --scheduling-policy priority
     truncate_prompt_tokens: Optional[int] = None  # vLLM's: the prompt's last k tokens (-1: max)
     allowed_token_ids: Optional[list[int]] = None  # vLLM's: sample only among these
+    bad_words: Optional[list[str]] = None  # vLLM's: words the output must not contain
     return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name tokens "token_id:<id>"
     cache_salt: Optional[str] = None  # vLLM's: prefix-cache hits only within one salt (tenant)
     return_token_ids: bool = False  # vLLM's: the prompt's and the output's token ids

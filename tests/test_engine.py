@@ -383,6 +383,48 @@ def test_allowed_token_ids_sample_only_them(llm_chunked):
     assert e.value.param == "allowed_token_ids"
 
 
+def _holds(tokens, seq) -> bool:
+    return any(tokens[i : i + len(seq)] == seq for i in range(len(tokens) - len(seq) + 1))
+
+
+def test_bad_words_are_never_sampled_and_match_transformers(llm_chunked, hf_smollm):
+    """vLLM's bad_words: a one-token word never appears, a two-token word's second token never
+    follows its first (the first still may). The greedy output is transformers' greedy output
+    with bad_words_ids the same token ids, checked teacher-forced in one forward (as
+    test_model_parity): at every position HF's NoBadWordsLogitsProcessor's argmax is our next
+    token. HF also matches a word's start in the prompt, vLLM only in the output: this prompt
+    ends in neither word's first token, so the two rules agree here."""
+    import torch
+    from transformers.generation.logits_process import NoBadWordsLogitsProcessor
+
+    hf, _ = hf_smollm
+    prompt = "Once upon a time"  # greedy: ", the city of Nova Haven was a thriving metropolis"
+    greedy = dict(temperature=0, max_tokens=12, ignore_eos=True)
+    plain = llm_chunked.generate(prompt, SamplingParams(**greedy), use_tqdm=False)[0]
+    ids, before = plain.prompt_token_ids, plain.outputs[0].token_ids
+    for words in (["city"], ["city of"]):  # " city": one token; " city of": two
+        p = SamplingParams(**greedy, bad_words=words)
+        out = llm_chunked.generate(prompt, p, use_tqdm=False)[0].outputs[0].token_ids
+        seqs = p.bad_words_token_ids  # set at entry: the word, and after a space
+        assert len(seqs) == 2 and {len(s) for s in seqs} == {len(words[0].split())}
+        assert any(_holds(before, s) for s in seqs)  # the plain output has the word
+        assert not any(_holds(out, s) for s in seqs) and len(out) == 12, words
+        if len(seqs[0]) == 2:  # the first token of a two-token word is not banned
+            assert any(t in out for t in (s[0] for s in seqs))
+        proc = NoBadWordsLogitsProcessor(seqs, eos_token_id=None)
+        with torch.no_grad():
+            logits = hf(torch.tensor([ids + out])).logits[0]
+        ref = [
+            int(proc(torch.tensor([ids + out[:j]]), logits[len(ids) - 1 + j][None])[0].argmax())
+            for j in range(len(out))
+        ]
+        assert out == ref, words
+    with pytest.raises(InvalidRequest, match="bad_words") as e:
+        llm_chunked.generate(prompt, SamplingParams(bad_words=[""]), use_tqdm=False)
+    assert e.value.param == "bad_words"
+    assert_pool_empty(llm_chunked)
+
+
 def test_penalties_take_the_exact_history_path(llm_chunked):
     prompt = "word word word word word word word word"
     plain = (

@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from paxengine.request import Request
 from paxengine.sampling import (
@@ -114,3 +115,107 @@ def test_top_p_leaves_rows_without_it_unchanged():
     filtered = np.asarray(_apply_top_k_top_p(jnp.asarray(logits), st))
     assert np.isinf(filtered[0, 2:]).all() and np.isfinite(filtered[0, :2]).all()
     np.testing.assert_array_equal(filtered[1], logits[1])
+
+
+class _WordTokenizer:
+    """encode() from a table, without special tokens (as update_from_tokenizer must ask)."""
+
+    TABLE = {
+        "foo": [1],
+        " foo": [2],  # a one-token word, another token after a space: both banned
+        "bar": [3, 4],
+        " bar": [5, 4],  # same length, another first token: both
+        "baz": [6, 7],
+        " baz": [8],  # another length: only the plain one (vLLM's rule)
+        "qux": [9],
+        " qux": [9],  # the same first token: once
+        "": [],
+        " ": [],
+        "big": [60, 61],
+        " big": [62, 61],
+    }
+
+    def encode(self, text, add_special_tokens=True):
+        assert not add_special_tokens
+        return list(self.TABLE[text])
+
+
+def test_bad_words_are_tokenized_as_vllm_does():
+    from paxengine.errors import InvalidRequest
+    from paxengine.sampling_params import MAX_BAD_WORDS
+
+    p = SamplingParams(bad_words=["foo", " bar", "baz", "qux", "foo"])
+    p.update_from_tokenizer(_WordTokenizer(), 70)
+    # " bar": its leading space stripped first; the repeated "foo" once
+    assert p.bad_words_token_ids == [[1], [2], [3, 4], [5, 4], [6, 7], [9]]
+    assert p.bad_words == ["foo", " bar", "baz", "qux", "foo"]  # the user's words kept
+    assert p.has_bad_word_prefixes and not SamplingParams(bad_words=["foo"]).has_bad_word_prefixes
+
+    words = _WordTokenizer()
+
+    def refused(match, vocab=70, tokenizer=words, **kw):
+        with pytest.raises(InvalidRequest, match=match) as e:
+            p = SamplingParams(**kw)
+            p.validate(vocab)
+            p.update_from_tokenizer(tokenizer, vocab)
+        assert e.value.param == "bad_words"
+
+    refused("empty string", bad_words=["foo", ""])
+    refused("list of strings", bad_words=[1])
+    refused("list of strings", bad_words="foo")
+    refused("at least one token", bad_words=[" "])
+    refused("outside the vocabulary", vocab=62, bad_words=["big"])
+    refused("tokenizer", tokenizer=None, bad_words=["foo"])
+    refused("at most", bad_words_token_ids=[[1]] * (MAX_BAD_WORDS + 1))
+    nothing = SamplingParams()
+    nothing.update_from_tokenizer(None, 70)  # no words: no tokenizer needed
+    assert nothing.bad_words == [] and nothing.bad_words_token_ids is None
+
+
+def test_bad_words_banned_follows_the_output_tokens_only():
+    from paxengine.sampling import bad_words_banned
+
+    assert bad_words_banned([[5]], []) == [5]  # a one-token word: always
+    two, three = [[3, 4]], [[1, 2, 3]]
+    assert bad_words_banned(two, []) == [] and bad_words_banned(two, [3]) == [4]
+    assert bad_words_banned(two, [1, 3]) == [4] and bad_words_banned(two, [3, 1]) == []
+    assert bad_words_banned(three, [1, 2]) == [3] and bad_words_banned(three, [9, 1, 2]) == [3]
+    assert bad_words_banned(three, [2]) == [] and bad_words_banned(three, [1, 9, 2]) == []
+    assert bad_words_banned([[5], [3, 4], [3, 6]], [3]) == [5, 4, 6]
+
+
+def test_bad_words_mask_their_rows():
+    """A row's mask bans what its bad words ban after its output tokens (not the prompt's, as
+    vLLM), ANDed with allowed_token_ids (which win when nothing would be left); a verify step's
+    row j counts the drafts before it; greedy then picks the best token left."""
+    from paxengine.structured import allowed_tokens
+
+    V = 70
+    words = [[40], [3, 4]]
+
+    def req(out, prompt=(1, 3), **kw):
+        p = SamplingParams(temperature=0, bad_words_token_ids=words, **kw)
+        r = Request("r", list(prompt), p, seed=0)
+        r.output_token_ids = list(out)
+        return r
+
+    def allowed(st, i):
+        return np.flatnonzero(allowed_tokens(st.mask[i], V)).tolist()
+
+    rows = [req([]), req([3]), req([3], allowed_token_ids=[4, 6]), req([3], allowed_token_ids=[4])]
+    st = build_sampling_tensors(rows, 5, 8, [0], None, V)
+    assert st.grammar
+    everything = list(range(V))
+    assert allowed(st, 0) == [t for t in everything if t != 40]  # the prompt's 3 is not output
+    assert allowed(st, 1) == [t for t in everything if t not in (4, 40)]
+    assert allowed(st, 2) == [6] and allowed(st, 3) == [4] and allowed(st, 4) == everything
+    logits = np.zeros((5, V), np.float32)
+    logits[:, 40], logits[:, 4], logits[:, 6] = 3.0, 2.0, 1.0
+    tokens = np.asarray(sample(jnp.asarray(logits), st)[0]).tolist()
+    assert tokens == [4, 6, 6, 4, 40]  # row 4: padding, unmasked
+    # a verify step: drafts [3, 9]: row 1 samples after the draft 3
+    st = build_sampling_tensors([req([5])], 3, 8, [0], None, V, drafts=[[3, 9]])
+    assert [4 in allowed(st, i) for i in range(3)] == [True, False, True]
+    # no word bans anything in this step: no mask
+    p = SamplingParams(bad_words_token_ids=[[3, 4]])
+    assert not build_sampling_tensors([Request("r", [3], p, seed=0)], 1, 8, [0], None, V).grammar

@@ -118,3 +118,24 @@ def test_fcfs_policy_keeps_arrival_order():
     assert [r.request_id for r in sched.waiting] == ["low", "high"]
     with pytest.raises(ValueError, match="scheduling_policy"):
         Scheduler(kv, 8, 256, 256, policy="lottery")
+
+
+def test_bad_words_rows_take_the_unchained_path():
+    """A chained verify step builds its rows on the device without a token mask: a request with
+    bad words (a mask row, and for a longer word one that follows its output) is never chained,
+    as allowed_token_ids; the same request without them is."""
+    from paxengine.spec_decode import parse_speculative_config
+
+    spec = parse_speculative_config(
+        {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
+    )
+    for params, chains in (
+        (SamplingParams(max_tokens=64), True),
+        (SamplingParams(max_tokens=64, bad_words_token_ids=[[5]]), False),
+        (SamplingParams(max_tokens=64, bad_words_token_ids=[[5, 6]]), False),
+    ):
+        kv = KVCacheManager(64, 4, enable_prefix_caching=False)
+        sched = Scheduler(kv, 8, 64, 256, spec=spec, max_sample_rows=8)
+        sched.add(Request("a", [1, 2, 3, 1, 2], params, seed=0))
+        out = sched.schedule()  # the prompt: its first sample pending
+        assert sched.can_chain(out) is chains

@@ -222,6 +222,30 @@ def test_allowed_token_ids(client, server, http):
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "allowed_token_ids"
 
 
+def test_bad_words(client, server, http):
+    """vLLM's bad_words on both endpoints: a word the greedy text has is gone from it (the
+    prompt's own words may stay); a value that is not a list of strings is a 400 naming it."""
+    kw = dict(model=server.model, max_tokens=8, temperature=0)
+    prompt = "Once upon a time"  # greedy: ", the city of Nova Haven was"
+    plain = client.completions.create(prompt=prompt, **kw).choices[0].text
+    assert "city" in plain
+    r = client.completions.create(prompt=prompt, extra_body={"bad_words": ["city"]}, **kw)
+    text = r.choices[0].text
+    assert "city" not in text and text != plain
+    chat = client.chat.completions.create(messages=MSG, **kw).choices[0].message.content
+    word = max(chat.replace(",", " ").replace(".", " ").split(), key=len)  # e.g. a colour
+    banned = client.chat.completions.create(messages=MSG, extra_body={"bad_words": [word]}, **kw)
+    assert word not in banned.choices[0].message.content, (word, chat)
+    for route, body in (
+        ("/v1/completions", {"prompt": "x"}),
+        ("/v1/chat/completions", {"messages": MSG}),
+    ):
+        for value in ([1], "city", [""]):
+            r = http.post(route, json={**body, "bad_words": value})
+            assert r.status_code == 400, (route, value, r.text)
+            assert r.json()["error"]["param"].split(".")[0] == "bad_words"
+
+
 def http_detok(http, ids):
     return http.post("/detokenize", json={"tokens": ids}).json()["prompt"]
 
