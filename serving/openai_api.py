@@ -6,7 +6,6 @@ chains are chosen once per request (`prepare`); this module only assembles what 
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 import logging
 import uuid
@@ -258,14 +257,6 @@ def _echo_text(req, role: str) -> Optional[str]:
     return "\n".join(part.text for part in last.content)
 
 
-@functools.cache
-def _warn_legacy_functions() -> None:
-    log.warning(
-        "a request sent functions / function_call (the legacy function calling): ignored, as "
-        "vLLM ignores them; tools and tool_choice ask for calls"
-    )
-
-
 def _think_tags(state: ServerState, req, params: SamplingParams, prompt: str) -> None:
     """Under --reasoning-parser, for thinking_token_budget or an output constraint (which
     applies after the reasoning, vLLM's rule): the parser's tags as token ids, and whether the
@@ -304,8 +295,6 @@ async def prepare(state: ServerState, kind: str, req) -> _Call:
                 "response_format",
             )
         tool_defs = [t.model_dump(exclude_none=True) for t in req.tools] if mode else None
-        if req.functions or req.function_call not in (None, "none"):
-            _warn_legacy_functions()
         # vLLM's: without a new turn the answer goes on in the last message's role
         role = "assistant" if req.add_generation_prompt else req.messages[-1].role
         size = sum(len(m.text()) for m in req.messages)

@@ -3,8 +3,7 @@
 Requests are validated strictly from JSON (no "0.5" -> 0.5, no true -> 1, no NaN/inf). A field
 we do not implement is a 400 that names it, never a silent ignore (issue #16): unknown fields are
 forbidden, and the fields OpenAI or vLLM define that we lack are listed (`_NoOp` tables) with the
-values that ask for nothing, which are accepted since common clients send them (one exception:
-the legacy `functions`, ignored as vLLM ignores them, so vLLM's clients run). Value ranges are
+values that ask for nothing, which are accepted since common clients send them. Value ranges are
 checked by `SamplingParams.validate` and the engine, so there is one source of truth for them.
 """
 
@@ -97,6 +96,9 @@ _SHARED_UNIMPLEMENTED = {
 
 _CHAT_UNIMPLEMENTED = {
     **_SHARED_UNIMPLEMENTED,
+    # the legacy (pre-tools) function calling: vLLM drops it silently; here a 400 says to use tools
+    "functions": _NoOp([]),
+    "function_call": _NoOp("none", "auto"),
     # other outputs and models' options
     "modalities": _NoOp(["text"]),
     "audio": _NoOp(),
@@ -373,10 +375,6 @@ class ChatCompletionRequest(_SamplingFields):
     reasoning_effort: Optional[Literal["none", "minimal", "low", "medium", "high"]] = None
     # vLLM's: the last message's content first in each choice when its role is the answer's
     echo: bool = False
-    # OpenAI's legacy function calling: vLLM 0.26 has no such fields and ignores them (its
-    # request models allow extra fields), so a vLLM client's request runs here as there
-    functions: Optional[list[FunctionDefinition]] = None
-    function_call: Union[Literal["none", "auto"], NamedFunction, None] = None
 
 
 class TopLogprob(BaseModel):

@@ -15,6 +15,7 @@ COMPLETION = ("/v1/completions", {"prompt": "hi", "max_tokens": 2})
 CHAT = ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
 BOTH = [COMPLETION, CHAT]
 
+FUNCTION = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 # A value that asks for something, for every listed field.
 SHARED = {
     "guided_whitespace_pattern": r"\s*",
@@ -30,6 +31,8 @@ SHARED = {
     "service_tier": "flex",
 }
 CHAT_ONLY = {
+    "functions": [FUNCTION["function"]],
+    "function_call": {"name": "f"},
     "modalities": ["text", "audio"],
     "audio": {"voice": "alloy", "format": "wav"},
     "prediction": {"type": "content", "content": "x"},

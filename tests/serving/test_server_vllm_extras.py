@@ -1,6 +1,5 @@
 """vLLM's request fields that were 400s here, against a real SmolLM2 server (conftest.py):
-`stream_options.continuous_usage_stats`, chat `echo`, and the legacy `functions` /
-`function_call` (vLLM ignores them, and so does this server)."""
+`stream_options.continuous_usage_stats` and chat `echo`."""
 
 from __future__ import annotations
 
@@ -126,24 +125,3 @@ def test_chat_echo(server, http):
     msg = r["choices"][0]["message"]
     assert msg["role"] == "user" and msg["content"].startswith(MSG[0]["content"])
     assert _param(http.post("/v1/chat/completions", json={**fresh, "echo": "yes"})) == "echo"
-
-
-def test_legacy_functions_are_ignored_as_in_vllm(server, http):
-    """vLLM's chat request has no `functions` / `function_call` and drops them: the answer is
-    the one without them (no call, no tool prompt). Their OpenAI shapes are still checked."""
-    fn = {"name": "get_weather", "parameters": {"type": "object", "properties": {}}}
-    body = {**GREEDY, "messages": MSG}
-    plain = http.post("/v1/chat/completions", json=body).json()["choices"][0]
-    for call in ({"name": "get_weather"}, "auto", "none"):
-        r = http.post(
-            "/v1/chat/completions", json={**body, "functions": [fn], "function_call": call}
-        )
-        assert r.status_code == 200, r.text
-        ch = r.json()["choices"][0]
-        assert ch["message"] == plain["message"] and ch["finish_reason"] == plain["finish_reason"]
-    for extra, param in (
-        ({"functions": "get_weather"}, "functions"),
-        ({"functions": [{**fn, "name": "bad name"}]}, "functions.0.name"),
-        ({"function_call": "always"}, "function_call"),
-    ):
-        assert _param(http.post("/v1/chat/completions", json={**body, **extra})) == param
