@@ -283,6 +283,9 @@ def _think_tags(state: ServerState, req, params: SamplingParams, prompt: str) ->
 
 async def prepare(state: ServerState, kind: str, req) -> _Call:
     state.check_model(req.model)
+    if req.stream_options is not None and req.stream_options.model_fields_set and not req.stream:
+        # vLLM's rule too: the options would change nothing (null or {} ask for nothing)
+        raise bad_request("stream_options: only with stream true", "stream_options")
     mode, spec, setup = None, constraints.constraint(req), None
     cfg = state.config
     if kind == "chat":

@@ -220,4 +220,16 @@ def test_replayed_assistant_message_and_stream_options_noops_are_accepted(client
     assert lines[-1] == "data: [DONE]" and '"usage"' in lines[-2]
     answer["tool_calls"] = []
     body["messages"][1] = answer
+    assert client.post(CHAT[0], json={**body, "stream": False}).status_code == 400
+    body.pop("stream_options")  # vLLM's rule: stream_options only with stream true
     assert client.post(CHAT[0], json={**body, "stream": False}).status_code == 200
+
+
+@pytest.mark.parametrize("route, base", BOTH, ids=["completions", "chat"])
+def test_stream_options_need_a_stream(client, route, base):
+    """As vLLM: stream_options without stream would change nothing, so they are refused; null
+    or {} ask for nothing and pass."""
+    for options in (None, {}):
+        assert client.post(route, json={**base, "stream_options": options}).status_code == 200
+    r = client.post(route, json={**base, "stream_options": {"include_usage": True}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options", r.text
