@@ -149,7 +149,7 @@ def _bad_request(s: Server, body: dict, path: str = "/v1/chat/completions") -> d
 def check_ngram_structured(s: Server) -> None:
     """n-gram speculation proposes and gets drafts accepted on a repetitive prompt; a JSON schema
     is obeyed (structured outputs on, beside speculation: unchained steps); a `priority` on this
-    fcfs server is a 400 naming it."""
+    fcfs server is a 400 naming it; bad_words hold under speculation; /v1/responses answers."""
     drafted, accepted = _drafts(s)
     assert drafted > 0 and accepted > 0
     out = _json_schema_answer(s)
@@ -162,6 +162,21 @@ def check_ngram_structured(s: Server) -> None:
     out = s.client.completions.create(model="matrix-alias", prompt="hi", max_tokens=2)
     assert out.model == NAME
     assert "--async-scheduling: paxengine always schedules" in s.log.read_text()
+    # bad_words under speculation: the n-gram drafts propose the banned digit, the verify
+    # steps' masks refuse it (SmolLM2 writes digits one a token)
+    banned = s.client.completions.create(
+        model=NAME, prompt=COUNT, max_tokens=12, temperature=0, extra_body={"bad_words": ["4"]}
+    )
+    assert banned.usage.completion_tokens == 12 and "4" not in banned.choices[0].text
+    # the Responses API answers as the chat endpoint does
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    chat = s.client.chat.completions.create(
+        model=NAME, messages=question, max_tokens=8, temperature=0
+    )
+    resp = s.client.responses.create(
+        model=NAME, input=question[0]["content"], max_output_tokens=8, temperature=0
+    )
+    assert resp.output_text == chat.choices[0].message.content
 
 
 def check_draft_model(s: Server) -> None:
