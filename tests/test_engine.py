@@ -342,6 +342,33 @@ def test_chat_uses_the_template(llm_chunked):
     )
 
 
+def test_vllms_offline_api_names(llm_chunked):
+    """What a vLLM script calls: generate(prompts, sampling_params=...) with TextPrompt dicts,
+    get_tokenizer(), reset_prefix_cache(), chat(tools=..., chat_template=...)."""
+    greedy = SamplingParams(temperature=0, max_tokens=4)
+    (a,) = llm_chunked.generate("Describe a cat.", greedy, use_tqdm=False)
+    (b,) = llm_chunked.generate(
+        [{"prompt": "Describe a cat."}], sampling_params=greedy, use_tqdm=False
+    )
+    assert b.prompt_token_ids == a.prompt_token_ids and b.outputs[0].text == a.outputs[0].text
+    with pytest.raises(TypeError, match="not both"):
+        llm_chunked.generate("x", sampling_params=greedy, params=greedy)
+    assert llm_chunked.get_tokenizer() is llm_chunked.tokenizer
+    assert llm_chunked.reset_prefix_cache()  # nothing runs: every cached block dropped
+    assert llm_chunked.engine.kv.num_free_blocks == llm_chunked.engine.kv.num_blocks
+    tools = [{"type": "function", "function": {"name": "get_weather"}}]
+    template = "{% for t in tools %}{{ t.function.name }}:{% endfor %}{{ messages[0].content }}"
+    (c,) = llm_chunked.chat(
+        [{"role": "user", "content": "hi"}],
+        greedy,
+        use_tqdm=False,
+        tools=tools,
+        chat_template=template,
+    )
+    tok = llm_chunked.get_tokenizer()
+    assert c.prompt_token_ids == tok.encode("get_weather:hi", add_special_tokens=False)
+
+
 def test_truncate_prompt_tokens_runs_the_prompts_last_tokens(llm_chunked):
     tok = llm_chunked.tokenizer
     text = "One, two, three, four, five, six, seven, eight, nine, ten, eleven, twelve"

@@ -73,7 +73,8 @@ def test_auto_takes_a_long_models_whole_length(tmp_path):
     config.write_text(json.dumps(LONG))
     engine = dict(ENGINE, model=f"dummy:{config}", num_kv_blocks=1024, block_size=16)
     assert LLM(**engine, max_model_len=-1).engine.max_model_len == 16_384
-    assert LLM(**engine).engine.max_model_len == 8_192
+    model = engine.pop("model")  # vLLM's LLM("path"): the model as the first argument
+    assert LLM(model, **engine).engine.max_model_len == 8_192
 
 
 def test_past_the_models_length_is_refused_unless_allowed(tmp_path, monkeypatch):
