@@ -17,7 +17,14 @@ from fastapi.responses import Response
 from paxengine.client import EngineClient, served_names
 from paxengine.errors import EngineError
 from serving.config import ServerConfig
-from serving.errors import ApiError, bad_request, install_error_handlers, parse_body
+from serving.errors import (
+    ApiError,
+    bad_request,
+    install_error_handlers,
+    parse_body,
+    read_json_object,
+    validate_body,
+)
 from serving.generation import ServerState
 from serving.metrics import CONTENT_TYPE
 from serving.openai_api import respond
@@ -117,6 +124,22 @@ def build_app(
         req = await parse_body(request, ChatCompletionRequest, cfg.max_request_body_bytes)
         return await respond(state, "chat", request, req)
 
+    @app.post("/invocations", dependencies=auth)
+    async def invocations(request: Request):
+        """vLLM's (SageMaker's) one route: a body with `messages` is a chat completion, one
+        with `prompt` a completion."""
+        text, data = await read_json_object(request, cfg.max_request_body_bytes)
+        if "messages" in data:
+            return await respond(state, "chat", request, validate_body(ChatCompletionRequest, text))
+        if "prompt" in data:
+            return await respond(
+                state, "completion", request, validate_body(CompletionRequest, text)
+            )
+        raise bad_request(
+            "/invocations takes a chat completion (`messages`) or a completion (`prompt`)",
+            "messages",
+        )
+
     @app.post("/v1/responses", dependencies=auth, openapi_extra=schema_of(ResponsesRequest))
     async def responses(request: Request):
         req = await parse_body(request, ResponsesRequest, cfg.max_request_body_bytes)
@@ -185,7 +208,8 @@ def build_app(
 
     # ------------------------------------------------------------------ operations
     @app.get("/health", response_model=HealthResponse)
-    async def health():
+    @app.api_route("/ping", methods=["GET", "POST"], response_model=HealthResponse)
+    async def health():  # /ping: vLLM's (SageMaker's) name for it
         if state.drain.draining:  # first: an orchestrator stops routing here at once
             return state.draining_error().response()
         if not engine.is_healthy():

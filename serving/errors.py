@@ -116,6 +116,20 @@ def validation_error(errors: list[dict]) -> ApiError:
 async def parse_body(request: Request, model: type[M], max_bytes: int) -> M:
     """Read and validate a JSON body; every failure is a shaped 400, a body over `max_bytes` a
     413 (read no further than that: a huge upload cannot grow the server's memory)."""
+    text, _ = await read_json_object(request, max_bytes)
+    return validate_body(model, text)
+
+
+def validate_body(model: type[M], text: str) -> M:
+    try:
+        return model.model_validate_json(text)
+    except ValidationError as e:
+        raise validation_error(e.errors(include_url=False)) from None
+
+
+async def read_json_object(request: Request, max_bytes: int) -> tuple[str, dict]:
+    """A body's text and its JSON object (parse_body's reading, for a route that looks at the
+    object before choosing its model: /invocations)."""
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > max_bytes:
         raise _too_large(max_bytes)
@@ -138,10 +152,7 @@ async def parse_body(request: Request, model: type[M], max_bytes: int) -> M:
         raise bad_request(f"request body is not valid JSON: {e}") from None
     if not isinstance(data, dict):
         raise bad_request(f"request body must be a JSON object, got {type(data).__name__}")
-    try:
-        return model.model_validate_json(text)
-    except ValidationError as e:
-        raise validation_error(e.errors(include_url=False)) from None
+    return text, data
 
 
 def _too_large(max_bytes: int) -> ApiError:

@@ -125,3 +125,26 @@ def test_chat_echo(server, http):
     msg = r["choices"][0]["message"]
     assert msg["role"] == "user" and msg["content"].startswith(MSG[0]["content"])
     assert _param(http.post("/v1/chat/completions", json={**fresh, "echo": "yes"})) == "echo"
+
+
+def test_sagemaker_routes_ping_and_invocations(server, http):
+    """vLLM's /ping (GET and POST: /health's answer) and /invocations (a body with `messages`
+    is a chat completion, one with `prompt` a completion; anything else a 400), behind the key
+    like the other inference routes."""
+    import httpx
+
+    for method in ("GET", "POST"):
+        r = http.request(method, "/ping")
+        assert r.status_code == 200 and r.json() == {"status": "ok"}
+    chat = {**GREEDY, "model": server.model, "messages": MSG}
+    want = http.post("/v1/chat/completions", json=chat).json()["choices"][0]["message"]
+    got = http.post("/invocations", json=chat).json()
+    assert got["object"] == "chat.completion" and got["choices"][0]["message"] == want
+    completion = {**GREEDY, "model": server.model, "prompt": PREFIX}
+    want = http.post("/v1/completions", json=completion).json()["choices"][0]["text"]
+    got = http.post("/invocations", json=completion).json()
+    assert got["object"] == "text_completion" and got["choices"][0]["text"] == want
+    assert _param(http.post("/invocations", json={"model": server.model})) == "messages"
+    assert _param(http.post("/invocations", json={**chat, "max_tokens": -1})) == "max_tokens"
+    anon = httpx.post(server.base + "/invocations", json=chat, timeout=60)
+    assert anon.status_code == 401
