@@ -76,7 +76,15 @@ def build_app(
             if manage_engine:
                 await engine.shutdown()
 
-    app = FastAPI(title="paxengine OpenAI-compatible server", version=_version(), lifespan=lifespan)
+    # vLLM's --disable-fastapi-docs
+    no_docs = dict(openapi_url=None, docs_url=None, redoc_url=None)
+    docs = no_docs if cfg.disable_fastapi_docs else {}
+    app = FastAPI(
+        title="paxengine OpenAI-compatible server", version=_version(), lifespan=lifespan, **docs
+    )
+    # vLLM's --root-path, set as vLLM sets it (behind a proxy routing a path prefix here): the
+    # OpenAPI servers name it, requests are routed with the prefix or without
+    app.root_path = cfg.root_path or ""
     app.state.serving = state
     app.add_middleware(RequestIdMiddleware)
     if cfg.allowed_origins:  # off by default: no CORS headers at all

@@ -15,8 +15,9 @@ from typing import Optional
 
 from paxengine.client import EngineClient
 from paxengine.config import byte_count, json_object_option, max_model_len_option, token_count
+from paxengine.sampling_params import MAX_LOGPROBS
 from serving import reasoning, tools, vllm_flags
-from serving.config import PERFORMANCE_MODES, ServerConfig, resolve_configs
+from serving.config import PERFORMANCE_MODES, UVICORN_LOG_LEVELS, ServerConfig, resolve_configs
 
 log = logging.getLogger("serving")
 
@@ -287,8 +288,91 @@ def build_parser() -> argparse.ArgumentParser:
         "(Qwen3 / Qwen3.5 without thinking); a request's chat_template_kwargs win key by key",
     )
     s.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"])
+    _frontend_flags(p.add_argument_group("vLLM's server flags"))
     vllm_flags.add_to(p)
     return p
+
+
+def _frontend_flags(s) -> None:
+    """vLLM's `vllm serve` frontend flags (its cli_args.py), as vLLM serves them."""
+    s.add_argument(
+        "--uvicorn-log-level",
+        choices=list(UVICORN_LOG_LEVELS),
+        help="uvicorn's log level (default: --log-level's)",
+    )
+    _bool_pair(s, "disable-uvicorn-access-log", "no uvicorn access log line a request")
+    s.add_argument("--ssl-keyfile", metavar="FILE", help="HTTPS: the certificate's private key")
+    s.add_argument("--ssl-certfile", metavar="FILE", help="HTTPS: serve with this certificate")
+    s.add_argument(
+        "--ssl-ca-certs",
+        metavar="FILE",
+        help="HTTPS: the CA file client certificates are checked against",
+    )
+    s.add_argument(
+        "--ssl-cert-reqs",
+        type=int,
+        choices=[0, 1, 2],
+        help="HTTPS client certificates: 0 none (default), 1 optional, 2 required (the ssl "
+        "module's CERT_*)",
+    )
+    s.add_argument(
+        "--root-path",
+        metavar="PATH",
+        help="FastAPI's root_path, behind a proxy that routes a path prefix here (the OpenAPI "
+        "servers and docs name it)",
+    )
+    _bool_pair(s, "disable-fastapi-docs", "no /docs, /redoc or /openapi.json")
+    _bool_pair(
+        s,
+        "enable-log-requests",
+        "log each request's prompt (text and token ids) and sampling parameters",
+    )
+    _bool_pair(
+        s,
+        "enable-log-outputs",
+        "with --enable-log-requests: log each finished output's text (token ids at debug level)",
+    )
+    s.add_argument(
+        "--max-log-len",
+        type=int,
+        metavar="N",
+        help="the logged prompts' and outputs' characters and token ids past N are cut "
+        "(default: none)",
+    )
+    _bool_pair(
+        s,
+        "enable-force-include-usage",
+        "usage in every streamed response (and in every chunk), without stream_options",
+    )
+    _bool_pair(
+        s,
+        "return-tokens-as-token-ids",
+        'every request\'s logprob tokens as "token_id:N" (a request may ask alone)',
+    )
+    s.add_argument(
+        "--max-logprobs",
+        type=int,
+        metavar="N",
+        help="the most logprobs a token a request may ask (logprobs, top_logprobs, "
+        f"prompt_logprobs; more is a 400); 0 to {MAX_LOGPROBS}, the default",
+    )
+    s.add_argument(
+        "--response-role",
+        metavar="ROLE",
+        help="a chat answer's role when the request's add_generation_prompt is true (default "
+        "assistant)",
+    )
+    _bool_pair(
+        s,
+        "trust-request-chat-template",
+        "a chat request's own chat_template renders it (without: such a request is a 400)",
+    )
+    s.add_argument(
+        "--override-generation-config",
+        metavar="JSON",
+        help="generation_config.json's fields merged over the model's defaults (alone with "
+        "--generation-config vllm), e.g. '{\"temperature\": 0.6}'",
+    )
 
 
 def _arg_type(parse):
@@ -380,7 +464,7 @@ def describe(engine: EngineClient, scfg: ServerConfig) -> str:
         f"kv_cache_dtype={info.kv_cache_dtype} kv_cache_scales={info.kv_cache_scales} "
         f"max_model_len={info.max_model_len} kv_capacity_tokens={info.kv_capacity_tokens} "
         f"buckets={len(info.buckets)} [tokens x seqs: {shapes}] "
-        f"url=http://{scfg.host}:{scfg.port}/v1"
+        f"url={'https' if scfg.ssl_certfile else 'http'}://{scfg.host}:{scfg.port}/v1"
     )
 
 
@@ -402,6 +486,8 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     for note in scfg.vllm_flag_notes:
         log.info("%s", note)
+    if scfg.max_log_len is not None and not scfg.enable_log_requests:
+        log.info("--max-log-len: nothing is logged to cut without --enable-log-requests")
     log.info("engine config: %s", ecfg)
     if ecfg.num_processes > 1:
         log.error(
@@ -446,15 +532,7 @@ def serve(app, engine: EngineClient, scfg: ServerConfig) -> int:
     """Run the app until a stop signal has drained it (serving.drain); the exit status."""
     from serving.drain import draining_server
 
-    server = draining_server(
-        app,
-        engine,
-        app.state.serving.drain,
-        host=scfg.host,
-        port=scfg.port,
-        log_level=scfg.log_level,
-        timeout_graceful_shutdown=5,
-    )
+    server = draining_server(app, engine, app.state.serving.drain, **uvicorn_options(scfg))
     try:
         server.run()
     except KeyboardInterrupt:
@@ -462,6 +540,26 @@ def serve(app, engine: EngineClient, scfg: ServerConfig) -> int:
     except SystemExit as e:  # uvicorn's start-up failure (e.g. the port is taken)
         return int(e.code or 0)
     return server.exit_code if server.started else 1
+
+
+def uvicorn_options(scfg: ServerConfig) -> dict:
+    """uvicorn.Config's keywords from the server's keys: where it listens, its log level and
+    access log, TLS."""
+    kw = dict(
+        host=scfg.host,
+        port=scfg.port,
+        log_level=scfg.uvicorn_log_level or scfg.log_level,
+        access_log=not scfg.disable_uvicorn_access_log,
+        timeout_graceful_shutdown=5,
+    )
+    if scfg.ssl_certfile is not None:
+        kw.update(
+            ssl_certfile=scfg.ssl_certfile,
+            ssl_keyfile=scfg.ssl_keyfile,
+            ssl_ca_certs=scfg.ssl_ca_certs,
+            ssl_cert_reqs=scfg.ssl_cert_reqs,
+        )
+    return kw
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from paxengine.config import AUTO, EngineConfig, json_object_option
+from paxengine.sampling_params import MAX_LOGPROBS
 
 PERFORMANCE_MODES: dict[str, dict[str, Any]] = {
     # EngineConfig's own defaults
@@ -25,6 +26,8 @@ PERFORMANCE_MODES: dict[str, dict[str, Any]] = {
     "throughput": {"max_num_seqs": 256, "max_num_batched_tokens": 8192},
 }
 
+
+UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 # Engine settings where a server wants another default than the offline LLM:
 # - background_compile: a server is ready once the few buckets that hold any step are built and
@@ -83,6 +86,30 @@ class ServerConfig:
     default_chat_template_kwargs: Optional[dict] = None
     # vLLM's: the chat template to render with instead of the model's, a file or the Jinja text
     chat_template: Optional[str] = None
+    # vLLM's frontend flags (vllm/entrypoints/openai/cli_args.py), as vLLM serves them:
+    # uvicorn's log level (None: log_level's) and access log
+    uvicorn_log_level: Optional[str] = None
+    disable_uvicorn_access_log: bool = False
+    # HTTPS: uvicorn's TLS (the certificate and its key; client certificates against the CA file
+    # when ssl_cert_reqs is ssl.CERT_OPTIONAL 1 or CERT_REQUIRED 2)
+    ssl_keyfile: Optional[str] = None
+    ssl_certfile: Optional[str] = None
+    ssl_ca_certs: Optional[str] = None
+    ssl_cert_reqs: int = 0
+    root_path: Optional[str] = None  # FastAPI's, behind a proxy that routes a path prefix here
+    disable_fastapi_docs: bool = False  # no /docs, /redoc, /openapi.json
+    # a log line per engine request with its prompt and params, and with enable_log_outputs
+    # one per finished output with its text; max_log_len cuts the texts and token ids
+    enable_log_requests: bool = False
+    enable_log_outputs: bool = False
+    max_log_len: Optional[int] = None
+    enable_force_include_usage: bool = False  # usage in every stream (and every chunk), as vLLM
+    return_tokens_as_token_ids: bool = False  # every request's logprob tokens as "token_id:N"
+    max_logprobs: int = MAX_LOGPROBS  # the most logprobs a token a request may ask (a 400 past)
+    response_role: str = "assistant"  # a chat answer's role with add_generation_prompt
+    trust_request_chat_template: bool = False  # a chat request's own chat_template renders it
+    # generation_config.json's fields over the model's (or alone, with generation_config vllm)
+    override_generation_config: Optional[dict] = None
     # vLLM's flags taken as what paxengine does anyway (serving/vllm_flags.py): the start-up
     # log's lines, not a key of its own
     vllm_flag_notes: list = dataclasses.field(default_factory=list, init=False)
@@ -148,6 +175,70 @@ class ServerConfig:
         self._check_parsers()
         self._check_template_kwargs()
         self._check_chat_template()
+        self._check_frontend()
+
+    def _check_frontend(self) -> None:
+        """vLLM's frontend keys (YAML values arrive unchecked by argparse)."""
+        from serving import generation_config
+
+        for name in (
+            "disable_uvicorn_access_log",
+            "disable_fastapi_docs",
+            "enable_log_requests",
+            "enable_log_outputs",
+            "enable_force_include_usage",
+            "return_tokens_as_token_ids",
+            "trust_request_chat_template",
+        ):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}: must be true or false, got {getattr(self, name)!r}")
+        if self.uvicorn_log_level not in (None, *UVICORN_LOG_LEVELS):
+            raise ValueError(
+                f"uvicorn_log_level: one of {list(UVICORN_LOG_LEVELS)}, got "
+                f"{self.uvicorn_log_level!r}"
+            )
+        for name in ("ssl_keyfile", "ssl_certfile", "ssl_ca_certs"):
+            path = getattr(self, name)
+            if path is not None and (not isinstance(path, str) or not os.path.isfile(path)):
+                raise ValueError(f"{name}: {path!r} is not a file")
+        https = self.ssl_certfile is not None
+        if not https and self.ssl_keyfile is not None:
+            raise ValueError("ssl_keyfile: needs ssl_certfile (the certificate it is the key of)")
+        if not https and self.ssl_ca_certs is not None:
+            raise ValueError("ssl_ca_certs: needs ssl_certfile (HTTPS)")
+        r = self.ssl_cert_reqs
+        if isinstance(r, bool) or r not in (0, 1, 2):
+            raise ValueError(
+                "ssl_cert_reqs: 0 (ssl.CERT_NONE), 1 (CERT_OPTIONAL) or 2 (CERT_REQUIRED), got "
+                f"{r!r}"
+            )
+        if r and not https:
+            raise ValueError("ssl_cert_reqs: client certificates need ssl_certfile (HTTPS)")
+        if r and self.ssl_ca_certs is None:
+            raise ValueError(
+                "ssl_cert_reqs: client certificates need ssl_ca_certs to be checked against"
+            )
+        rp = self.root_path
+        if rp is not None and (not isinstance(rp, str) or (rp and not rp.startswith("/"))):
+            raise ValueError(f"root_path: a path starting with '/', got {rp!r}")
+        if rp is not None:
+            self.root_path = rp.rstrip("/")
+        n = self.max_log_len
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 0):
+            raise ValueError(f"max_log_len: an integer >= 0, got {n!r}")
+        if self.enable_log_outputs and not self.enable_log_requests:
+            raise ValueError("enable_log_outputs: needs enable_log_requests (vLLM's rule)")
+        k = self.max_logprobs
+        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_LOGPROBS:
+            raise ValueError(
+                f"max_logprobs: an integer in [0, {MAX_LOGPROBS}], got {k!r} (paxengine's "
+                f"sampler computes a token's top {MAX_LOGPROBS} logprobs, vLLM's default cap; "
+                "-1, the whole vocabulary, is not served)"
+            )
+        if not isinstance(self.response_role, str) or not self.response_role:
+            raise ValueError(f"response_role: a non-empty string, got {self.response_role!r}")
+        override = json_object_option(self.override_generation_config, "override_generation_config")
+        self.override_generation_config = generation_config.check_override(override)
 
     def _check_template_kwargs(self) -> None:
         from paxengine.tokenizer import RESERVED_TEMPLATE_VARIABLES

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from contextlib import aclosing
 from dataclasses import dataclass, field
@@ -43,6 +44,10 @@ class ServerState:
     # the engine's tokenizer rendering chats with --chat-template's template; None: the engine's
     templated: object = None
     _bg: set = field(default_factory=set)
+    # --trust-request-chat-template: tokenizers rendering with the requests' own templates, by
+    # their text (compiling one takes milliseconds; the last few are kept)
+    _request_templates: dict = field(default_factory=dict)
+    _templates_lock: threading.Lock = field(default_factory=threading.Lock)
 
     @classmethod
     def create(cls, engine: EngineClient, config: ServerConfig) -> "ServerState":
@@ -52,14 +57,28 @@ class ServerState:
             config.generation_config,
             getattr(getattr(engine, "config", None), "model", None),
         )
-        values, path = generation_config.defaults(mode, model)
-        log.info("%s", generation_config.describe(values, path, mode))
+        override = config.override_generation_config
+        values, path = generation_config.defaults(mode, model, override)
+        log.info("%s", generation_config.describe(values, path, mode, override))
         state = cls(engine, config, info, metrics, Drain(config.shutdown_timeout), values)
         template = config.chat_template_text()
         if template is not None:
             state.templated = engine.tokenizer.with_chat_template(template)
             log.info("chat template: --chat-template's, not the model's")
         return state
+
+    def request_templated(self, template: str):
+        """The engine's tokenizer rendering chats with a request's own `chat_template`
+        (ValueError naming the fault where Jinja cannot parse it)."""
+        with self._templates_lock:
+            tok = self._request_templates.pop(template, None)
+        if tok is None:
+            tok = self.engine.tokenizer.with_chat_template(template)
+        with self._templates_lock:  # the most recent last; the oldest goes past 16
+            self._request_templates[template] = tok
+            while len(self._request_templates) > 16:
+                self._request_templates.pop(next(iter(self._request_templates)))
+        return tok
 
     def draining_error(self) -> ApiError:
         return ApiError(
@@ -141,6 +160,7 @@ class Job:
     params: SamplingParams
     stream: Optional[AsyncIterator] = None  # engine.generate's outputs, once started
     finished: bool = False
+    prompt: Optional[str] = None  # the prompt's text, where there is one (--enable-log-requests)
 
 
 def start_jobs(state: ServerState, jobs: list[Job]) -> None:
@@ -150,12 +170,48 @@ def start_jobs(state: ServerState, jobs: list[Job]) -> None:
         state.metrics.rejected("draining")
         raise state.draining_error()
     for i, job in enumerate(jobs):
+        if state.config.enable_log_requests:
+            log_inputs(state.config, job)
         try:
             job.stream = state.engine.generate(job.request_id, job.prompt_ids, job.params)
         except EngineError as e:
             abort_unfinished(state, jobs[:i], count=False)
             raise state.api_error(e) from None
         state.drain.track(job.request_id)
+
+
+def _cut(x, n: Optional[int]):
+    return x if n is None or x is None else x[:n]
+
+
+def log_inputs(cfg: ServerConfig, job: Job) -> None:
+    """--enable-log-requests (vLLM's RequestLogger): a line per engine request, its prompt's
+    text and token ids cut to --max-log-len, its sampling parameters."""
+    log.info(
+        "Received request %s: prompt: %r, prompt_token_ids: %s, params: %s",
+        job.request_id,
+        _cut(job.prompt, cfg.max_log_len),
+        _cut(list(job.prompt_ids), cfg.max_log_len),
+        job.params,
+    )
+
+
+def log_outputs(cfg: ServerConfig, request_id: str, out) -> None:
+    """--enable-log-outputs (vLLM's): a line per finished output, its text cut to --max-log-len;
+    its token ids at debug level."""
+    for o in out.outputs:
+        name = request_id if len(out.outputs) == 1 else f"{request_id} (choice {o.index})"
+        log.info(
+            "Generated response %s: output: %r, finish_reason: %s",
+            name,
+            _cut(o.text, cfg.max_log_len),
+            o.finish_reason,
+        )
+        log.debug(
+            "Generated response %s: output_token_ids: %s",
+            name,
+            _cut(list(o.token_ids), cfg.max_log_len),
+        )
 
 
 def abort_unfinished(state: ServerState, jobs: list[Job], count: bool = True) -> None:
@@ -194,6 +250,8 @@ async def _tracked(state: ServerState, job: Job) -> AsyncIterator:
             if out.finished:
                 job.finished = True
                 state.drain.untrack(job.request_id)
+                if state.config.enable_log_outputs:
+                    log_outputs(state.config, job.request_id, out)
                 m.observe_request(
                     out.metrics, len(job.prompt_ids), sum(len(o.token_ids) for o in out.outputs)
                 )

@@ -190,10 +190,13 @@ class _Call:
         )
         # vLLM's request_id: the client's (checked in prepare) names the call and its jobs
         self.id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{req.request_id or uuid.uuid4().hex}"
-        self.jobs = [Job(f"{self.id}-{i}", ids, params) for i, (_, ids) in enumerate(prompts)]
+        self.jobs = [
+            Job(f"{self.id}-{i}", ids, params, prompt=text or None)
+            for i, (text, ids) in enumerate(prompts)
+        ]
         self.n = params.n
         self.setup = setup  # a chat's stages (None for completions)
-        self.as_ids = bool(req.return_tokens_as_token_ids)  # logprobs' tokens as "token_id:<id>"
+        self.as_ids = _as_ids(state, req)  # logprobs' tokens as "token_id:<id>"
         self.ids_on = bool(req.return_token_ids)  # the responses carry the token ids too
 
     def index(self, prompt_i: int, out_i: int) -> int:
@@ -230,6 +233,29 @@ async def _off_loop(size: int, fn, *args):
     if size > 16384:
         return await asyncio.to_thread(fn, *args)
     return fn(*args)
+
+
+def _as_ids(state: ServerState, req) -> bool:
+    """Logprobs' tokens as "token_id:<id>": the request's return_tokens_as_token_ids, or every
+    request's under --return-tokens-as-token-ids (vLLM's)."""
+    return bool(req.return_tokens_as_token_ids) or state.config.return_tokens_as_token_ids
+
+
+def _check_logprobs_cap(state: ServerState, kind: str, params: SamplingParams) -> None:
+    """--max-logprobs (vLLM's): a request asking a token's top k past it is a 400, as vLLM's."""
+    cap = state.config.max_logprobs
+    sample = "top_logprobs" if kind == "chat" else "logprobs"
+    asked = (
+        (sample, "sample", params.logprobs),
+        ("prompt_logprobs", "prompt", params.prompt_logprobs),
+    )
+    for name, what, k in asked:
+        if isinstance(k, int) and k > cap:
+            raise bad_request(
+                f"{name}: requested {what} logprobs of {k}, which is greater than max "
+                f"allowed: {cap} (the server's --max-logprobs)",
+                name,
+            )
 
 
 def _check_top_logprobs(req) -> None:
@@ -298,8 +324,9 @@ async def prepare(state: ServerState, kind: str, req) -> _Call:
                 "response_format",
             )
         tool_defs = [t.model_dump(exclude_none=True) for t in req.tools] if mode else None
-        # vLLM's: without a new turn the answer goes on in the last message's role
-        role = "assistant" if req.add_generation_prompt else req.messages[-1].role
+        # vLLM's: a new turn's role is --response-role's; without one the answer goes on in the
+        # last message's role
+        role = cfg.response_role if req.add_generation_prompt else req.messages[-1].role
         size = sum(len(m.text()) for m in req.messages)
         prompts = truncated(state, req, [await _off_loop(size, chat_prompt, state, req, tool_defs)])
         parser = cfg.reasoning_parser
@@ -312,7 +339,7 @@ async def prepare(state: ServerState, kind: str, req) -> _Call:
             max_tokens = _default_max_tokens(state, state.max_model_len - len(prompts[0][1]))
         setup = ChatSetup(
             k=k,
-            as_ids=bool(req.return_tokens_as_token_ids),
+            as_ids=_as_ids(state, req),
             tool_mode=mode,
             tool_format=tool_responses.call_format_of(state.tokenizer, cfg.tool_call_parser),
             tool_defs=tool_defs,
@@ -334,6 +361,7 @@ async def prepare(state: ServerState, kind: str, req) -> _Call:
         elif max_tokens is None:
             max_tokens = _default_max_tokens(state, room)
     params = sampling_params(state, req, max_tokens, k, spec)
+    _check_logprobs_cap(state, kind, params)
     if setup is not None and setup.special_tokens:
         params.skip_special_tokens = False  # the parser's markers are special tokens
     if kind == "chat" and mode not in (None, "auto"):  # a forced call: its grammar
@@ -478,9 +506,11 @@ def _final_response(call: _Call, finals: dict):
 async def _stream(call: _Call) -> AsyncIterator[str]:
     state, req, chat = call.state, call.req, call.kind == "chat"
     so = req.stream_options
-    usage_on = bool(so and so.include_usage)
+    # --enable-force-include-usage (vLLM's): usage in every stream, in every chunk too
+    force = state.config.enable_force_include_usage
+    usage_on = force or bool(so and so.include_usage)
     # vLLM's continuous_usage_stats: usage in every chunk too, only with include_usage
-    each_on = usage_on and bool(so.continuous_usage_stats)
+    each_on = force or (usage_on and bool(so.continuous_usage_stats))
     chains: dict[int, object] = {}
     sent_ids: dict[int, int] = {}  # return_token_ids: the output's token ids sent so far
     plp_sent: set[int] = set()  # a chat's prompts whose prompt logprobs went

@@ -60,6 +60,24 @@ def _reasoning(m) -> dict:
     return {} if text is None else {"reasoning": text, "reasoning_content": text}
 
 
+def _tokenizer(state: ServerState, req):
+    """The tokenizer rendering this chat: with the request's own `chat_template` (vLLM's, only
+    under --trust-request-chat-template), else the server's (--chat-template's or the model's)."""
+    template = getattr(req, "chat_template", None)
+    if template is None:
+        return state.tokenizer
+    if not state.config.trust_request_chat_template:
+        raise bad_request(
+            "chat_template: a request's own chat template is refused unless the server runs "
+            "with --trust-request-chat-template (vLLM's rule)",
+            "chat_template",
+        )
+    try:
+        return state.request_templated(template)
+    except ValueError as e:
+        raise bad_request(str(e), "chat_template") from None
+
+
 def chat_prompt(state: ServerState, req, tool_defs=None) -> tuple[str, list[int]]:
     """req: a chat completion or a tokenize request (its messages and template options);
     tool_defs: the tools to show the model (OpenAI dicts), or None."""
@@ -95,14 +113,13 @@ def chat_prompt(state: ServerState, req, tool_defs=None) -> tuple[str, list[int]
             f"chat_template_kwargs: {', '.join(taken)} are set by the server, not the request",
             "chat_template_kwargs",
         )
+    tok = _tokenizer(state, req)
     options = {"continue_final_message": True} if req.continue_final_message else {}
     if req.documents is not None:  # the template's `documents`, as vLLM passes them
         options["documents"] = req.documents
     try:
-        msgs, extra = tools.template_inputs(
-            msgs, tool_defs, getattr(state.tokenizer, "chat_template", None)
-        )
-        text = state.tokenizer.apply_chat_template(
+        msgs, extra = tools.template_inputs(msgs, tool_defs, getattr(tok, "chat_template", None))
+        text = tok.apply_chat_template(
             msgs, add_generation_prompt=req.add_generation_prompt, **options, **variables, **extra
         )
     except Exception as e:  # template errors (role order, ...) are the client's
@@ -110,4 +127,4 @@ def chat_prompt(state: ServerState, req, tool_defs=None) -> tuple[str, list[int]
     # the template holds the special tokens the model wants; a request may ask for the
     # tokenizer's on top (vLLM's add_special_tokens, off by default for chat)
     special = bool(req.add_special_tokens)
-    return text, list(state.tokenizer.encode(text, add_special_tokens=special))
+    return text, list(tok.encode(text, add_special_tokens=special))

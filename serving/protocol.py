@@ -106,7 +106,6 @@ _CHAT_UNIMPLEMENTED = {
     "verbosity": _NoOp(),
     "web_search_options": _NoOp(),
     # vLLM's chat extras
-    "chat_template": _NoOp(),
     "mm_processor_kwargs": _NoOp(),
 }
 
@@ -366,6 +365,9 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: Optional[dict[str, Any]] = None
+    # vLLM's: the request's own Jinja chat template (a 400 unless the server runs with
+    # --trust-request-chat-template)
+    chat_template: Optional[str] = None
     # vLLM's: retrieved documents for a RAG template, each a dict of strings ("title", "text")
     documents: Optional[list[dict[str, str]]] = None
     add_special_tokens: bool = False  # the tokenizer's on top of the template's (vLLM's)
@@ -506,6 +508,7 @@ class TokenizeRequest(_Request):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: Optional[dict[str, Any]] = None
+    chat_template: Optional[str] = None  # as a chat request's (--trust-request-chat-template)
     # vLLM's: retrieved documents for a RAG template, each a dict of strings ("title", "text")
     documents: Optional[list[dict[str, str]]] = None
 

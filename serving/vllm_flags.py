@@ -15,6 +15,15 @@ from pathlib import Path
 from paxengine.config import json_object_option
 
 TEXT_ONLY = "paxengine serves a multimodal checkpoint's text model alone (no vision encoder)"
+LOCAL_ONLY = (
+    "paxengine loads --model from a local directory or file as it is (no hub downloads, so no "
+    "other revision to fetch)"
+)
+NO_CHUNK_CAP = (
+    "no per-prompt chunk cap: paxengine prefills the waiting prompts together within "
+    "--max-num-batched-tokens, and --decode-step-token-budget bounds a step while requests "
+    "decode"
+)
 
 # switches (store_true): what paxengine does instead of needing the flag
 ALWAYS = {
@@ -23,7 +32,14 @@ ALWAYS = {
     "trust_remote_code": "paxengine runs no code from checkpoints: nothing to trust",
     "async_scheduling": "paxengine always schedules the next step while the device runs the last",
     "enable_chunked_prefill": "paxengine always chunks prompts (--max-num-batched-tokens a step)",
-    "disable_log_requests": "paxengine logs no request's prompt or output",
+    "disable_log_requests": "paxengine logs no request's prompt or output (unless "
+    "--enable-log-requests)",
+    "disable_log_stats": "paxengine logs no periodic throughput lines (the numbers are on "
+    "/metrics)",
+    "enable_prompt_tokens_details": "paxengine always reports usage.prompt_tokens_details."
+    "cached_tokens (the prompt tokens the prefix cache served), as OpenAI's API does",
+    "disable_cascade_attn": "paxengine has no cascade attention (a shared prefix is shared "
+    "through the prefix cache's blocks)",
 }
 # flags with a value: the values paxengine runs as it is, and what it does
 VALUES = {
@@ -44,6 +60,16 @@ VALUES = {
         ("mp", "uni"),
         "paxengine's engine runs in a process of its own beside the server's (no Ray)",
     ),
+    # the hub's: paxengine reads a local directory or file (--model) as it is
+    **{
+        name: (("main",), LOCAL_ONLY)
+        for name in ("revision", "code_revision", "tokenizer_revision")
+    },
+    # vLLM V1 caps one prompt's chunk a step at long_prefill_token_threshold (4% of
+    # max_model_len once max_num_partial_prefills > 1)
+    "max_num_partial_prefills": (("1",), NO_CHUNK_CAP),
+    "max_long_partial_prefills": (("1",), NO_CHUNK_CAP),
+    "long_prefill_token_threshold": (("0",), NO_CHUNK_CAP),
 }
 # flags whose every value is taken: what paxengine does whatever it says
 ANY_VALUE = {
@@ -66,6 +92,10 @@ MULTI_HOST = (
     "within it), or the offline LLM over hosts (SPMD)"
 )
 KERNELS = "vLLM's kernel choices; paxengine picks its own kernels (kernels_pallas/README.md)"
+NO_LORA = (
+    "LoRA adapters are not implemented: paxengine serves the checkpoint's own weights (merge an "
+    "adapter into them to serve it)"
+)
 REFUSED = {
     "enforce_eager": "paxengine's steps are XLA executables compiled before serving; it has no "
     "eager mode (--no-background-compile builds every bucket before the first request)",
@@ -91,7 +121,16 @@ REFUSED = {
     "master_addr": MULTI_HOST,
     "master_port": MULTI_HOST,
     "headless": MULTI_HOST,
+    "download_dir": "paxengine downloads nothing: --model names a local directory or file",
+    "enable_lora": NO_LORA,
+    "lora_modules": NO_LORA,
+    "max_loras": NO_LORA,
+    "max_lora_rank": NO_LORA,
 }
+# refused flags that take several values as vLLM's do
+NARGS = {"lora_modules": "*"}
+# vLLM's names of paxengine's own flags: the value goes to paxengine's key
+ALIASES = {"num_gpu_blocks_override": "num_kv_blocks"}
 
 
 def add_to(parser: argparse.ArgumentParser) -> None:
@@ -114,7 +153,15 @@ def add_to(parser: argparse.ArgumentParser) -> None:
     )
     for name, why in REFUSED.items():
         flag = "--" + name.replace("_", "-")  # a switch or with a value: refused either way
-        g.add_argument(flag, nargs="?", const=True, metavar="X", help=f"refused: {why}")
+        more = {"nargs": NARGS[name]} if name in NARGS else {"nargs": "?", "const": True}
+        g.add_argument(flag, **more, metavar="X", help=f"refused: {why}")
+    for name, ours in ALIASES.items():
+        g.add_argument(
+            "--" + name.replace("_", "-"),
+            type=int,
+            metavar="N",
+            help=f"taken as --{ours.replace('_', '-')}",
+        )
 
 
 def apply(keys: dict) -> list[str]:
@@ -134,10 +181,21 @@ def apply(keys: dict) -> list[str]:
             *VALUES,
             *ANY_VALUE,
             *REFUSED,
+            *ALIASES,
             "limit_mm_per_prompt",
         ):
             continue
         flag = "--" + name.replace("_", "-")
+        if name in ALIASES:
+            ours = ALIASES[name]
+            if keys.get(ours) not in (None, value):
+                raise ValueError(
+                    f"{flag} {value} and --{ours.replace('_', '-')} {keys[ours]}: the same "
+                    "setting twice"
+                )
+            keys[ours] = keys.pop(name)
+            notes.append(f"{flag} {value}: taken as --{ours.replace('_', '-')} {value}")
+            continue
         if name in REFUSED:
             raise ValueError(f"{flag}: refused: {REFUSED[name]}")
         del keys[name]

@@ -341,6 +341,54 @@ def check_disaggregated(s: Server) -> None:
     assert _metric(metrics, "paxengine:generation_tokens_total", engine="1") > 0
 
 
+def check_frontend(s: Server) -> None:
+    """vLLM's frontend flags: the --root-path prefix routes as the bare paths do and the docs
+    are off; a stream without stream_options carries usage in every chunk; logprob tokens are
+    token ids, a top_logprobs past --max-logprobs a 400 naming it; a request's own chat
+    template renders its prompt; --override-generation-config's max_new_tokens caps a chat that
+    gives none; the prompts and outputs are logged, cut; uvicorn logs at warning only; the
+    taken flags are logged. (Each flag's effect in full: test_server_frontend_flags.py.)"""
+    assert s.http.get("/proxy/v1/models").json()["data"][0]["id"] == NAME
+    for path in ("/docs", "/openapi.json"):
+        assert s.http.get(path).status_code == 404, path
+    msgs = [{"role": "user", "content": "What is 2+2?"}]
+    chunks = list(
+        s.client.chat.completions.create(
+            model=NAME, messages=msgs, max_tokens=4, stream=True, extra_body={"ignore_eos": True}
+        )
+    )
+    assert all(c.usage is not None for c in chunks) and not chunks[-1].choices
+    assert chunks[-1].usage.completion_tokens == 4
+    out = s.client.chat.completions.create(
+        model=NAME, messages=msgs, max_tokens=3, temperature=0, logprobs=True, top_logprobs=3
+    )
+    for t in out.choices[0].logprobs.content:
+        assert re.fullmatch(r"token_id:\d+", t.token) and len(t.top_logprobs) == 3, t
+    err = _bad_request(s, {"messages": msgs, "logprobs": True, "top_logprobs": 4})
+    assert err["param"] == "top_logprobs" and "max allowed: 3" in err["message"]
+    template = "Q: {% for m in messages %}{{ m.content }}{% endfor %} A:"
+    body = {"model": NAME, "messages": msgs, "chat_template": template}
+    ids = s.http.post("/tokenize", json=body).json()["tokens"]
+    assert s.http.post("/detokenize", json={"tokens": ids}).json()["prompt"] == "Q: What is 2+2? A:"
+    r = s.http.post(
+        "/v1/chat/completions", json={**body, "max_tokens": 2, "return_token_ids": True}
+    )
+    assert r.status_code == 200 and r.json()["prompt_token_ids"] == ids
+    out = s.client.chat.completions.create(
+        model=NAME, messages=msgs, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert out.usage.completion_tokens == 5
+    log = s.log.read_text()
+    line = r"Received request chatcmpl-\S+: prompt: '<\|im_start\|>', prompt_token_ids: \[(\d+, ){11}\d+\]"
+    assert re.search(line, log), log[-3000:]
+    assert re.search(
+        r"Generated response chatcmpl-\S+: output: '.{0,12}', finish_reason: length", log
+    )
+    assert "Uvicorn running on" not in log and '"GET /health' not in log
+    assert "--num-gpu-blocks-override 64: taken as --num-kv-blocks 64" in log
+    assert "num_kv_blocks=64" in log and "--disable-log-stats: " in log
+
+
 ROWS: dict[str, Row] = {
     # the embedded model (the README's command), n-gram speculation beside structured outputs
     "ngram+structured": Row(
@@ -502,6 +550,42 @@ ROWS: dict[str, Row] = {
         devices=2,
         greedy="4 layers, float32",
     ),
+    # vLLM's frontend flags a user brings from `vllm serve` (serving/cli.py _frontend_flags)
+    "vllm-frontend": Row(
+        [
+            "--model",
+            "{short}",
+            "--served-model-name",
+            NAME,
+            "--uvicorn-log-level",
+            "warning",
+            "--disable-uvicorn-access-log",
+            "--root-path",
+            "/proxy",
+            "--disable-fastapi-docs",
+            "--enable-log-requests",
+            "--enable-log-outputs",
+            "--max-log-len",
+            "12",
+            "--enable-force-include-usage",
+            "--return-tokens-as-token-ids",
+            "--max-logprobs",
+            "3",
+            "--trust-request-chat-template",
+            "--override-generation-config",
+            '{"max_new_tokens": 5}',
+            # taken as what paxengine does (serving/vllm_flags.py)
+            "--num-gpu-blocks-override",
+            "64",
+            "--disable-log-stats",
+            "--enable-prompt-tokens-details",
+            "--disable-cascade-attn",
+            "--revision",
+            "main",
+        ],
+        check_frontend,
+        greedy="4 layers, float32",
+    ),
 }
 
 # Options no row passes: where each is covered instead, and why not here. The test named must
@@ -633,6 +717,66 @@ ELSEWHERE: dict[str, tuple[str, str]] = {
         "tests/serving/test_server_reasoning_tools.py::test_generation_config_defaults",
         "default SamplingParams from a model directory's file; the rows' models have none",
     ),
+    # vLLM's frontend flags (serving/cli.py _frontend_flags) no row passes
+    **{
+        flag: (
+            "tests/serving/test_server_frontend_flags.py::test_https_with_the_ssl_flags",
+            "HTTPS: the rows' clients speak HTTP; uvicorn serves a certificate made there",
+        )
+        for flag in ("--ssl-keyfile", "--ssl-certfile", "--ssl-ca-certs", "--ssl-cert-reqs")
+    },
+    "--response-role": (
+        "tests/serving/test_server_frontend_flags.py::test_response_role_names_the_answers_role",
+        "every row's streamed chat checks the default role",
+    ),
+    **{
+        flag: (
+            "tests/serving/test_vllm_flags.py::test_vllms_frontend_flags_reach_the_server_config",
+            "the defaults, given as a user may give them",
+        )
+        for flag in (
+            "--no-disable-uvicorn-access-log",
+            "--no-disable-fastapi-docs",
+            "--no-enable-log-requests",
+            "--no-enable-log-outputs",
+            "--no-enable-force-include-usage",
+            "--no-return-tokens-as-token-ids",
+            "--no-trust-request-chat-template",
+        )
+    },
+    **{
+        flag: (
+            "tests/serving/test_vllm_flags.py::"
+            "test_vllms_flags_of_what_paxengine_does_anyway_are_taken",
+            "taken and logged (other values refused by name)",
+        )
+        for flag in (
+            "--code-revision",
+            "--tokenizer-revision",
+            "--max-num-partial-prefills",
+            "--max-long-partial-prefills",
+            "--long-prefill-token-threshold",
+        )
+    },
+    **{
+        flag: (
+            "tests/serving/test_vllm_flags.py::"
+            "test_what_paxengine_does_not_have_is_refused_naming_the_flag",
+            "refused at start-up, naming the flag and why",
+        )
+        for flag in (
+            "--no-disable-log-stats",
+            "--no-enable-prompt-tokens-details",
+            "--no-disable-cascade-attn",
+        )
+    },
+    **{
+        "--" + name.replace("_", "-"): (
+            "tests/serving/test_vllm_flags.py::test_every_refused_flag_is_refused_with_its_reason",
+            "refused at start-up, naming the flag and why",
+        )
+        for name in ("download_dir", "enable_lora", "lora_modules", "max_loras", "max_lora_rank")
+    },
     "--enable-expert-parallel": (
         "tests/test_qwen3_moe.py::test_the_server_serves_it_with_expert_parallelism",
         "MoE models only: the rows' SmolLM2 has no experts (the flag is refused for it)",

@@ -38,7 +38,6 @@ CHAT_ONLY = {
     "prediction": {"type": "content", "content": "x"},
     "verbosity": "low",
     "web_search_options": {},
-    "chat_template": "{{ messages }}",
     "mm_processor_kwargs": {"num_crops": 4},
 }
 COMPLETION_ONLY = {"suffix": " the end", "prompt_embeds": "AAAA"}

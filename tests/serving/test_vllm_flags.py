@@ -143,6 +143,24 @@ def test_load_format_dummy_serves_the_configs_random_weights(tmp_path):
         (["--no-enable-chunked-prefill"], "always chunks prompts.*cannot be turned off"),
         (["--hf-overrides", "[1]"], "--hf-overrides: expected a JSON object, got list"),
         (["--hf-overrides", "{rope"], "--hf-overrides: not valid JSON"),
+        (["--revision", "v2.0"], "--revision: 'v2.0' is refused, \\['main'\\] taken: .*local"),
+        (["--tokenizer-revision", "abc123"], "no hub downloads"),
+        (["--code-revision", "dev"], "no hub downloads"),
+        (["--download-dir", "/models"], "--download-dir: refused: paxengine downloads nothing"),
+        (["--max-num-partial-prefills", "4"], "no per-prompt chunk cap"),
+        (["--max-long-partial-prefills", "2"], "no per-prompt chunk cap"),
+        (["--long-prefill-token-threshold", "512"], "'512' is refused, \\['0'\\] taken"),
+        (["--enable-lora"], "--enable-lora: refused: LoRA adapters are not implemented"),
+        (["--lora-modules", "a=/x", "b=/y"], "--lora-modules: refused: LoRA"),
+        (["--max-loras", "4"], "--max-loras: refused: LoRA"),
+        (["--max-lora-rank", "64"], "--max-lora-rank: refused: LoRA"),
+        (["--no-disable-log-stats"], "no periodic throughput lines.*cannot be turned off"),
+        (["--no-disable-cascade-attn"], "no cascade attention.*cannot be turned off"),
+        (["--no-enable-prompt-tokens-details"], "always reports.*cannot be turned off"),
+        (
+            ["--num-gpu-blocks-override", "8", "--num-kv-blocks", "16"],
+            "--num-gpu-blocks-override 8 and --num-kv-blocks 16: the same setting twice",
+        ),
     ],
 )
 def test_what_paxengine_does_not_have_is_refused_naming_the_flag(flags, match, capsys):
@@ -198,3 +216,147 @@ def test_more_recipe_flags_are_taken(capsys):
     with pytest.raises(SystemExit):
         parse(["--distributed-executor-backend", "ray"])
     assert "'ray' is refused" in capsys.readouterr().err
+
+
+def test_vllms_flags_of_what_paxengine_does_anyway_are_taken(capsys):
+    """vLLM's flags that ask what paxengine does (no periodic stats lines, cached tokens in the
+    usage, no cascade attention, the local model as it is, no per-prompt chunk cap at vLLM's
+    defaults) start the server, logged; --num-gpu-blocks-override is --num-kv-blocks. The YAML
+    keys go the same way."""
+    flags = [
+        "--disable-log-stats",
+        "--enable-prompt-tokens-details",
+        "--disable-cascade-attn",
+        "--revision",
+        "main",
+        "--code-revision",
+        "main",
+        "--tokenizer-revision",
+        "main",
+        "--max-num-partial-prefills",
+        "1",
+        "--max-long-partial-prefills",
+        "1",
+        "--long-prefill-token-threshold",
+        "0",
+        "--num-gpu-blocks-override",
+        "64",
+    ]
+    ecfg, scfg = parse(flags)
+    assert ecfg.num_kv_blocks == 64
+    notes = "\n".join(scfg.vllm_flag_notes)
+    for flag in flags:
+        if flag.startswith("--"):
+            assert flag in notes, flag
+    assert "--num-gpu-blocks-override 64: taken as --num-kv-blocks 64" in notes
+    yaml = {
+        "disable_log_stats": True,
+        "revision": "main",
+        "long_prefill_token_threshold": 0,
+        "num_gpu_blocks_override": 32,
+    }
+    ecfg, scfg = resolve_configs(yaml, {})
+    assert ecfg.num_kv_blocks == 32 and len(scfg.vllm_flag_notes) == 4
+    # the flag wins over the YAML's, as any flag
+    assert (
+        resolve_configs({"num_kv_blocks": 8}, {"num_gpu_blocks_override": 16})[0].num_kv_blocks
+        == 16
+    )
+    for bad, match in [({"revision": "v2"}, "no hub downloads"), ({"enable_lora": True}, "LoRA")]:
+        with pytest.raises(ValueError, match=match):
+            resolve_configs(bad, {})
+
+
+FRONTEND = {  # vLLM's frontend flags and the ServerConfig they make
+    "--uvicorn-log-level": ("trace", "uvicorn_log_level", "trace"),
+    "--disable-uvicorn-access-log": (None, "disable_uvicorn_access_log", True),
+    "--root-path": ("/proxy/", "root_path", "/proxy"),
+    "--disable-fastapi-docs": (None, "disable_fastapi_docs", True),
+    "--enable-log-requests": (None, "enable_log_requests", True),
+    "--enable-log-outputs": (None, "enable_log_outputs", True),
+    "--max-log-len": ("100", "max_log_len", 100),
+    "--enable-force-include-usage": (None, "enable_force_include_usage", True),
+    "--return-tokens-as-token-ids": (None, "return_tokens_as_token_ids", True),
+    "--max-logprobs": ("5", "max_logprobs", 5),
+    "--response-role": ("bot", "response_role", "bot"),
+    "--trust-request-chat-template": (None, "trust_request_chat_template", True),
+    "--override-generation-config": (
+        '{"temperature": 0.5, "max_new_tokens": 64}',
+        "override_generation_config",
+        {"temperature": 0.5, "max_new_tokens": 64},
+    ),
+}
+
+
+def test_vllms_frontend_flags_reach_the_server_config(tmp_path):
+    """Each of vLLM's frontend flags paxengine implements (its behaviour: the tests of
+    test_server_frontend_flags.py) sets its ServerConfig key, from the command line and from the
+    YAML alike; defaults as vLLM's."""
+    argv = []
+    for flag, (value, _, _) in FRONTEND.items():
+        argv += [flag] + ([value] if value is not None else [])
+    _, scfg = parse(argv)
+    for flag, (_, key, want) in FRONTEND.items():
+        assert getattr(scfg, key) == want, flag
+    assert not scfg.vllm_flag_notes  # implemented, not taken as something else
+    yaml = tmp_path / "serve.yaml"
+    yaml.write_text("".join(f"{key}: {json.dumps(want)}\n" for _, key, want in FRONTEND.values()))
+    _, from_yaml = parse(["--config", str(yaml)])
+    for flag, (_, key, want) in FRONTEND.items():
+        assert getattr(from_yaml, key) == want, flag
+    # the YAML's JSON text too, as the flag's
+    _, scfg = resolve_configs({"override_generation_config": '{"top_k": 20}'}, {})
+    assert scfg.override_generation_config == {"top_k": 20}
+    d = parse([])[1]
+    assert (d.max_logprobs, d.response_role, d.ssl_cert_reqs, d.uvicorn_log_level) == (
+        20,
+        "assistant",
+        0,
+        None,
+    )
+    switches = [key for value, key, _ in FRONTEND.values() if value is None]
+    assert not any(getattr(d, key) for key in switches)
+    _, scfg = parse(["--enable-log-requests", "--no-enable-log-requests"])
+    assert scfg.enable_log_requests is False
+
+
+@pytest.mark.parametrize(
+    "flags, match",
+    [
+        (["--uvicorn-log-level", "loud"], "invalid choice: 'loud'"),
+        (["--max-logprobs", "21"], "max_logprobs: an integer in \\[0, 20\\].*top 20"),
+        (["--max-logprobs", "-1"], "the whole vocabulary, is not served"),
+        (["--enable-log-outputs"], "enable_log_outputs: needs enable_log_requests"),
+        (["--max-log-len", "-3"], "max_log_len: an integer >= 0"),
+        (["--response-role", ""], "response_role: a non-empty string"),
+        (["--root-path", "api"], "root_path: a path starting with '/'"),
+        (["--override-generation-config", "[1]"], "expected a JSON object, got list"),
+        (["--override-generation-config", '{"do_sample": true}'], "\\['do_sample'\\] are not"),
+        (["--override-generation-config", '{"top_p": "high"}'], "top_p must be a number"),
+        (["--ssl-certfile", "/no/such.pem"], "ssl_certfile: '/no/such.pem' is not a file"),
+        (["--ssl-cert-reqs", "3"], "invalid choice: 3"),
+    ],
+)
+def test_bad_frontend_values_are_refused_naming_the_key(flags, match, capsys):
+    with pytest.raises(SystemExit):
+        parse(flags)
+    assert re.search(match, capsys.readouterr().err), flags
+
+
+def test_https_keys_are_checked_before_anything_loads(tmp_path):
+    pem = tmp_path / "x.pem"
+    pem.write_text("not checked here: uvicorn loads it")
+    ok = dict(ssl_certfile=str(pem), ssl_keyfile=str(pem))
+    _, scfg = parse(["--ssl-certfile", str(pem), "--ssl-keyfile", str(pem)])
+    assert (scfg.ssl_certfile, scfg.ssl_keyfile) == (str(pem), str(pem))
+    for keys, match in [
+        ({"ssl_keyfile": str(pem)}, "ssl_keyfile: needs ssl_certfile"),
+        ({"ssl_ca_certs": str(pem)}, "ssl_ca_certs: needs ssl_certfile"),
+        ({**ok, "ssl_cert_reqs": 2}, "need ssl_ca_certs"),
+        ({**ok, "ssl_cert_reqs": True}, "ssl_cert_reqs: 0"),
+        ({"disable_fastapi_docs": "yes"}, "disable_fastapi_docs: must be true or false"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            resolve_configs(keys, {})
+    _, scfg = resolve_configs({**ok, "ssl_ca_certs": str(pem), "ssl_cert_reqs": 2}, {})
+    assert scfg.ssl_cert_reqs == 2
