@@ -6,6 +6,7 @@ import itertools
 
 from tqdm import tqdm
 
+from paxengine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams, check
 from paxengine.config import EngineConfig
 from paxengine.engine import EngineCore
 from paxengine.outputs import RequestOutput
@@ -77,6 +78,49 @@ class LLM:
                         done[out.request_id] = out
                         bar.update()
         return [done[rid] for rid in ids]
+
+    def beam_search(
+        self,
+        prompts: list,
+        params: BeamSearchParams,
+        lora_request=None,
+        use_tqdm: bool = False,
+        concurrency_limit: int | None = None,
+    ) -> list[BeamSearchOutput]:
+        """vLLM's LLM.beam_search (paxengine/beam_search.py): prompts are strings or dicts
+        {"prompt": text} / {"prompt_token_ids": [...]}; each iteration runs every live beam of
+        `concurrency_limit` prompts (all: None) as one `generate` of one-token requests. As
+        vLLM's, each sequence's tokens are the prompt's and the generated ones (EOS kept) and its
+        text their decoding."""
+        if lora_request is not None:
+            raise ValueError("lora_request: LoRA adapters are not supported")
+        params.validate()
+        searches = []
+        for p in prompts:
+            _, ids = self.engine.tokenize_prompt(p)  # as generate tokenizes it
+            check(self.engine, ids, params)
+            searches.append(BeamSearch(ids, params, self.tokenizer.eos_token_ids, keep_eos=True))
+        step = params.step_params()
+        limit = concurrency_limit or max(1, len(searches))
+        for start in range(0, len(searches), limit):
+            batch = searches[start : start + limit]
+            for _ in tqdm(range(params.max_tokens), desc="beam search", disable=not use_tqdm):
+                live = [s for s in batch if not s.done]
+                if not live:
+                    break
+                beams = [
+                    {"prompt": None, "prompt_token_ids": b.tokens} for s in live for b in s.beams
+                ]
+                outs = iter(self.generate(beams, step, use_tqdm=False))
+                for s in live:
+                    s.extend([next(outs).outputs[0] for _ in s.beams])
+        results = []
+        for s in searches:
+            best = s.best()
+            for beam in best:
+                beam.text = self.tokenizer.decode(beam.tokens, params.skip_special_tokens)
+            results.append(BeamSearchOutput(best))
+        return results
 
     def chat(
         self,

@@ -21,7 +21,7 @@ from paxengine.errors import InvalidRequest
 from paxengine.sampling_params import MAX_LOGPROBS, SamplingParams
 from paxengine.structured import StructuredOutputs
 from paxengine.thinking import ThinkTags
-from serving import constraints, reasoning, tool_responses, tools
+from serving import beam_search, constraints, reasoning, tool_responses, tools
 from serving.choices import ChatSetup, Piece, chat_chain, completion_chain
 from serving.errors import ApiError, bad_request, internal_error
 from serving.generation import (
@@ -309,6 +309,7 @@ def _think_tags(state: ServerState, req, params: SamplingParams, prompt: str) ->
 
 async def prepare(state: ServerState, kind: str, req) -> _Call:
     state.check_model(req.model)
+    beam_search.check_request(req, kind)  # use_beam_search: what it refuses, first
     if req.stream_options is not None and req.stream_options.model_fields_set and not req.stream:
         # vLLM's rule too: the options would change nothing (null or {} ask for nothing)
         raise bad_request("stream_options: only with stream true", "stream_options")
@@ -380,7 +381,10 @@ async def prepare(state: ServerState, kind: str, req) -> _Call:
             "request_id",
         )
     call = _Call(state, kind, req, prompts, params, k, setup)
-    start_jobs(state, call.jobs)  # the engine validates and admits: refusals are 4xx/503 here
+    if req.use_beam_search:  # each prompt's job is its search (serving/beam_search.py)
+        beam_search.start_jobs(state, call.jobs, req.length_penalty)
+    else:  # the engine validates and admits: refusals are 4xx/503 here
+        start_jobs(state, call.jobs)
     return call
 
 

@@ -83,8 +83,6 @@ _SHARED_UNIMPLEMENTED = {
     "guided_decoding_backend": _NoOp("auto", "llguidance", "guidance"),  # the one we have
     # sampling and decoding
     "best_of": _NoOp(test=_best_of_is_n),
-    "use_beam_search": _NoOp(False),
-    "length_penalty": _NoOp(1.0),  # beam search only
     "logits_processors": _NoOp(),
     "spaces_between_special_tokens": _NoOp(True),
     # serving
@@ -198,6 +196,9 @@ class _SamplingFields(_Request):
     frequency_penalty: Optional[float] = None
     repetition_penalty: Optional[float] = None
     seed: Optional[int] = None
+    # vLLM's beam search (serving/beam_search.py): n beams; length_penalty ranks the finished
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
     stop: Stop = None
     stop_token_ids: Optional[list[int]] = None
     include_stop_str_in_output: bool = False

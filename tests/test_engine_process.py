@@ -538,6 +538,35 @@ def test_a_consumer_that_leaves_frees_its_blocks(engine):
     asyncio.run(main())
 
 
+def test_beam_search_over_the_engine_process(engine, core):
+    """The server's beam search (paxengine/beam_search.py) over the child's `generate`: the
+    same beams as over the engine in this process."""
+    from paxengine.async_engine import AsyncEngine
+    from paxengine.beam_search import BeamSearchParams
+
+    params = BeamSearchParams(beam_width=2, max_tokens=5)
+    ids = core.tokenize_prompt(PROMPTS[1])[1]
+
+    async def search(e, rid):
+        return [out async for out in e.beam_search(rid, ids, params)]
+
+    async def here():
+        local = AsyncEngine(core=core)
+        await local.start()
+        try:
+            return await search(local, "beam-here")
+        finally:
+            await local.shutdown()
+
+    (want,) = asyncio.run(here())
+    (got,) = asyncio.run(search(engine, "beam-child"))
+    assert got.finished and len(got.outputs) == 2
+    assert [o.token_ids for o in got.outputs] == [o.token_ids for o in want.outputs]
+    assert [o.text for o in got.outputs] == [o.text for o in want.outputs]
+    for g, w in zip(got.outputs, want.outputs):
+        assert g.cumulative_logprob == pytest.approx(w.cumulative_logprob, abs=1e-4)
+
+
 def test_a_dead_child_is_visible_and_nobody_waits(engine):
     """Last in this module: it kills the engine's process."""
 

@@ -21,8 +21,6 @@ SHARED = {
     "guided_whitespace_pattern": r"\s*",
     "guided_decoding_backend": "xgrammar",
     "best_of": 3,
-    "use_beam_search": True,
-    "length_penalty": 0.5,
     "logits_processors": ["pkg.module:Processor"],
     "spaces_between_special_tokens": False,
     "kv_transfer_params": {"do_remote_prefill": True},
@@ -133,10 +131,10 @@ def test_several_fields_are_all_named(client):
             json={
                 **COMPLETION[1],
                 "temperature": "hot",
-                "use_beam_search": True,
+                "kv_transfer_params": {"do_remote_prefill": True},
             },
         ),
-        "use_beam_search",
+        "kv_transfer_params",
     )
 
 
