@@ -16,7 +16,8 @@ import threading
 from concurrent.futures import Future
 from typing import AsyncIterator, Sequence
 
-from paxengine import beam_search, core_loop
+from paxengine import core_loop
+from paxengine.beam_search import BeamSearches
 from paxengine.client import ModelInfo
 from paxengine.config import EngineConfig
 from paxengine.engine import EngineCore
@@ -61,7 +62,7 @@ class _Mailbox:
         return self._end
 
 
-class Frontend:
+class Frontend(BeamSearches):
     """The event-loop side of an `EngineClient` whose step loop runs elsewhere: admission,
     one mailbox per request, and delivery onto each request's event loop. A subclass posts
     messages (`_post`) and says how many requests wait (`_queued`, `_queued_tokens`)."""
@@ -74,7 +75,6 @@ class Frontend:
         self._posted_tokens = 0  # and their prompt tokens
         self._posted_lock = threading.Lock()
         self.error: BaseException | None = None
-        self._beams: dict = {}  # running beam searches by id (paxengine/beam_search.py)
 
     def tokenize_prompt(self, prompt) -> tuple[str | None, list[int]]:
         raise NotImplementedError
@@ -127,21 +127,8 @@ class Frontend:
 
     async def abort(self, request_id: str) -> None:
         self._post("abort", request_id, None)
-        for step_id in beam_search.abort_live(self._beams, request_id):
+        for step_id in self.beam_steps(request_id):  # a beam search's requests in flight
             self._post("abort", step_id, None)
-
-    def beam_search(
-        self,
-        request_id: str,
-        prompt_token_ids: Sequence[int],
-        params: beam_search.BeamSearchParams,
-        prompt: str | None = None,
-    ) -> AsyncIterator[RequestOutput]:
-        """vLLM's EngineClient.beam_search, over `generate` (paxengine/beam_search.py): one
-        finished output, the best beams first; `abort(request_id)` ends it."""
-        return beam_search.beam_search(
-            self, request_id, prompt_token_ids, params, prompt=prompt, live=self._beams
-        )
 
     # -- admission ------------------------------------------------------------------------------
     def _check_alive(self) -> None:

@@ -209,6 +209,27 @@ def abort_live(live: dict, request_id: str) -> list[str]:
     return list(entry.step_ids)
 
 
+class BeamSearches:
+    """An EngineClient's `beam_search` over its own `generate`, as a mixin: each engine client
+    (AsyncEngine, the engine process, data parallel, disaggregated) keeps its running searches
+    so that its `abort(request_id)` also aborts the search's step requests (`beam_steps`)."""
+
+    def beam_search(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: BeamSearchParams,
+        prompt: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """vLLM's EngineClient.beam_search: one finished output, the best beams first."""
+        live = self.__dict__.setdefault("_beam_searches", {})
+        return beam_search(self, request_id, prompt_token_ids, params, prompt=prompt, live=live)
+
+    def beam_steps(self, request_id: str) -> list[str]:
+        """Mark the search `request_id` (if one runs) aborted; -> its requests to abort."""
+        return abort_live(self.__dict__.get("_beam_searches", {}), request_id)
+
+
 def check(engine, prompt_token_ids: Sequence[int], params: BeamSearchParams) -> None:
     """Everything refused before the search starts (InvalidRequest naming the field)."""
     params.validate()

@@ -14,6 +14,7 @@ import logging
 from typing import AsyncIterator, Sequence
 
 from paxengine.async_engine import AsyncEngine
+from paxengine.beam_search import BeamSearches
 from paxengine.client import ModelInfo
 from paxengine.config import EngineConfig
 from paxengine.outputs import RequestOutput
@@ -26,7 +27,7 @@ _MEAN = ("kv_cache_usage_perc",)
 _MAX = ("xla_compiles_after_warmup",)  # counted per process: each replica sees them all
 
 
-class DataParallelEngine:
+class DataParallelEngine(BeamSearches):
     """An `EngineClient` over `config.data_parallel_size` AsyncEngine replicas."""
 
     def __init__(self, config: EngineConfig | None = None, **overrides):
@@ -103,6 +104,8 @@ class DataParallelEngine:
         r = self._owner.get(request_id)
         if r is not None:
             await self.replicas[r].abort(request_id)
+        for step_id in self.beam_steps(request_id):  # a beam search's requests in flight
+            await self.abort(step_id)
 
     async def reset_prefix_cache(self) -> bool:
         done = [await r.reset_prefix_cache() for r in self.replicas]

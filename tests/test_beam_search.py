@@ -154,7 +154,8 @@ def test_async_engine_search_and_abort_by_id(llm):
             long = BeamSearchParams(beam_width=2, max_tokens=60, ignore_eos=True)
             stream = eng.beam_search("bs2", chat, long)
             task = asyncio.ensure_future(stream.__anext__())
-            while not eng._beams.get("bs2") or not eng._beams["bs2"].step_ids:
+            live = eng.__dict__.get("_beam_searches", {})
+            while not live.get("bs2") or not live["bs2"].step_ids:
                 await asyncio.sleep(0.01)
             await eng.abort("bs2")
             aborted = await asyncio.wait_for(task, 120)
@@ -173,4 +174,33 @@ def test_async_engine_search_and_abort_by_id(llm):
         assert o.finish_reason == ("stop" if gen[-1] in eos else "length")
     assert {o.finish_reason for o in aborted.outputs} == {"abort"}
     assert all(len(o.token_ids) < 60 for o in aborted.outputs)
-    assert not eng._beams
+    assert not eng.__dict__["_beam_searches"]  # finished searches are forgotten
+
+
+def test_every_engine_clients_abort_reaches_a_search():
+    """Data parallel and disaggregated serving take the same BeamSearches mixin: abort(id) of a
+    running search marks it aborted and aborts its step requests where they run."""
+    from paxengine.beam_search import _Live
+    from paxengine.data_parallel import DataParallelEngine
+    from paxengine.disagg.front import DisaggregatedEngine
+
+    class Part:
+        def __init__(self):
+            self.aborted = []
+
+        async def abort(self, rid):
+            self.aborted.append(rid)
+
+    steps = ["s-beam3-0", "s-beam3-1"]
+    dp = DataParallelEngine.__new__(DataParallelEngine)
+    dp.replicas, dp._owner = [Part(), Part()], {steps[0]: 0, steps[1]: 1}
+    pd = DisaggregatedEngine.__new__(DisaggregatedEngine)
+    pd.prefill, pd.decode, pd._live, pd._aborted = Part(), Part(), set(steps), set()
+    for eng, parts in ((dp, dp.replicas), (pd, [pd.prefill, pd.decode])):
+        entry = _Live(step_ids=list(steps))
+        eng.__dict__["_beam_searches"] = {"s": entry}
+        asyncio.run(eng.abort("s"))
+        assert entry.aborted
+        assert sorted(r for p in parts for r in p.aborted if r != "s") == sorted(
+            steps * (1 if eng is dp else 2)
+        )

@@ -548,6 +548,7 @@ def test_beam_search_over_the_engine_process(engine, core):
     ids = core.tokenize_prompt(PROMPTS[1])[1]
 
     async def search(e, rid):
+        await e.start()  # (idempotent) so the test also runs alone
         return [out async for out in e.beam_search(rid, ids, params)]
 
     async def here():

@@ -13,6 +13,7 @@ import dataclasses
 from typing import AsyncIterator, Sequence
 
 from paxengine.async_engine import AsyncEngine, _Mailbox
+from paxengine.beam_search import BeamSearches
 from paxengine.client import ModelInfo
 from paxengine.config import EngineConfig
 from paxengine.disagg.config import parse_kv_transfer_config
@@ -46,7 +47,7 @@ class _DecodeEngine(AsyncEngine):
             self.deliver([(rid, e)])
 
 
-class DisaggregatedEngine:
+class DisaggregatedEngine(BeamSearches):
     """An `EngineClient` over a prefill and a decode engine (`kv_transfer_config`)."""
 
     def __init__(self, config: EngineConfig | None = None, **overrides):
@@ -115,6 +116,8 @@ class DisaggregatedEngine:
             self._aborted.add(request_id)
         await self.prefill.abort(request_id)
         await self.decode.abort(request_id)
+        for step_id in self.beam_steps(request_id):  # a beam search's requests in flight
+            await self.abort(step_id)
 
     # -- one request ----------------------------------------------------------------------------
     async def _stream(self, request_id: str, prefill_outputs) -> AsyncIterator[RequestOutput]:
