@@ -1,4 +1,5 @@
-"""Structured output: JSON schemas, regexes, choices and Lark grammars enforced token by token.
+"""Structured output: JSON schemas, regexes, choices, Lark grammars and structural tags enforced
+token by token.
 
 The backend is llguidance (a Rust library with a numpy bitmask API and no heavy dependencies). A
 request's constraint (`StructuredOutputs`, in its SamplingParams) compiles once per distinct text
@@ -41,26 +42,28 @@ _CACHE_SIZE = 256
 class StructuredOutputs:
     """One constraint on a request's output (vLLM's `structured_outputs` fields): a JSON schema
     (`json`, a dict or its text), `json_object` (any JSON object), a `regex`, a `choice` of
-    strings, or a `grammar` (Lark as llguidance takes it, or llama.cpp's GBNF, which llguidance
-    converts). Exactly one is set."""
+    strings, a `grammar` (Lark as llguidance takes it, or llama.cpp's GBNF, which llguidance
+    converts), or a `structural_tag` (a dict or its JSON text: free text in which each trigger
+    starts one of its structures, see `structural_tag`). Exactly one is set."""
 
     json: dict | str | None = None
     json_object: bool = False
     regex: str | None = None
     choice: tuple[str, ...] | list[str] | None = None
     grammar: str | None = None
+    structural_tag: dict | str | None = None
 
     def kind(self) -> str:
         set_ = [
             name
-            for name in ("json", "regex", "choice", "grammar")
+            for name in ("json", "regex", "choice", "grammar", "structural_tag")
             if getattr(self, name) is not None
         ]
         set_ += ["json_object"] if self.json_object else []
         if len(set_) != 1:
             raise InvalidRequest(
-                "structured_outputs: exactly one of json, json_object, regex, choice, grammar "
-                f"must be given, got {set_ or 'none'}",
+                "structured_outputs: exactly one of json, json_object, regex, choice, grammar, "
+                f"structural_tag must be given, got {set_ or 'none'}",
                 param="structured_outputs",
             )
         return set_[0]
@@ -91,15 +94,176 @@ class StructuredOutputs:
                     param="choice",
                 )
             return kind, json.dumps(list(value))
+        if kind == "structural_tag":
+            return kind, json.dumps(structural_tag(value))
         if not isinstance(value, str) or not value:
             raise InvalidRequest(f"structured_outputs.{kind}: a non-empty string", param=kind)
         return kind, value
 
 
-def grammar_text(kind: str, text: str) -> str:
-    """llguidance's grammar for a constraint (not yet checked: compiling does that)."""
+def _tag_error(path: str, what: str) -> InvalidRequest:
+    name = "structural_tag" + (f".{path}" if path else "")
+    return InvalidRequest(f"{name}: {what}", param=name)
+
+
+def _keys(obj, path: str, allowed: tuple[str, ...]) -> dict:
+    where = path or "a structural tag"
+    if not isinstance(obj, dict):
+        raise _tag_error(path, "must be a JSON object")
+    for k in obj:
+        if k not in allowed:
+            raise _tag_error(f"{path}.{k}" if path else k, f"not a field of {where}")
+    return obj
+
+
+_FALSE_KEYS = ("at_least_one", "stop_after_first", "excludes")  # triggered_tags' we take unset
+
+
+def structural_tag(value) -> dict:
+    """A structural tag (a dict or its JSON text) checked and in one shape: {"triggers": [...],
+    "structures": [{"begin", "schema", "end", "trigger", "at"}]} (`trigger`: the structure's;
+    `at`: where its schema was, for a compile error's name). The model writes free text; where
+    the text reaches a trigger, what follows is one of the structures whose begin starts with it
+    (the begin string, JSON the schema accepts, the end string), then free text again.
+
+    vLLM's two forms (its response_format, or the JSON text of structured_outputs.structural_tag):
+    - {"structures": [{"begin", "schema", "end"}, ...], "triggers": [...]}: the original one,
+      the one vLLM's llguidance backend takes;
+    - xgrammar's {"format": {"type": "triggered_tags", "triggers": [...], "tags": [{"type": "tag",
+      "begin", "content": {"type": "json_schema", "json_schema": {...}}, "end"}, ...]}}: as far as
+      it says the same (llguidance's structural tags are the first form). Its other formats
+      (sequence, or, const_string, ...), other contents (regex, xgrammar's EBNF, XML styles), a
+      list of ends, at_least_one, stop_after_first and excludes are refused naming the field.
+    A structure belongs to the first trigger its begin starts with (vLLM's rule); a structure that
+    starts with none, or a trigger that starts no structure, is refused."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise _tag_error("", f"not valid JSON: {e}") from None
+    _keys(value, "", ("type", "structures", "triggers", "format"))
+    if value.get("type", "structural_tag") != "structural_tag":
+        raise _tag_error("type", 'must be "structural_tag"')
+    items = []  # (path of the structure, begin, schema, end, path of the schema)
+    if "format" in value:
+        if "structures" in value or "triggers" in value:
+            raise _tag_error("format", "give either format or structures and triggers")
+        fmt = value["format"]
+        if not isinstance(fmt, dict):
+            raise _tag_error("format", "must be a JSON object")
+        if fmt.get("type") != "triggered_tags":
+            raise _tag_error(
+                "format.type",
+                f"{fmt.get('type')!r} is not supported: llguidance's structural tags are "
+                "triggered_tags (or structures and triggers)",
+            )
+        _keys(fmt, "format", ("type", "triggers", "tags") + _FALSE_KEYS)
+        for name in _FALSE_KEYS[:2]:
+            if fmt.get(name, False) is not False:
+                raise _tag_error(f"format.{name}", "only false (llguidance's structural tags)")
+        if fmt.get("excludes", []) != []:
+            raise _tag_error("format.excludes", "not supported (llguidance's structural tags)")
+        triggers, tags = fmt.get("triggers"), fmt.get("tags")
+        tpath, spath = "format.triggers", "format.tags"
+        if not isinstance(tags, list) or not tags:
+            raise _tag_error(spath, "a non-empty list of tags")
+        for i, t in enumerate(tags):
+            at = f"{spath}.{i}"
+            _keys(t, at, ("type", "begin", "content", "end"))
+            if t.get("type", "tag") != "tag":
+                raise _tag_error(f"{at}.type", 'only "tag"')
+            c = t.get("content")
+            if not isinstance(c, dict) or c.get("type") != "json_schema":
+                raise _tag_error(
+                    f"{at}.content.type",
+                    f"{c.get('type') if isinstance(c, dict) else c!r} is not supported: only "
+                    "json_schema",
+                )
+            _keys(c, f"{at}.content", ("type", "json_schema", "style"))
+            if c.get("style", "json") != "json":
+                raise _tag_error(f"{at}.content.style", 'only "json"')
+            schema = {} if c.get("json_schema") is True else c.get("json_schema")
+            items.append((at, t.get("begin"), schema, t.get("end"), f"{at}.content.json_schema"))
+    else:
+        triggers, structures = value.get("triggers"), value.get("structures")
+        tpath, spath = "triggers", "structures"
+        if not isinstance(structures, list) or not structures:
+            raise _tag_error(spath, "a non-empty list of structures (begin, schema, end)")
+        for i, st in enumerate(structures):
+            at = f"{spath}.{i}"
+            _keys(st, at, ("begin", "schema", "end"))
+            items.append((at, st.get("begin"), st.get("schema"), st.get("end"), f"{at}.schema"))
+    if not isinstance(triggers, list) or not triggers:
+        raise _tag_error(tpath, "a non-empty list of non-empty strings")
+    for i, t in enumerate(triggers):
+        if not isinstance(t, str) or not t:
+            raise _tag_error(f"{tpath}.{i}", "a non-empty string")
+    out = []
+    for at, begin, schema, end, schema_at in items:
+        if not isinstance(begin, str) or not begin:
+            raise _tag_error(f"{at}.begin", "a non-empty string, starting with a trigger")
+        if not isinstance(end, str):
+            raise _tag_error(f"{at}.end", "a string (may be empty)")
+        if not isinstance(schema, dict):
+            raise _tag_error(schema_at, "a JSON schema (an object) is required")
+        trigger = next((t for t in triggers if begin.startswith(t)), None)
+        if trigger is None:
+            raise _tag_error(f"{at}.begin", f"{begin!r} starts with none of the triggers")
+        out.append(dict(begin=begin, schema=schema, end=end, trigger=trigger, at=schema_at))
+    for i, t in enumerate(triggers):
+        if not any(s["trigger"] == t for s in out):
+            raise _tag_error(f"{tpath}.{i}", f"no structure's begin starts with {t!r}")
+    return {"triggers": triggers, "structures": out}
+
+
+def _is_special_token(llt, text: str) -> bool:
+    if llt is None:
+        return False
+    ids = llt.tokenize_str(text, parse_special=True)
+    return len(ids) == 1 and llt.is_special_token(ids[0])
+
+
+def _structural_tag_grammar(tag: dict, llt) -> str:
+    """llguidance's grammar of a checked structural tag (`structural_tag`): StructTag's, with
+    each schema compiled as json_schema's are (compact separators, unknown keywords refused). A
+    trigger written <...> that is one special token of the tokenizer matches that token (Llama's
+    <|python_tag|>); otherwise every trigger is matched as text."""
     import llguidance as llg
 
+    tags = []
+    for s in tag["structures"]:
+        schema = dict(s["schema"])
+        try:
+            schema["x-guidance"] = {**(schema.get("x-guidance") or {}), **_JSON_OPTIONS}
+            err = llg.LLMatcher.validate_grammar(llg.LLMatcher.grammar_from_json_schema(schema))
+        except (ValueError, TypeError) as e:
+            err = str(e)
+        if err:
+            raise _tag_error(s["at"], f"invalid JSON schema: {err.strip()}")
+        tags.append(
+            llg.StructTag(trigger=s["trigger"], begin=s["begin"], grammar=schema, end=s["end"])
+        )
+    special = {
+        t: _is_special_token(llt, t)
+        for t in tag["triggers"]
+        if t.startswith("<") and t.endswith(">")
+    }
+    if len(set(special.values())) > 1:
+        raise _tag_error(
+            "triggers",
+            f"special tokens {[t for t, v in special.items() if v]} cannot be mixed with <...> "
+            f"text triggers {[t for t, v in special.items() if not v]}",
+        )
+    return llg.StructTag.to_grammar(tags, assume_special=any(special.values()))
+
+
+def grammar_text(kind: str, text: str, tokenizer=None) -> str:
+    """llguidance's grammar for a constraint (not yet checked: compiling does that).
+    `tokenizer`: llguidance's, which tells a structural tag's special-token triggers."""
+    import llguidance as llg
+
+    if kind == "structural_tag":
+        return _structural_tag_grammar(json.loads(text), tokenizer)
     if kind == "json":
         return llg.LLMatcher.grammar_from_json_schema(json.loads(text), overrides=_JSON_OPTIONS)
     if kind == "json_object":
@@ -181,7 +345,9 @@ class GrammarCompiler:
         llt = self._tokenizer()
         t0 = time.perf_counter()
         try:
-            text = grammar_text(*key)
+            text = grammar_text(*key, tokenizer=llt)
+        except InvalidRequest:
+            raise
         except (ValueError, TypeError) as e:
             raise InvalidRequest(f"{_param(key[0])}: {e}", param=_param(key[0])) from None
         matcher = llg.LLMatcher(llt, text, log_level=0)  # drops the GIL while it compiles
@@ -222,6 +388,7 @@ def _what(kind: str) -> str:
         "regex": "regex",
         "choice": "choice",
         "grammar": "Lark grammar",
+        "structural_tag": "structural tag",
     }[kind]
 
 

@@ -12,6 +12,7 @@ from paxengine.structured import StructuredOutputs
 from serving.errors import bad_request
 
 GUIDED = ("json", "regex", "choice", "grammar")
+TAG_FIELDS = ("structures", "triggers", "format")  # a structural_tag response_format's
 
 
 def constraint(req) -> Optional[StructuredOutputs]:
@@ -27,6 +28,19 @@ def constraint(req) -> Optional[StructuredOutputs]:
                 "response_format: type json_schema needs json_schema.schema", "response_format"
             )
         found.append(("response_format", StructuredOutputs(json=rf.json_schema.schema_)))
+    elif rf is not None and rf.type == "structural_tag":
+        tag = {k: getattr(rf, k) for k in TAG_FIELDS if getattr(rf, k) is not None}
+        found.append(("response_format", StructuredOutputs(structural_tag=tag)))
+        if rf.json_schema is not None:
+            raise bad_request(
+                "response_format.json_schema: not with type structural_tag",
+                "response_format.json_schema",
+            )
+    for k in TAG_FIELDS if rf is not None and rf.type != "structural_tag" else ():
+        if getattr(rf, k) is not None:
+            raise bad_request(
+                f"response_format.{k}: only with type structural_tag", f"response_format.{k}"
+            )
     so = req.structured_outputs
     if so is not None:
         found.append(
@@ -38,6 +52,7 @@ def constraint(req) -> Optional[StructuredOutputs]:
                     regex=so.regex,
                     choice=so.choice,
                     grammar=so.grammar,
+                    structural_tag=so.structural_tag,
                 ),
             )
         )
@@ -54,8 +69,28 @@ def constraint(req) -> Optional[StructuredOutputs]:
     try:
         spec.key()  # exactly one constraint of the right type, before any engine work
     except InvalidRequest as e:
+        if (e.param or "").startswith("structural_tag"):
+            raise bad_request(*_tag_named(str(e), e.param, name)) from None
         raise bad_request(f"{name}: {e}", name) from None
     return spec
+
+
+def _tag_named(message: str, param: str, field: str) -> tuple[str, str]:
+    """A structural tag's error (param structural_tag[.path]) named as the request wrote it:
+    response_format holds the tag's fields (response_format.structures.0.schema), the text of
+    structured_outputs.structural_tag the whole tag."""
+    where = "response_format" if field == "response_format" else f"{field}.structural_tag"
+    named = where + param[len("structural_tag") :]
+    return named + message[len(param) :], named
+
+
+def named(req, e: InvalidRequest) -> InvalidRequest:
+    """An engine's InvalidRequest about the request's constraint (the grammar compiles in
+    engine.validate) named by the request's field where it is a structural tag's."""
+    field = constraint_field(req)
+    if field is None or not (e.param or "").startswith("structural_tag"):
+        return e
+    return InvalidRequest(*_tag_named(str(e), e.param, field), code=e.code)
 
 
 def constraint_field(req) -> Optional[str]:

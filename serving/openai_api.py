@@ -374,7 +374,7 @@ async def prepare(state: ServerState, kind: str, req) -> _Call:
         try:
             await asyncio.to_thread(state.engine.validate, prompts[0][1], params)
         except InvalidRequest as e:
-            raise state.api_error(e) from None
+            raise state.api_error(constraints.named(req, e)) from None
     if req.request_id is not None and not usable_request_id(req.request_id):
         raise bad_request(
             "request_id: at most 128 characters of letters, digits and ._:/+=@-",

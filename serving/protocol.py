@@ -167,10 +167,15 @@ class JsonSchemaFormat(_Request):
 
 
 class ResponseFormat(_Request):
-    """OpenAI's `response_format`: text, json_object, or json_schema."""
+    """OpenAI's `response_format`: text, json_object, or json_schema; or vLLM's structural_tag:
+    its structures and triggers, or xgrammar's format (paxengine/structured.structural_tag
+    checks them)."""
 
-    type: Literal["text", "json_object", "json_schema"]
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: Optional[JsonSchemaFormat] = None
+    structures: Optional[list[dict[str, Any]]] = None
+    triggers: Optional[list[str]] = None
+    format: Optional[dict[str, Any]] = None
 
 
 class StructuredOutputsRequest(_Request):
@@ -181,6 +186,7 @@ class StructuredOutputsRequest(_Request):
     regex: Optional[str] = None
     choice: Optional[list[str]] = None
     grammar: Optional[str] = None  # Lark, as llguidance takes it
+    structural_tag: Optional[str] = None  # the JSON text of a structural_tag response_format
 
 
 class _SamplingFields(_Request):

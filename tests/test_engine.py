@@ -239,6 +239,72 @@ def test_grammar_mates_leave_other_rows_alone(llm_chunked):
     assert mates[1].outputs[0].text in ("sunny", "rainy")
 
 
+def test_structural_tag_generate(llm_chunked):
+    """vLLM's structural_tag offline (StructuredOutputs(structural_tag=...)): free text, and where
+    the text reaches the trigger a structure whose JSON its schema accepts. The few-shot prompt
+    makes SmolLM2 call the tool at once; alone it writes a city the schema does not allow."""
+    import re
+
+    import jsonschema
+
+    from paxengine import StructuredOutputs
+
+    city = {
+        "type": "object",
+        "properties": {"city": {"enum": ["Oslo", "Rome"]}, "days": {"type": "integer"}},
+        "required": ["city", "days"],
+        "additionalProperties": False,
+    }
+    zone = {"type": "object", "properties": {"zone": {"enum": ["utc"]}}, "required": ["zone"]}
+    tag = {
+        "structures": [
+            {"begin": "<function=get_weather>", "schema": city, "end": "</function>"},
+            {"begin": "<function=get_time>", "schema": zone, "end": "</function>"},
+        ],
+        "triggers": ["<function="],
+    }
+    prompt = (
+        'Call the tool: <function=get_weather>{"city": "Paris"}</function>\n'
+        'Call the tool: <function=get_weather>{"city": "Berlin"}</function>\n'
+        "Call the tool:"
+    )
+    call = re.compile(r"<function=get_weather>(.*?)</function>")
+    texts = [
+        o.outputs[0].text
+        for o in llm_chunked.generate(
+            [prompt] * 2,
+            [
+                SamplingParams(temperature=0, max_tokens=40),
+                SamplingParams(
+                    temperature=0, max_tokens=40, structured_outputs=StructuredOutputs(structural_tag=tag)
+                ),
+            ],
+            use_tqdm=False,
+        )
+    ]  # fmt: skip
+    free, tagged = texts
+    assert free.startswith(" <function=get_weather>{") and '"days"' not in free.split("\n")[0]
+    args = call.findall(tagged)
+    assert tagged.startswith(" <function=get_weather>{") and args, tagged
+    for a in args:
+        jsonschema.validate(json.loads(a), city)
+    # after the structure's end, free text again (the model goes on with the next line)
+    assert tagged.split("</function>", 1)[1].startswith("\nCall the tool"), tagged
+    # under a reasoning parser the constraint applies after the think block (vLLM's rule): an
+    # output that starts inside a block it never closes is free, one that opens none is not
+    from paxengine.thinking import ThinkTags
+
+    for inside, want in ((True, free), (False, tagged)):
+        p = SamplingParams(
+            temperature=0,
+            max_tokens=40,
+            structured_outputs=StructuredOutputs(structural_tag=json.dumps(tag)),
+            think_tags=ThinkTags(start_ids=(1,), end_ids=(0,), inside=inside),
+        )
+        assert llm_chunked.generate(prompt, p, use_tqdm=False)[0].outputs[0].text == want
+    assert_pool_empty(llm_chunked)
+
+
 def test_logprobs_match_oracle_log_softmax(llm_chunked, smollm):
     prompt = "The three primary colors are"
     out = llm_chunked.generate(

@@ -18,7 +18,7 @@ from paxengine.sampling import (
     sample,
 )
 from paxengine.sampling_params import SamplingParams
-from paxengine.structured import GrammarCompiler, StructuredOutputs, allowed_tokens
+from paxengine.structured import GrammarCompiler, StructuredOutputs, allowed_tokens, grammar_text
 from serving import tool_parsers, tools
 
 SCHEMA = {
@@ -38,6 +38,39 @@ SPECS = [
     StructuredOutputs(choice=["red", "green", "blue"]),
     StructuredOutputs(grammar='start: "(" item ("," item)* ")"\nitem: /[a-c]+/'),
 ]
+CITY = {
+    "type": "object",
+    "properties": {"city": {"enum": ["Oslo", "Rome"]}, "days": {"type": "integer", "maximum": 7}},
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
+ZONE = {"type": "object", "properties": {"zone": {"enum": ["utc", "cet"]}}, "required": ["zone"]}
+# vLLM's structural_tag: free text, where "<function=" comes one of the structures follows
+TAG = {
+    "structures": [
+        {"begin": "<function=get_weather>", "schema": CITY, "end": "</function>"},
+        {"begin": "<function=get_time>", "schema": ZONE, "end": "</function>"},
+    ],
+    "triggers": ["<function="],
+}
+# the same as xgrammar's format (vLLM's newer form)
+TAG_FORMAT = {
+    "type": "structural_tag",
+    "format": {
+        "type": "triggered_tags",
+        "triggers": ["<function="],
+        "tags": [
+            {
+                "type": "tag",
+                "begin": s["begin"],
+                "content": {"type": "json_schema", "json_schema": s["schema"]},
+                "end": s["end"],
+            }
+            for s in TAG["structures"]
+        ],
+    },
+}
+SPECS.append(StructuredOutputs(structural_tag=TAG))
 
 
 @pytest.fixture(scope="module")
@@ -89,9 +122,115 @@ def test_bad_constraints_are_invalid_requests(compiler):
         with pytest.raises(InvalidRequest) as e:
             compiler.compile(spec)
         assert e.value.param == param, (spec, e.value)
+    # structural tags: their own field's path in param
+    fn = {"begin": "<f>", "schema": ZONE, "end": "</f>"}
+    tags = [
+        ("{", "structural_tag"),
+        ({"structures": [], "triggers": ["<f"]}, "structural_tag.structures"),
+        ({"structures": [fn]}, "structural_tag.triggers"),
+        ({"structures": [{**fn, "schema": None}], "triggers": ["<f"]}, "structural_tag.structures.0.schema"),
+        ({"structures": [{"begin": "<f>", "schema": ZONE}], "triggers": ["<f"]}, "structural_tag.structures.0.end"),
+        ({"structures": [fn], "triggers": ["<g"]}, "structural_tag.structures.0.begin"),
+        ({"structures": [fn], "triggers": ["<f", "<h"]}, "structural_tag.triggers.1"),
+        ({"structures": [{**fn, "schema": {"type": "strin"}}], "triggers": ["<f"]}, "structural_tag.structures.0.schema"),
+        ({"structures": [{**fn, "x": 1}], "triggers": ["<f"]}, "structural_tag.structures.0.x"),
+        ({"format": {"type": "sequence", "elements": []}}, "structural_tag.format.type"),
+        ({"format": {**TAG_FORMAT["format"], "at_least_one": True}}, "structural_tag.format.at_least_one"),
+        ({"format": {**TAG_FORMAT["format"], "stop_after_first": True}}, "structural_tag.format.stop_after_first"),
+        ({"format": {**TAG_FORMAT["format"], "triggers": ["<x"]}}, "structural_tag.format.tags.0.begin"),
+    ]  # fmt: skip
+    regex_tag = dict(TAG_FORMAT["format"]["tags"][0], content={"type": "regex", "pattern": "a"})
+    tags.append(
+        ({"format": {**TAG_FORMAT["format"], "tags": [regex_tag]}}, "structural_tag.format.tags.0.content.type")
+    )  # fmt: skip
+    # a special-token trigger (SmolLM2's <|im_start|>) beside a text one written <...>
+    mixed = {
+        "structures": [{**fn, "begin": "<|im_start|>f"}, fn],
+        "triggers": ["<|im_start|>", "<f>"],
+    }
+    tags.append((mixed, "structural_tag.triggers"))
+    for tag, param in tags:
+        with pytest.raises(InvalidRequest) as e:
+            compiler.compile(StructuredOutputs(structural_tag=tag))
+        assert e.value.param == param and str(e.value).startswith(param), (tag, e.value)
     # GBNF converts; a cached compile is the same matcher
     gbnf = StructuredOutputs(grammar='root ::= "a" | "b"')
     assert compiler.compile(gbnf) is compiler.compile(gbnf)
+
+
+def _walk(compiler, spec, ids, V):
+    """(allowed tokens before each of ids, the EOS allowed there), consuming each; all must be
+    allowed."""
+    state, mask, seen = compiler.new_state(spec), np.zeros((1, -(-V // 32)), np.int32), []
+    for t in ids:
+        compiler.fill_masks([(state, 0)], mask)
+        allowed = allowed_tokens(mask[0], V)
+        assert allowed[t] and state.accept(t), (len(seen), t)
+        seen.append(allowed)
+    compiler.fill_masks([(state, 0)], mask)
+    return seen + [allowed_tokens(mask[0], V)]
+
+
+@pytest.mark.parametrize("tag", [TAG, json.dumps(TAG), TAG_FORMAT, json.dumps(TAG_FORMAT)])
+def test_structural_tag_masks_free_text_then_a_structure_then_free_text(compiler, smollm, tag):
+    """Token by token through a hand-written output: before the trigger any text (and EOS), from
+    the trigger on only a structure's begin, JSON its schema accepts and its end, then any text
+    again. vLLM's form, xgrammar's format, each as a dict or its JSON text: one grammar."""
+    tok, V, eos = smollm.tokenizer, smollm.config.vocab_size, smollm.eos_token_ids[0]
+    spec = StructuredOutputs(structural_tag=tag)
+    head, call, tail = (
+        "Sure: ",
+        '<function=get_weather>{"city": "Rome", "days": 3}</function>',
+        " ok.",
+    )
+    ids = tok.encode(head + call + tail, add_special_tokens=False)
+    seen = _walk(compiler, spec, ids, V)
+    ends = [len(tok.decode(ids[:i])) for i in range(len(ids) + 1)]  # text before each mask
+    trig_end, call_end = len(head) + len("<function="), len(head) + len(call)
+    for at, allowed in zip(ends, seen):
+        if at < trig_end or at >= call_end:  # free text: nearly the whole vocabulary, and EOS
+            assert allowed.sum() > V * 0.9 and allowed[eos], at
+        else:  # inside: the few tokens that go on with begin, the schema's JSON or end
+            assert allowed.sum() < 200 and not allowed[eos], (at, allowed.sum())
+    legacy = StructuredOutputs(structural_tag=TAG)
+    assert grammar_text(*spec.key()) == grammar_text(*legacy.key())
+    # what the schema or the begins refuse
+    for bad in (
+        '<function=get_weather>{"city": "Paris"',
+        '<function=get_weather>{"days": 3',
+        "<function=get_date>",
+        '<function=get_time>{"zone": "utc"}</fun>',
+        '<function=get_time>{"zone": "utc"} ',
+    ):
+        ids = tok.encode(head + bad, add_special_tokens=False)
+        state = compiler.new_state(spec)
+        assert state.matcher.validate_tokens(ids) < len(ids), bad
+    # two calls with text between them, and a trigger-less text
+    for ok in (call + " and " + call.replace("Rome", "Oslo"), "No call: <function is a word."):
+        ids = tok.encode(ok, add_special_tokens=False)
+        assert compiler.new_state(spec).matcher.validate_tokens(ids) == len(ids), ok
+
+
+def test_structural_tag_special_token_trigger(compiler, smollm):
+    """A trigger that is one special token of the tokenizer (SmolLM2's <|im_start|>, as Llama's
+    <|python_tag|>) is that token: it starts the structure, its text spelled out does not."""
+    tok, V = smollm.tokenizer, smollm.config.vocab_size
+    (start,) = tok.encode("<|im_start|>", add_special_tokens=False)
+    tag = {
+        "structures": [{"begin": "<|im_start|>call", "schema": ZONE, "end": "\n"}],
+        "triggers": ["<|im_start|>"],
+    }
+    spec = StructuredOutputs(structural_tag=tag)
+    ids = [*tok.encode("Hi ", add_special_tokens=False), start]
+    after = len(ids)
+    ids += tok.encode('call{"zone": "cet"}\nbye', add_special_tokens=False)
+    seen = _walk(compiler, spec, ids, V)
+    assert seen[after - 1].sum() > V * 0.9 and seen[after - 1][start]  # free text before it
+    assert seen[after].sum() < 10 and not seen[after][start]  # right after it: only "call"
+    spelled = [tok.encode(p, add_special_tokens=False) for p in ("Hi <|im_start", '|>{"zone": 1}')]
+    spelled = spelled[0] + spelled[1]  # the tag's text in ordinary tokens: free text
+    assert start not in spelled and tok.decode(spelled) == 'Hi <|im_start|>{"zone": 1}'
+    assert compiler.new_state(spec).matcher.validate_tokens(spelled) == len(spelled)
 
 
 def test_device_mask_lowers_without_index_arithmetic():

@@ -206,7 +206,97 @@ def test_auto_tools_and_a_tool_turn(client, server):
         json.loads(call.function.arguments)
 
 
+CITY = {
+    "type": "object",
+    "properties": {"city": {"enum": ["Oslo", "Rome"]}, "days": {"type": "integer"}},
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
+# vLLM's structural_tag response_format: free text; from "<function=" on, a structure
+TAG = {
+    "type": "structural_tag",
+    "structures": [{"begin": "<function=get_weather>", "schema": CITY, "end": "</function>"}],
+    "triggers": ["<function="],
+}
+# the same in xgrammar's format (vLLM's newer form)
+TAG_FORMAT = {
+    "type": "structural_tag",
+    "format": {
+        "type": "triggered_tags",
+        "triggers": ["<function="],
+        "tags": [
+            {
+                "begin": "<function=get_weather>",
+                "content": {"type": "json_schema", "json_schema": CITY},
+                "end": "</function>",
+            }
+        ],
+    },
+}
+CALLS = (
+    'Call the tool: <function=get_weather>{"city": "Paris"}</function>\n'
+    'Call the tool: <function=get_weather>{"city": "Berlin"}</function>\n'
+    "Call the tool:"
+)
+
+
+def test_structural_tag(client, server, http):
+    """response_format structural_tag on /v1/completions (the prompt makes SmolLM2 call the tool
+    at once) and /v1/chat/completions: the structures' JSON follows the schema, text around them
+    is free; structured_outputs.structural_tag (xgrammar's format as JSON text) is the same
+    constraint, so the same greedy text."""
+    body = {"model": server.model, "prompt": CALLS, "max_tokens": 40, "temperature": 0}
+    r = http.post("/v1/completions", json={**body, "response_format": TAG})
+    assert r.status_code == 200, r.text
+    text = r.json()["choices"][0]["text"]
+    args = re.findall(r"<function=get_weather>(.*?)</function>", text)
+    assert text.startswith(" <function=get_weather>{") and args, text
+    for a in args:
+        jsonschema.validate(json.loads(a), CITY)
+    assert text.split("</function>", 1)[1].startswith("\nCall the tool"), text
+    r = http.post("/v1/completions", json={**body, "response_format": TAG_FORMAT})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == text, r.text
+    so = {"structural_tag": json.dumps(TAG_FORMAT)}
+    r = http.post("/v1/completions", json={**body, "structured_outputs": so})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == text, r.text
+    # chat: whatever the model writes, any structure in it follows the schema
+    msgs = [{"role": "user", "content": "Call get_weather as <function=get_weather>{...}"}]
+    ch = client.chat.completions.create(
+        model=server.model, messages=msgs, response_format=TAG, max_tokens=48, temperature=0
+    )
+    content = ch.choices[0].message.content
+    assert content is not None
+    for a in re.findall(r"<function=get_weather>(.*?)</function>", content):
+        jsonschema.validate(json.loads(a), CITY)
+
+
+def _tag(**kw):
+    fn = {"begin": "<f>", "schema": {"type": "object"}, "end": "</f>"}
+    return {"type": "structural_tag", "structures": [{**fn, **kw}], "triggers": ["<f"]}
+
+
 BAD = [
+    ({"response_format": _tag(schema=None)}, "response_format.structures.0.schema"),
+    ({"response_format": _tag(begin="<g>")}, "response_format.structures.0.begin"),
+    ({"response_format": {**_tag(), "triggers": ["<f", "<h"]}}, "response_format.triggers.1"),
+    # a schema llguidance refuses: found when the engine compiles the grammar
+    ({"response_format": _tag(schema={"type": "strin"})}, "response_format.structures.0.schema"),
+    ({"response_format": {"type": "structural_tag"}}, "response_format.structures"),
+    ({"response_format": {"type": "json_object", "triggers": ["<f"]}}, "response_format.triggers"),
+    (
+        {
+            "response_format": {
+                **TAG_FORMAT,
+                "format": {**TAG_FORMAT["format"], "at_least_one": True},
+            }
+        },
+        "response_format.format.at_least_one",
+    ),
+    ({"structured_outputs": {"structural_tag": "{not json"}}, "structured_outputs.structural_tag"),
+    (
+        {"structured_outputs": {"structural_tag": json.dumps({"format": {"type": "or"}})}},
+        "structured_outputs.structural_tag.format.type",
+    ),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
     (
         {
