@@ -267,7 +267,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--tool-call-parser",
         choices=list(tools.PARSERS),
         help="the model's tool-call format (auto: the chat template's, Hermes, Llama 3.1 JSON "
-        "or Mistral's)",
+        "or Mistral's; pythonic / llama4_pythonic: a Python list of calls, Llama 3.2 / 4)",
     )
     s.add_argument(
         "--generation-config",

@@ -74,8 +74,8 @@ class ServerConfig:
     # mistral
     reasoning_parser: Optional[str] = None
     # vLLM's: tool_choice "auto" parses the model's calls in --tool-call-parser's format
-    # (serving/tools.py: auto, hermes, llama3_json, qwen3_coder, qwen3_xml, mistral); without
-    # it, "auto" is a 400 as in vLLM
+    # (serving/tools.py: auto, hermes, llama3_json, qwen3_coder, qwen3_xml, mistral, pythonic,
+    # llama4_pythonic); without it, "auto" is a 400 as in vLLM
     enable_auto_tool_choice: bool = False
     tool_call_parser: Optional[str] = None
     # vLLM's: default sampling parameters from generation_config.json: auto (the model's), vllm

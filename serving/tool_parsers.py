@@ -1,7 +1,8 @@
 """The model's own tool calls out of its text (`tool_choice: "auto"`), in the formats `tools.py`
 names: Hermes' `<tool_call>` JSON blocks, Llama 3.1's JSON message, Qwen3's XML calls
-(`qwen3_coder` / `qwen3_xml`), Mistral's `[TOOL_CALLS]`; whole (`parse_tool_calls`) or while
-streaming (`call_stream`).
+(`qwen3_coder` / `qwen3_xml`), Mistral's `[TOOL_CALLS]`, Python lists of calls (`pythonic`,
+`llama4_pythonic`: `tool_parser_pythonic.py`); whole (`parse_tool_calls`) or while streaming
+(`call_stream`).
 Prompts and forced calls are `tools.py`'s.
 """
 
@@ -16,9 +17,11 @@ from serving.tools import (
     CLOSE,
     HERMES,
     LLAMA3_JSON,
+    LLAMA4_PYTHONIC,
     MISTRAL,
     OPEN,
     PYTHON_TAG,
+    PYTHONIC,
     QWEN3_CODER,
     QWEN3_XML,
     TOOL_CALLS,
@@ -93,6 +96,10 @@ def parse_tool_calls(
         content, _ = stream.feed(text)
         more, _ = stream.finish()
         return ((content + more).strip() or None), stream.calls
+    if fmt in (PYTHONIC, LLAMA4_PYTHONIC):
+        from serving.tool_parser_pythonic import parse_pythonic
+
+        return parse_pythonic(text, llama4=fmt == LLAMA4_PYTHONIC)
     calls, content, pos = [], [], 0
     while True:
         i = text.find(OPEN, pos)
@@ -202,6 +209,10 @@ def call_stream(fmt: str, tool_defs: list[dict] | None = None):
         return Qwen3XmlStream(tool_defs)
     if fmt == MISTRAL:
         return MistralCallStream()
+    if fmt in (PYTHONIC, LLAMA4_PYTHONIC):
+        from serving.tool_parser_pythonic import PythonicCallStream
+
+        return PythonicCallStream(llama4=fmt == LLAMA4_PYTHONIC)
     return Llama3CallStream() if fmt == LLAMA3_JSON else ToolCallStream()
 
 

@@ -10,7 +10,9 @@
   `<tool_call><function=NAME><parameter=P>value</parameter></function></tool_call>`, each value
   typed by the tool's JSON schema (`tool_parsers.Qwen3XmlStream`); `mistral`: `[TOOL_CALLS]`
   then a JSON list of calls (Mistral's tokenizers before v11) or `NAME[ARGS]{...}` per call (v11
-  on), with Mistral's 9-character call ids (`tool_parsers.MistralCallStream`).
+  on), with Mistral's 9-character call ids (`tool_parsers.MistralCallStream`); `pythonic` /
+  `llama4_pythonic` (Llama 3.2 / 4): the message is a Python list of calls with keyword
+  arguments, `[get_weather(city="Paris")]` (`tool_parser_pythonic.py`).
 - `"required"` / a named function: a grammar (a JSON schema) forces the call: for a named
   function the output is its arguments; for "required" a JSON array of {name, arguments} objects
   (one of the tools each). `forced_calls` reads them back.
@@ -39,8 +41,10 @@ HERMES, LLAMA3_JSON = "hermes", "llama3_json"
 QWEN3_CODER, QWEN3_XML = "qwen3_coder", "qwen3_xml"  # one format (Qwen3-Coder, Qwen3.5)
 MISTRAL = "mistral"
 TOOL_CALLS = "[TOOL_CALLS]"  # Mistral's tool-call start (a special token)
+# a Python list of calls (Llama 3.2 / 4); llama4_pythonic: maybe inside <|python_start|>
+PYTHONIC, LLAMA4_PYTHONIC = "pythonic", "llama4_pythonic"
 # --tool-call-parser's names (vLLM's); "auto": the format the chat template shows (call_format)
-PARSERS = ("auto", HERMES, LLAMA3_JSON, QWEN3_CODER, QWEN3_XML, MISTRAL)
+PARSERS = ("auto", HERMES, LLAMA3_JSON, QWEN3_CODER, QWEN3_XML, MISTRAL, PYTHONIC, LLAMA4_PYTHONIC)
 
 
 def call_format(template: str | None) -> str:
