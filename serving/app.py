@@ -12,10 +12,11 @@ from contextlib import asynccontextmanager
 from typing import Optional
 
 from fastapi import Depends, FastAPI, Request
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 
 from paxengine.client import EngineClient, served_names
 from paxengine.errors import EngineError
+from serving import frontend_flags
 from serving.config import ServerConfig
 from serving.errors import (
     ApiError,
@@ -86,7 +87,9 @@ def build_app(
     # OpenAPI servers name it, requests are routed with the prefix or without
     app.root_path = cfg.root_path or ""
     app.state.serving = state
-    app.add_middleware(RequestIdMiddleware)
+    if cfg.h11_max_header_count is not None:  # vLLM's --h11-max-header-count: a 431 past it
+        app.add_middleware(frontend_flags.HeaderCountLimit, limit=cfg.h11_max_header_count)
+    app.add_middleware(RequestIdMiddleware)  # the outermost: every answer carries the id
     if cfg.allowed_origins:  # off by default: no CORS headers at all
         from fastapi.middleware.cors import CORSMiddleware
 
@@ -213,6 +216,12 @@ def build_app(
         state.check_model(req.model)
         state.check_tokens(req.tokens, "tokens")
         return DetokenizeResponse(prompt=state.tokenizer.decode(req.tokens))
+
+    if cfg.enable_tokenizer_info_endpoint:  # vLLM's: may show the chat template, so opt-in
+
+        @app.get("/tokenizer_info", dependencies=auth)
+        async def tokenizer_info():
+            return JSONResponse(frontend_flags.tokenizer_info(state.tokenizer))
 
     # ------------------------------------------------------------------ operations
     @app.get("/health", response_model=HealthResponse)

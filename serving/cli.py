@@ -16,7 +16,7 @@ from typing import Optional
 from paxengine.client import EngineClient
 from paxengine.config import byte_count, json_object_option, max_model_len_option, token_count
 from paxengine.sampling_params import MAX_LOGPROBS
-from serving import reasoning, tools, vllm_flags
+from serving import frontend_flags, reasoning, tools, vllm_flags
 from serving.config import PERFORMANCE_MODES, UVICORN_LOG_LEVELS, ServerConfig, resolve_configs
 
 log = logging.getLogger("serving")
@@ -269,6 +269,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="the model's tool-call format (auto: the chat template's, Hermes, Llama 3.1 JSON "
         "or Mistral's; pythonic / llama4_pythonic: a Python list of calls, Llama 3.2 / 4)",
     )
+    _bool_pair(
+        s,
+        "exclude-tools-when-tool-choice-none",
+        'tool_choice "none": the chat template gets no tools (default: a template that renders '
+        "tools gets them, as in vLLM)",
+    )
     s.add_argument(
         "--generation-config",
         metavar="auto|vllm|DIR",
@@ -373,6 +379,48 @@ def _frontend_flags(s) -> None:
         help="generation_config.json's fields merged over the model's defaults (alone with "
         "--generation-config vllm), e.g. '{\"temperature\": 0.6}'",
     )
+    _bool_pair(
+        s,
+        "enable-log-deltas",
+        "with --enable-log-outputs: a line per streamed delta too (default: on, as vLLM's)",
+    )
+    s.add_argument(
+        "--uds", metavar="PATH", help="listen on this Unix socket instead of --host / --port"
+    )
+    s.add_argument(
+        "--ssl-ciphers",
+        metavar="CIPHERS",
+        help="HTTPS: OpenSSL's cipher list for TLS 1.2 and below (TLS 1.3's suites are OpenSSL's)",
+    )
+    s.add_argument(
+        "--log-config-file",
+        metavar="FILE",
+        help="a JSON logging config (logging.config.dictConfig) for uvicorn's loggers and any "
+        "others it names, as vLLM's",
+    )
+    s.add_argument(
+        "--disable-access-log-for-endpoints",
+        metavar="PATHS",
+        help="no access log line for requests to these paths, e.g. /health,/metrics",
+    )
+    s.add_argument(
+        "--h11-max-incomplete-event-size",
+        type=int,
+        metavar="BYTES",
+        help="serve HTTP with h11 (not httptools) buffering at most this many bytes of an "
+        "incomplete event (a request's head still coming); past it, a 400",
+    )
+    s.add_argument(
+        "--h11-max-header-count",
+        type=int,
+        metavar="N",
+        help="a request with more than N headers gets a 431",
+    )
+    _bool_pair(
+        s,
+        "enable-tokenizer-info-endpoint",
+        "GET /tokenizer_info: the tokenizer's configuration and chat template (vLLM's)",
+    )
 
 
 def _arg_type(parse):
@@ -464,7 +512,11 @@ def describe(engine: EngineClient, scfg: ServerConfig) -> str:
         f"kv_cache_dtype={info.kv_cache_dtype} kv_cache_scales={info.kv_cache_scales} "
         f"max_model_len={info.max_model_len} kv_capacity_tokens={info.kv_capacity_tokens} "
         f"buckets={len(info.buckets)} [tokens x seqs: {shapes}] "
-        f"url={'https' if scfg.ssl_certfile else 'http'}://{scfg.host}:{scfg.port}/v1"
+        + (
+            f"uds={scfg.uds}"
+            if scfg.uds is not None
+            else f"url={'https' if scfg.ssl_certfile else 'http'}://{scfg.host}:{scfg.port}/v1"
+        )
     )
 
 
@@ -488,6 +540,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         log.info("%s", note)
     if scfg.max_log_len is not None and not scfg.enable_log_requests:
         log.info("--max-log-len: nothing is logged to cut without --enable-log-requests")
+    if scfg.enable_log_deltas and not scfg.enable_log_outputs:
+        log.info("--enable-log-deltas: no deltas are logged without --enable-log-outputs")
     log.info("engine config: %s", ecfg)
     if ecfg.num_processes > 1:
         log.error(
@@ -530,9 +584,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 def serve(app, engine: EngineClient, scfg: ServerConfig) -> int:
     """Run the app until a stop signal has drained it (serving.drain); the exit status."""
-    from serving.drain import draining_server
-
-    server = draining_server(app, engine, app.state.serving.drain, **uvicorn_options(scfg))
+    server = frontend_flags.make_server(app, engine, scfg)
     try:
         server.run()
     except KeyboardInterrupt:
@@ -540,26 +592,6 @@ def serve(app, engine: EngineClient, scfg: ServerConfig) -> int:
     except SystemExit as e:  # uvicorn's start-up failure (e.g. the port is taken)
         return int(e.code or 0)
     return server.exit_code if server.started else 1
-
-
-def uvicorn_options(scfg: ServerConfig) -> dict:
-    """uvicorn.Config's keywords from the server's keys: where it listens, its log level and
-    access log, TLS."""
-    kw = dict(
-        host=scfg.host,
-        port=scfg.port,
-        log_level=scfg.uvicorn_log_level or scfg.log_level,
-        access_log=not scfg.disable_uvicorn_access_log,
-        timeout_graceful_shutdown=5,
-    )
-    if scfg.ssl_certfile is not None:
-        kw.update(
-            ssl_certfile=scfg.ssl_certfile,
-            ssl_keyfile=scfg.ssl_keyfile,
-            ssl_ca_certs=scfg.ssl_ca_certs,
-            ssl_cert_reqs=scfg.ssl_cert_reqs,
-        )
-    return kw
 
 
 if __name__ == "__main__":

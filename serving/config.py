@@ -78,6 +78,9 @@ class ServerConfig:
     # llama4_pythonic); without it, "auto" is a 400 as in vLLM
     enable_auto_tool_choice: bool = False
     tool_call_parser: Optional[str] = None
+    # vLLM's: tool_choice "none" keeps the request's tools out of the chat template (without
+    # it, a template that renders tools gets them, as in vLLM; the model's calls stay text)
+    exclude_tools_when_tool_choice_none: bool = False
     # vLLM's: default sampling parameters from generation_config.json: auto (the model's), vllm
     # (none), or a directory holding one (serving/generation_config.py)
     generation_config: str = "auto"
@@ -110,6 +113,21 @@ class ServerConfig:
     trust_request_chat_template: bool = False  # a chat request's own chat_template renders it
     # generation_config.json's fields over the model's (or alone, with generation_config vllm)
     override_generation_config: Optional[dict] = None
+    # with enable_log_outputs, a line per streamed delta too (None: vLLM's default, on)
+    enable_log_deltas: Optional[bool] = None
+    # uvicorn's: a Unix socket instead of host:port; TLS 1.2 cipher suites; a logging config
+    # (dictConfig JSON) for uvicorn's loggers and any it names; the access log without these
+    # paths ("/health,/metrics" or a list); the h11 protocol, buffering at most this many bytes
+    # of an incomplete event (a request's head still coming; past it a 400); more request
+    # headers than h11_max_header_count: a 431
+    uds: Optional[str] = None
+    ssl_ciphers: Optional[str] = None
+    log_config_file: Optional[str] = None
+    disable_access_log_for_endpoints: Optional[list] = None
+    h11_max_incomplete_event_size: Optional[int] = None
+    h11_max_header_count: Optional[int] = None
+    # vLLM's GET /tokenizer_info (the tokenizer's configuration and chat template)
+    enable_tokenizer_info_endpoint: bool = False
     # vLLM's flags taken as what paxengine does anyway (serving/vllm_flags.py): the start-up
     # log's lines, not a key of its own
     vllm_flag_notes: list = dataclasses.field(default_factory=list, init=False)
@@ -189,6 +207,8 @@ class ServerConfig:
             "enable_force_include_usage",
             "return_tokens_as_token_ids",
             "trust_request_chat_template",
+            "exclude_tools_when_tool_choice_none",
+            "enable_tokenizer_info_endpoint",
         ):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: must be true or false, got {getattr(self, name)!r}")
@@ -239,6 +259,59 @@ class ServerConfig:
             raise ValueError(f"response_role: a non-empty string, got {self.response_role!r}")
         override = json_object_option(self.override_generation_config, "override_generation_config")
         self.override_generation_config = generation_config.check_override(override)
+        self._check_listener()
+
+    def _check_listener(self) -> None:
+        """uvicorn's keys of vLLM's frontend flags, checked before anything loads."""
+        if self.enable_log_deltas is not None and not isinstance(self.enable_log_deltas, bool):
+            raise ValueError(f"enable_log_deltas: true or false, got {self.enable_log_deltas!r}")
+        uds = self.uds
+        if uds is not None:
+            if (
+                not isinstance(uds, str)
+                or not uds
+                or not os.path.isdir(os.path.dirname(uds) or ".")
+            ):
+                raise ValueError(f"uds: a socket path in an existing directory, got {uds!r}")
+            if len(os.fsencode(uds)) > 107:  # sockaddr_un's sun_path
+                raise ValueError(f"uds: at most 107 bytes (a Unix socket's path), got {uds!r}")
+        c = self.ssl_ciphers
+        if c is not None:
+            import ssl
+
+            if self.ssl_certfile is None:
+                raise ValueError("ssl_ciphers: needs ssl_certfile (HTTPS)")
+            try:
+                ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).set_ciphers(c)
+            except (ssl.SSLError, TypeError):
+                raise ValueError(f"ssl_ciphers: OpenSSL selects no cipher from {c!r}") from None
+        f = self.log_config_file
+        if f is not None:
+            try:
+                with open(f, encoding="utf-8") as fh:
+                    cfg = json.load(fh)
+            except (OSError, TypeError, ValueError) as e:
+                raise ValueError(f"log_config_file: {f!r} is not a JSON file ({e})") from None
+            if not isinstance(cfg, dict) or "version" not in cfg:
+                raise ValueError(
+                    f"log_config_file: {f} is not a logging.config.dictConfig object (it needs "
+                    '"version": 1)'
+                )
+        paths = self.disable_access_log_for_endpoints
+        if isinstance(paths, str):  # vLLM's: comma-separated
+            paths = [p.strip() for p in paths.split(",") if p.strip()]
+        if paths is not None and not (
+            isinstance(paths, list) and all(isinstance(p, str) and p.startswith("/") for p in paths)
+        ):
+            raise ValueError(
+                "disable_access_log_for_endpoints: paths starting with '/' (comma-separated or a "
+                f"list), got {self.disable_access_log_for_endpoints!r}"
+            )
+        self.disable_access_log_for_endpoints = paths or None
+        for name in ("h11_max_incomplete_event_size", "h11_max_header_count"):
+            n = getattr(self, name)
+            if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+                raise ValueError(f"{name}: a positive integer, got {n!r}")
 
     def _check_template_kwargs(self) -> None:
         from paxengine.tokenizer import RESERVED_TEMPLATE_VARIABLES

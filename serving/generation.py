@@ -214,6 +214,17 @@ def log_outputs(cfg: ServerConfig, request_id: str, out) -> None:
         )
 
 
+def log_delta(cfg: ServerConfig, request_id: str, index: int, n: int, text: str) -> None:
+    """--enable-log-deltas (vLLM's, on by default under --enable-log-outputs): a line per
+    streamed chunk that carries text (content, else a tool call's arguments), cut to
+    --max-log-len."""
+    if text:
+        name = request_id if n == 1 else f"{request_id} (choice {index})"
+        log.info(
+            "Generated response %s (streaming delta): output: %r", name, _cut(text, cfg.max_log_len)
+        )
+
+
 def abort_unfinished(state: ServerState, jobs: list[Job], count: bool = True) -> None:
     for job in jobs:
         if job.stream is not None and not job.finished:

@@ -29,6 +29,7 @@ from serving.generation import (
     Job,
     ServerState,
     abort_unfinished,
+    log_delta,
     run_requests,
     start_jobs,
     until_disconnect,
@@ -507,6 +508,11 @@ def _final_response(call: _Call, finals: dict):
     return CompletionResponse(id=call.id, model=state.model_name, choices=choices, usage=usage)
 
 
+def _call_text(message: DeltaMessage) -> str:
+    """A delta's tool-call arguments (vLLM logs them as the delta's text)."""
+    return "".join(t.function.arguments or "" for t in message.tool_calls or [] if t.function)
+
+
 async def _stream(call: _Call) -> AsyncIterator[str]:
     state, req, chat = call.state, call.req, call.kind == "chat"
     so = req.stream_options
@@ -515,6 +521,8 @@ async def _stream(call: _Call) -> AsyncIterator[str]:
     usage_on = force or bool(so and so.include_usage)
     # vLLM's continuous_usage_stats: usage in every chunk too, only with include_usage
     each_on = force or (usage_on and bool(so.continuous_usage_stats))
+    cfg = state.config  # --enable-log-deltas (vLLM's default on) under --enable-log-outputs
+    log_deltas = cfg.enable_log_outputs and cfg.enable_log_deltas is not False
     chains: dict[int, object] = {}
     sent_ids: dict[int, int] = {}  # return_token_ids: the output's token ids sent so far
     plp_sent: set[int] = set()  # a chat's prompts whose prompt logprobs went
@@ -594,6 +602,9 @@ async def _stream(call: _Call) -> AsyncIterator[str]:
                         if not chat and p.first:
                             c.prompt_token_ids = list(call.prompts[pi][1])
                     so_far = call.usage_so_far(pi, len(o.token_ids)) if each_on else None
+                    if log_deltas:
+                        text = (message.content or _call_text(message)) if chat else p.text
+                        log_delta(cfg, call.jobs[pi].request_id, o.index, call.n, text)
                     yield chunk([c], usage=so_far, plp=plp if chat else None)
         if usage_on:
             yield chunk([], usage=call.usage(finals))

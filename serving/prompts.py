@@ -78,6 +78,20 @@ def _tokenizer(state: ServerState, req):
         raise bad_request(str(e), "chat_template") from None
 
 
+def _shown_tools(state: ServerState, req, tool_defs, template):
+    """The tools the chat template gets: the call's (tool_defs); with tool_choice "none" the
+    request's, where the template renders tools (vLLM's default: the model still sees them, its
+    calls stay text), none under --exclude-tools-when-tool-choice-none or for a template that
+    does not render them (no Hermes system prompt for calls that will not be parsed)."""
+    if tool_defs is not None or getattr(req, "tool_choice", None) != "none":
+        return tool_defs
+    if not getattr(req, "tools", None) or state.config.exclude_tools_when_tool_choice_none:
+        return None
+    if not tools.template_renders_tools(template):
+        return None
+    return [t.model_dump(exclude_none=True) for t in req.tools]
+
+
 def chat_prompt(state: ServerState, req, tool_defs=None) -> tuple[str, list[int]]:
     """req: a chat completion or a tokenize request (its messages and template options);
     tool_defs: the tools to show the model (OpenAI dicts), or None."""
@@ -114,6 +128,7 @@ def chat_prompt(state: ServerState, req, tool_defs=None) -> tuple[str, list[int]
             "chat_template_kwargs",
         )
     tok = _tokenizer(state, req)
+    tool_defs = _shown_tools(state, req, tool_defs, getattr(tok, "chat_template", None))
     options = {"continue_final_message": True} if req.continue_final_message else {}
     if req.documents is not None:  # the template's `documents`, as vLLM passes them
         options["documents"] = req.documents

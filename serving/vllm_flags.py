@@ -40,6 +40,8 @@ ALWAYS = {
     "cached_tokens (the prompt tokens the prefix cache served), as OpenAI's API does",
     "disable_cascade_attn": "paxengine has no cascade attention (a shared prefix is shared "
     "through the prefix cache's blocks)",
+    "enable_request_id_headers": "paxengine answers every request with X-Request-Id (the "
+    "client's own when usable, else a fresh one)",
 }
 # flags with a value: the values paxengine runs as it is, and what it does
 VALUES = {
@@ -126,6 +128,15 @@ REFUSED = {
     "lora_modules": NO_LORA,
     "max_loras": NO_LORA,
     "max_lora_rank": NO_LORA,
+    "middleware": "paxengine imports no code named on its command line into its server (put a "
+    "proxy in front of it for what the middleware does)",
+    "enable_ssl_refresh": "paxengine reads the TLS certificate files at start-up; restart it to "
+    "serve renewed ones",
+}
+# refused switches whose --no- form asks for what paxengine does: taken
+TAKEN_OFF = {
+    "enable_lora": NO_LORA,
+    "enable_ssl_refresh": "the TLS certificate files are read once, at start-up",
 }
 # refused flags that take several values as vLLM's do
 NARGS = {"lora_modules": "*"}
@@ -155,6 +166,9 @@ def add_to(parser: argparse.ArgumentParser) -> None:
         flag = "--" + name.replace("_", "-")  # a switch or with a value: refused either way
         more = {"nargs": NARGS[name]} if name in NARGS else {"nargs": "?", "const": True}
         g.add_argument(flag, **more, metavar="X", help=f"refused: {why}")
+    for name, what in TAKEN_OFF.items():
+        flag = "--no-" + name.replace("_", "-")
+        g.add_argument(flag, dest=name, action="store_false", help=f"taken: {what}")
     for name, ours in ALIASES.items():
         g.add_argument(
             "--" + name.replace("_", "-"),
@@ -195,6 +209,10 @@ def apply(keys: dict) -> list[str]:
                 )
             keys[ours] = keys.pop(name)
             notes.append(f"{flag} {value}: taken as --{ours.replace('_', '-')} {value}")
+            continue
+        if name in TAKEN_OFF and value is False:
+            del keys[name]
+            notes.append(f"--no-{flag[2:]}: {TAKEN_OFF[name]}")
             continue
         if name in REFUSED:
             raise ValueError(f"{flag}: refused: {REFUSED[name]}")

@@ -781,6 +781,63 @@ ELSEWHERE: dict[str, tuple[str, str]] = {
         "tests/test_qwen3_moe.py::test_the_server_serves_it_with_expert_parallelism",
         "MoE models only: the rows' SmolLM2 has no experts (the flag is refused for it)",
     ),
+    # more of vLLM's frontend flags: behaviour on the fake engine's app or its uvicorn server
+    **{
+        flag: (f"tests/serving/test_server_frontend_flags.py::{test}", why)
+        for flag, test, why in (
+            (
+                "--exclude-tools-when-tool-choice-none",
+                "test_exclude_tools_when_tool_choice_none",
+                "what the chat template gets: recorded there",
+            ),
+            (
+                "--no-exclude-tools-when-tool-choice-none",
+                "test_exclude_tools_when_tool_choice_none",
+                "the default (vLLM's), recorded there",
+            ),
+            ("--enable-log-deltas", "test_log_deltas_under_log_outputs", "log lines only"),
+            ("--no-enable-log-deltas", "test_log_deltas_under_log_outputs", "log lines only"),
+            (
+                "--enable-tokenizer-info-endpoint",
+                "test_tokenizer_info_endpoint",
+                "one GET route on the app",
+            ),
+            (
+                "--no-enable-tokenizer-info-endpoint",
+                "test_tokenizer_info_endpoint",
+                "the default: no route",
+            ),
+            ("--h11-max-header-count", "test_header_count_limit", "a middleware of the app"),
+            ("--ssl-ciphers", "test_https_with_the_ssl_flags", "HTTPS: the rows speak HTTP"),
+            *(
+                (
+                    flag,
+                    "test_unix_socket_access_log_and_log_config",
+                    "uvicorn's listener and logs: served there by the same uvicorn server",
+                )
+                for flag in (
+                    "--uds",
+                    "--log-config-file",
+                    "--disable-access-log-for-endpoints",
+                    "--h11-max-incomplete-event-size",
+                )
+            ),
+        )
+    },
+    **{
+        flag: (
+            "tests/serving/test_vllm_flags.py::test_vllms_frontend_switches_taken_or_refused",
+            "taken and logged, or refused naming why",
+        )
+        for flag in (
+            "--enable-request-id-headers",
+            "--no-enable-request-id-headers",
+            "--middleware",
+            "--enable-ssl-refresh",
+            "--no-enable-ssl-refresh",
+            "--no-enable-lora",
+        )
+    },
 }
 
 

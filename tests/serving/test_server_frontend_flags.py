@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
+import socket
+import ssl
 import subprocess
 import threading
 import time
@@ -247,8 +250,9 @@ def test_request_and_output_logs(caplog):
 
 def test_uvicorn_options_from_the_flags():
     """--uvicorn-log-level (else --log-level's) and --disable-uvicorn-access-log reach
-    uvicorn.Config; the TLS keys only with a certificate."""
-    from serving.cli import uvicorn_options
+    uvicorn.Config; the TLS keys only with a certificate; --uds and
+    --h11-max-incomplete-event-size (with the h11 protocol) when given."""
+    from serving.frontend_flags import uvicorn_options
 
     kw = uvicorn_options(ServerConfig(log_level="debug"))
     assert kw["log_level"] == "debug" and kw["access_log"] is True
@@ -257,6 +261,13 @@ def test_uvicorn_options_from_the_flags():
         ServerConfig(uvicorn_log_level="warning", disable_uvicorn_access_log=True, port=9)
     )
     assert (kw["log_level"], kw["access_log"], kw["port"]) == ("warning", False, 9)
+    assert not {"uds", "log_config", "http", "ssl_ciphers"} & set(kw)  # uvicorn's defaults
+    kw = uvicorn_options(ServerConfig(uds="/tmp/x.sock", h11_max_incomplete_event_size=4096))
+    assert (kw["uds"], kw["http"], kw["h11_max_incomplete_event_size"]) == (
+        "/tmp/x.sock",
+        "h11",
+        4096,
+    )
 
 
 def _self_signed(tmp_path) -> tuple[str, str]:
@@ -304,21 +315,34 @@ def _self_signed(tmp_path) -> tuple[str, str]:
     return str(cert), str(key)
 
 
+def _tls12_cipher(port: int, cipher: str) -> str:
+    """The cipher a TLS 1.2 client offering only `cipher` agrees on with the server."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
+    ctx.maximum_version = ssl.TLSVersion.TLSv1_2
+    ctx.set_ciphers(cipher)
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as raw:
+        with ctx.wrap_socket(raw) as s:
+            return s.cipher()[0]
+
+
 def test_https_with_the_ssl_flags(tmp_path):
     """--ssl-certfile / --ssl-keyfile: uvicorn serves HTTPS (a self-signed certificate made
     here; the client does not verify it); plain HTTP gets no answer; the start-up line's URL
-    says https."""
-    import socket
-
+    says https. --ssl-ciphers: the TLS 1.2 ciphers it takes."""
     import uvicorn
 
-    from serving.cli import describe, uvicorn_options
+    from serving.cli import describe
+    from serving.frontend_flags import uvicorn_options
 
     cert, key = _self_signed(tmp_path)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cfg = ServerConfig(port=port, ssl_certfile=cert, ssl_keyfile=key, log_level="warning")
+    cipher = "ECDHE-ECDSA-AES128-GCM-SHA256"  # the certificate's key is EC
+    cfg = ServerConfig(
+        port=port, ssl_certfile=cert, ssl_keyfile=key, ssl_ciphers=cipher, log_level="warning"
+    )
     engine = FakeEngine()
     server = uvicorn.Server(uvicorn.Config(build_app(engine, cfg), **uvicorn_options(cfg)))
     thread = threading.Thread(target=server.run, daemon=True)
@@ -333,6 +357,183 @@ def test_https_with_the_ssl_flags(tmp_path):
         with pytest.raises(httpx.HTTPError):
             httpx.get(f"http://127.0.0.1:{port}/health", timeout=10)
         assert f"url=https://127.0.0.1:{port}/v1" in describe(engine, cfg)
+        # --ssl-ciphers: TLS 1.2 agrees on the one cipher the server allows, or on none
+        assert _tls12_cipher(port, cipher) == cipher
+        with pytest.raises(ssl.SSLError):
+            _tls12_cipher(port, "ECDHE-ECDSA-AES256-GCM-SHA384")
     finally:
         server.should_exit = True
         thread.join(10)
+
+
+# ------------------------------------------------------------------------------ more of vLLM's flags
+TOOL = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}
+
+
+def _recording(template: str) -> tuple[FakeEngine, list]:
+    """The word engine with `template`, recording the variables each render gets."""
+    engine, seen = _word_engine(), []
+    tok = engine.tokenizer.with_chat_template(template)
+    render = tok.apply_chat_template
+
+    def apply(messages, *args, **variables):
+        seen.append({"messages": messages, **variables})
+        return render(messages, *args, **variables)
+
+    tok.apply_chat_template = apply
+    engine.tokenizer = tok
+    return engine, seen
+
+
+def test_exclude_tools_when_tool_choice_none():
+    """vLLM's default: tool_choice "none" still shows the tools to a template that renders them
+    (the model's calls stay text); --exclude-tools-when-tool-choice-none keeps them out. A
+    template that does not render tools gets none either way (no Hermes prompt); tool_choice
+    required shows them with the flag too."""
+    renders = "MODEL {% for m in messages %}{{ m.content }} {% endfor %}{{ tools | length }}"
+    body = {**CHAT, "tools": [TOOL], "tool_choice": "none"}
+    for exclude, want in ((False, [TOOL]), (True, None)):
+        engine, seen = _recording(renders)
+        cfg = ServerConfig(exclude_tools_when_tool_choice_none=exclude)
+        with TestClient(build_app(engine, cfg)) as c:
+            assert c.post("/v1/chat/completions", json=body).status_code == 200
+            assert seen[-1].get("tools") == want, exclude
+            r = c.post("/v1/chat/completions", json={**body, "tool_choice": "required"})
+            assert r.status_code == 200 and seen[-1]["tools"] == [TOOL]
+    engine, seen = _recording("MODEL {% for m in messages %}{{ m.content }} {% endfor %}")
+    with TestClient(build_app(engine, ServerConfig())) as c:
+        assert c.post("/v1/chat/completions", json=body).status_code == 200
+        assert "tools" not in seen[-1] and [m["role"] for m in seen[-1]["messages"]] == ["user"]
+
+
+def test_log_deltas_under_log_outputs(caplog):
+    """--enable-log-outputs logs a streamed chat's and completion's deltas too (vLLM's
+    --enable-log-deltas, on by default), cut to --max-log-len; --no-enable-log-deltas: only
+    the finished outputs; a request that does not stream logs no deltas."""
+    cfg = dict(enable_log_requests=True, enable_log_outputs=True, max_log_len=3)
+    with caplog.at_level(logging.INFO, logger="serving"), _client(**cfg) as c:
+        caplog.clear()
+        chunks = _sse(c, "/v1/chat/completions", {**CHAT, "request_id": "d1"})
+        text = "".join(ch["choices"][0]["delta"].get("content") or "" for ch in chunks)
+        lines = [r.getMessage() for r in caplog.records if "(streaming delta)" in r.getMessage()]
+        assert len(lines) == 4 and all(
+            x.startswith("Generated response chatcmpl-d1-0") for x in lines
+        )
+        assert lines[0].endswith(f"output: {text[0]!r}")
+        assert f"Generated response chatcmpl-d1-0: output: {text[:3]!r}" in caplog.text
+        _sse(c, "/v1/completions", {"prompt": "hi", "max_tokens": 2, "n": 2})
+        assert "(choice 1) (streaming delta)" in caplog.text
+        caplog.clear()
+        c.post("/v1/chat/completions", json=CHAT)
+        assert "(streaming delta)" not in caplog.text and "Generated response" in caplog.text
+    with (
+        caplog.at_level(logging.INFO, logger="serving"),
+        _client(**cfg, enable_log_deltas=False) as c,
+    ):
+        caplog.clear()
+        _sse(c, "/v1/chat/completions", CHAT)
+        assert "(streaming delta)" not in caplog.text and "Generated response" in caplog.text
+
+
+def test_tokenizer_info_endpoint():
+    """--enable-tokenizer-info-endpoint: GET /tokenizer_info, vLLM's shape (the tokenizer's
+    configuration, its class and the chat template in use), behind the API key; off: 404."""
+    with TestClient(build_app(_word_engine(), ServerConfig())) as c:
+        assert c.get("/tokenizer_info").status_code == 404
+    cfg = ServerConfig(enable_tokenizer_info_endpoint=True, api_key="k")
+    with TestClient(build_app(_word_engine(), cfg)) as c:
+        assert c.get("/tokenizer_info").status_code == 401
+        info = c.get("/tokenizer_info", headers={"Authorization": "Bearer k"}).json()
+    assert info["tokenizer_class"] == "PreTrainedTokenizerFast"
+    assert info["chat_template"].startswith("MODEL {% for m in messages %}")
+    assert info["add_bos_token"] is False and info["added_tokens_decoder"] == {}
+    with TestClient(
+        build_app(FakeEngine(), ServerConfig(enable_tokenizer_info_endpoint=True))
+    ) as c:
+        assert c.get("/tokenizer_info").json() == {"tokenizer_class": "PreTrainedTokenizerFast"}
+
+
+def test_header_count_limit():
+    """--h11-max-header-count N: a request with more than N headers gets a 431 (X-Request-Id
+    still on it); up to N, served."""
+    with _client(h11_max_header_count=12) as c:
+        assert c.get("/health").status_code == 200  # the test client's few headers
+        many = {f"x-extra-{i}": "1" for i in range(12)}
+        r = c.get("/health", headers=many)
+        assert r.status_code == 431 and r.headers["x-request-id"]
+        assert r.json()["error"]["code"] == "request_header_fields_too_large"
+    with _client() as c:
+        assert (
+            c.get("/health", headers={f"x-extra-{i}": "1" for i in range(300)}).status_code == 200
+        )
+
+
+def test_unix_socket_access_log_and_log_config(tmp_path):
+    """paxengine serve's uvicorn server (frontend_flags.make_server) with --uds (a Unix socket, no TCP
+    port), --log-config-file (its JSON sends uvicorn's access log to a file),
+    --disable-access-log-for-endpoints (no line for /health) and
+    --h11-max-incomplete-event-size (h11 serves; a request head still incomplete past it is a
+    400)."""
+    import tempfile
+
+    from serving.cli import describe
+    from serving.frontend_flags import filter_access_log, make_server
+
+    sock = os.path.join(tempfile.mkdtemp(prefix="pax", dir="/tmp"), "s")  # short: sun_path
+    access = tmp_path / "access.log"
+    conf = tmp_path / "log.json"
+    conf.write_text(
+        json.dumps(
+            {
+                "version": 1,
+                "disable_existing_loggers": False,
+                "formatters": {"plain": {"format": "%(message)s"}},
+                "handlers": {
+                    "file": {
+                        "class": "logging.FileHandler",
+                        "filename": str(access),
+                        "formatter": "plain",
+                    }
+                },  # fmt: skip
+                "loggers": {"uvicorn.access": {"handlers": ["file"], "propagate": False}},
+            }
+        )
+    )
+    cfg = ServerConfig(
+        uds=sock,
+        log_config_file=str(conf),
+        disable_access_log_for_endpoints="/health,/ping",
+        h11_max_incomplete_event_size=4096,
+        log_level="info",
+    )
+    engine = FakeEngine()
+    server = make_server(build_app(engine, cfg), engine, cfg)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started:
+            assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+            time.sleep(0.05)
+        assert server.config.http == "h11" and f"uds={sock}" in describe(engine, cfg)
+        with httpx.Client(transport=httpx.HTTPTransport(uds=sock), timeout=10) as c:
+            assert c.get("http://pax/health").json() == {"status": "ok"}
+            assert c.get("http://pax/v1/models?x=1").status_code == 200
+            assert c.get("http://pax/health?probe=1").status_code == 200
+        # a request head still incomplete past 4096 bytes: h11's 400
+        with socket.socket(socket.AF_UNIX) as s:
+            s.settimeout(10)
+            s.connect(sock)
+            s.sendall(b"GET /v1/models HTTP/1.1\r\nHost: pax\r\nX-Big: " + b"a" * 8192)
+            assert s.recv(4096).startswith(b"HTTP/1.1 400 ")
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        filter_access_log(None)
+    logger = logging.getLogger("uvicorn.access")
+    for h in list(logger.handlers):  # the file's handler goes with this test
+        h.close()
+        logger.removeHandler(h)
+    lines = access.read_text().splitlines()
+    assert any('"GET /v1/models?x=1 HTTP/1.1" 200' in x for x in lines), lines
+    assert not any("/health" in x for x in lines), lines

@@ -285,6 +285,17 @@ FRONTEND = {  # vLLM's frontend flags and the ServerConfig they make
         "override_generation_config",
         {"temperature": 0.5, "max_new_tokens": 64},
     ),
+    "--exclude-tools-when-tool-choice-none": (None, "exclude_tools_when_tool_choice_none", True),
+    "--enable-log-deltas": (None, "enable_log_deltas", True),
+    "--uds": ("/tmp/paxengine.sock", "uds", "/tmp/paxengine.sock"),
+    "--disable-access-log-for-endpoints": (
+        "/health, /metrics",
+        "disable_access_log_for_endpoints",
+        ["/health", "/metrics"],
+    ),
+    "--h11-max-incomplete-event-size": ("65536", "h11_max_incomplete_event_size", 65536),
+    "--h11-max-header-count": ("64", "h11_max_header_count", 64),
+    "--enable-tokenizer-info-endpoint": (None, "enable_tokenizer_info_endpoint", True),
 }
 
 
@@ -318,6 +329,68 @@ def test_vllms_frontend_flags_reach_the_server_config(tmp_path):
     assert not any(getattr(d, key) for key in switches)
     _, scfg = parse(["--enable-log-requests", "--no-enable-log-requests"])
     assert scfg.enable_log_requests is False
+    assert d.enable_log_deltas is None  # vLLM's default: on (under --enable-log-outputs)
+    assert parse(["--no-enable-log-deltas"])[1].enable_log_deltas is False
+
+
+def test_more_frontend_keys_from_files(tmp_path):
+    """--log-config-file (a dictConfig JSON file, read at start-up) and --ssl-ciphers (with a
+    certificate), from the command line and the YAML."""
+    conf = tmp_path / "log.json"
+    conf.write_text(json.dumps({"version": 1, "disable_existing_loggers": False}))
+    pem = tmp_path / "x.pem"
+    pem.write_text("not checked here: uvicorn loads it")
+    cipher = "ECDHE-ECDSA-AES128-GCM-SHA256"
+    argv = ["--log-config-file", str(conf), "--ssl-certfile", str(pem), "--ssl-ciphers", cipher]
+    _, scfg = parse(argv)
+    assert (scfg.log_config_file, scfg.ssl_ciphers) == (str(conf), cipher)
+    keys = {"log_config_file": str(conf), "ssl_certfile": str(pem), "ssl_ciphers": cipher}
+    _, scfg = resolve_configs(keys, {})
+    assert (scfg.log_config_file, scfg.ssl_ciphers) == (str(conf), cipher)
+    bad = tmp_path / "bad.json"
+    for text, match in [("{", "is not a JSON file"), ("[1]", 'needs "version": 1')]:
+        bad.write_text(text)
+        with pytest.raises(ValueError, match=match):
+            resolve_configs({"log_config_file": str(bad)}, {})
+    for keys, match in [
+        ({"log_config_file": "/no/such.json"}, "log_config_file: '/no/such.json' is not a JSON"),
+        ({"ssl_ciphers": cipher}, "ssl_ciphers: needs ssl_certfile"),
+        ({"ssl_certfile": str(pem), "ssl_ciphers": "NO-SUCH"}, "selects no cipher from"),
+        ({"uds": "/no/such/dir/x.sock"}, "uds: a socket path in an existing directory"),
+        ({"uds": "/tmp/" + "x" * 120}, "uds: at most 107 bytes"),
+        ({"disable_access_log_for_endpoints": "health"}, "paths starting with '/'"),
+        ({"disable_access_log_for_endpoints": ["/a", 3]}, "paths starting with '/'"),
+        ({"h11_max_header_count": 0}, "h11_max_header_count: a positive integer"),
+        ({"h11_max_incomplete_event_size": True}, "h11_max_incomplete_event_size: a positive"),
+        ({"enable_log_deltas": "yes"}, "enable_log_deltas: true or false"),
+        ({"exclude_tools_when_tool_choice_none": 1}, "must be true or false"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            resolve_configs(keys, {})
+
+
+def test_vllms_frontend_switches_taken_or_refused(capsys):
+    """--enable-request-id-headers is what paxengine always does (its --no- form refused);
+    --no-enable-lora and --no-enable-ssl-refresh ask for what paxengine does; --middleware
+    (user code) and --enable-ssl-refresh are refused naming why. The YAML keys alike."""
+    flags = ["--enable-request-id-headers", "--no-enable-lora", "--no-enable-ssl-refresh"]
+    _, scfg = parse(flags)
+    notes = "\n".join(scfg.vllm_flag_notes)
+    for flag in flags:
+        assert flag + ": " in notes, flag
+    assert "X-Request-Id" in notes and "LoRA adapters are not implemented" in notes
+    yaml = {"enable_request_id_headers": True, "enable_lora": False, "enable_ssl_refresh": False}
+    assert len(resolve_configs(yaml, {})[1].vllm_flag_notes) == 3
+    for argv, match in [
+        (["--middleware", "my.module.Middleware"], "--middleware: refused: .*imports no code"),
+        (["--enable-ssl-refresh"], "--enable-ssl-refresh: refused: .*at start-up"),
+        (["--no-enable-request-id-headers"], "X-Request-Id.*cannot be turned off"),
+    ]:
+        with pytest.raises(SystemExit):
+            parse(argv)
+        assert re.search(match, capsys.readouterr().err), argv
+    with pytest.raises(ValueError, match="--middleware: refused"):
+        resolve_configs({"middleware": ["a.B"]}, {})
 
 
 @pytest.mark.parametrize(
