@@ -225,13 +225,16 @@ def build_app(
 
     # ------------------------------------------------------------------ operations
     @app.get("/health", response_model=HealthResponse)
-    @app.api_route("/ping", methods=["GET", "POST"], response_model=HealthResponse)
-    async def health():  # /ping: vLLM's (SageMaker's) name for it
+    async def health():
         if state.drain.draining:  # first: an orchestrator stops routing here at once
             return state.draining_error().response()
         if not engine.is_healthy():
             return ApiError(503, "the engine is not healthy", code="engine_unhealthy").response()
         return HealthResponse(status="ok")
+
+    @app.api_route("/ping", methods=["GET", "POST"], response_model=HealthResponse)
+    async def ping():  # vLLM's (SageMaker's) name for /health
+        return await health()
 
     @app.post("/reset_prefix_cache", dependencies=auth)
     async def reset_prefix_cache():
