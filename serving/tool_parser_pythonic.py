@@ -35,8 +35,7 @@ import math
 import re
 import warnings
 
-from serving.tool_parsers import CallPiece, _partial_suffix
-from serving.tools import Call
+from serving.tools import Call, CallPiece, partial_suffix
 
 PYTHON_START, PYTHON_END = "<|python_start|>", "<|python_end|>"  # Llama 4's
 
@@ -336,7 +335,7 @@ class PythonicCallStream:
     def _more(self, delta: str) -> tuple[str, list]:
         if self.llama4:  # every `<|python_end|>` left out, a partial one held
             text = (self.held + delta).replace(PYTHON_END, "")
-            keep = _partial_suffix(text, PYTHON_END)
+            keep = partial_suffix(text, PYTHON_END)
             delta, self.held = text[: len(text) - keep], text[len(text) - keep :]
         try:
             self.scan.feed(delta)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass
 
 from serving.tools import (
     CLOSE,
@@ -26,7 +25,9 @@ from serving.tools import (
     QWEN3_XML,
     TOOL_CALLS,
     Call,
+    CallPiece,
     mistral_id,
+    partial_suffix,
 )
 
 
@@ -135,7 +136,7 @@ class ToolCallStream:
         while True:
             i = self.buf.find(OPEN)
             if i < 0:
-                keep = _partial_suffix(self.buf, OPEN)
+                keep = partial_suffix(self.buf, OPEN)
                 out += self.buf[: len(self.buf) - keep]
                 self.buf = self.buf[len(self.buf) - keep :]
                 break
@@ -162,14 +163,6 @@ class ToolCallStream:
             out = out.lstrip()
             self.sent_content = bool(out)
         return out
-
-
-def _partial_suffix(text: str, tag: str) -> int:
-    """Length of the longest suffix of text that is a proper prefix of tag."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:n]):
-            return n
-    return 0
 
 
 class Llama3CallStream:
@@ -217,17 +210,6 @@ def call_stream(fmt: str, tool_defs: list[dict] | None = None):
 
 
 # ----------------------------------------------------------------------------- Qwen3's XML calls
-@dataclass
-class CallPiece:
-    """A piece of a call that streams: the first (name set) opens call `call`, the others add
-    to its arguments (JSON text)."""
-
-    call: int
-    name: str | None = None
-    arguments: str = ""
-    id: str | None = None
-
-
 def calls_of_pieces(pieces: list) -> list[Call]:
     calls: dict[int, Call] = {}
     for p in pieces:
@@ -331,7 +313,7 @@ class Qwen3XmlStream:
             if self.state == "text":
                 i = self.buf.find(OPEN)
                 if i < 0:
-                    keep = _partial_suffix(self.buf, OPEN)
+                    keep = partial_suffix(self.buf, OPEN)
                     out += self.buf[: len(self.buf) - keep]
                     self.buf = self.buf[len(self.buf) - keep :]
                     break
@@ -446,7 +428,7 @@ class MistralCallStream:
             if self.state == "text":
                 i = self.buf.find(TOOL_CALLS)
                 if i < 0:
-                    keep = 0 if final else _partial_suffix(self.buf, TOOL_CALLS)
+                    keep = 0 if final else partial_suffix(self.buf, TOOL_CALLS)
                     out += self.buf[: len(self.buf) - keep]
                     self.buf = self.buf[len(self.buf) - keep :]
                     break
@@ -479,7 +461,7 @@ class MistralCallStream:
                 k = self.buf.find(TOOL_CALLS)
                 if k < 0 and not final:
                     # a partial marker, or blanks that may end the arguments, wait
-                    keep = _partial_suffix(self.buf, TOOL_CALLS)
+                    keep = partial_suffix(self.buf, TOOL_CALLS)
                     send = self.buf[: len(self.buf) - keep].rstrip()
                     items += self._args(send)
                     self.buf = self.buf[len(send) :]

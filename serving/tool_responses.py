@@ -70,7 +70,7 @@ class ToolDeltas:
     def _call_deltas(self, items) -> list[DeltaToolCall]:
         out = []
         for c in items:
-            if isinstance(c, tool_parsers.CallPiece):  # a call streaming piece by piece
+            if isinstance(c, tools.CallPiece):  # a call streaming piece by piece
                 if c.name is not None:
                     if not self.parallel and self.n_calls >= 1:
                         continue

@@ -195,3 +195,23 @@ def forced_calls(text: str, choice) -> list[Call] | None:
     if choice != "required":
         return [Call(choice, json.dumps(value))]
     return [Call(c["name"], json.dumps(c["arguments"])) for c in value]
+
+
+@dataclass
+class CallPiece:
+    """A piece of a call that streams (the parsers' output, tool_responses' input): the first
+    (name set) opens call `call`, the others add to its arguments (JSON text)."""
+
+    call: int
+    name: str | None = None
+    arguments: str = ""
+    id: str | None = None
+
+
+def partial_suffix(text: str, tag: str) -> int:
+    """Length of the longest suffix of text that is a proper prefix of tag (what a parser
+    holds back while the text may still open a tag)."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:n]):
+            return n
+    return 0
