@@ -8,11 +8,10 @@ from __future__ import annotations
 import json
 
 import pytest
-from fake_engine import FakeEngine
+from fake_engine import ScriptedEngine
 from fastapi.testclient import TestClient
 
 from paxengine.config import EngineConfig
-from paxengine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from serving import tool_parsers, tools
 from serving.app import build_app
 from serving.config import ServerConfig
@@ -198,32 +197,6 @@ def test_not_parallel_keeps_the_first_call():
 
 
 # ----------------------------------------------------------------------------- through the app
-class ScriptedEngine(FakeEngine):
-    """Writes `script` one character (token) per step, then stops."""
-
-    script = ""
-
-    def __init__(self):
-        super().__init__(EngineConfig(max_model_len=4096, served_model_name="m"), step_s=0.0005)
-        self.params = []
-
-    def generate(self, request_id, prompt, params):
-        self.params.append(params)
-        return super().generate(request_id, prompt, params)
-
-    async def _run(self, request_id, ids, params):
-        m = RequestMetrics(arrival_time=0.0, num_prompt_tokens=len(ids))
-        text = self.script[: params.max_tokens]
-        try:
-            for n in range(1, len(text) + 1):
-                done = n == len(text)
-                finish = ("stop" if len(text) == len(self.script) else "length") if done else None
-                o = CompletionOutput(0, text[:n], [ord(ch) for ch in text[:n]], None, None, finish)
-                yield RequestOutput(request_id, None, ids, [o], done, m)
-        finally:
-            self.running.pop(request_id, None)
-
-
 WEATHER = {
     "type": "function",
     "function": {
@@ -267,7 +240,7 @@ def test_pythonic_calls_through_the_server():
     streamed as the same calls; a text starting with `[` that is not calls stays content;
     tool_choice required / a named function are forced as for the other parsers; llama4_pythonic
     takes Llama 4's tags."""
-    engine = ScriptedEngine()
+    engine = ScriptedEngine(EngineConfig(max_model_len=4096, served_model_name="m"))
     engine.script = TWO
     cfg = ServerConfig(enable_auto_tool_choice=True, tool_call_parser="pythonic")
     with TestClient(build_app(engine, cfg)) as c:

@@ -11,7 +11,7 @@ import logging
 import re
 
 import pytest
-from fake_engine import FakeEngine
+from fake_engine import FakeEngine, ScriptedEngine
 from fastapi.testclient import TestClient
 
 from paxengine.config import EngineConfig
@@ -152,42 +152,6 @@ def test_qwen3_xml_streams_openai_deltas(size):
 
 
 # ----------------------------------------------------------------------------- the app's chain
-class ScriptedEngine(FakeEngine):
-    """Writes `script` one character (token) per step, then stops; records each request's
-    SamplingParams and template variables."""
-
-    script = ""
-
-    def __init__(self, config=None):
-        config = config or EngineConfig(max_model_len=4096, served_model_name="fake-model")
-        super().__init__(config, step_s=0.0005)
-        self.params, self.variables = [], []
-        tok, record = self.tokenizer, self.variables
-        original = tok.apply_chat_template
-
-        def apply(messages, add_generation_prompt=True, continue_final_message=False, **v):
-            record.append({"messages": messages, **v})
-            return original(messages, add_generation_prompt, continue_final_message, **v)
-
-        tok.apply_chat_template = apply
-
-    def generate(self, request_id, prompt, params):
-        self.params.append(params)
-        return super().generate(request_id, prompt, params)
-
-    async def _run(self, request_id, ids, params):
-        m = RequestMetrics(arrival_time=0.0, num_prompt_tokens=len(ids))
-        text = self.script[: params.max_tokens]
-        try:
-            for n in range(1, len(text) + 1):
-                done = n == len(text)
-                finish = ("stop" if len(text) == len(self.script) else "length") if done else None
-                o = CompletionOutput(0, text[:n], [ord(ch) for ch in text[:n]], None, None, finish)
-                yield RequestOutput(request_id, None, ids, [o], done, m)
-        finally:
-            self.running.pop(request_id, None)
-
-
 def _client(script: str, **server):
     engine = ScriptedEngine()
     engine.script = script
