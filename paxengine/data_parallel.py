@@ -24,7 +24,8 @@ log = logging.getLogger("paxengine")
 
 # how a stat of the replicas adds up: counters and gauges of requests sum, these do not
 _MEAN = ("kv_cache_usage_perc",)
-_MAX = ("xla_compiles_after_warmup",)  # counted per process: each replica sees them all
+# compiles are counted per process (each replica sees them all); every replica has one block size
+_MAX = ("xla_compiles_after_warmup", "block_size")
 
 
 class DataParallelEngine(BeamSearches):
@@ -99,6 +100,10 @@ class DataParallelEngine(BeamSearches):
         self._owner[request_id] = r
         self.routed[r] += 1
         return self._forget_when_done(request_id, outputs)
+
+    def engine_index(self, request_id: str) -> int | None:
+        """The replica serving a live request (its `engine` label on /metrics)."""
+        return self._owner.get(request_id)
 
     async def abort(self, request_id: str) -> None:
         r = self._owner.get(request_id)

@@ -19,6 +19,7 @@ from paxengine.device_turns import TURNS
 from paxengine.engine_setup import DTYPES
 from paxengine.errors import InvalidRequest, StepFailed
 from paxengine.executables import ExecutableStore
+from paxengine.iteration_stats import IterationStats
 from paxengine.kv_cache import KVCacheManager
 from paxengine.kv_memory import claim_device_memory
 from paxengine.output import RequestGroup, SequenceOutput
@@ -188,6 +189,7 @@ class EngineCore:
         self.rng = np.random.default_rng(cfg.seed)
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
+        self.iteration_stats = IterationStats()  # vLLM's per-iteration figures (/metrics)
         self.steps = 0
         self.overlapped_steps = 0  # steps dispatched before the previous one was read
         self.chained_steps = 0  # of them, chained verify steps (spec_decode/chain.py)
@@ -221,6 +223,11 @@ class EngineCore:
             "failed_steps": self.failed_steps,
             "xla_compiles_after_warmup": compiles_after_warmup(),
             "step_executables_pending": self.pending_executables(),
+            # every waiting request waits for room (vLLM's reason "capacity"): none is deferred
+            "num_requests_waiting_deferred": 0,
+            "block_size": self.kv.block_size,
+            "num_gpu_blocks": self.kv.num_blocks,
+            **self.iteration_stats.as_dict(),
             **self.scheduler.spec_stats.as_dict(),
         }
 
@@ -546,10 +553,14 @@ class EngineCore:
         its sample dropped, as for any request that ends while a step is in flight."""
         lps, ranks, top_ids, top_lps = logprobs
         touched: dict[str, RequestGroup] = {}
+        its, iteration_tokens = self.iteration_stats, 0
         for req in updated:
             group, seq = self.seq_of[req.request_id]
             i = step.rows[req.request_id]  # its first sampled position; its next ones follow
             new = len(req.output_token_ids) - seq.num_seen
+            if seq.num_seen == 0 and new:  # its first token: the prompt counts here (vLLM's)
+                iteration_tokens += its.prefilled(req.num_prompt_tokens, req.num_cached_tokens)
+            iteration_tokens += new
             stop = seq.update(
                 [(lps[j], ranks[j], top_ids[j], top_lps[j]) for j in range(i, i + new)]
             )
@@ -559,6 +570,8 @@ class EngineCore:
             if req.is_finished:
                 seq.finish()
             touched[group.request_id] = group
+        if updated:
+            its.iteration(iteration_tokens)
         outputs = []
         for rid, group in touched.items():
             finished = group.finished

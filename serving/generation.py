@@ -20,14 +20,14 @@ from typing import AsyncIterator, Optional, Sequence
 from fastapi import Request
 
 from paxengine.client import EngineClient, ModelInfo
-from paxengine.errors import EngineDead, EngineError, EngineOverloaded, InvalidRequest
+from paxengine.errors import EngineDead, EngineError, EngineOverloaded, InvalidRequest, StepFailed
 from paxengine.sampling_params import SamplingParams
 from paxengine.validation import check_token_ids
 from serving import generation_config
 from serving.config import ServerConfig
 from serving.drain import Drain
 from serving.errors import ApiError
-from serving.metrics import ServerMetrics
+from serving.metrics import ServerMetrics, cache_config_labels
 
 log = logging.getLogger("serving")
 
@@ -52,7 +52,13 @@ class ServerState:
     @classmethod
     def create(cls, engine: EngineClient, config: ServerConfig) -> "ServerState":
         info = engine.model_info()
-        metrics = ServerMetrics(config.metrics_prefix, info.name, engine.stats, info.max_model_len)
+        metrics = ServerMetrics(
+            config.metrics_prefix,
+            info.name,
+            engine.stats,
+            info.max_model_len,
+            cache_config_labels(getattr(engine, "config", None)),
+        )
         mode, model = (
             config.generation_config,
             getattr(getattr(engine, "config", None), "model", None),
@@ -161,6 +167,7 @@ class Job:
     stream: Optional[AsyncIterator] = None  # engine.generate's outputs, once started
     finished: bool = False
     prompt: Optional[str] = None  # the prompt's text, where there is one (--enable-log-requests)
+    engine: str = "0"  # the `engine` label of its metrics: the replica that serves it
 
 
 def start_jobs(state: ServerState, jobs: list[Job]) -> None:
@@ -177,6 +184,9 @@ def start_jobs(state: ServerState, jobs: list[Job]) -> None:
         except EngineError as e:
             abort_unfinished(state, jobs[:i], count=False)
             raise state.api_error(e) from None
+        index = getattr(state.engine, "engine_index", None)  # several engines: which one
+        if index is not None:
+            job.engine = str(index(job.request_id) or 0)
         state.drain.track(job.request_id)
 
 
@@ -233,42 +243,55 @@ def abort_unfinished(state: ServerState, jobs: list[Job], count: bool = True) ->
             state.spawn_abort(job.request_id)
             if count:
                 for _ in range(job.params.n):
-                    state.metrics.finished("abort")
+                    state.metrics.finished("abort", job.engine)
 
 
 async def _tracked(state: ServerState, job: Job) -> AsyncIterator:
     """The job's outputs, observing TTFT, ITL and the finished request's histograms."""
     m, t0 = state.metrics, time.monotonic()
+    e = m.engine(job.engine)
     first, last_t, last_n = True, t0, 0
     async with aclosing(job.stream) as stream:
-        async for out in stream:
-            now = time.monotonic()
-            ntok = max((len(o.token_ids) for o in out.outputs), default=0)
-            if ntok > last_n:
-                if first:
-                    em = out.metrics
-                    m.ttft.observe(
-                        em.first_token_time - em.arrival_time
-                        if em.first_token_time is not None
-                        else now - t0
+        try:
+            async for out in stream:
+                now = time.monotonic()
+                ntok = max((len(o.token_ids) for o in out.outputs), default=0)
+                if ntok > last_n:
+                    if first:
+                        em = out.metrics
+                        e.ttft.observe(
+                            em.first_token_time - em.arrival_time
+                            if em.first_token_time is not None
+                            else now - t0
+                        )
+                        first = False
+                    else:
+                        k = ntok - last_n
+                        for _ in range(k):
+                            e.itl.observe((now - last_t) / k)
+                    last_t, last_n = now, ntok
+                if out.finished:
+                    job.finished = True
+                    state.drain.untrack(job.request_id)
+                    if state.config.enable_log_outputs:
+                        log_outputs(state.config, job.request_id, out)
+                    m.observe_request(
+                        out.metrics,
+                        len(job.prompt_ids),
+                        [len(o.token_ids) for o in out.outputs],
+                        job.params.max_tokens,
+                        job.engine,
                     )
-                    first = False
-                else:
-                    k = ntok - last_n
-                    for _ in range(k):
-                        m.itl.observe((now - last_t) / k)
-                last_t, last_n = now, ntok
-            if out.finished:
+                    for o in out.outputs:
+                        m.finished(o.finish_reason, job.engine)
+                yield out
+        except StepFailed:  # the engine ended it (a 500): vLLM's finished reason "error"
+            if not job.finished:
                 job.finished = True
                 state.drain.untrack(job.request_id)
-                if state.config.enable_log_outputs:
-                    log_outputs(state.config, job.request_id, out)
-                m.observe_request(
-                    out.metrics, len(job.prompt_ids), sum(len(o.token_ids) for o in out.outputs)
-                )
-                for o in out.outputs:
-                    m.finished(o.finish_reason)
-            yield out
+                for _ in range(job.params.n):
+                    m.finished("error", job.engine)
+            raise
 
 
 async def run_requests(state: ServerState, jobs: list[Job]) -> AsyncIterator[tuple[int, object]]:

@@ -546,11 +546,11 @@ def test_metrics_endpoint_names():
         "spec_decode_num_accepted_tokens_per_pos": [3, 2, 0, 0],
     }
     text = ServerMetrics("vllm", "m", lambda: stats).render().decode()
-    assert 'vllm:spec_decode_num_drafts_total{model_name="m"} 3.0' in text
-    assert 'vllm:spec_decode_num_draft_tokens_total{model_name="m"} 12.0' in text
-    assert 'vllm:spec_decode_num_accepted_tokens_total{model_name="m"} 5.0' in text
+    assert 'vllm:spec_decode_num_drafts_total{engine="0",model_name="m"} 3.0' in text
+    assert 'vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="m"} 12.0' in text
+    assert 'vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="m"} 5.0' in text
     assert (
-        'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="1"} 2.0'
+        'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="1"} 2.0'
         in text
     )
 

@@ -111,6 +111,10 @@ class DisaggregatedEngine(BeamSearches):
         self._live.add(request_id)
         return self._stream(request_id, outputs)
 
+    def engine_index(self, request_id: str) -> int:
+        """A request's `engine` label on /metrics: the decode engine's ("1"), where it ends."""
+        return 1
+
     async def abort(self, request_id: str) -> None:
         if request_id in self._live:
             self._aborted.add(request_id)

@@ -168,12 +168,21 @@ class PrefillCore(EngineCore):
     def link(self, transfer: KVTransfer, peer: DecodeCore, kv_buffer_size: float) -> None:
         self.transfer, self.peer, self.kv_buffer_size = transfer, peer, kv_buffer_size
 
+    def _backed_up(self) -> bool:
+        return self.peer is not None and self.peer.waiting_bytes >= self.kv_buffer_size
+
+    def stats(self) -> dict:
+        st = super().stats()
+        if self._backed_up():  # no prompt starts: the waiting ones wait for the decode side
+            st["num_requests_waiting_deferred"] = st["num_requests_waiting"]
+        return st
+
     def step(self):
         """While the decode engine holds more arrived pages than kv_buffer_size (device memory
         outside its KV pool: it cannot admit them yet), no new prompt starts here; the running
         ones finish. Backpressure instead of an out-of-memory on the decode device."""
         sched = self.scheduler
-        backed_up = self.peer is not None and self.peer.waiting_bytes >= self.kv_buffer_size
+        backed_up = self._backed_up()
         sched.max_num_seqs = len(sched.running) if backed_up else self._max_num_seqs
         if backed_up and not sched.running and self.inflight is None:
             time.sleep(0.001)  # nothing to run until the decode side admits: do not spin

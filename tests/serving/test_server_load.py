@@ -20,7 +20,7 @@ def scrape(http) -> dict[tuple, float]:
     out = {}
     for fam in text_string_to_metric_families(r.text):
         for s in fam.samples:
-            labels = {k: v for k, v in s.labels.items() if k != "model_name"}
+            labels = {k: v for k, v in s.labels.items() if k not in ("model_name", "engine")}
             out[(s.name, frozenset(labels.items()))] = s.value
     return out
 
