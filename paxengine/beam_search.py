@@ -105,7 +105,15 @@ def get_beam_search_score(
     included, a final EOS not) to the power length_penalty."""
     eos = {eos_token_id} if isinstance(eos_token_id, int) else eos_token_id
     seq_len = len(tokens) - (1 if tokens and tokens[-1] in eos else 0)
-    return cumulative_logprob / (seq_len**length_penalty)
+    # any finite length_penalty ranks (BeamSearchParams.validate): where the power leaves the
+    # floats' range, its limit (1e30 overflows: -0.0; -1e308 underflows: -inf)
+    try:
+        denom = float(seq_len) ** length_penalty
+    except (OverflowError, ZeroDivisionError):
+        denom = math.inf
+    if denom == 0:
+        return -math.inf if cumulative_logprob < 0 else 0.0
+    return cumulative_logprob / denom
 
 
 def create_sort_beams_key_function(eos_token_id, length_penalty: float):

@@ -78,7 +78,7 @@ class StructuredOutputs:
             if isinstance(value, str):
                 try:
                     value = json.loads(value)
-                except ValueError as e:
+                except (ValueError, RecursionError) as e:  # nested past Python's parser
                     raise InvalidRequest(
                         f"structured_outputs.json: not valid JSON: {e}", param="json_schema"
                     ) from None
@@ -139,7 +139,7 @@ def structural_tag(value) -> dict:
     if isinstance(value, str):
         try:
             value = json.loads(value)
-        except ValueError as e:
+        except (ValueError, RecursionError) as e:  # nested past Python's parser
             raise _tag_error("", f"not valid JSON: {e}") from None
     _keys(value, "", ("type", "structures", "triggers", "format"))
     if value.get("type", "structural_tag") != "structural_tag":

@@ -141,11 +141,11 @@ def build_app(
         with `prompt` a completion."""
         text, data = await read_json_object(request, cfg.max_request_body_bytes)
         if "messages" in data:
-            return await respond(state, "chat", request, validate_body(ChatCompletionRequest, text))
+            req = validate_body(ChatCompletionRequest, text, data)
+            return await respond(state, "chat", request, req)
         if "prompt" in data:
-            return await respond(
-                state, "completion", request, validate_body(CompletionRequest, text)
-            )
+            req = validate_body(CompletionRequest, text, data)
+            return await respond(state, "completion", request, req)
         raise bad_request(
             "/invocations takes a chat completion (`messages`) or a completion (`prompt`)",
             "messages",

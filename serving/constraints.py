@@ -84,13 +84,37 @@ def _tag_named(message: str, param: str, field: str) -> tuple[str, str]:
     return named + message[len(param) :], named
 
 
-def named(req, e: InvalidRequest) -> InvalidRequest:
+# the params of a constraint's compile error (paxengine/structured.GrammarCompiler): its kind's
+_COMPILED = {
+    "json_schema": "json",
+    "response_format": "json_object",
+    "regex": "regex",
+    "choice": "choice",
+    "grammar": "grammar",
+    "structured_outputs": None,
+}
+
+
+def named(req, e: InvalidRequest, forced: bool = False) -> InvalidRequest:
     """An engine's InvalidRequest about the request's constraint (the grammar compiles in
-    engine.validate) named by the request's field where it is a structural tag's."""
-    field = constraint_field(req)
-    if field is None or not (e.param or "").startswith("structural_tag"):
+    engine.validate) named by the request's field: a structural tag's path in it, the schema of
+    response_format, structured_outputs' kind, a guided_* field, or `tools` for a forced call's
+    grammar (forced); an error about another field (the prompt) as it is."""
+    field, param = "tools" if forced else constraint_field(req), e.param or ""
+    if field is None:
         return e
-    return InvalidRequest(*_tag_named(str(e), e.param, field), code=e.code)
+    if param.startswith("structural_tag"):
+        return InvalidRequest(*_tag_named(str(e), param, field), code=e.code)
+    if param not in _COMPILED:
+        return e
+    kind, where = _COMPILED[param], field
+    if field == "response_format" and kind == "json":
+        where = "response_format.json_schema.schema"
+    elif field == "structured_outputs" and kind is not None:
+        where = f"structured_outputs.{kind}"
+    message = str(e)
+    rest = message[len(param) :] if message.startswith(param) else f": {message}"
+    return InvalidRequest(where + rest, param=where, code=e.code)
 
 
 def constraint_field(req) -> Optional[str]:

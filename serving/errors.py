@@ -66,21 +66,53 @@ def bad_request(message: str, param: Optional[str] = None) -> ApiError:
     return ApiError(400, message, param=param)
 
 
-def _loc(loc) -> Optional[str]:
-    # drop pydantic's union-branch names ("str", "list[int]") and FastAPI's "body" prefix
-    parts = [
-        str(p)
-        for p in loc
-        if p != "body"
-        and not (
-            isinstance(p, str)
-            and (
-                "[" in p
-                or p in ("str", "int", "float", "bool", "list", "dict", "function-after", "[key]")
+def renamed(e: ApiError, names: dict[str, str]) -> ApiError:
+    """`e` naming its field by `names` (a param, or the start of a param's path, -> the name the
+    client's request gives it); the message's leading name too."""
+    for old, new in names.items():
+        if e.param is not None and (e.param == old or e.param.startswith(old + ".")):
+            param = new + e.param[len(old) :]
+            message = e.message
+            if message.startswith(e.param):
+                message = param + message[len(e.param) :]
+            return ApiError(
+                e.status, message, param=param, code=e.code, type=e.type, headers=e.headers
             )
-        )
-    ]
-    return ".".join(parts) or None
+    return e
+
+
+_BRANCHES = ("str", "int", "float", "bool", "list", "dict", "function-after", "[key]")
+
+
+def _branch(p) -> bool:
+    """Whether a location part looks like pydantic's name of a union branch."""
+    return isinstance(p, str) and ("[" in p or p in _BRANCHES)
+
+
+def _path(loc, body=None) -> list[str]:
+    """A pydantic error's location as the request's field path, without pydantic's names of
+    union branches ("str", "list[int]", a model's class name, a tagged union's tag). With the
+    request's JSON `body`, a name is a field where the body has it (the last part: also a
+    missing field of an object); without (FastAPI's errors), by its look, and FastAPI's "body"
+    prefix goes."""
+    parts, at = [], body
+    for i, p in enumerate(loc):
+        if body is None:
+            if p != "body" and not _branch(p):
+                parts.append(str(p))
+            continue
+        if isinstance(p, int):
+            at = at[p] if isinstance(at, list) and -len(at) <= p < len(at) else None
+        elif isinstance(at, dict) and p in at:
+            at = at[p]
+        elif not (isinstance(at, dict) and i == len(loc) - 1 and not _branch(p)):
+            continue  # a union branch's name
+        parts.append(str(p))
+    return parts
+
+
+def _loc(loc, body=None) -> Optional[str]:
+    return ".".join(_path(loc, body)) or None
 
 
 def _not_supported(name: str) -> str:
@@ -89,13 +121,24 @@ def _not_supported(name: str) -> str:
     return f"`{name}` is not supported by this server (unknown field)"
 
 
-def validation_error(errors: list[dict]) -> ApiError:
+def _field(loc, body=None) -> str:
+    """An unknown field's path: its own name (the last part) kept whatever it is ("", "str",
+    "a[0]"), which `_path` without the body would take for a union branch's name."""
+    if body is not None:
+        return ".".join(_path(loc, body))
+    head, name = _loc(loc[:-1]), str(loc[-1]) if loc else ""
+    return f"{head}.{name}" if head else name
+
+
+def validation_error(errors: list[dict], body=None) -> ApiError:
+    """pydantic's errors as one 400 naming the field; `body`: the request's JSON object, which
+    tells the fields from pydantic's names of union branches in the errors' locations."""
     # A field we do not implement comes first: the client is counting on what it asks for.
-    extra = [_loc(e["loc"]) for e in errors if e.get("type") == "extra_forbidden"]
+    extra = [_field(e["loc"], body) for e in errors if e.get("type") == "extra_forbidden"]
     if extra:
         return bad_request("; ".join(_not_supported(n) for n in extra), extra[0])
     first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
-    param = _loc(first.get("loc", ()))
+    param = _loc(first.get("loc", ()), body)
     top = param.split(".")[0] if param else None
     if first.get("type") == "json_invalid":
         return bad_request(f"request body is not valid JSON: {first.get('msg')}")
@@ -106,7 +149,7 @@ def validation_error(errors: list[dict]) -> ApiError:
         )
     elif top == "stop":
         msg = "stop must be a string or a list of strings"
-    elif param and param.endswith(".content"):
+    elif top == "messages" and param.endswith(".content"):
         msg = f'{param} must be a string or a list of {{"type": "text", "text": ...}} parts'
     else:
         msg = f"{param or 'body'}: {first.get('msg', 'invalid value')}"
@@ -116,15 +159,16 @@ def validation_error(errors: list[dict]) -> ApiError:
 async def parse_body(request: Request, model: type[M], max_bytes: int) -> M:
     """Read and validate a JSON body; every failure is a shaped 400, a body over `max_bytes` a
     413 (read no further than that: a huge upload cannot grow the server's memory)."""
-    text, _ = await read_json_object(request, max_bytes)
-    return validate_body(model, text)
+    text, data = await read_json_object(request, max_bytes)
+    return validate_body(model, text, data)
 
 
-def validate_body(model: type[M], text: str) -> M:
+def validate_body(model: type[M], text: str, data: Optional[dict] = None) -> M:
+    """`text` as a `model`; data: its JSON object (read_json_object's), for the errors' params."""
     try:
         return model.model_validate_json(text)
     except ValidationError as e:
-        raise validation_error(e.errors(include_url=False)) from None
+        raise validation_error(e.errors(include_url=False), data) from None
 
 
 async def read_json_object(request: Request, max_bytes: int) -> tuple[str, dict]:
@@ -150,6 +194,8 @@ async def read_json_object(request: Request, max_bytes: int) -> tuple[str, dict]
         data = json.loads(text)
     except json.JSONDecodeError as e:
         raise bad_request(f"request body is not valid JSON: {e}") from None
+    except RecursionError:  # Python's parser recurses per nesting level
+        raise bad_request("request body is nested too deeply") from None
     if not isinstance(data, dict):
         raise bad_request(f"request body must be a JSON object, got {type(data).__name__}")
     return text, data

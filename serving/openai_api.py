@@ -21,7 +21,7 @@ from paxengine.errors import InvalidRequest
 from paxengine.sampling_params import SamplingParams
 from serving import beam_search, constraints, reasoning, request_params, tool_responses, tools
 from serving.choices import ChatSetup, Piece, chat_chain, completion_chain
-from serving.errors import ApiError, bad_request, internal_error
+from serving.errors import ApiError, bad_request, internal_error, renamed
 from serving.generation import (
     ClientDisconnected,
     Job,
@@ -164,6 +164,21 @@ async def _off_loop(size: int, fn, *args):
 
 
 async def prepare(state: ServerState, kind: str, req) -> _Call:
+    try:
+        return await _prepare(state, kind, req)
+    except ApiError as e:
+        if kind != "chat":
+            raise
+        # the engine's names of a chat's prompt and budget: the request's own fields
+        budget = "max_completion_tokens" in req.model_fields_set
+        names = {
+            "prompt": "messages",
+            **({"max_tokens": "max_completion_tokens"} if budget else {}),
+        }
+        raise renamed(e, names) from None
+
+
+async def _prepare(state: ServerState, kind: str, req) -> _Call:
     state.check_model(req.model)
     beam_search.check_request(req, kind)  # use_beam_search: what it refuses, first
     if req.stream_options is not None and req.stream_options.model_fields_set and not req.stream:
@@ -232,7 +247,8 @@ async def prepare(state: ServerState, kind: str, req) -> _Call:
         try:
             await asyncio.to_thread(state.engine.validate, prompts[0][1], params)
         except InvalidRequest as e:
-            raise state.api_error(constraints.named(req, e)) from None
+            forced = kind == "chat" and mode not in (None, "auto")
+            raise state.api_error(constraints.named(req, e, forced)) from None
     if req.request_id is not None and not usable_request_id(req.request_id):
         raise bad_request(
             "request_id: at most 128 characters of letters, digits and ._:/+=@-",

@@ -27,7 +27,7 @@ from fastapi.responses import Response
 from pydantic import ValidationError
 
 from serving import reasoning
-from serving.errors import ApiError, bad_request, internal_error, validation_error
+from serving.errors import ApiError, bad_request, internal_error, renamed, validation_error
 from serving.generation import (
     ClientDisconnected,
     ServerState,
@@ -295,10 +295,26 @@ def _json(obj) -> str:
     return json.dumps(obj, default=lambda m: m.model_dump(mode="json"), ensure_ascii=False)
 
 
+# the chat request's fields (prepare's errors name them) -> the Responses request's
+_NAMES = {
+    "messages": "input",
+    "max_completion_tokens": "max_output_tokens",
+    "max_tokens": "max_output_tokens",
+    "response_format.json_schema.schema": "text.format.schema",
+    "response_format": "text.format",
+    "logprobs": "include",
+    "truncate_prompt_tokens": "truncation",
+    "chat_template_kwargs": "reasoning.effort",
+}
+
+
 async def respond(state: ServerState, request: Request, req: ResponsesRequest) -> Response:
     _refuse(req)
     rid = uuid.uuid4().hex
-    call = await prepare(state, "chat", chat_request(req, rid))
+    try:
+        call = await prepare(state, "chat", chat_request(req, rid))
+    except ApiError as e:
+        raise renamed(e, _NAMES) from None
     answer = _Answer(state, req, call, rid)
     log.info(
         "%s x-request-id=%s max_tokens=%s stream=%s",

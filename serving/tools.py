@@ -94,7 +94,7 @@ def template_renders_tools(template: str | None) -> bool:
 def _arguments(text: str):
     try:
         return json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or nested past Python's parser: as written
         return text
 
 

@@ -137,6 +137,21 @@ def test_search_steps_eos_and_abort():
     assert isinstance(kept.best()[0], BeamSearchSequence)
 
 
+def test_extreme_length_penalties_rank_without_raising():
+    """Any finite length_penalty is taken (the server's length_penalty field): where the power
+    leaves the floats' range the score is its limit, not an OverflowError or ZeroDivisionError
+    (a 500 in the fuzz: length_penalty 1e30 and -1e308)."""
+    assert get_beam_search_score([1, 2, 3], -0.5, 9, 1e30) == 0.0  # -0.5 / inf
+    assert get_beam_search_score([1, 2, 3], -0.5, 9, -1e308) == -np.inf  # -0.5 / 0
+    assert get_beam_search_score([1, 2, 3], 0.0, 9, -1e308) == 0.0
+    assert get_beam_search_score([1, 2, 3], -0.5, 9, 2.0) == -0.5 / 9
+    for lp in (1e30, -1e308, -1e30, 1e308):
+        s = BeamSearch([1], BeamSearchParams(beam_width=2, max_tokens=2, length_penalty=lp), [9])
+        s.extend([_out({2: -0.1, 9: -0.5, 3: -1.0})])
+        s.extend([_out({5: -0.2, 6: -3.0}), _out({8: -0.1, 7: -2.0})])
+        assert len(s.best()) == 2
+
+
 def test_async_engine_search_and_abort_by_id(llm):
     """Over AsyncEngine's generate: the server's form of the same search (text and tokens
     without the prompt, EOS left out of both), and abort(id) ends a running search."""

@@ -158,6 +158,19 @@ def test_bad_constraints_are_invalid_requests(compiler):
     assert compiler.compile(gbnf) is compiler.compile(gbnf)
 
 
+def test_json_text_nested_past_pythons_parser_is_an_invalid_request():
+    """A schema's or structural tag's JSON text nested deeper than json.loads recurses is the
+    request's fault (InvalidRequest naming it), not a RecursionError (a 500 in the fuzz)."""
+    deep = "[" * 50_000 + "]" * 50_000
+    for spec, param in (
+        (StructuredOutputs(json=deep), "json_schema"),
+        (StructuredOutputs(structural_tag=deep), "structural_tag"),
+    ):
+        with pytest.raises(InvalidRequest) as e:
+            spec.key()
+        assert e.value.param == param and "not valid JSON" in str(e.value)
+
+
 def _walk(compiler, spec, ids, V):
     """(allowed tokens before each of ids, the EOS allowed there), consuming each; all must be
     allowed."""

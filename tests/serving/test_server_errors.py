@@ -70,7 +70,7 @@ CHAT_CASES = [
     ({"messages": [{"content": "x"}]}, "messages.0.role"),
     ({"messages": [{"role": "user", "content": {"a": 1}}]}, "messages.0.content"),
     ({"messages": "hello"}, "messages"),
-    ({"max_completion_tokens": -1}, "max_tokens"),
+    ({"max_completion_tokens": -1}, "max_completion_tokens"),  # the field the request set
     ({"logprobs": True, "top_logprobs": 25}, "top_logprobs"),
     ({"top_logprobs": 2}, "top_logprobs"),
     ({"temperature": -1}, "temperature"),

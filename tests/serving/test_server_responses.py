@@ -251,6 +251,13 @@ def test_function_call_round_trip(client, server):
         ({"input": [{"type": "image_generation_call", "id": "x"}]}, "input.0"),
         ({"input": []}, "input"),
         ({"store": False, "conversation": "conv_1"}, "conversation"),
+        # the chat request's names (prompt, response_format) as the Responses request's
+        ({"input": "Hi " * 600}, "input"),
+        ({"max_output_tokens": 10**6}, "max_output_tokens"),
+        (
+            {"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "strin"}}}},
+            "text.format.schema",
+        ),
     ],
 )
 def test_refused_fields_are_400s_naming_them(http, server, extra, param):

@@ -305,10 +305,20 @@ BAD = [
                 "json_schema": {"name": "x", "schema": {"type": "strin"}},
             }
         },
-        "json_schema",
+        "response_format.json_schema.schema",
     ),
-    ({"structured_outputs": {"regex": "(a"}}, "regex"),
-    ({"guided_grammar": "start: undefined_rule"}, "grammar"),
+    ({"structured_outputs": {"regex": "(a"}}, "structured_outputs.regex"),
+    ({"guided_grammar": "start: undefined_rule"}, "guided_grammar"),
+    # a forced call's grammar is the tools' schemas: the error names tools
+    (
+        {
+            "tools": [
+                {**WEATHER, "function": {**WEATHER["function"], "parameters": {"type": "strin"}}}
+            ],
+            "tool_choice": "required",
+        },
+        "tools",
+    ),
     ({"structured_outputs": {"choice": []}}, "structured_outputs"),
     ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
     ({"tool_choice": "required"}, "tool_choice"),

@@ -175,6 +175,51 @@ def test_bad_bodies_auth_model_overload(fake):
     assert c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
 
 
+def test_odd_bodies_the_fuzz_found_are_400s_naming_the_field(fake):
+    """test_server_fuzz.py's finds: a body nested past json.loads' recursion, and unknown fields
+    whose names look like pydantic's union branches ("", "str", "list[int]") were 500s; a field
+    inside a union (tool_choice, a Responses input item) was named with pydantic's branch name
+    (tool_choice.NamedToolChoice.name, input.0.message.content)."""
+    _, c = fake
+    hdr = {"content-type": "application/json"}
+    deep = b'{"prompt": "x", "stop": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    for route in ("/v1/completions", "/invocations", "/tokenize"):
+        r = c.post(route, content=deep, headers=hdr)
+        _err(r, 400)
+        assert "nested too deeply" in r.json()["error"]["message"]
+    chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+    for name in ("", "str", "list[int]", "a.b"):
+        _err(c.post("/v1/completions", json={"prompt": "x", name: 1}), 400, name)
+        _err(c.post("/invocations", json={**chat, name: 1}), 400, name)
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    named = {"type": "function", "function": {"name": "f"}, "str": 1}
+    r = c.post("/v1/chat/completions", json={**chat, "tools": tools, "tool_choice": named})
+    _err(r, 400, "tool_choice.str")
+    named = {"type": "function", "function": {"name": "f", "x": 1}}
+    r = c.post("/v1/chat/completions", json={**chat, "tools": tools, "tool_choice": named})
+    _err(r, 400, "tool_choice.function.x")
+    for item, param in (
+        ({"role": "user", "content": 5}, "input.0.content"),
+        ({"type": "function_call", "call_id": "c", "name": "f"}, "input.0.arguments"),
+        ({"type": "reasoning", "summary": [], "content": "x"}, "input.0.content"),
+        ({"type": "function_call_output", "call_id": "c", "output": "r", "": 1}, "input.0."),
+    ):
+        _err(c.post("/v1/responses", json={"input": [item]}), 400, param)
+    r = c.post("/v1/responses", json={"input": "x", "tool_choice": {"type": "function", "x": 1}})
+    _err(r, 400, "tool_choice.x")
+    # the engine's names of a prompt and its budget, as each route's request names them
+    long = [{"role": "user", "content": "x" * 500}]
+    _err(c.post("/v1/chat/completions", json={"messages": long}), 400, "messages")
+    r = c.post("/v1/chat/completions", json={**chat, "max_completion_tokens": 10**6})
+    _err(r, 400, "max_completion_tokens")
+    _err(c.post("/v1/chat/completions", json={**chat, "max_tokens": 10**6}), 400, "max_tokens")
+    _err(c.post("/v1/responses", json={"input": "x" * 500}), 400, "input")
+    r = c.post("/v1/responses", json={"input": "x", "max_output_tokens": 10**6})
+    _err(r, 400, "max_output_tokens")
+    _err(c.post("/v1/completions", json={"prompt": "x" * 500}), 400, "prompt")
+    assert c.post("/v1/chat/completions", json=chat).status_code == 200
+
+
 def test_misc_endpoints(fake):
     _, c = fake
     assert c.get("/v1/models").json()["data"][0]["id"] == "fake-model"
