@@ -49,8 +49,11 @@ def _copy(o: CompletionOutput) -> CompletionOutput:
 
 
 class FakeEngine:
-    """Generates letters a-z from a seeded RNG, one token per 'step' of `step_s` seconds.
+    """Generates letters a-z from a seeded RNG, one token per 'step' of `step_s` seconds; or,
+    with `script` set, each choice writes that text (one character a token) and stops.
     `waiting` and `healthy` are knobs for the tests; `prefix_cache_busy` makes a reset fail."""
+
+    script: Optional[str] = None
 
     def __init__(self, config: Optional[EngineConfig] = None, step_s: float = 0.002):
         self.config = config or EngineConfig(
@@ -153,7 +156,8 @@ class FakeEngine:
                 for o, rng in zip(outs, rngs):
                     if o.finish_reason:
                         continue
-                    tid = 97 + rng.randrange(26)
+                    k = len(o.token_ids)
+                    tid = ord(self.script[k]) if self.script else 97 + rng.randrange(26)
                     o.token_ids.append(tid)
                     self.totals["generation_tokens"] += 1
                     o.text += chr(tid)
@@ -172,6 +176,8 @@ class FakeEngine:
                         if s in o.text:
                             o.text = o.text[: o.text.index(s)]
                             o.finish_reason, o.stop_reason = "stop", s
+                    if self.script and not o.finish_reason and k + 1 == len(self.script):
+                        o.finish_reason = "stop"
                     if not o.finish_reason and len(o.token_ids) >= (params.max_tokens or 16):
                         o.finish_reason = "length"
                 m.first_token_time = m.first_token_time or time.monotonic()
