@@ -439,7 +439,9 @@ def build_sampling_tensors(
         for i, t in opening:
             mask[i, t // 32] |= np.int32(np.uint32(1 << (t % 32)).view(np.int32))
         for i, ids in allowed:  # and, for a grammar's row, only what both allow
-            mask[i] &= token_mask(tuple(ids), vocab_size)
+            both = mask[i] & token_mask(tuple(ids), vocab_size)
+            if both.any():  # else the grammar's alone: a token it refuses would end the request
+                mask[i] = both
         for i, ids in banned:  # then without the bad words' tokens
             _clear_tokens(mask[i], ids)
     # [S, H] only when a row uses a penalty (no S x max_model_len upload every step otherwise).

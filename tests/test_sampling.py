@@ -219,3 +219,29 @@ def test_bad_words_mask_their_rows():
     # no word bans anything in this step: no mask
     p = SamplingParams(bad_words_token_ids=[[3, 4]])
     assert not build_sampling_tensors([Request("r", [3], p, seed=0)], 1, 8, [0], None, V).grammar
+
+
+def test_a_grammar_wins_over_allowed_token_ids_that_leave_it_nothing():
+    """allowed_token_ids ANDs with a grammar's mask; where the two share no token the grammar's
+    mask stays (before: the row went unmasked, sampled a token the grammar refused, and the
+    request ended as abort)."""
+    from paxengine.sampling import token_mask
+    from paxengine.structured import allowed_tokens
+
+    V = 70
+
+    class Grammars:
+        def fill_masks(self, constrained, mask):
+            for _, i in constrained:
+                mask[i] = token_mask((7, 8), V)
+
+    rows = []
+    for ids in ([8, 9], [1, 2]):
+        r = Request("r", [1], SamplingParams(temperature=0, allowed_token_ids=ids), seed=0)
+        r.grammar = object()
+        rows.append(r)
+    st = build_sampling_tensors(rows, 2, 8, [0], Grammars(), V)
+    assert [np.flatnonzero(allowed_tokens(st.mask[i], V)).tolist() for i in range(2)] == [
+        [8],
+        [7, 8],
+    ]
