@@ -188,7 +188,7 @@ def check_draft_model(s: Server) -> None:
         s,
         {"messages": [{"role": "user", "content": "hi"}], "response_format": RESPONSE_FORMAT},
     )
-    assert err["param"] == "structured_outputs" and "structured output is off" in err["message"]
+    assert err["param"] == "response_format" and "structured output is off" in err["message"]
 
 
 def _hf_log_softmax(model_dir: str, ids: list[int]):
